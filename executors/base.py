@@ -1,0 +1,40 @@
+"""The executor interface: run one StepPlan, return how long it took."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+
+from sim.plan import StepPlan, StepResult
+from sim.registry import Registry
+
+EXECUTORS: Registry = Registry("executor")
+
+
+class Executor(ABC):
+    """Executes plans. Cost models predict the duration; real executors measure it."""
+
+    #: True if ``execute`` samples real tokens (``StepResult.sampled_token_ids`` is set).
+    produces_tokens: bool = False
+
+    @abstractmethod
+    def execute(self, plan: StepPlan) -> StepResult:
+        """Run one step. Must not mutate the plan."""
+
+    @abstractmethod
+    def weight_bytes(self) -> float:
+        """Bytes of weights this executor holds on one device."""
+
+    @abstractmethod
+    def activation_reserve_bytes(self, max_num_batched_tokens: int, max_num_seqs: int) -> float:
+        """Peak activation/workspace bytes for the largest step the limits allow."""
+
+    # Optional hooks for executors that hold state (the real executor does).
+    def init_kv_cache(self, num_gpu_blocks: int, num_cpu_blocks: int, block_size: int) -> None:
+        """The memory planner fixed the pool sizes; allocate the KV (and swap) storage."""
+
+    def add_request(self, request_id: int, prompt_token_ids: Sequence[int] | None) -> None:
+        """A request became known to the replica (before its first step)."""
+
+    def free_request(self, request_id: int) -> None:
+        """A request finished or was rejected; drop anything held for it."""

@@ -1,0 +1,73 @@
+"""The policy interface: one decision method over a read-only view of the replica.
+
+A policy only decides. It reads ``step.waiting``, ``step.running``, ``step.swapped`` and
+``step.kv`` and acts through ``step.schedule / preempt / swap_in`` (see ``sim/step_builder.py``),
+then returns ``step.build()``. It never touches the KV manager or request state directly.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar
+
+from sim.errors import ConfigError, require
+from sim.plan import StepPlan
+from sim.registry import Registry
+from sim.step_builder import PreemptionMode, StepBuilder
+
+POLICIES: Registry[type[Policy]] = Registry("policy")
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    """Limits every policy shares (vLLM's names). Policies subclass this for their own knobs."""
+
+    name: str = "fcfs"
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    chunked_prefill: bool = False
+    preemption_mode: str = "recompute"
+    kv_watermark: float = 0.01  # fraction of blocks kept free when admitting (vLLM v0)
+
+    def __post_init__(self) -> None:
+        require(self.max_num_seqs >= 1, "policy.max_num_seqs", f"must be >= 1, got {self.max_num_seqs}")
+        require(self.max_num_batched_tokens >= 1, "policy.max_num_batched_tokens",
+                f"must be >= 1, got {self.max_num_batched_tokens}")
+        modes = [m.value for m in PreemptionMode]
+        require(self.preemption_mode in modes, "policy.preemption_mode",
+                f"must be one of {modes}, got {self.preemption_mode!r}")
+        require(0 <= self.kv_watermark < 1, "policy.kv_watermark",
+                f"must be in [0, 1), got {self.kv_watermark}")
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> PolicyConfig:
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise ConfigError(f"policy.{unknown[0]}",
+                              f"unknown option for policy {data.get('name')!r}; known: "
+                              f"{', '.join(sorted(names))}")
+        return cls(**data)
+
+
+class Policy(ABC):
+    """Base class. Subclasses set ``config_class`` and register with ``@POLICIES.register``."""
+
+    config_class: ClassVar[type[PolicyConfig]] = PolicyConfig
+
+    def __init__(self, config: PolicyConfig) -> None:
+        self.config = config
+
+    @abstractmethod
+    def schedule(self, step: StepBuilder) -> StepPlan:
+        """Decide the next step and return ``step.build()``."""
+
+
+def make_policy(data: dict[str, Any]) -> Policy:
+    name = data.get("name")
+    try:
+        cls = POLICIES.get(str(name))
+    except KeyError as e:
+        raise ConfigError("policy.name", str(e.args[0])) from None
+    return cls(cls.config_class.from_dict(data))

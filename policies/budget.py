@@ -1,0 +1,108 @@
+"""The budget helper every policy reuses: token/sequence limits and the two loops that spend
+them (decode the running set, admit from a queue). Policies differ in the order they pass
+requests in and the victims they pick, not in these loops."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from itertools import islice
+
+from sim.request import Request
+from sim.step_builder import ReadOnly, StepBuilder
+
+VictimPicker = Callable[[StepBuilder, Request], "Request | None"]
+
+
+class Budget:
+    """Limits for one step. Spending is tracked by the StepBuilder itself, so preempting a
+    request that was already scheduled gives its tokens back automatically."""
+
+    def __init__(self, step: StepBuilder, max_num_batched_tokens: int, max_num_seqs: int) -> None:
+        self.step = step
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+
+    @property
+    def remaining_tokens(self) -> int:
+        return self.max_num_batched_tokens - self.step.num_scheduled_tokens
+
+    def seats_left(self) -> int:
+        """How many more requests may hold GPU KV (the running set) under ``max_num_seqs``."""
+        return self.max_num_seqs - len(self.step.running)
+
+
+def latest_arrival_victim(step: StepBuilder, requester: Request) -> Request | None:
+    """vLLM's default: the running request that arrived last and is not yet in this step.
+    May return ``requester`` itself (it then preempts itself)."""
+    for victim in reversed(step.running):
+        if not step.is_scheduled(victim):
+            return victim
+    return None
+
+
+def schedule_running(step: StepBuilder, budget: Budget,
+                     pick_victim: VictimPicker = latest_arrival_victim,
+                     order: Iterable[Request] | None = None) -> list[Request]:
+    """Give every running request its next tokens (one for a decode; up to the budget for a
+    request mid-prefill), preempting victims when the pool runs dry. Returns those preempted.
+
+    Iterates over a snapshot, since preemption removes requests from ``step.running``.
+    """
+    preempted: list[Request] = []
+    for req in list(step.running if order is None else order):
+        if req.status.name != "RUNNING" or step.is_scheduled(req):
+            continue  # preempted earlier in this loop, or already granted
+        n = min(req.num_pending_tokens, budget.remaining_tokens)
+        if n <= 0:
+            break
+        while not step.schedule(req, n):
+            victim = pick_victim(step, req)
+            if victim is None:
+                break
+            step.preempt(victim)
+            preempted.append(victim)
+            if victim is req:
+                break
+    return preempted
+
+
+def admit(step: StepBuilder, budget: Budget, candidates: Iterable[Request], *,
+          chunked: bool = False, strict_order: bool = True,
+          max_partial: int | None = None) -> list[Request]:
+    """Admit waiting requests in the given order while tokens, seats and free blocks last.
+
+    Without chunking a request is admitted only with its whole pending prefill (a recomputed
+    request re-prefills prompt + generated tokens); with chunking the last one admitted may
+    get a partial chunk. ``strict_order`` stops at the first request that does not fit (FCFS,
+    no head-of-line bypass); otherwise later, smaller requests may go ahead.
+    ``max_partial`` caps how many requests end the step with their prefill unfinished.
+    """
+    if isinstance(candidates, ReadOnly):
+        # A live queue shrinks as requests are admitted: iterate over a snapshot of the part
+        # that can matter (strict FCFS never looks past the free seats).
+        cap = budget.seats_left() if strict_order else len(candidates)
+        candidates = list(islice(candidates, max(cap, 0)))
+    admitted: list[Request] = []
+    partial = 0
+    for req in candidates:
+        remaining = budget.remaining_tokens
+        if remaining <= 0 or budget.seats_left() <= 0:
+            break
+        n = req.num_pending_tokens
+        # A recomputed request whose prompt + generated tokens exceed a whole step's budget
+        # could never be admitted unchunked; it re-prefills in budget-sized chunks instead.
+        too_big = n > budget.max_num_batched_tokens
+        if n > remaining:
+            if not (chunked or too_big) or (max_partial is not None and partial >= max_partial):
+                if strict_order:
+                    break
+                continue
+            n = remaining
+        if not step.can_allocate(req, n, use_watermark=True) or not step.schedule(req, n):
+            if strict_order:
+                break
+            continue
+        if n < req.num_pending_tokens:
+            partial += 1
+        admitted.append(req)
+    return admitted

@@ -1,0 +1,233 @@
+"""Paged KV-cache block manager (vLLM-style), the only one in the project.
+
+Block ids are real: the real executor indexes its KV tensor rows with them, and the CPU swap
+pool's ids index its CPU swap tensor. Blocks are handed out from the front of a free queue and
+returned to its back, tail block first (as vLLM frees), so the most recently used blocks of a
+finished request are reused last.
+
+::
+
+    GPU pool  [0 .. num_gpu_blocks)   free queue: deque of ids, ref_count[id] == 0
+    CPU pool  [0 .. num_cpu_blocks)   swap space, same discipline
+    block_tables[request_id] -> [gpu block ids], logical order
+    cpu_tables[request_id]   -> [cpu block ids] while swapped
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Hashable
+
+
+class KVIntegrityError(AssertionError):
+    """The manager's bookkeeping is inconsistent (leak, double free, bad ref count)."""
+
+
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    """Blocks needed to hold ``num_tokens`` tokens."""
+    return -(-num_tokens // block_size)
+
+
+class _Pool:
+    """A pool of blocks with reference counts and a FIFO free queue."""
+
+    __slots__ = ("num_blocks", "ref_count", "free_queue")
+
+    def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self.ref_count = [0] * num_blocks
+        self.free_queue: deque[int] = deque(range(num_blocks))
+
+    def take(self, n: int) -> list[int]:
+        queue, refs = self.free_queue, self.ref_count
+        out = [queue.popleft() for _ in range(n)]
+        for b in out:
+            refs[b] = 1
+        return out
+
+    def release(self, blocks: list[int], owner: Hashable) -> None:
+        refs = self.ref_count
+        for b in reversed(blocks):  # tail first: the prefix stays cached longest
+            if refs[b] <= 0:
+                raise KVIntegrityError(f"double free of block {b} by request {owner}")
+            refs[b] -= 1
+            if refs[b] == 0:
+                self.free_queue.append(b)
+
+
+class KVBlockManager:
+    """Allocates KV blocks to requests on demand.
+
+    ``allocate_slots`` returns the newly allocated blocks, or ``None`` when the pool cannot
+    hold them: the policy must then preempt someone and retry. Nothing is allocated on failure.
+    """
+
+    def __init__(self, num_gpu_blocks: int, block_size: int = 16, num_cpu_blocks: int = 0) -> None:
+        if block_size < 1:
+            raise ValueError(f"kv.block_size must be >= 1, got {block_size}")
+        if num_gpu_blocks < 1:
+            raise ValueError(f"kv.num_gpu_blocks must be >= 1, got {num_gpu_blocks}")
+        if num_cpu_blocks < 0:
+            raise ValueError(f"kv.num_cpu_blocks must be >= 0, got {num_cpu_blocks}")
+        self.block_size = block_size
+        self.num_gpu_blocks = num_gpu_blocks
+        self.num_cpu_blocks = num_cpu_blocks
+        self._gpu = _Pool(num_gpu_blocks)
+        self._cpu = _Pool(num_cpu_blocks)
+        self.block_tables: dict[Hashable, list[int]] = {}
+        self.cpu_tables: dict[Hashable, list[int]] = {}
+        self.peak_used_blocks = 0
+
+    # ---- usage --------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._gpu.free_queue)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_gpu_blocks - len(self._gpu.free_queue)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of GPU blocks in use."""
+        return self.num_used_blocks / self.num_gpu_blocks
+
+    @property
+    def num_free_cpu_blocks(self) -> int:
+        return len(self._cpu.free_queue)
+
+    def blocks_needed(self, request_id: Hashable, num_tokens: int) -> int:
+        """New GPU blocks required so that ``request_id`` holds slots for ``num_tokens`` tokens."""
+        have = len(self.block_tables.get(request_id, ()))
+        return max(0, blocks_for(num_tokens, self.block_size) - have)
+
+    def can_allocate(self, num_blocks: int, watermark_blocks: int = 0) -> bool:
+        return len(self._gpu.free_queue) - num_blocks >= watermark_blocks
+
+    def block_table(self, request_id: Hashable) -> list[int]:
+        """The request's GPU block table (the live list: do not mutate)."""
+        return self.block_tables.get(request_id, [])
+
+    # ---- allocation ---------------------------------------------------------------------
+    def allocate_slots(self, request_id: Hashable, num_tokens: int) -> list[int] | None:
+        """Ensure ``request_id`` has slots for its first ``num_tokens`` tokens.
+
+        Returns the blocks added to its table (possibly empty), or ``None`` if the free pool
+        is too small, in which case nothing changes.
+        """
+        if request_id in self.cpu_tables:
+            raise KVIntegrityError(f"request {request_id} is swapped out; swap it in first")
+        table = self.block_tables.get(request_id)
+        have = 0 if table is None else len(table)
+        need = -(-num_tokens // self.block_size) - have
+        if need <= 0:
+            return []
+        if need > len(self._gpu.free_queue):
+            return None
+        new = self._gpu.take(need)
+        if table is None:
+            self.block_tables[request_id] = new
+        else:
+            table.extend(new)
+        used = self.num_gpu_blocks - len(self._gpu.free_queue)
+        if used > self.peak_used_blocks:
+            self.peak_used_blocks = used
+        return new
+
+    def fork(self, parent_id: Hashable, child_id: Hashable) -> list[int]:
+        """Share all of the parent's blocks with a new request (ref counts +1), e.g. for
+        parallel sampling. Copy-on-write of a shared partial tail block is the caller's job."""
+        if child_id in self.block_tables:
+            raise KVIntegrityError(f"request {child_id} already has blocks")
+        table = list(self.block_tables[parent_id])
+        for b in table:
+            self._gpu.ref_count[b] += 1
+        self.block_tables[child_id] = table
+        return table
+
+    def free(self, request_id: Hashable) -> None:
+        """Release every block (GPU and CPU) the request holds. Freeing twice is an error."""
+        table = self.block_tables.pop(request_id, None)
+        cpu = self.cpu_tables.pop(request_id, None)
+        if table is None and cpu is None:
+            raise KVIntegrityError(f"free of request {request_id}, which holds no blocks")
+        if table is not None:
+            self._gpu.release(table, request_id)
+        if cpu is not None:
+            self._cpu.release(cpu, request_id)
+
+    def has_blocks(self, request_id: Hashable) -> bool:
+        return request_id in self.block_tables or request_id in self.cpu_tables
+
+    # ---- swapping -----------------------------------------------------------------------
+    def can_swap_out(self, request_id: Hashable) -> bool:
+        return len(self.block_tables.get(request_id, ())) <= len(self._cpu.free_queue)
+
+    def swap_out(self, request_id: Hashable) -> list[tuple[int, int]] | None:
+        """Move the request's blocks to the CPU pool. Returns (gpu_id, cpu_id) copies to make,
+        or ``None`` when the CPU pool cannot hold them (nothing changes)."""
+        if request_id in self.cpu_tables:
+            raise KVIntegrityError(f"request {request_id} is already swapped out")
+        table = self.block_tables.get(request_id)
+        if table is None:
+            raise KVIntegrityError(f"swap_out of request {request_id}, which holds no blocks")
+        if len(table) > len(self._cpu.free_queue):
+            return None
+        cpu = self._cpu.take(len(table))
+        pairs = list(zip(table, cpu))
+        del self.block_tables[request_id]
+        self._gpu.release(table, request_id)
+        self.cpu_tables[request_id] = cpu
+        return pairs
+
+    def can_swap_in(self, request_id: Hashable, watermark_blocks: int = 0) -> bool:
+        return self.can_allocate(len(self.cpu_tables[request_id]), watermark_blocks)
+
+    def swap_in(self, request_id: Hashable) -> list[tuple[int, int]] | None:
+        """Move the request's blocks back to the GPU. Returns (cpu_id, gpu_id) copies to make,
+        or ``None`` when the GPU pool cannot hold them (nothing changes)."""
+        cpu = self.cpu_tables.get(request_id)
+        if cpu is None:
+            raise KVIntegrityError(f"swap_in of request {request_id}, which is not swapped out")
+        if len(cpu) > len(self._gpu.free_queue):
+            return None
+        gpu = self._gpu.take(len(cpu))
+        del self.cpu_tables[request_id]
+        self._cpu.release(cpu, request_id)
+        self.block_tables[request_id] = gpu
+        used = self.num_gpu_blocks - len(self._gpu.free_queue)
+        if used > self.peak_used_blocks:
+            self.peak_used_blocks = used
+        return list(zip(cpu, gpu))
+
+    # ---- integrity ----------------------------------------------------------------------
+    def check_integrity(self) -> None:
+        """Raise ``KVIntegrityError`` unless every block is either free exactly once with ref
+        count 0, or referenced by exactly ``ref_count`` tables."""
+        for name, pool, tables in (
+            ("gpu", self._gpu, self.block_tables),
+            ("cpu", self._cpu, self.cpu_tables),
+        ):
+            refs = [0] * pool.num_blocks
+            for rid, table in tables.items():
+                if not table:
+                    raise KVIntegrityError(f"{name}: request {rid} has an empty block table")
+                for b in table:
+                    if not 0 <= b < pool.num_blocks:
+                        raise KVIntegrityError(f"{name}: request {rid} holds bad block id {b}")
+                    refs[b] += 1
+            free = list(pool.free_queue)
+            if len(set(free)) != len(free):
+                raise KVIntegrityError(f"{name}: a block is in the free queue twice")
+            free_set = set(free)
+            for b in range(pool.num_blocks):
+                if refs[b] != pool.ref_count[b]:
+                    raise KVIntegrityError(
+                        f"{name}: block {b} ref_count {pool.ref_count[b]} but {refs[b]} tables"
+                    )
+                if (refs[b] == 0) != (b in free_set):
+                    state = "free" if b in free_set else "not free"
+                    raise KVIntegrityError(f"{name}: block {b} has {refs[b]} refs and is {state}")
+        both = self.block_tables.keys() & self.cpu_tables.keys()
+        if both:
+            raise KVIntegrityError(f"requests {sorted(both)} hold both GPU and CPU blocks")

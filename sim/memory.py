@@ -1,0 +1,107 @@
+"""Memory planner: how many KV blocks fit on one GPU (vLLM's profile-then-divide rule).
+
+    usable   = device memory x gpu_memory_utilization
+    kv bytes = usable - weights (this rank) - activation/workspace reserve
+    blocks   = kv bytes // (block_size x KV bytes per token on this rank)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sim.errors import ConfigError
+from sim.specs import HardwareSpec, ModelSpec
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    num_gpu_blocks: int
+    num_cpu_blocks: int
+    block_size: int
+    device_bytes: float
+    usable_bytes: float
+    weight_bytes: float
+    activation_bytes: float
+    kv_bytes_per_token: float  # this rank
+    kv_bytes_per_block: float
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self.num_gpu_blocks * self.block_size
+
+
+def activation_reserve_bytes(model: ModelSpec, max_num_batched_tokens: int, max_num_seqs: int,
+                             tensor_parallel: int = 1) -> float:
+    """Peak activation memory of the largest step, as vLLM's profiling run would find it.
+
+    The largest live set is inside the MLP: the hidden state and residual, the gate/up output
+    (2 x intermediate / TP) and its activation; plus fp32 logits for the sampled rows, and a
+    fixed CUDA-graph/NCCL/allocator workspace of 1 GiB (what vLLM typically reports as
+    non-torch memory).
+    """
+    t = max_num_batched_tokens
+    a = model.act_bytes
+    per_token = (2 * model.hidden_size + 3 * model.intermediate_size // tensor_parallel
+                 + (model.q_size + 2 * model.kv_size) // tensor_parallel) * a
+    logits = max_num_seqs * model.vocab_size * 4.0
+    return t * per_token + logits + 2**30
+
+
+def plan_memory(
+    model: ModelSpec,
+    hardware: HardwareSpec,
+    *,
+    block_size: int,
+    gpu_memory_utilization: float = 0.9,
+    tensor_parallel: int = 1,
+    pipeline_parallel: int = 1,
+    max_num_batched_tokens: int = 8192,
+    max_num_seqs: int = 256,
+    swap_space_gib: float = 4.0,
+    num_gpu_blocks_override: int | None = None,
+    activation_reserve_override_bytes: float | None = None,
+    weight_bytes_override: float | None = None,
+) -> MemoryPlan:
+    if block_size < 1:
+        raise ConfigError("kv.block_size", f"must be >= 1, got {block_size}")
+    if not 0 < gpu_memory_utilization <= 1:
+        raise ConfigError("kv.gpu_memory_utilization",
+                          f"must be in (0, 1], got {gpu_memory_utilization}")
+    if swap_space_gib < 0:
+        raise ConfigError("kv.swap_space_gib", f"must be >= 0, got {swap_space_gib}")
+    weights = (weight_bytes_override if weight_bytes_override is not None
+               else model.weight_bytes(tensor_parallel, pipeline_parallel))
+    act = (activation_reserve_override_bytes if activation_reserve_override_bytes is not None
+           else activation_reserve_bytes(model, max_num_batched_tokens, max_num_seqs,
+                                         tensor_parallel))
+    usable = hardware.memory_bytes * gpu_memory_utilization
+    per_token = model.kv_bytes_per_token_per_rank(tensor_parallel, pipeline_parallel)
+    per_block = per_token * block_size
+    num_cpu_blocks = int(swap_space_gib * 2**30 // per_block)
+    if num_gpu_blocks_override is not None:
+        if num_gpu_blocks_override < 1:
+            raise ConfigError("kv.num_gpu_blocks", f"must be >= 1, got {num_gpu_blocks_override}")
+        num_gpu_blocks = int(num_gpu_blocks_override)
+    else:
+        free = usable - weights - act
+        if free < per_block:
+            raise ConfigError(
+                "cluster.tensor_parallel",
+                f"{model.name} does not fit on {hardware.name} at TP={tensor_parallel}, "
+                f"PP={pipeline_parallel}: {weights / 1e9:.2f} GB weights per GPU + "
+                f"{act / 1e9:.2f} GB activations > {usable / 1e9:.2f} GB usable "
+                f"(gpu_memory_utilization={gpu_memory_utilization}); raise the parallelism "
+                f"or use a bigger GPU",
+            )
+        num_gpu_blocks = int(free // per_block)
+    return MemoryPlan(
+        num_gpu_blocks=num_gpu_blocks,
+        num_cpu_blocks=num_cpu_blocks,
+        block_size=block_size,
+        device_bytes=hardware.memory_bytes,
+        usable_bytes=usable,
+        weight_bytes=weights,
+        activation_bytes=act,
+        kv_bytes_per_token=per_token,
+        kv_bytes_per_block=per_block,
+    )

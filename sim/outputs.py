@@ -1,0 +1,65 @@
+"""Row writers for ``requests.csv`` and ``steps.csv``: rows are written as they happen, so a
+long run holds no per-request or per-step history in memory."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+from typing import IO
+
+from sim.request import Request
+
+REQUEST_COLUMNS = (
+    "request_id", "replica_id", "status", "reject_reason", "priority", "arrival_time",
+    "prompt_len", "max_output_len", "output_len", "first_scheduled_time", "first_token_time",
+    "finish_time", "queue_delay", "ttft", "tpot", "e2e_latency", "num_preemptions",
+    "num_swaps", "num_recomputes", "output_token_ids",
+)
+
+STEP_COLUMNS = (
+    "step", "replica_id", "time", "duration", "batch_size", "prefill_tokens", "decode_tokens",
+    "sampled", "num_waiting", "num_running", "num_swapped", "kv_blocks_used", "kv_usage",
+    "recomputed", "swapped_out", "swap_out_blocks", "swap_in_blocks",
+)
+
+
+def _fmt(x: float | None) -> str:
+    return "" if x is None else repr(float(x))
+
+
+class CsvSink:
+    """Writes rows to a CSV file, or keeps them in memory when ``path`` is None (tests)."""
+
+    def __init__(self, path: Path | None, columns: tuple[str, ...]) -> None:
+        self.columns = columns
+        self.rows: list[tuple] | None = None
+        self._file: IO[str] | None = None
+        if path is None:
+            self.rows = []
+            self._write = self.rows.append
+        else:
+            self._file = path.open("w", newline="")
+            w = csv.writer(self._file)
+            w.writerow(columns)
+            self._write = w.writerow
+
+    def write(self, row: tuple) -> None:
+        self._write(row)
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def request_row(req: Request) -> tuple:
+    queue = (None if req.first_scheduled_time is None
+             else req.first_scheduled_time - req.arrival_time)
+    tokens = "" if req.output_token_ids is None else " ".join(map(str, req.output_token_ids))
+    return (
+        req.request_id, req.replica_id, req.status.name.lower(), req.reject_reason or "",
+        req.priority, _fmt(req.arrival_time), req.prompt_len, req.max_output_len,
+        req.num_output_tokens, _fmt(req.first_scheduled_time), _fmt(req.first_token_time),
+        _fmt(req.finish_time), _fmt(queue), _fmt(req.ttft), _fmt(req.tpot),
+        _fmt(req.e2e_latency), req.num_preemptions, req.num_swaps, req.num_recomputes, tokens,
+    )

@@ -1,0 +1,195 @@
+"""One serving replica as a simpy process: plan, execute, wait, apply, record.
+
+Per step the work is O(requests in the batch): no simpy event per token and no Python object
+per token (token timestamps are C doubles in the request's array).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import simpy
+
+from executors.base import Executor
+from policies.base import Policy
+from sim.kv_manager import KVBlockManager, blocks_for
+from sim.metrics import MetricsCollector
+from sim.outputs import CsvSink, request_row
+from sim.plan import StepPlan, StepResult
+from sim.request import Request, RequestStatus
+from sim.step_builder import ReplicaQueues, StepBuilder
+
+
+class SimulationStalled(RuntimeError):
+    """The policy keeps producing empty plans while requests wait: a policy bug."""
+
+
+class Replica:
+    def __init__(
+        self,
+        env: simpy.Environment,
+        replica_id: int,
+        policy: Policy,
+        executor: Executor,
+        kv: KVBlockManager,
+        metrics: MetricsCollector,
+        requests_sink: CsvSink,
+        steps_sink: CsvSink,
+        *,
+        max_model_len: int,
+        check_integrity: bool = False,
+        on_finished: Callable[[Request], None] | None = None,
+    ) -> None:
+        self.env = env
+        self.replica_id = replica_id
+        self.policy = policy
+        self.executor = executor
+        self.kv = kv
+        self.metrics = metrics
+        self.requests_sink = requests_sink
+        self.steps_sink = steps_sink
+        self.max_model_len = max_model_len
+        self.check_integrity = check_integrity
+        self.on_finished = on_finished
+        cfg = policy.config
+        self.queues = ReplicaQueues()
+        self.builder = StepBuilder(self.queues, kv, cfg.preemption_mode, cfg.kv_watermark)
+        self.num_steps = 0
+        self.num_unfinished = 0
+        self.busy_time = 0.0
+        self._wakeup: simpy.Event | None = None
+        self.process = env.process(self._run())
+
+    # ---- arrivals -----------------------------------------------------------------------
+    def rejection_reason(self, req: Request) -> str | None:
+        """Why a request can never be served here, or None. Checked once, at arrival."""
+        cfg = self.policy.config
+        total = req.prompt_len + req.max_output_len
+        if total > self.max_model_len:
+            return (f"too_long: prompt {req.prompt_len} + output {req.max_output_len} "
+                    f"> model.max_model_len {self.max_model_len}")
+        if not cfg.chunked_prefill and req.prompt_len > cfg.max_num_batched_tokens:
+            return (f"prompt_exceeds_batch: prompt {req.prompt_len} > "
+                    f"policy.max_num_batched_tokens {cfg.max_num_batched_tokens}")
+        # The last sampled token never needs a KV slot.
+        need = blocks_for(total - 1, self.kv.block_size)
+        if need > self.kv.num_gpu_blocks:
+            return (f"exceeds_kv_pool: needs {need} blocks, the pool has "
+                    f"{self.kv.num_gpu_blocks}")
+        if blocks_for(req.prompt_len, self.kv.block_size) > (
+                self.kv.num_gpu_blocks - self.builder.watermark_blocks):
+            return "exceeds_kv_pool: prompt does not fit above the KV watermark"
+        return None
+
+    def add_request(self, req: Request) -> None:
+        req.replica_id = self.replica_id
+        self.metrics.on_arrival(req)
+        reason = self.rejection_reason(req)
+        if reason is not None:
+            req.reject(reason)
+            self.metrics.on_rejected(req)
+            self.requests_sink.write(request_row(req))
+            return
+        self.executor.add_request(req.request_id, req.prompt_token_ids)
+        self.queues.waiting.append(req)
+        self.num_unfinished += 1
+        if self._wakeup is not None and not self._wakeup.triggered:
+            self._wakeup.succeed()
+
+    @property
+    def num_outstanding(self) -> int:
+        """Requests accepted and not yet finished (what a router may count)."""
+        return self.num_unfinished
+
+    def _has_work(self) -> bool:
+        q = self.queues
+        return bool(q.waiting or q.running or q.swapped)
+
+    # ---- the loop -----------------------------------------------------------------------
+    def _run(self):
+        env = self.env
+        empty_plans = 0
+        while True:
+            if not self._has_work():
+                self._wakeup = env.event()
+                yield self._wakeup
+                self._wakeup = None
+                continue
+            self.builder.reset(env.now)
+            plan = self.policy.schedule(self.builder)
+            if plan.is_empty:
+                empty_plans += 1
+                if not (plan.recomputed or plan.swapped_out) or empty_plans > 10_000:
+                    # Nothing can run until something changes: wait for the next arrival.
+                    if empty_plans > 10_000:
+                        raise SimulationStalled(self._stall_message())
+                    self._wakeup = env.event()
+                    yield self._wakeup
+                    self._wakeup = None
+                continue
+            empty_plans = 0
+            requests = self.builder.scheduled_requests
+            start = env.now
+            result = self.executor.execute(plan)
+            if result.duration < 0:
+                raise ValueError(f"executor returned a negative duration {result.duration}")
+            yield env.timeout(result.duration)
+            self.busy_time += result.duration
+            self._apply(plan, requests, result)
+            self._record_step(start, result.duration, plan)
+            if self.check_integrity:
+                self.kv.check_integrity()
+
+    def _apply(self, plan: StepPlan, requests: list[Request], result: StepResult) -> None:
+        now = self.env.now
+        sampled = result.sampled_token_ids
+        k = 0
+        for row, req in zip(plan.scheduled, requests):
+            req.num_computed_tokens += row.num_new_tokens
+            if not row.sample:
+                continue
+            token = None
+            if sampled is not None:
+                token = sampled[k]
+                k += 1
+            req.record_token(now, token)
+            if req.num_output_tokens >= req.max_output_len:
+                self._finish(req, now)
+
+    def _finish(self, req: Request, now: float) -> None:
+        req.finish_time = now
+        req.transition(RequestStatus.FINISHED)
+        self.queues.remove_running(req)
+        self.kv.free(req.request_id)
+        self.executor.free_request(req.request_id)
+        self.num_unfinished -= 1
+        self.metrics.on_finished(req)
+        self.requests_sink.write(request_row(req))
+        if self.on_finished is not None:
+            self.on_finished(req)
+
+    def _record_step(self, start: float, duration: float, plan: StepPlan) -> None:
+        self.num_steps += 1
+        q, kv = self.queues, self.kv
+        prefill = decode = sampled = 0
+        for s in plan.scheduled:
+            if s.num_new_tokens == 1 and s.start_position > 0:
+                decode += 1
+            else:
+                prefill += s.num_new_tokens
+            sampled += s.sample
+        used = kv.num_used_blocks
+        self.steps_sink.write((
+            self.num_steps, self.replica_id, repr(start), repr(duration), len(plan.scheduled),
+            prefill, decode, sampled, len(q.waiting), len(q.running), len(q.swapped), used,
+            round(used / kv.num_gpu_blocks, 6), len(plan.recomputed), len(plan.swapped_out),
+            len(plan.swap_out), len(plan.swap_in),
+        ))
+
+    def _stall_message(self) -> str:
+        q = self.queues
+        head = q.waiting[0] if q.waiting else None
+        return (f"replica {self.replica_id}: policy {self.policy.config.name!r} produced empty "
+                f"plans with {len(q.waiting)} waiting, {len(q.running)} running, "
+                f"{len(q.swapped)} swapped; {self.kv.num_free_blocks} free blocks; head of "
+                f"queue: {head}")

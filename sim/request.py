@@ -1,0 +1,187 @@
+"""The one request state machine shared by every policy and executor.
+
+There is no prefill/decode phase flag. A request has ``num_tokens`` (prompt plus the tokens
+generated so far) and ``num_computed_tokens`` (tokens whose KV is in the cache). Each step grants
+it some number of new tokens; when the computed tokens catch up with ``num_tokens`` the step
+samples one more token. Prefill, chunked prefill, decode and recompute all follow from that rule.
+"""
+
+from __future__ import annotations
+
+import enum
+from array import array
+
+
+class RequestStatus(enum.IntEnum):
+    """Ordered so that ``status >= FINISHED`` means the request is done (as in vLLM v1)."""
+
+    WAITING = 0  # arrived, never scheduled
+    RUNNING = 1  # holds GPU KV blocks and is in the running set
+    PREEMPTED = 2  # preempted by recompute: KV freed, back in the waiting queue
+    SWAPPED = 3  # preempted by swap: KV lives in the CPU pool
+    FINISHED = 4
+    REJECTED = 5
+
+    @property
+    def is_done(self) -> bool:
+        return self >= RequestStatus.FINISHED
+
+
+# Legal transitions. Kept explicit so that a policy bug surfaces as an error, not a wrong number.
+_ALLOWED: dict[RequestStatus, frozenset[RequestStatus]] = {
+    RequestStatus.WAITING: frozenset({RequestStatus.RUNNING, RequestStatus.REJECTED}),
+    RequestStatus.RUNNING: frozenset(
+        {RequestStatus.PREEMPTED, RequestStatus.SWAPPED, RequestStatus.FINISHED}
+    ),
+    RequestStatus.PREEMPTED: frozenset({RequestStatus.RUNNING, RequestStatus.REJECTED}),
+    RequestStatus.SWAPPED: frozenset({RequestStatus.RUNNING, RequestStatus.PREEMPTED}),
+    RequestStatus.FINISHED: frozenset(),
+    RequestStatus.REJECTED: frozenset(),
+}
+
+
+class InvalidTransition(RuntimeError):
+    pass
+
+
+class Request:
+    """One inference request. Timestamps are simulated seconds (``None`` until they happen)."""
+
+    __slots__ = (
+        "request_id",
+        "arrival_time",
+        "prompt_len",
+        "max_output_len",
+        "priority",
+        "prompt_token_ids",
+        "output_token_ids",
+        "status",
+        "num_computed_tokens",
+        "num_output_tokens",
+        "first_scheduled_time",
+        "first_token_time",
+        "last_token_time",
+        "finish_time",
+        "token_times",
+        "num_preemptions",
+        "num_swaps",
+        "num_recomputes",
+        "reject_reason",
+        "replica_id",
+        "extra",
+    )
+
+    def __init__(
+        self,
+        request_id: int,
+        arrival_time: float,
+        prompt_len: int,
+        max_output_len: int,
+        priority: int = 0,
+        prompt_token_ids: list[int] | None = None,
+    ) -> None:
+        if prompt_len < 1:
+            raise ValueError(f"request {request_id}: prompt_len must be >= 1, got {prompt_len}")
+        if max_output_len < 1:
+            raise ValueError(
+                f"request {request_id}: max_output_len must be >= 1, got {max_output_len}"
+            )
+        if prompt_token_ids is not None and len(prompt_token_ids) != prompt_len:
+            raise ValueError(
+                f"request {request_id}: {len(prompt_token_ids)} prompt token ids "
+                f"for prompt_len {prompt_len}"
+            )
+        self.request_id = request_id
+        self.arrival_time = float(arrival_time)
+        self.prompt_len = prompt_len
+        self.max_output_len = max_output_len
+        self.priority = priority
+        self.prompt_token_ids = prompt_token_ids
+        # Filled only by an executor that really samples (the real executor).
+        self.output_token_ids: list[int] | None = None
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.num_output_tokens = 0
+        self.first_scheduled_time: float | None = None
+        self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
+        self.finish_time: float | None = None
+        # One C double per emitted token (not a Python object per token): ITL and TPOT source.
+        self.token_times = array("d")
+        self.num_preemptions = 0
+        self.num_swaps = 0
+        self.num_recomputes = 0
+        self.reject_reason: str | None = None
+        self.replica_id: int | None = None
+        # Free slot for policies' per-request annotations (e.g. a predicted length).
+        self.extra: dict | None = None
+
+    # ---- derived quantities -------------------------------------------------------------
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus generated tokens: what ``num_computed_tokens`` catches up with."""
+        return self.prompt_len + self.num_output_tokens
+
+    @property
+    def num_pending_tokens(self) -> int:
+        """Tokens that must be computed before this request can sample again."""
+        return self.prompt_len + self.num_output_tokens - self.num_computed_tokens
+
+    @property
+    def remaining_output_tokens(self) -> int:
+        return self.max_output_len - self.num_output_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status >= RequestStatus.FINISHED
+
+    def transition(self, new: RequestStatus) -> None:
+        if new not in _ALLOWED[self.status]:
+            raise InvalidTransition(
+                f"request {self.request_id}: {self.status.name} -> {new.name} is not allowed"
+            )
+        self.status = new
+
+    # ---- events applied by the replica ----------------------------------------------------
+    def record_token(self, now: float, token_id: int | None = None) -> None:
+        """One sampled token at simulated time ``now``."""
+        self.num_output_tokens += 1
+        if self.first_token_time is None:
+            self.first_token_time = now
+        self.last_token_time = now
+        self.token_times.append(now)
+        if token_id is not None:
+            if self.output_token_ids is None:
+                self.output_token_ids = []
+            self.output_token_ids.append(token_id)
+
+    def reject(self, reason: str) -> None:
+        self.transition(RequestStatus.REJECTED)
+        self.reject_reason = reason
+
+    # ---- latency metrics (vLLM benchmark_serving definitions) ---------------------------
+    @property
+    def ttft(self) -> float | None:
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
+
+    @property
+    def tpot(self) -> float | None:
+        """(last token - first token) / (output tokens - 1); undefined for one-token outputs."""
+        if self.num_output_tokens < 2 or self.first_token_time is None:
+            return None
+        return (self.last_token_time - self.first_token_time) / (self.num_output_tokens - 1)
+
+    @property
+    def e2e_latency(self) -> float | None:
+        if self.finish_time is None:
+            return None
+        return self.finish_time - self.arrival_time
+
+    def __repr__(self) -> str:
+        return (
+            f"Request(id={self.request_id}, {self.status.name}, prompt={self.prompt_len}, "
+            f"out={self.num_output_tokens}/{self.max_output_len}, "
+            f"computed={self.num_computed_tokens})"
+        )

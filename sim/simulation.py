@@ -1,0 +1,236 @@
+"""Build a whole run from one plain config mapping (what Hydra composes) and run it.
+
+The mapping has the sections ``model, hardware, policy, workload, executor, cluster, kv`` and
+the scalars ``seed, progress, check_integrity``; see ``conf/config.yaml``. Everything is
+validated before the first simulated event, with errors that name the field.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import simpy
+
+import executors
+import policies
+import workloads
+from executors.base import Executor
+from sim.errors import ConfigError, require
+from sim.kv_manager import KVBlockManager
+from sim.memory import MemoryPlan, plan_memory
+from sim.metrics import MetricsCollector
+from sim.outputs import REQUEST_COLUMNS, STEP_COLUMNS, CsvSink
+from sim.progress import Progress
+from sim.replica import Replica, SimulationStalled
+from sim.request import Request
+from sim.specs import HardwareSpec, ModelSpec, hardware_spec_from, model_spec_from
+
+SECTIONS = ("model", "hardware", "policy", "workload", "executor", "cluster", "kv")
+TOP_LEVEL = {*SECTIONS, "seed", "progress", "check_integrity", "output_dir"}
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    tensor_parallel: int = 1
+
+    def __post_init__(self) -> None:
+        require(self.tensor_parallel >= 1, "cluster.tensor_parallel",
+                f"must be >= 1, got {self.tensor_parallel}")
+
+
+@dataclass(frozen=True)
+class KVConfig:
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    num_gpu_blocks: int | None = None  # like vLLM's num_gpu_blocks_override
+    swap_space_gib: float = 4.0  # CPU swap pool per GPU (vLLM's swap_space)
+    num_cpu_blocks: int | None = None  # overrides swap_space_gib
+    activation_reserve_gib: float | None = None  # overrides the estimate
+
+    def __post_init__(self) -> None:
+        require(self.block_size >= 1, "kv.block_size", f"must be >= 1, got {self.block_size}")
+        require(self.num_cpu_blocks is None or self.num_cpu_blocks >= 0, "kv.num_cpu_blocks",
+                f"must be >= 0, got {self.num_cpu_blocks}")
+
+
+def _section(cfg: dict[str, Any], name: str) -> dict[str, Any]:
+    value = cfg.get(name)
+    if not isinstance(value, dict):
+        raise ConfigError(name, "missing config section")
+    return dict(value)
+
+
+def _dataclass_from(cls: type, data: dict[str, Any], section: str) -> Any:
+    known = set(cls.__dataclass_fields__)
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ConfigError(f"{section}.{unknown[0]}", f"unknown option; known: {', '.join(sorted(known))}")
+    return cls(**data)
+
+
+@dataclass
+class SimulationResult:
+    summary: dict[str, Any]
+    metrics: MetricsCollector
+    replicas: list[Replica]
+    memory: MemoryPlan
+    requests: list[Request]  # finished/rejected requests, when keep_requests=True
+    requests_sink: CsvSink
+    steps_sink: CsvSink
+
+
+class Simulation:
+    """A validated, ready-to-run simulation (single replica; TP inside the cost model)."""
+
+    def __init__(self, cfg: dict[str, Any], out_dir: Path | None = None,
+                 keep_requests: bool = False) -> None:
+        unknown = sorted(set(cfg) - TOP_LEVEL)
+        if unknown:
+            raise ConfigError(unknown[0], f"unknown top-level option; known: {', '.join(sorted(TOP_LEVEL))}")
+        self.cfg = cfg
+        self.seed = int(cfg.get("seed", 0))
+        self.out_dir = out_dir
+        self.keep_requests = keep_requests
+        self.progress_enabled = bool(cfg.get("progress", True))
+        self.check_integrity = bool(cfg.get("check_integrity", False))
+
+        self.model: ModelSpec = model_spec_from(_section(cfg, "model"), "model config")
+        self.hardware: HardwareSpec = hardware_spec_from(_section(cfg, "hardware"), "hardware config")
+        self.cluster = _dataclass_from(ClusterConfig, _section(cfg, "cluster"), "cluster")
+        self.kv_cfg = _dataclass_from(KVConfig, _section(cfg, "kv"), "kv")
+        self.policy_cfg = _section(cfg, "policy")
+        self.policy = policies.make_policy(self.policy_cfg)
+        self.workload = workloads.make_workload(_section(cfg, "workload"), self.seed,
+                                                model=self.model)
+        self.executor = self._make_executor()
+        self.memory = self._plan_memory()
+        self._validate()
+
+    def _make_executor(self) -> Executor:
+        ex = _section(self.cfg, "executor")
+        name = ex.get("name")
+        try:
+            factory = executors.EXECUTORS.get(str(name))
+        except KeyError as e:
+            raise ConfigError("executor.name", str(e.args[0])) from None
+        return factory(model=self.model, hardware=self.hardware,
+                       tensor_parallel=self.cluster.tensor_parallel, config=ex,
+                       block_size=self.kv_cfg.block_size, seed=self.seed)
+
+    def _plan_memory(self) -> MemoryPlan:
+        k, p = self.kv_cfg, self.policy.config
+        act = self.executor.activation_reserve_bytes(p.max_num_batched_tokens, p.max_num_seqs)
+        if k.activation_reserve_gib is not None:
+            act = k.activation_reserve_gib * 2**30
+        mp = plan_memory(
+            self.model, self.hardware, block_size=k.block_size,
+            gpu_memory_utilization=k.gpu_memory_utilization,
+            tensor_parallel=self.cluster.tensor_parallel,
+            max_num_batched_tokens=p.max_num_batched_tokens, max_num_seqs=p.max_num_seqs,
+            swap_space_gib=k.swap_space_gib, num_gpu_blocks_override=k.num_gpu_blocks,
+            activation_reserve_override_bytes=act,
+            weight_bytes_override=self.executor.weight_bytes(),
+        )
+        if k.num_cpu_blocks is not None:
+            mp = MemoryPlan(**{**mp.__dict__, "num_cpu_blocks": int(k.num_cpu_blocks)})
+        return mp
+
+    def _validate(self) -> None:
+        p = self.policy.config
+        longest = self.workload.max_prompt_len
+        if not p.chunked_prefill and p.max_num_batched_tokens < longest:
+            raise ConfigError(
+                "policy.max_num_batched_tokens",
+                f"{p.max_num_batched_tokens} is below the longest prompt the workload can send "
+                f"({longest} tokens) and policy.chunked_prefill is off: such prompts could "
+                f"never be scheduled. Raise it or turn chunked prefill on.")
+        if p.max_num_batched_tokens < p.max_num_seqs and not p.chunked_prefill:
+            raise ConfigError(
+                "policy.max_num_batched_tokens",
+                f"{p.max_num_batched_tokens} is below policy.max_num_seqs={p.max_num_seqs}: "
+                f"a full batch of decodes would not fit in one step")
+
+    # ---- run ----------------------------------------------------------------------------
+    def run(self) -> SimulationResult:
+        wall0 = time.perf_counter()
+        env = simpy.Environment()
+        out = self.out_dir
+        if out is not None:
+            out.mkdir(parents=True, exist_ok=True)
+        req_sink = CsvSink(out / "requests.csv" if out else None, REQUEST_COLUMNS)
+        step_sink = CsvSink(out / "steps.csv" if out else None, STEP_COLUMNS)
+        metrics = MetricsCollector()
+        kept: list[Request] = []
+        progress = Progress(self.workload.num_requests, self.progress_enabled)
+        state = {"done": 0}
+
+        def on_done(req: Request) -> None:
+            state["done"] += 1
+            if self.keep_requests:
+                kept.append(req)
+            if state["done"] & 63 == 0:
+                progress.update(state["done"], env.now)
+
+        kv = KVBlockManager(self.memory.num_gpu_blocks, self.kv_cfg.block_size,
+                            self.memory.num_cpu_blocks)
+        self.executor.init_kv_cache(kv.num_gpu_blocks, kv.num_cpu_blocks, kv.block_size)
+        replica = Replica(env, 0, self.policy, self.executor, kv, metrics, req_sink, step_sink,
+                          max_model_len=self.model.max_model_len,
+                          check_integrity=self.check_integrity, on_finished=on_done)
+
+        def arrivals():
+            for req in self.workload:
+                delay = req.arrival_time - env.now
+                if delay > 0:
+                    yield env.timeout(delay)
+                replica.add_request(req)
+                if req.is_finished:  # rejected at arrival
+                    on_done(req)
+
+        env.process(arrivals())
+        try:
+            env.run()
+        finally:
+            progress.close()
+            req_sink.close()
+            step_sink.close()
+        if replica.num_unfinished:
+            raise SimulationStalled(replica._stall_message())
+        wall = time.perf_counter() - wall0
+        summary = self._summary(metrics, [replica], env.now, wall)
+        if out is not None:
+            (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        return SimulationResult(summary, metrics, [replica], self.memory, kept, req_sink, step_sink)
+
+    def _summary(self, metrics: MetricsCollector, replicas: list[Replica], sim_end: float,
+                 wall: float) -> dict[str, Any]:
+        s = metrics.summary()
+        kv = replicas[0].kv
+        s.update({
+            "kv_block_size": kv.block_size,
+            "kv_num_gpu_blocks": kv.num_gpu_blocks,
+            "kv_num_cpu_blocks": kv.num_cpu_blocks,
+            "kv_bytes_per_token": int(self.model.kv_bytes_per_token),
+            "kv_peak_usage": kv.peak_used_blocks / kv.num_gpu_blocks,
+            "num_steps": sum(r.num_steps for r in replicas),
+            "num_swap_fallbacks": sum(r.builder.num_swap_fallbacks for r in replicas),
+            "simulated_duration_s": sim_end,
+            "wall_time_s": wall,
+            "model": self.model.name,
+            "hardware": self.hardware.name,
+            "policy": self.policy.config.name,
+            "executor": str(self.cfg["executor"].get("name")),
+            "tensor_parallel": self.cluster.tensor_parallel,
+            "seed": self.seed,
+            "weight_bytes_per_gpu": self.memory.weight_bytes,
+        })
+        return s
+
+
+def run_simulation(cfg: dict[str, Any], out_dir: Path | None = None,
+                   keep_requests: bool = False) -> SimulationResult:
+    return Simulation(cfg, out_dir, keep_requests).run()

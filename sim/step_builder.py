@@ -1,0 +1,209 @@
+"""What a policy sees and may do while it builds one step.
+
+A policy reads the replica's queues through read-only views and acts only through the methods
+below, which are the single home of request state transitions and KV operations:
+
+    schedule(req, n)   grant n new tokens (allocates slots; moves a waiting request to running)
+    preempt(req)       free its GPU KV by swap or by recompute (the replica's preemption mode)
+    swap_in(req)       bring a swapped request's KV back so it can run again
+    build()            the StepPlan handed to the executor
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from collections.abc import Iterator, Sequence
+from enum import Enum
+from typing import TYPE_CHECKING, Generic, TypeVar
+
+from sim.plan import ScheduledRequest, StepPlan
+from sim.request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from sim.kv_manager import KVBlockManager
+
+T = TypeVar("T")
+
+
+class ReadOnly(Sequence, Generic[T]):
+    """A read-only window on a live list or deque (no copy per step)."""
+
+    __slots__ = ("_items",)
+
+    def __init__(self, items: list[T] | deque[T]) -> None:
+        self._items = items
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __getitem__(self, i):  # type: ignore[override]
+        return self._items[i]
+
+    def __iter__(self) -> Iterator[T]:
+        return iter(self._items)
+
+    def __bool__(self) -> bool:
+        return bool(self._items)
+
+
+class PreemptionMode(str, Enum):
+    RECOMPUTE = "recompute"
+    SWAP = "swap"
+
+
+def _arrival_key(r: Request) -> tuple[float, int]:
+    return (r.arrival_time, r.request_id)
+
+
+class ReplicaQueues:
+    """The replica's request sets. ``running`` is kept in arrival order, so its last element
+    is the latest arrival: vLLM's default preemption victim."""
+
+    def __init__(self) -> None:
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.swapped: deque[Request] = deque()
+
+    def add_running(self, req: Request) -> None:
+        bisect.insort(self.running, req, key=_arrival_key)
+
+    def remove_running(self, req: Request) -> None:
+        i = bisect.bisect_left(self.running, _arrival_key(req), key=_arrival_key)
+        if i == len(self.running) or self.running[i] is not req:
+            raise ValueError(f"request {req.request_id} is not running")
+        del self.running[i]
+
+
+class StepBuilder:
+    """Built once per replica and reset every step; see the module docstring."""
+
+    def __init__(self, queues: ReplicaQueues, kv: KVBlockManager,
+                 preemption_mode: PreemptionMode = PreemptionMode.RECOMPUTE,
+                 kv_watermark: float = 0.0) -> None:
+        self._q = queues
+        self.kv = kv
+        self.preemption_mode = PreemptionMode(preemption_mode)
+        self.watermark_blocks = int(kv_watermark * kv.num_gpu_blocks)
+        self.waiting: ReadOnly[Request] = ReadOnly(queues.waiting)
+        self.running: ReadOnly[Request] = ReadOnly(queues.running)
+        self.swapped: ReadOnly[Request] = ReadOnly(queues.swapped)
+        self.now = 0.0
+        self.num_swap_fallbacks = 0  # swap asked, CPU pool full, recomputed instead
+        self.reset(0.0)
+
+    def reset(self, now: float) -> None:
+        self.now = now
+        self._plan = StepPlan()
+        self.scheduled_requests: list[Request] = []  # parallel to plan.scheduled
+        self._scheduled_ids: set[int] = set()
+        self.num_scheduled_tokens = 0
+
+    # ---- queries ------------------------------------------------------------------------
+    def is_scheduled(self, req: Request) -> bool:
+        return req.request_id in self._scheduled_ids
+
+    @property
+    def num_scheduled(self) -> int:
+        return len(self.scheduled_requests)
+
+    def blocks_needed(self, req: Request, num_new_tokens: int) -> int:
+        return self.kv.blocks_needed(req.request_id, req.num_computed_tokens + num_new_tokens)
+
+    def can_allocate(self, req: Request, num_new_tokens: int, use_watermark: bool = False) -> bool:
+        wm = self.watermark_blocks if use_watermark else 0
+        return self.kv.can_allocate(self.blocks_needed(req, num_new_tokens), wm)
+
+    # ---- actions ------------------------------------------------------------------------
+    def schedule(self, req: Request, num_new_tokens: int) -> bool:
+        """Grant ``num_new_tokens`` to ``req`` this step. Returns False (and changes nothing)
+        if the KV pool cannot hold them: the policy may preempt someone and retry."""
+        rid = req.request_id
+        if rid in self._scheduled_ids:
+            raise ValueError(f"request {rid} is already scheduled in this step")
+        pending = req.num_pending_tokens
+        if not 1 <= num_new_tokens <= pending:
+            raise ValueError(
+                f"request {rid}: cannot grant {num_new_tokens} tokens, {pending} pending"
+            )
+        if req.status is RequestStatus.SWAPPED:
+            raise ValueError(f"request {rid} is swapped out; swap_in first")
+        if self.kv.allocate_slots(rid, req.num_computed_tokens + num_new_tokens) is None:
+            return False
+        if req.status is not RequestStatus.RUNNING:  # admitted from the waiting queue
+            self._remove_waiting(req)
+            req.transition(RequestStatus.RUNNING)
+            self._q.add_running(req)
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = self.now
+        self._plan.scheduled.append(ScheduledRequest(
+            rid, req.num_computed_tokens, num_new_tokens, self.kv.block_table(rid),
+            num_new_tokens == pending,
+        ))
+        self.scheduled_requests.append(req)
+        self._scheduled_ids.add(rid)
+        self.num_scheduled_tokens += num_new_tokens
+        return True
+
+    def preempt(self, req: Request, mode: PreemptionMode | None = None) -> PreemptionMode:
+        """Take a running request off the GPU. Swap falls back to recompute (and is counted)
+        when the CPU pool cannot hold its blocks. Returns the mode actually used."""
+        rid = req.request_id
+        if req.status is not RequestStatus.RUNNING:
+            raise ValueError(f"request {rid} is {req.status.name}, only RUNNING can be preempted")
+        if rid in self._scheduled_ids:
+            self._unschedule(req)
+        mode = PreemptionMode(mode or self.preemption_mode)
+        self._q.remove_running(req)
+        req.num_preemptions += 1
+        if mode is PreemptionMode.SWAP:
+            pairs = self.kv.swap_out(rid)
+            if pairs is not None:
+                req.transition(RequestStatus.SWAPPED)
+                req.num_swaps += 1
+                self._q.swapped.append(req)
+                self._plan.swap_out.extend(pairs)
+                self._plan.swapped_out.append(rid)
+                return PreemptionMode.SWAP
+            self.num_swap_fallbacks += 1
+        self.kv.free(rid)
+        req.num_computed_tokens = 0
+        req.num_recomputes += 1
+        req.transition(RequestStatus.PREEMPTED)
+        self._q.waiting.appendleft(req)  # vLLM v0: recomputed requests go first
+        self._plan.recomputed.append(rid)
+        return PreemptionMode.RECOMPUTE
+
+    def swap_in(self, req: Request, use_watermark: bool = True) -> bool:
+        """Copy a swapped request's blocks back; it becomes RUNNING (not yet scheduled)."""
+        rid = req.request_id
+        if req.status is not RequestStatus.SWAPPED:
+            raise ValueError(f"request {rid} is {req.status.name}, not SWAPPED")
+        wm = self.watermark_blocks if use_watermark else 0
+        if not self.kv.can_swap_in(rid, wm):
+            return False
+        pairs = self.kv.swap_in(rid)
+        assert pairs is not None
+        self._q.swapped.remove(req)
+        req.transition(RequestStatus.RUNNING)
+        self._q.add_running(req)
+        self._plan.swap_in.extend(pairs)
+        return True
+
+    def build(self) -> StepPlan:
+        return self._plan
+
+    # ---- internals ----------------------------------------------------------------------
+    def _remove_waiting(self, req: Request) -> None:
+        w = self._q.waiting
+        if w and w[0] is req:
+            w.popleft()
+        else:
+            w.remove(req)
+
+    def _unschedule(self, req: Request) -> None:
+        i = next(i for i, r in enumerate(self.scheduled_requests) if r is req)
+        row = self._plan.scheduled.pop(i)
+        del self.scheduled_requests[i]
+        self._scheduled_ids.discard(req.request_id)
+        self.num_scheduled_tokens -= row.num_new_tokens

@@ -1,0 +1,143 @@
+"""KVBlockManager: exact block ids and free order on tiny pools, plus property tests."""
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sim.kv_manager import KVBlockManager, KVIntegrityError, blocks_for
+
+
+def test_allocate_hands_out_ids_in_order_and_returns_new_blocks():
+    kv = KVBlockManager(num_gpu_blocks=12, block_size=4)
+    assert kv.allocate_slots("a", 9) == [0, 1, 2]
+    assert kv.allocate_slots("b", 4) == [3]
+    # Growing within the last block needs nothing; crossing a boundary takes the next free id.
+    assert kv.allocate_slots("a", 12) == []
+    assert kv.allocate_slots("a", 13) == [4]
+    assert kv.block_table("a") == [0, 1, 2, 4]
+    assert kv.num_free_blocks == 7 and kv.num_used_blocks == 5
+    kv.check_integrity()
+
+
+def test_allocation_failure_returns_none_and_changes_nothing():
+    kv = KVBlockManager(num_gpu_blocks=4, block_size=4)
+    assert kv.allocate_slots("a", 12) == [0, 1, 2]
+    assert kv.allocate_slots("b", 8) is None
+    assert kv.block_table("b") == [] and kv.num_free_blocks == 1
+    assert kv.allocate_slots("b", 4) == [3]
+    kv.check_integrity()
+
+
+def test_free_returns_blocks_tail_first_to_the_back_of_the_queue():
+    kv = KVBlockManager(num_gpu_blocks=6, block_size=2)
+    kv.allocate_slots("a", 6)  # 0 1 2
+    kv.allocate_slots("b", 2)  # 3
+    kv.free("a")
+    # Free queue is now 4 5 | 2 1 0: unused blocks first, then a's blocks tail first.
+    assert kv.allocate_slots("c", 10) == [4, 5, 2, 1, 0]
+    kv.check_integrity()
+
+
+def test_double_free_and_unknown_free_are_errors():
+    kv = KVBlockManager(num_gpu_blocks=4, block_size=4)
+    kv.allocate_slots("a", 4)
+    kv.free("a")
+    with pytest.raises(KVIntegrityError, match="holds no blocks"):
+        kv.free("a")
+
+
+def test_fork_shares_blocks_with_reference_counts():
+    kv = KVBlockManager(num_gpu_blocks=6, block_size=4)
+    kv.allocate_slots("a", 8)
+    assert kv.fork("a", "b") == [0, 1]
+    kv.free("a")
+    assert kv.num_free_blocks == 4  # still referenced by b
+    kv.check_integrity()
+    kv.free("b")
+    assert kv.num_free_blocks == 6
+    kv.check_integrity()
+
+
+def test_swap_round_trip_returns_copy_pairs():
+    kv = KVBlockManager(num_gpu_blocks=8, block_size=4, num_cpu_blocks=4)
+    kv.allocate_slots("x", 4)  # 0
+    kv.allocate_slots("a", 12)  # 1 2 3
+    assert kv.swap_out("a") == [(1, 0), (2, 1), (3, 2)]
+    assert kv.num_free_blocks == 7 and kv.num_free_cpu_blocks == 1
+    kv.check_integrity()
+    with pytest.raises(KVIntegrityError, match="swapped out"):
+        kv.allocate_slots("a", 13)
+    assert kv.swap_in("a") == [(0, 4), (1, 5), (2, 6)]
+    assert kv.block_table("a") == [4, 5, 6]
+    assert kv.num_free_cpu_blocks == 4
+    kv.check_integrity()
+
+
+def test_swap_out_fails_cleanly_when_cpu_pool_is_full():
+    kv = KVBlockManager(num_gpu_blocks=8, block_size=4, num_cpu_blocks=2)
+    kv.allocate_slots("a", 12)
+    assert kv.swap_out("a") is None
+    assert kv.block_table("a") == [0, 1, 2]
+    kv.check_integrity()
+
+
+def test_integrity_check_catches_corruption():
+    kv = KVBlockManager(num_gpu_blocks=4, block_size=4)
+    kv.allocate_slots("a", 8)
+    kv._gpu.free_queue.append(0)  # block 0 both held and free
+    with pytest.raises(KVIntegrityError):
+        kv.check_integrity()
+
+
+def test_usage_and_peak():
+    kv = KVBlockManager(num_gpu_blocks=10, block_size=16)
+    kv.allocate_slots("a", 50)
+    assert kv.usage == pytest.approx(0.4)
+    kv.free("a")
+    assert kv.usage == 0 and kv.peak_used_blocks == 4
+
+
+@pytest.mark.parametrize("bad", [{"block_size": 0}, {"num_gpu_blocks": 0}])
+def test_bad_sizes_are_refused(bad):
+    args = {"num_gpu_blocks": 4, "block_size": 4, **bad}
+    with pytest.raises(ValueError, match="block"):
+        KVBlockManager(**args)
+
+
+ops = st.lists(
+    st.tuples(st.sampled_from(["grow", "free", "swap_out", "swap_in", "fork"]),
+              st.integers(0, 5), st.integers(1, 40)),
+    max_size=80,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(ops, st.integers(1, 16), st.integers(1, 8), st.integers(0, 12))
+def test_random_operation_sequences_keep_integrity(seq, gpu, bs, cpu):
+    kv = KVBlockManager(num_gpu_blocks=gpu, block_size=bs, num_cpu_blocks=cpu)
+    tokens: dict[int, int] = {}
+    for op, rid, n in seq:
+        if op == "grow" and rid not in kv.cpu_tables:
+            target = tokens.get(rid, 0) + n
+            before = kv.num_free_blocks
+            new = kv.allocate_slots(rid, target)
+            if new is None:
+                assert kv.num_free_blocks == before
+            else:
+                tokens[rid] = target
+                assert len(kv.block_table(rid)) == blocks_for(target, bs)
+        elif op == "free" and kv.has_blocks(rid):
+            kv.free(rid)
+            tokens.pop(rid, None)
+        elif op == "swap_out" and rid in kv.block_tables:
+            kv.swap_out(rid)
+        elif op == "swap_in" and rid in kv.cpu_tables:
+            kv.swap_in(rid)
+        elif op == "fork" and rid in kv.block_tables and (rid + 100) not in kv.block_tables:
+            kv.fork(rid, rid + 100)
+        kv.check_integrity()
+    for rid in list(kv.block_tables) + list(kv.cpu_tables):
+        if kv.has_blocks(rid):
+            kv.free(rid)
+    kv.check_integrity()
+    assert kv.num_free_blocks == gpu and kv.num_free_cpu_blocks == cpu

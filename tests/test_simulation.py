@@ -1,0 +1,122 @@
+"""Whole runs through the composed Hydra config: determinism, conservation, validation."""
+
+import json
+import subprocess
+import sys
+
+import pandas as pd
+import pytest
+
+from sim.errors import ConfigError
+from sim.simulation import Simulation, run_simulation
+from tests.helpers import ROOT, compose_cfg, small_cfg
+
+
+def test_same_config_and_seed_give_identical_requests_csv(tmp_path):
+    run_simulation(small_cfg(), tmp_path / "a")
+    run_simulation(small_cfg(), tmp_path / "b")
+    a = (tmp_path / "a" / "requests.csv").read_text()
+    assert a == (tmp_path / "b" / "requests.csv").read_text()
+    assert len(a.splitlines()) == 61
+    run_simulation(small_cfg("seed=1"), tmp_path / "c")
+    assert a != (tmp_path / "c" / "requests.csv").read_text()
+
+
+def test_outputs_and_summary_keys(tmp_path):
+    res = run_simulation(small_cfg(), tmp_path)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    for key in ("completed", "request_throughput", "output_throughput", "total_token_throughput",
+                "rejected", "num_preemptions", "kv_block_size", "kv_num_gpu_blocks",
+                "kv_bytes_per_token", "kv_peak_usage", "simulated_duration_s", "wall_time_s"):
+        assert key in summary, key
+    for m in ("ttft", "tpot", "itl", "e2el"):
+        for k in ("mean", "median", "p90", "p99"):
+            assert f"{k}_{m}_ms" in summary
+    assert summary["completed"] == 60 and summary["kv_bytes_per_token"] == 131072
+    steps = pd.read_csv(tmp_path / "steps.csv")
+    assert len(steps) == summary["num_steps"]
+    assert (steps["prefill_tokens"] + steps["decode_tokens"] > 0).all()
+    reqs = pd.read_csv(tmp_path / "requests.csv")
+    # TPOT as vLLM defines it; E2E >= TTFT.
+    multi = reqs[reqs.output_len > 1]
+    tpot = (multi.e2e_latency - multi.ttft) / (multi.output_len - 1)
+    assert tpot.to_numpy() == pytest.approx(multi.tpot.to_numpy(), rel=1e-9)
+    assert res.summary["output_throughput"] > 0
+
+
+def test_every_request_finishes_or_is_rejected_with_a_reason():
+    cfg = small_cfg("kv.num_gpu_blocks=120", "workload.num_requests=100", "workload.qps=50",
+                    "check_integrity=true")
+    res = Simulation(cfg, keep_requests=True).run()
+    s = res.summary
+    assert s["completed"] + s["rejected"] == 100
+    assert s["rejected"] > 0 and s["num_preemptions"] > 0  # pool of 1,920 tokens
+    for r in res.requests:
+        assert r.status.name in ("FINISHED", "REJECTED")
+        if r.status.name == "REJECTED":
+            assert r.reject_reason
+        else:
+            assert r.num_output_tokens == r.max_output_len
+    assert res.replicas[0].kv.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("override,field", [
+    ("workload.qps=0", "workload.qps"),
+    ("workload.qps=-3", "workload.qps"),
+    ("kv.block_size=0", "kv.block_size"),
+    ("policy.max_num_batched_tokens=2048", "policy.max_num_batched_tokens"),
+    ("model.num_kv_heads=5", "model.num_kv_heads"),
+    ("policy.preemption_mode=drop", "policy.preemption_mode"),
+    ("workload.prompt_len.dist=pareto", "workload.prompt_len.dist"),
+])
+def test_bad_input_is_refused_naming_the_field(override, field):
+    with pytest.raises(ConfigError) as e:
+        Simulation(small_cfg(override))
+    assert e.value.field == field
+    assert str(e.value).startswith(field)
+
+
+def test_trace_row_that_does_not_parse_names_file_and_line(tmp_path):
+    trace = tmp_path / "t.csv"
+    trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n0.0,10,5\n1.0,abc,5\n")
+    with pytest.raises(ConfigError, match=r"t\.csv:3: ContextTokens 'abc'"):
+        Simulation(compose_cfg("workload=trace", f"workload.path={trace}"))
+
+
+def _main(*args, cwd=ROOT):
+    return subprocess.run([sys.executable, "-m", "experiments.run", *args], cwd=cwd,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_main_job_command_line_with_the_issue_overrides(tmp_path):
+    p = _main("policy=fcfs", "hardware=h100_sxm", "model=llama3_70b", "cluster.tensor_parallel=4",
+              "workload.qps=8", "workload.num_requests=500", f"hydra.run.dir={tmp_path}")
+    assert p.returncode == 0, p.stderr
+    assert "llama3_70b on h100_sxm (TP4)" in p.stdout
+    s = json.loads((tmp_path / "summary.json").read_text())
+    assert s["completed"] == 500 and s["tensor_parallel"] == 4
+    for f in ("requests.csv", "steps.csv", "report.html"):
+        assert (tmp_path / f).exists()
+    html = (tmp_path / "report.html").read_text()
+    assert "plotly" in html.lower() and "<script src" not in html  # offline: js inlined
+
+
+def test_cfg_job_and_multirun(tmp_path):
+    p = _main("--cfg", "job", "model=llama2_7b")
+    assert p.returncode == 0 and "num_layers: 32" in p.stdout and "vocab_size: 32000" in p.stdout
+    p = _main("-m", "workload.num_requests=20", "workload.qps=1,2",
+              f"hydra.sweep.dir={tmp_path}")
+    assert p.returncode == 0, p.stderr
+    assert sorted(x.name for x in tmp_path.iterdir() if x.is_dir()) == ["0", "1"]
+    for d in ("0", "1"):
+        assert json.loads((tmp_path / d / "summary.json").read_text())["completed"] == 20
+
+
+def test_unknown_model_lists_known_ones():
+    p = _main("model=llama9")
+    assert p.returncode != 0 and "llama3_8b" in p.stderr
+
+
+def test_config_error_exits_cleanly_with_field_name(tmp_path):
+    p = _main("workload.qps=0", f"hydra.run.dir={tmp_path}")
+    assert p.returncode == 2 and "workload.qps" in p.stderr and "Traceback" not in p.stderr

@@ -1,0 +1,101 @@
+"""Seeded samplers for inter-arrival gaps and token lengths, drawn in vectorized chunks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from sim.errors import ConfigError, require
+
+
+# ---- arrivals -------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ArrivalProcess:
+    """Inter-arrival gaps for a target rate ``qps``.
+
+    ``poisson``: exponential gaps (CV 1). ``gamma``: Gamma gaps with the given coefficient of
+    variation (CV > 1 is burstier than Poisson). ``constant``: evenly spaced.
+    """
+
+    kind: str
+    qps: float
+    cv: float = 1.0
+
+    def __post_init__(self) -> None:
+        require(self.kind in ("poisson", "gamma", "constant"), "workload.arrival",
+                f"must be poisson, gamma or constant, got {self.kind!r}")
+        require(self.qps > 0, "workload.qps", f"must be > 0, got {self.qps}")
+        require(self.cv > 0, "workload.cv", f"must be > 0, got {self.cv}")
+
+    def gaps(self, rng: np.random.Generator, n: int) -> np.ndarray:
+        mean = 1.0 / self.qps
+        if self.kind == "poisson":
+            return rng.exponential(mean, n)
+        if self.kind == "gamma":
+            shape = 1.0 / (self.cv**2)
+            return rng.gamma(shape, mean / shape, n)
+        return np.full(n, mean)
+
+
+# ---- lengths --------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class LengthDistribution:
+    """Token-length sampler.
+
+    ``fixed`` {value}; ``uniform`` {min, max} (inclusive); ``lognormal`` {median, sigma, min,
+    max}; ``zipf`` {a, min, max}: P(k) proportional to (k - min + 1)^-a on [min, max].
+    Samples are clipped to [min, max] and are integers >= 1.
+    """
+
+    field: str  # dotted config name, for error messages
+    dist: str
+    value: int = 0
+    median: float = 0.0
+    sigma: float = 0.0
+    a: float = 0.0
+    min: int = 1
+    max: int = 1
+
+    @staticmethod
+    def from_dict(field: str, data: dict[str, Any]) -> LengthDistribution:
+        data = dict(data)
+        dist = data.pop("dist", None)
+        known = {"fixed": {"value"}, "uniform": {"min", "max"},
+                 "lognormal": {"median", "sigma", "min", "max"}, "zipf": {"a", "min", "max"}}
+        if dist not in known:
+            raise ConfigError(f"{field}.dist", f"must be one of {sorted(known)}, got {dist!r}")
+        extra = sorted(set(data) - known[dist])
+        if extra:
+            raise ConfigError(f"{field}.{extra[0]}", f"not an option of a {dist} length; "
+                              f"options: {', '.join(sorted(known[dist]))}")
+        missing = sorted(known[dist] - set(data) - ({"min"} if dist != "uniform" else set()))
+        if missing:
+            raise ConfigError(f"{field}.{missing[0]}", f"required for a {dist} length")
+        if dist == "fixed":
+            data["min"] = data["max"] = data["value"]
+        return LengthDistribution(field=field, dist=dist, **data)
+
+    def __post_init__(self) -> None:
+        f = self.field
+        require(self.min >= 1, f"{f}.min", f"must be >= 1, got {self.min}")
+        require(self.max >= self.min, f"{f}.max", f"must be >= min ({self.min}), got {self.max}")
+        if self.dist == "lognormal":
+            require(self.median > 0, f"{f}.median", f"must be > 0, got {self.median}")
+            require(self.sigma >= 0, f"{f}.sigma", f"must be >= 0, got {self.sigma}")
+        if self.dist == "zipf":
+            require(self.a > 0, f"{f}.a", f"must be > 0, got {self.a}")
+            require(self.max - self.min < 10_000_000, f"{f}.max", "zipf range too large")
+
+    def sample(self, rng: np.random.Generator, n: int) -> np.ndarray:
+        if self.dist == "fixed":
+            return np.full(n, self.value, dtype=np.int64)
+        if self.dist == "uniform":
+            return rng.integers(self.min, self.max + 1, n)
+        if self.dist == "lognormal":
+            x = rng.lognormal(np.log(self.median), self.sigma, n)
+            return np.clip(np.rint(x), self.min, self.max).astype(np.int64)
+        ranks = np.arange(1, self.max - self.min + 2, dtype=np.float64)
+        p = ranks**-self.a
+        return self.min + rng.choice(len(ranks), size=n, p=p / p.sum())

@@ -1,0 +1,147 @@
+"""Replay of a request trace: Azure LLM trace CSV (``TIMESTAMP,ContextTokens,GeneratedTokens``)
+or Mooncake JSONL (``{"timestamp": ms, "input_length", "output_length", ...}``).
+
+The file is parsed whole before the run (a few columns of numbers, cheap even for millions of
+rows), so that a malformed row is refused up front with its file and line; Requests are still
+created lazily.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from collections.abc import Iterator
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from sim.errors import ConfigError, require
+from sim.request import Request
+from workloads.base import WORKLOADS, Workload, resolve_path
+
+AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
+
+
+class TraceFormatError(ConfigError):
+    def __init__(self, path: Path, line: int, message: str) -> None:
+        super().__init__("workload.path", f"{path}:{line}: {message}")
+
+
+def _parse_time(value: str) -> float:
+    try:
+        return float(value)
+    except ValueError:
+        return datetime.fromisoformat(value).timestamp()
+
+
+def _positive_int(value: Any, what: str, path: Path, line: int, minimum: int) -> int:
+    try:
+        f = float(value)
+    except (TypeError, ValueError):
+        raise TraceFormatError(path, line, f"{what} {value!r} is not a number") from None
+    if f != int(f) or f < minimum:
+        raise TraceFormatError(path, line, f"{what} must be an integer >= {minimum}, got {value!r}")
+    return int(f)
+
+
+def read_azure_csv(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    times, ins, outs = [], [], []
+    with path.open(newline="") as f:
+        reader = csv.reader(f)
+        header = next(reader, None)
+        if header is None or tuple(h.strip() for h in header[:3]) != AZURE_COLUMNS:
+            raise TraceFormatError(path, 1, f"expected header {','.join(AZURE_COLUMNS)}, "
+                                            f"got {','.join(header or [])!r}")
+        for row in reader:
+            line = reader.line_num
+            if not row or all(not c.strip() for c in row):
+                continue
+            if len(row) < 3:
+                raise TraceFormatError(path, line, f"expected 3 columns, got {len(row)}")
+            try:
+                times.append(_parse_time(row[0].strip()))
+            except ValueError:
+                raise TraceFormatError(path, line, f"TIMESTAMP {row[0]!r} does not parse") from None
+            ins.append(_positive_int(row[1], "ContextTokens", path, line, 1))
+            outs.append(_positive_int(row[2], "GeneratedTokens", path, line, 0))
+    return np.asarray(times), np.asarray(ins), np.asarray(outs)
+
+
+def read_mooncake_jsonl(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    times, ins, outs = [], [], []
+    with path.open() as f:
+        for line, text in enumerate(f, start=1):
+            if not text.strip():
+                continue
+            try:
+                row = json.loads(text)
+                ms = float(row["timestamp"])
+            except (ValueError, KeyError, TypeError) as e:
+                raise TraceFormatError(path, line, f"not a Mooncake record ({e})") from None
+            times.append(ms / 1000.0)
+            ins.append(_positive_int(row.get("input_length"), "input_length", path, line, 1))
+            outs.append(_positive_int(row.get("output_length"), "output_length", path, line, 0))
+    return np.asarray(times), np.asarray(ins), np.asarray(outs)
+
+
+class TraceWorkload(Workload):
+    def __init__(self, path: Path, time_scale: float = 1.0, num_requests: int | None = None,
+                 max_output_len: int | None = None, start: int = 0) -> None:
+        require(time_scale > 0, "workload.time_scale", f"must be > 0, got {time_scale}")
+        require(num_requests is None or num_requests >= 1, "workload.num_requests",
+                f"must be >= 1, got {num_requests}")
+        require(start >= 0, "workload.start", f"must be >= 0, got {start}")
+        self.path = path
+        reader = read_mooncake_jsonl if path.suffix == ".jsonl" else read_azure_csv
+        times, ins, outs = reader(path)
+        if len(times) == 0:
+            raise ConfigError("workload.path", f"{path}: the trace has no rows")
+        order = np.argsort(times, kind="stable")  # traces are mostly sorted; make it exact
+        times, ins, outs = times[order], ins[order], outs[order]
+        end = len(times) if num_requests is None else start + num_requests
+        times, ins, outs = times[start:end], ins[start:end], outs[start:end]
+        if len(times) == 0:
+            raise ConfigError("workload.start", f"{path} has only {len(order)} rows")
+        # A request with zero generated tokens still produces one token in a serving engine.
+        outs = np.maximum(outs, 1)
+        if max_output_len is not None:
+            outs = np.minimum(outs, max_output_len)
+        self._times = (times - times[0]) * time_scale
+        self._ins = ins
+        self._outs = outs
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._times)
+
+    @property
+    def max_prompt_len(self) -> int:
+        return int(self._ins.max())
+
+    def __iter__(self) -> Iterator[Request]:
+        for rid, (t, i, o) in enumerate(zip(self._times.tolist(), self._ins.tolist(),
+                                            self._outs.tolist())):
+            yield Request(rid, t, i, o)
+
+    def describe(self) -> str:
+        span = self._times[-1] if len(self._times) > 1 else 0.0
+        return f"trace {self.path.name}: {self.num_requests} requests over {span:.0f} s"
+
+
+@WORKLOADS.register("trace")
+def build_trace(cfg: dict[str, Any], seed: int, **_: Any) -> TraceWorkload:
+    cfg = dict(cfg)
+    known = {"path", "time_scale", "num_requests", "max_output_len", "start"}
+    unknown = sorted(set(cfg) - known)
+    if unknown:
+        raise ConfigError(f"workload.{unknown[0]}",
+                          f"unknown option for a trace workload; known: {', '.join(sorted(known))}")
+    if not cfg.get("path"):
+        raise ConfigError("workload.path", "required for a trace workload")
+    return TraceWorkload(resolve_path(str(cfg["path"]), "workload.path"),
+                         time_scale=float(cfg.get("time_scale", 1.0)),
+                         num_requests=cfg.get("num_requests"),
+                         max_output_len=cfg.get("max_output_len"),
+                         start=int(cfg.get("start", 0)))
