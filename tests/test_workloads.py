@@ -76,6 +76,13 @@ def test_bad_length_options_name_the_field():
         LengthDistribution.from_dict("workload.prompt_len", {"dist": "fixed", "value": 3, "mean": 2})
 
 
+def test_switching_distribution_on_the_command_line_keeps_other_keys_harmless():
+    cfg = compose_cfg("workload.prompt_len.dist=uniform", "workload.prompt_len.min=10",
+                      "workload.prompt_len.max=20")["workload"]
+    prompts = {r.prompt_len for r in make_workload(cfg, seed=0)}
+    assert min(prompts) == 10 and max(prompts) == 20
+
+
 def test_trace_time_scale_and_caps(tmp_path):
     p = tmp_path / "t.csv"
     p.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n"
@@ -120,3 +127,14 @@ def test_real_traces_parse(name, rows, median_in):
     ins = [r.prompt_len for r in w]
     if median_in:
         assert abs(np.median(ins) - median_in) <= 2
+
+
+def test_total_length_split_like_vidur():
+    cfg = compose_cfg("workload=vidur_bench", "workload.num_requests=3000")["workload"]
+    w = make_workload(cfg, seed=42)
+    reqs = list(w)
+    for r in reqs:
+        total = r.prompt_len + r.max_output_len
+        assert 256 <= total <= 2048
+        assert r.max_output_len == -(-total // 4)
+    assert w.max_prompt_len == 2048 - 512

@@ -66,10 +66,15 @@ class LengthDistribution:
                  "lognormal": {"median", "sigma", "min", "max"}, "zipf": {"a", "min", "max"}}
         if dist not in known:
             raise ConfigError(f"{field}.dist", f"must be one of {sorted(known)}, got {dist!r}")
-        extra = sorted(set(data) - known[dist])
+        every = set().union(*known.values())
+        extra = sorted(set(data) - every)
         if extra:
-            raise ConfigError(f"{field}.{extra[0]}", f"not an option of a {dist} length; "
-                              f"options: {', '.join(sorted(known[dist]))}")
+            raise ConfigError(f"{field}.{extra[0]}", f"not a length option; options: "
+                              f"{', '.join(sorted(every))}")
+        # Parameters of other distributions are ignored, so that a command-line override such
+        # as `workload.prompt_len.dist=uniform` works on top of the lognormal default (Hydra
+        # merges mappings; it cannot delete the old keys).
+        data = {k: v for k, v in data.items() if k in known[dist] and v is not None}
         missing = sorted(known[dist] - set(data) - ({"min"} if dist != "uniform" else set()))
         if missing:
             raise ConfigError(f"{field}.{missing[0]}", f"required for a {dist} length")

@@ -16,16 +16,28 @@ _CHUNK = 4096  # requests drawn per vectorized batch; does not change the stream
 
 
 class SyntheticWorkload(Workload):
-    def __init__(self, num_requests: int, arrival: ArrivalProcess, prompt_len: LengthDistribution,
-                 output_len: LengthDistribution, seed: int,
-                 priorities: list[float] | None = None) -> None:
+    """Requests from an arrival process and either two length distributions (prompt and
+    output) or one total-length distribution split by ``prefill_decode_ratio`` (as Vidur's
+    synthetic workloads do: output = ceil(total / (ratio + 1)), prompt = total - output)."""
+
+    def __init__(self, num_requests: int, arrival: ArrivalProcess,
+                 prompt_len: LengthDistribution | None, output_len: LengthDistribution | None,
+                 seed: int, priorities: list[float] | None = None,
+                 total_len: LengthDistribution | None = None,
+                 prefill_decode_ratio: float | None = None) -> None:
         require(num_requests >= 1, "workload.num_requests", f"must be >= 1, got {num_requests}")
+        if total_len is not None:
+            require(prefill_decode_ratio is not None and prefill_decode_ratio > 0,
+                    "workload.prefill_decode_ratio", "must be > 0 when workload.total_len is set")
+            require(total_len.min >= 2, "workload.total_len.min", "must be >= 2")
         self._n = num_requests
         self.arrival = arrival
         self.prompt_len = prompt_len
         self.output_len = output_len
         self.seed = seed
         self.priorities = priorities
+        self.total_len = total_len
+        self.prefill_decode_ratio = prefill_decode_ratio
 
     @property
     def num_requests(self) -> int:
@@ -33,7 +45,14 @@ class SyntheticWorkload(Workload):
 
     @property
     def max_prompt_len(self) -> int:
+        if self.total_len is not None:
+            return self._split(self.total_len.max)[0]
         return self.prompt_len.max
+
+    def _split(self, total: int) -> tuple[int, int]:
+        out = -(-total // (self.prefill_decode_ratio + 1))
+        out = int(min(max(out, 1), total - 1))
+        return total - out, out
 
     def __iter__(self) -> Iterator[Request]:
         # One child stream per quantity: changing one distribution leaves the others' draws
@@ -49,8 +68,13 @@ class SyntheticWorkload(Workload):
             n = min(_CHUNK, self._n - rid)
             times = t + np.cumsum(self.arrival.gaps(g_arr, n))
             t = float(times[-1])
-            ins = self.prompt_len.sample(g_in, n).tolist()
-            outs = self.output_len.sample(g_out, n).tolist()
+            if self.total_len is not None:
+                split = [self._split(t) for t in self.total_len.sample(g_in, n).tolist()]
+                ins = [p for p, _ in split]
+                outs = [o for _, o in split]
+            else:
+                ins = self.prompt_len.sample(g_in, n).tolist()
+                outs = self.output_len.sample(g_out, n).tolist()
             pris = (g_pri.choice(len(pri_p), size=n, p=pri_p).tolist() if pri_p is not None
                     else [0] * n)
             for at, i, o, p in zip(times.tolist(), ins, outs, pris):
@@ -59,27 +83,41 @@ class SyntheticWorkload(Workload):
 
     def describe(self) -> str:
         a = self.arrival
-        return (f"synthetic: {self._n} requests, {a.kind} arrivals at {a.qps} req/s, "
-                f"prompt {self.prompt_len.dist}, output {self.output_len.dist}")
+        lengths = (f"total {self.total_len.dist} split {self.prefill_decode_ratio}:1"
+                   if self.total_len is not None
+                   else f"prompt {self.prompt_len.dist}, output {self.output_len.dist}")
+        return f"synthetic: {self._n} requests, {a.kind} arrivals at {a.qps} req/s, {lengths}"
 
 
 @WORKLOADS.register("synthetic")
 def build_synthetic(cfg: dict[str, Any], seed: int, **_: Any) -> SyntheticWorkload:
     cfg = dict(cfg)
-    known = {"num_requests", "qps", "arrival", "cv", "prompt_len", "output_len", "priorities"}
+    known = {"num_requests", "qps", "arrival", "cv", "prompt_len", "output_len", "priorities",
+             "total_len", "prefill_decode_ratio"}
     unknown = sorted(set(cfg) - known)
     if unknown:
         raise ConfigError(f"workload.{unknown[0]}",
                           f"unknown option for a synthetic workload; known: {', '.join(sorted(known))}")
-    for f in ("num_requests", "qps", "prompt_len", "output_len"):
+    total = cfg.get("total_len")
+    # Either a total length split by a ratio, or separate prompt and output distributions.
+    required = ("num_requests", "qps") if total else ("num_requests", "qps", "prompt_len",
+                                                      "output_len")
+    for f in required:
         if cfg.get(f) is None:
             raise ConfigError(f"workload.{f}", "required for a synthetic workload")
+
+    def dist(name: str) -> LengthDistribution | None:
+        return None if total else LengthDistribution.from_dict(f"workload.{name}", cfg[name])
+
+    ratio = cfg.get("prefill_decode_ratio")
     return SyntheticWorkload(
         num_requests=int(cfg["num_requests"]),
         arrival=ArrivalProcess(cfg.get("arrival", "poisson"), float(cfg["qps"]),
                                float(cfg.get("cv", 1.0))),
-        prompt_len=LengthDistribution.from_dict("workload.prompt_len", cfg["prompt_len"]),
-        output_len=LengthDistribution.from_dict("workload.output_len", cfg["output_len"]),
+        prompt_len=dist("prompt_len"),
+        output_len=dist("output_len"),
         seed=seed,
         priorities=cfg.get("priorities"),
+        total_len=LengthDistribution.from_dict("workload.total_len", total) if total else None,
+        prefill_decode_ratio=None if ratio is None else float(ratio),
     )
