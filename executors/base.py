@@ -4,9 +4,13 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from sim.plan import StepPlan, StepResult
 from sim.registry import Registry
+
+if TYPE_CHECKING:
+    import numpy as np
 
 EXECUTORS: Registry = Registry("executor")
 
@@ -28,6 +32,12 @@ class Executor(ABC):
     @abstractmethod
     def activation_reserve_bytes(self, max_num_batched_tokens: int, max_num_seqs: int) -> float:
         """Peak activation/workspace bytes for the largest step the limits allow."""
+
+    def decode_durations(self, plan: StepPlan, num_steps: int) -> "np.ndarray | None":
+        """Closed-form durations of ``num_steps`` repeats of a decode-only plan whose contexts
+        grow by one token per step, or None if this executor must run step by step (a real
+        executor always does). Lets the replica take many decode steps in one event."""
+        return None
 
     # Optional hooks for executors that hold state (the real executor does).
     def init_kv_cache(self, num_gpu_blocks: int, num_cpu_blocks: int, block_size: int) -> None:

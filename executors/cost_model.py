@@ -18,6 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
+import numpy as np
+
 from executors.base import EXECUTORS, Executor
 from sim.errors import ConfigError, require
 from sim.memory import activation_reserve_bytes
@@ -123,8 +125,19 @@ class RooflineCostModel(Executor):
         return StepResult(self.breakdown(plan).total)
 
     # ---- the model ----------------------------------------------------------------------
-    def _roof(self, flops: float, nbytes: float, flops_rate: float | None = None) -> float:
-        return max(flops / (flops_rate or self._flops), nbytes / self._bw)
+    def _roof(self, flops, nbytes, flops_rate: float | None = None):
+        """Roofline time; element-wise over numpy arrays (used by decode jumps)."""
+        a, b = flops / (flops_rate or self._flops), nbytes / self._bw
+        return np.maximum(a, b) if isinstance(a, np.ndarray) else max(a, b)
+
+    def decode_durations(self, plan: StepPlan, num_steps: int) -> np.ndarray:
+        """Durations of ``num_steps`` consecutive steps in which every row of this decode-only
+        plan advances by one token per step (contexts grow by one each step). Evaluated with
+        the same formula, in the same operation order, as ``execute`` step by step."""
+        n = len(plan.scheduled)
+        dec_ctx0 = sum(s.start_position + 1 for s in plan.scheduled)
+        dec_ctx = dec_ctx0 + n * np.arange(num_steps, dtype=np.int64)
+        return self.time_for(n, n, n, 0.0, 0, 0, dec_ctx, n).total
 
     def breakdown(self, plan: StepPlan) -> StepBreakdown:
         n_tokens = 0

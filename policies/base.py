@@ -55,6 +55,10 @@ class Policy(ABC):
     """Base class. Subclasses set ``config_class`` and register with ``@POLICIES.register``."""
 
     config_class: ClassVar[type[PolicyConfig]] = PolicyConfig
+    #: True if, while nothing arrives, finishes or runs out of KV, a decode-only plan would be
+    #: planned again unchanged (one more token each): the replica may then take many such
+    #: steps at once (sim/fast_forward.py). Policies opt in after the fast-vs-exact test.
+    supports_decode_jumps: ClassVar[bool] = False
 
     def __init__(self, config: PolicyConfig) -> None:
         self.config = config

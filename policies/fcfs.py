@@ -32,6 +32,10 @@ def swap_in_and_decode(step: StepBuilder, budget: Budget) -> None:
 
 @POLICIES.register("fcfs")
 class FCFSPolicy(Policy):
+    # Admission can only get harder while a decode batch grows (free blocks shrink, seats and
+    # budget stay), so a decode-only step repeats until an arrival, finish or KV shortage.
+    supports_decode_jumps = True
+
     def schedule(self, step: StepBuilder) -> StepPlan:
         cfg = self.config
         budget = Budget(step, cfg.max_num_batched_tokens, cfg.max_num_seqs)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 import simpy
 
 from executors.base import Executor
@@ -16,8 +17,21 @@ from sim.kv_manager import KVBlockManager, blocks_for
 from sim.metrics import MetricsCollector
 from sim.outputs import CsvSink, request_row
 from sim.plan import StepPlan, StepResult
+from sim.fast_forward import Jump, is_steady_decode, plan_jump
 from sim.request import Request, RequestStatus
 from sim.step_builder import ReplicaQueues, StepBuilder
+
+
+def _exact_delay(start: float, end: float) -> float:
+    """A delay d with start + d == end exactly in floating point, so a jump lands on the same
+    clock value as the step-by-step sum of durations."""
+    d = end - start
+    for _ in range(4):
+        got = start + d
+        if got == end:
+            break
+        d = float(np.nextafter(d, np.inf if got < end else -np.inf))
+    return d
 
 
 class SimulationStalled(RuntimeError):
@@ -39,6 +53,8 @@ class Replica:
         max_model_len: int,
         check_integrity: bool = False,
         on_finished: Callable[[Request], None] | None = None,
+        horizon: Callable[[], float] | None = None,
+        fast_forward: bool = False,
     ) -> None:
         self.env = env
         self.replica_id = replica_id
@@ -51,6 +67,12 @@ class Replica:
         self.max_model_len = max_model_len
         self.check_integrity = check_integrity
         self.on_finished = on_finished
+        # Time of the next event from outside this replica (an arrival); decode jumps stop
+        # before it. Without one, jumps are off.
+        self.horizon = horizon
+        self.fast_forward = (fast_forward and horizon is not None
+                             and getattr(policy, "supports_decode_jumps", False))
+        self.num_jumps = 0
         cfg = policy.config
         self.queues = ReplicaQueues()
         self.builder = StepBuilder(self.queues, kv, cfg.preemption_mode, cfg.kv_watermark)
@@ -130,6 +152,17 @@ class Replica:
             empty_plans = 0
             requests = self.builder.scheduled_requests
             start = env.now
+            if self.fast_forward and not self.check_integrity and is_steady_decode(plan):
+                jump = plan_jump(plan, requests, self.executor.decode_durations, start,
+                                 self.horizon(), self.kv.num_free_blocks, self.kv.block_size)
+                if jump is not None:
+                    # Queue lengths as the intermediate steps saw them (arrivals during the
+                    # final step are processed before this process resumes).
+                    q = self.queues
+                    seen = (len(q.waiting), len(q.running), len(q.swapped))
+                    yield env.timeout(_exact_delay(start, float(jump.ends[-1])))
+                    self._apply_jump(plan, requests, jump, start, seen)
+                    continue
             result = self.executor.execute(plan)
             if result.duration < 0:
                 raise ValueError(f"executor returned a negative duration {result.duration}")
@@ -155,6 +188,44 @@ class Replica:
             req.record_token(now, token)
             if req.num_output_tokens >= req.max_output_len:
                 self._finish(req, now)
+
+    def _apply_jump(self, plan: StepPlan, requests: list[Request], jump: Jump,
+                    start: float, queue_lengths: tuple[int, int, int]) -> None:
+        """Apply ``jump.num_steps`` decode steps at once (see sim/fast_forward.py)."""
+        k, ends = jump.num_steps, jump.ends
+        last = float(ends[-1])
+        first = float(ends[0])
+        times = ends.tobytes()
+        used0 = self.kv.num_used_blocks
+        kv = self.kv
+        for req in requests:
+            req.num_computed_tokens += k
+            req.num_output_tokens += k
+            if req.first_token_time is None:
+                req.first_token_time = first
+            req.last_token_time = last
+            req.token_times.frombytes(times)
+            if kv.allocate_slots(req.request_id, req.num_computed_tokens) is None:
+                raise AssertionError("decode jump overran the KV pool")  # plan_jump checks
+        self.busy_time += float(jump.durations.sum())
+        # Steps 1..k-1 as the step-by-step loop would have recorded them.
+        n = len(plan.scheduled)
+        waiting, running, swapped = queue_lengths
+        used = used0 + np.cumsum(jump.new_blocks)
+        nb = kv.num_gpu_blocks
+        starts = np.concatenate(([start], ends[:-1]))
+        write = self.steps_sink.write
+        for i in range(k - 1):
+            self.num_steps += 1
+            u = int(used[i])
+            write((self.num_steps, self.replica_id, repr(float(starts[i])),
+                   repr(float(jump.durations[i])), n, 0, n, n, waiting, running, swapped, u,
+                   round(u / nb, 6), 0, 0, 0, 0))
+        for req in requests:
+            if req.num_output_tokens >= req.max_output_len:
+                self._finish(req, last)
+        self._record_step(float(starts[-1]), float(jump.durations[-1]), plan)
+        self.num_jumps += 1
 
     def _finish(self, req: Request, now: float) -> None:
         req.finish_time = now

@@ -30,7 +30,7 @@ from sim.request import Request
 from sim.specs import HardwareSpec, ModelSpec, hardware_spec_from, model_spec_from
 
 SECTIONS = ("model", "hardware", "policy", "workload", "executor", "cluster", "kv")
-TOP_LEVEL = {*SECTIONS, "seed", "progress", "check_integrity", "output_dir"}
+TOP_LEVEL = {*SECTIONS, "seed", "progress", "check_integrity", "output_dir", "step_mode"}
 
 
 @dataclass(frozen=True)
@@ -97,6 +97,9 @@ class Simulation:
         self.keep_requests = keep_requests
         self.progress_enabled = bool(cfg.get("progress", True))
         self.check_integrity = bool(cfg.get("check_integrity", False))
+        self.step_mode = str(cfg.get("step_mode", "fast"))
+        require(self.step_mode in ("fast", "exact"), "step_mode",
+                f"must be fast or exact, got {self.step_mode!r}")
 
         self.model: ModelSpec = model_spec_from(_section(cfg, "model"), "model config")
         self.hardware: HardwareSpec = hardware_spec_from(_section(cfg, "hardware"), "hardware config")
@@ -178,18 +181,23 @@ class Simulation:
         kv = KVBlockManager(self.memory.num_gpu_blocks, self.kv_cfg.block_size,
                             self.memory.num_cpu_blocks)
         self.executor.init_kv_cache(kv.num_gpu_blocks, kv.num_cpu_blocks, kv.block_size)
+        next_arrival = [float("inf")]
         replica = Replica(env, 0, self.policy, self.executor, kv, metrics, req_sink, step_sink,
                           max_model_len=self.model.max_model_len,
-                          check_integrity=self.check_integrity, on_finished=on_done)
+                          check_integrity=self.check_integrity, on_finished=on_done,
+                          horizon=lambda: next_arrival[0],
+                          fast_forward=self.step_mode == "fast")
 
         def arrivals():
             for req in self.workload:
+                next_arrival[0] = req.arrival_time
                 delay = req.arrival_time - env.now
                 if delay > 0:
                     yield env.timeout(delay)
                 replica.add_request(req)
                 if req.is_finished:  # rejected at arrival
                     on_done(req)
+            next_arrival[0] = float("inf")
 
         env.process(arrivals())
         try:
@@ -217,6 +225,8 @@ class Simulation:
             "kv_bytes_per_token": int(self.model.kv_bytes_per_token),
             "kv_peak_usage": kv.peak_used_blocks / kv.num_gpu_blocks,
             "num_steps": sum(r.num_steps for r in replicas),
+            "num_decode_jumps": sum(r.num_jumps for r in replicas),
+            "step_mode": self.step_mode,
             "num_swap_fallbacks": sum(r.builder.num_swap_fallbacks for r in replicas),
             "simulated_duration_s": sim_end,
             "wall_time_s": wall,

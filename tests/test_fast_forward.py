@@ -1,0 +1,69 @@
+"""Decode jumps (step_mode=fast) must reproduce step-by-step simulation (step_mode=exact)."""
+
+import pandas as pd
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from policies import POLICIES
+from sim.simulation import Simulation
+from tests.helpers import compose_cfg
+
+JUMPING = [n for n in POLICIES.names() if POLICIES.get(n).supports_decode_jumps]
+
+
+def _run(mode: str, overrides: list[str]):
+    res = Simulation(compose_cfg(f"step_mode={mode}", *overrides)).run()
+    reqs = pd.DataFrame(res.requests_sink.rows, columns=res.requests_sink.columns)
+    steps = pd.DataFrame(res.steps_sink.rows, columns=res.steps_sink.columns)
+    return res.summary, reqs.sort_values("request_id").reset_index(drop=True), steps
+
+
+def _assert_same(overrides: list[str]) -> dict:
+    fast, rf, sf = _run("fast", overrides)
+    exact, re_, se = _run("exact", overrides)
+    # The same schedule: every step's shape and timing, and every request's timestamps.
+    cols = ["batch_size", "prefill_tokens", "decode_tokens", "sampled", "num_waiting",
+            "num_running", "num_swapped", "kv_blocks_used", "recomputed", "swapped_out"]
+    assert len(sf) == len(se)
+    assert (sf[cols].to_numpy() == se[cols].to_numpy()).all()
+    for c in ("time", "duration"):
+        a, b = sf[c].astype(float).to_numpy(), se[c].astype(float).to_numpy()
+        assert a == pytest.approx(b, rel=1e-9, abs=1e-12)
+    for c in ("first_scheduled_time", "first_token_time", "finish_time", "ttft", "tpot",
+              "e2e_latency"):
+        a = pd.to_numeric(rf[c]).to_numpy(dtype=float)
+        b = pd.to_numeric(re_[c]).to_numpy(dtype=float)
+        assert a == pytest.approx(b, rel=1e-9, abs=1e-12, nan_ok=True), c
+    same = ["request_id", "status", "output_len", "num_preemptions", "num_swaps", "num_recomputes"]
+    assert rf[same].equals(re_[same])
+    for key in ("p99_itl_ms", "mean_tpot_ms", "num_preemptions", "kv_peak_usage"):
+        assert fast[key] == pytest.approx(exact[key], rel=1e-9), key
+    return fast
+
+
+@pytest.mark.parametrize("policy", JUMPING)
+def test_default_workload_fast_equals_exact(policy):
+    s = _assert_same([f"policy={policy}", "workload.num_requests=300", "workload.qps=8"])
+    assert s["num_decode_jumps"] > 0
+
+
+@pytest.mark.parametrize("policy", JUMPING)
+def test_preemption_heavy_case_fast_equals_exact(policy):
+    s = _assert_same([f"policy={policy}", "model=tiny", "kv.num_gpu_blocks=60",
+                      "workload.qps=30", "workload.num_requests=60",
+                      "workload.prompt_len.max=200", "workload.output_len.max=150"])
+    assert s["num_preemptions"] > 0 and s["num_decode_jumps"] > 0
+
+
+@pytest.mark.parametrize("policy", JUMPING)
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10_000), blocks=st.integers(40, 400), qps=st.floats(1.0, 60.0),
+       swap=st.booleans())
+def test_random_small_workloads_under_kv_pressure(policy, seed, blocks, qps, swap):
+    _assert_same([
+        f"policy={policy}", "model=tiny", f"seed={seed}", f"kv.num_gpu_blocks={blocks}",
+        "kv.num_cpu_blocks=64", f"workload.qps={qps}", "workload.num_requests=40",
+        "workload.prompt_len.max=200", "workload.output_len.max=120",
+        f"policy.preemption_mode={'swap' if swap else 'recompute'}",
+    ])
