@@ -50,7 +50,7 @@ def test_default_workload_fast_equals_exact(policy):
 
 @pytest.mark.parametrize("policy", JUMPING)
 def test_preemption_heavy_case_fast_equals_exact(policy):
-    s = _assert_same([f"policy={policy}", "model=tiny", "kv.num_gpu_blocks=60",
+    s = _assert_same([f"policy={policy}", "model=tiny", "kv.num_gpu_blocks=30",
                       "workload.qps=30", "workload.num_requests=60",
                       "workload.prompt_len.max=200", "workload.output_len.max=150"])
     assert s["num_preemptions"] > 0 and s["num_decode_jumps"] > 0
