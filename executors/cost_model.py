@@ -54,7 +54,7 @@ class CostModelConfig:
     kv_read_efficiency: float = 0.85  # paged-KV gathers vs streaming weights, relative
     attention_kernel_us: float = 10.0  # launch + ramp-up + tail of one attention kernel
     # p of the knee (FLOP time^p + byte time^p)^(1/p); None: the sharp roofline max().
-    roofline_sharpness: float | None = None
+    roofline_sharpness: float | None = 2.0
     profile: str | None = None  # a fitted hardware profile (YAML/JSON; executors/calibration.py)
 
     def __post_init__(self) -> None:
