@@ -1,30 +1,45 @@
 """Roofline cost model: the duration of a StepPlan from model shape x hardware.
 
-Per layer and per tensor-parallel rank, every operator costs
-``max(FLOPs / (peak x compute_eff), bytes / (HBM bandwidth x memory_eff))``:
+A plan is reduced to a ``StepShape`` and then to ``StepDrivers`` (``executors/step_terms.py``):
+FLOPs and bytes per roofline term, summed over layers on one tensor-parallel rank. Each term
+costs ``knee(FLOPs x s_per_flop, bytes x s_per_byte)`` (``max`` by default):
 
 * QKV, output, gate/up and down projections: weights read once per step, activations per token;
-* attention, split the way kernels split it: prefill chunks (FLOPs grow with chunk x context,
-  causal within the chunk) and decode rows (one query; the cached KV is read);
-* element-wise work (RMSNorms, RoPE, SiLU-and-mul, residual adds): bytes only;
+* attention, split the way kernels split it: prefill chunks (chunk x (cached + chunk) pairs) and
+  decode rows (one query; the cached KV is read, at ``kv_read_efficiency`` of the bandwidth since
+  paged KV is gathered in block-sized pieces), plus a floor per attention kernel;
+* element-wise work (RMSNorms, RoPE, SiLU-and-mul, residual adds, KV store): bytes only;
 * two all-reduces per layer under TP: latency + ring traffic 2(t-1)/t x bytes / link bandwidth;
 
 plus the LM head for the sampled rows only, a fixed per-step CPU overhead, a per-sequence
 overhead (input preparation, sampling), and the PCIe time of the step's swap copies.
+
+With ``executor.profile=<file>`` the prices come from a fitted hardware profile instead
+(``executors/calibration.py``); communication and swap stay priced from the spec.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+import math
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import numpy as np
 
 from executors.base import EXECUTORS, Executor
+from executors.step_terms import (
+    Coefficients,
+    StepBreakdown,
+    StepDecomposer,
+    StepShape,
+    step_shape,
+)
 from sim.errors import ConfigError, require
 from sim.memory import activation_reserve_bytes
 from sim.plan import StepPlan, StepResult
 from sim.specs import HardwareSpec, ModelSpec
+
+__all__ = ["CostModelConfig", "RooflineCostModel", "StepBreakdown", "build_cost_model"]
 
 
 @dataclass(frozen=True)
@@ -35,17 +50,28 @@ class CostModelConfig:
     # Override the hardware spec's efficiencies (None: use the spec's).
     compute_efficiency: float | None = None
     memory_efficiency: float | None = None
-    attention_efficiency: float = 0.8  # FlashAttention vs a dense GEMM, relative
-    profile: str | None = None  # calibrated coefficients (issue: calibration)
+    # FlashAttention-2 (paged KV) vs a dense GEMM, relative: Vidur's A100 profile measures
+    # ~110 TFLOP/s on long prefixes, 0.35 of peak (docs/calibration.md).
+    attention_efficiency: float = 0.5
+    kv_read_efficiency: float = 0.85  # paged-KV gathers vs streaming weights, relative
+    attention_kernel_us: float = 10.0  # launch + ramp-up + tail of one attention kernel
+    # p of the knee (FLOP time^p + byte time^p)^(1/p); None: the sharp roofline max().
+    roofline_sharpness: float | None = 2.0
+    profile: str | None = None  # a fitted hardware profile (YAML/JSON; executors/calibration.py)
 
     def __post_init__(self) -> None:
         require(self.step_overhead_ms >= 0, "executor.step_overhead_ms", "must be >= 0")
         require(self.per_seq_overhead_us >= 0, "executor.per_seq_overhead_us", "must be >= 0")
+        require(self.attention_kernel_us >= 0, "executor.attention_kernel_us", "must be >= 0")
         for f in ("compute_efficiency", "memory_efficiency"):
             v = getattr(self, f)
             require(v is None or 0 < v <= 1, f"executor.{f}", f"must be in (0, 1], got {v}")
-        require(0 < self.attention_efficiency <= 1, "executor.attention_efficiency",
-                f"must be in (0, 1], got {self.attention_efficiency}")
+        for f in ("attention_efficiency", "kv_read_efficiency"):
+            v = getattr(self, f)
+            require(0 < v <= 1, f"executor.{f}", f"must be in (0, 1], got {v}")
+        require(self.roofline_sharpness is None or self.roofline_sharpness >= 1,
+                "executor.roofline_sharpness",
+                f"must be >= 1 or null (max), got {self.roofline_sharpness}")
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> CostModelConfig:
@@ -57,62 +83,43 @@ class CostModelConfig:
         return cls(**data)
 
 
-@dataclass
-class StepBreakdown:
-    """Seconds per term for one step (summed over layers)."""
-
-    linear: float = 0.0
-    attention_prefill: float = 0.0
-    attention_decode: float = 0.0
-    elementwise: float = 0.0
-    lm_head: float = 0.0
-    communication: float = 0.0
-    overhead: float = 0.0
-    swap: float = 0.0
-
-    @property
-    def total(self) -> float:
-        return (self.linear + self.attention_prefill + self.attention_decode + self.elementwise
-                + self.lm_head + self.communication + self.overhead + self.swap)
-
-
 class RooflineCostModel(Executor):
+    """Prices a step's drivers (``executors/step_terms.py``) from the hardware spec, or from
+    calibrated ``coefficients`` (a fitted hardware profile) when given."""
+
     def __init__(self, model: ModelSpec, hardware: HardwareSpec, tensor_parallel: int = 1,
-                 config: CostModelConfig | None = None, block_size: int = 16) -> None:
+                 config: CostModelConfig | None = None, block_size: int = 16,
+                 coefficients: Coefficients | None = None) -> None:
         require(tensor_parallel >= 1, "cluster.tensor_parallel", f"must be >= 1, got {tensor_parallel}")
         require(model.num_heads % tensor_parallel == 0, "cluster.tensor_parallel",
                 f"{tensor_parallel} does not divide {model.name}'s {model.num_heads} heads")
         self.model = model
         self.hardware = hardware
         self.tp = tensor_parallel
-        self.config = config or CostModelConfig()
+        self.config = c = config or CostModelConfig()
         self.block_size = block_size
-        c = self.config
+        self.decomposer = StepDecomposer(model, tensor_parallel, block_size)
         ce = c.compute_efficiency or hardware.compute_efficiency
         me = c.memory_efficiency or hardware.memory_efficiency
-        self._flops = hardware.peak_flops(model.weight_dtype) * ce  # achievable FLOP/s
-        self._attn_flops = hardware.peak_tflops_fp16 * 1e12 * ce * c.attention_efficiency
-        self._bw = hardware.memory_bandwidth_gbps * 1e9 * me  # achievable bytes/s
+        bw = hardware.memory_bandwidth_gbps * 1e9 * me  # achievable bytes/s
+        self.roofline = Coefficients(
+            s_per_step=c.step_overhead_ms * 1e-3,
+            s_per_seq=c.per_seq_overhead_us * 1e-6,
+            s_per_token=0.0,  # element-wise work is priced by its bytes (below)
+            s_per_flop=1.0 / (hardware.peak_flops(model.weight_dtype) * ce),
+            s_per_weight_byte=1.0 / bw,
+            s_per_attn_flop=1.0 / (hardware.peak_tflops_fp16 * 1e12 * ce * c.attention_efficiency),
+            s_per_kv_byte=1.0 / (bw * c.kv_read_efficiency),
+            s_per_attn_kernel=c.attention_kernel_us * 1e-6,
+            sharpness=math.inf if c.roofline_sharpness is None else c.roofline_sharpness,
+        )
+        self.coefficients = coefficients or self.roofline
+        # Element-wise bytes stay priced by bandwidth unless a profile fitted s_per_token.
+        self._ew_s_per_byte = None if coefficients is not None else 1.0 / bw
         self._link_bw = hardware.interconnect_bandwidth_gbps * 1e9 * hardware.interconnect_efficiency
         self._link_lat = hardware.interconnect_latency_us * 1e-6
         self._pcie_bw = hardware.pcie_bandwidth_gbps * 1e9
         self._pcie_lat = hardware.pcie_latency_us * 1e-6
-        self._overhead = c.step_overhead_ms * 1e-3
-        self._per_seq = c.per_seq_overhead_us * 1e-6
-
-        t, m = tensor_parallel, model
-        h, a, wb = m.hidden_size, m.act_bytes, m.weight_bytes_per_element
-        q, kv, inter = m.q_size // t, max(m.head_dim, m.kv_size // t), m.intermediate_size // t
-        # (in_features, out_features) of each projection on one rank
-        self._linears = [(h, q + 2 * kv), (q, h), (h, 2 * inter), (inter, h)]
-        self._wb, self._ab = wb, a
-        self._heads = m.num_heads // t
-        self._kv_width = kv  # kv_heads x head_dim on one rank
-        self._kvb = m.kv_bytes_per_element
-        # Element-wise bytes per token per layer: 2 RMSNorms with residual add (read x and
-        # residual, write both), RoPE on q and k (read+write), SiLU-and-mul (read 2I, write I).
-        self._elementwise_bytes_per_token = a * (2 * 4 * h + 2 * (q + kv) + 3 * inter)
-        self._kv_block_bytes = m.kv_bytes_per_token_per_rank(t) * block_size
 
     # ---- Executor interface -------------------------------------------------------------
     def weight_bytes(self) -> float:
@@ -125,88 +132,44 @@ class RooflineCostModel(Executor):
         return StepResult(self.breakdown(plan).total)
 
     # ---- the model ----------------------------------------------------------------------
-    def _roof(self, flops, nbytes, flops_rate: float | None = None):
-        """Roofline time; element-wise over numpy arrays (used by decode jumps)."""
-        a, b = flops / (flops_rate or self._flops), nbytes / self._bw
-        return np.maximum(a, b) if isinstance(a, np.ndarray) else max(a, b)
+    def breakdown(self, plan: StepPlan) -> StepBreakdown:
+        return self.breakdown_shape(step_shape(plan))
+
+    def breakdown_shape(self, shape: StepShape) -> StepBreakdown:
+        """Seconds per term for a step of this shape."""
+        d = self.decomposer.drivers(shape)
+        b = self.coefficients.breakdown(d, self._ew_s_per_byte)
+        if d.comm_calls:
+            b.communication = d.comm_calls * self._link_lat + d.comm_bytes / self._link_bw
+        if d.swap_calls:
+            b.swap = d.swap_calls * self._pcie_lat + d.swap_bytes / self._pcie_bw
+        return b
 
     def decode_durations(self, plan: StepPlan, num_steps: int) -> np.ndarray:
         """Durations of ``num_steps`` consecutive steps in which every row of this decode-only
-        plan advances by one token per step (contexts grow by one each step). Evaluated with
-        the same formula, in the same operation order, as ``execute`` step by step."""
-        n = len(plan.scheduled)
-        dec_ctx0 = sum(s.start_position + 1 for s in plan.scheduled)
-        dec_ctx = dec_ctx0 + n * np.arange(num_steps, dtype=np.int64)
-        return self.time_for(n, n, n, 0.0, 0, 0, dec_ctx, n).total
-
-    def breakdown(self, plan: StepPlan) -> StepBreakdown:
-        n_tokens = 0
-        n_sampled = 0
-        n_rows = 0
-        pf_flops = 0.0  # prefill attention: query x key pairs (causal within a chunk)
-        pf_kv_tokens = 0  # prefill attention: KV tokens read
-        pf_q_tokens = 0
-        dec_ctx = 0  # decode attention: KV tokens read
-        n_dec = 0
-        for s in plan.scheduled:
-            n = s.num_new_tokens
-            n_tokens += n
-            n_rows += 1
-            if s.sample:
-                n_sampled += 1
-            if n == 1 and s.start_position > 0:
-                dec_ctx += s.start_position + 1
-                n_dec += 1
-            else:
-                pf_flops += n * s.start_position + n * (n + 1) / 2
-                pf_kv_tokens += s.start_position + n
-                pf_q_tokens += n
-        return self.time_for(n_tokens, n_sampled, n_rows, pf_flops, pf_kv_tokens, pf_q_tokens,
-                             dec_ctx, n_dec, len(plan.swap_out), len(plan.swap_in))
+        plan advances by one token (each context grows by one per step), evaluated with the
+        same terms as ``execute`` (the decode context enters as an array)."""
+        shape = step_shape(plan)
+        ctx = shape.decode_ctx + shape.num_decode * np.arange(num_steps, dtype=np.int64)
+        return self.breakdown_shape(replace(shape, decode_ctx=ctx)).total
 
     def time_for(self, n_tokens: int, n_sampled: int, n_rows: int, pf_pairs: float,
                  pf_kv_tokens: int, pf_q_tokens: int, dec_ctx: int, n_dec: int,
                  n_swap_out_blocks: int = 0, n_swap_in_blocks: int = 0) -> StepBreakdown:
-        """Step time from aggregate shape figures (what ``breakdown`` computes from a plan)."""
-        m, b = self.model, StepBreakdown()
-        if n_tokens:
-            layers = m.num_layers
-            ab, wb = self._ab, self._wb
-            lin = 0.0
-            for fin, fout in self._linears:
-                flops = 2.0 * n_tokens * fin * fout
-                nbytes = fin * fout * wb + n_tokens * (fin + fout) * ab
-                lin += self._roof(flops, nbytes)
-            b.linear = layers * lin
-            d, hq, kvw, kvb = m.head_dim, self._heads, self._kv_width, self._kvb
-            if pf_q_tokens:
-                flops = 4.0 * hq * d * pf_pairs
-                nbytes = 2 * kvw * kvb * pf_kv_tokens + 2 * hq * d * ab * pf_q_tokens
-                b.attention_prefill = layers * self._roof(flops, nbytes, self._attn_flops)
-            if n_dec:
-                flops = 4.0 * hq * d * dec_ctx
-                nbytes = 2 * kvw * kvb * dec_ctx + 2 * hq * d * ab * n_dec
-                b.attention_decode = layers * self._roof(flops, nbytes, self._attn_flops)
-            # KV store of the new tokens is element-wise traffic too.
-            b.elementwise = layers * n_tokens * (self._elementwise_bytes_per_token
-                                                 + 2 * kvw * kvb) / self._bw
-            if self.tp > 1:
-                msg = n_tokens * m.hidden_size * ab
-                ring = 2.0 * (self.tp - 1) / self.tp * msg / self._link_bw
-                b.communication = layers * 2 * (self._link_lat + ring)
-        if n_sampled:
-            v, h = m.vocab_size // self.tp, m.hidden_size
-            b.lm_head = self._roof(2.0 * n_sampled * h * v, h * v * 2 + n_sampled * (h + v) * 4)
-        if n_rows or n_swap_out_blocks or n_swap_in_blocks:
-            b.overhead = self._overhead + self._per_seq * n_rows
-        for blocks in (n_swap_out_blocks, n_swap_in_blocks):
-            if blocks:
-                b.swap += self._pcie_lat + blocks * self._kv_block_bytes / self._pcie_bw
-        return b
+        """Step time from aggregate shape figures (``pf_pairs``: chunk x (cached + chunk))."""
+        return self.breakdown_shape(StepShape(
+            n_tokens, n_sampled, n_rows, int(pf_pairs), pf_kv_tokens, pf_q_tokens,
+            int(pf_q_tokens > 0), dec_ctx, n_dec, n_swap_out_blocks, n_swap_in_blocks))
 
 
 @EXECUTORS.register("cost_model")
 def build_cost_model(model: ModelSpec, hardware: HardwareSpec, tensor_parallel: int,
                      config: dict[str, Any], block_size: int = 16, **_: Any) -> RooflineCostModel:
-    return RooflineCostModel(model, hardware, tensor_parallel, CostModelConfig.from_dict(config),
-                             block_size=block_size)
+    cfg = CostModelConfig.from_dict(config)
+    coefficients = None
+    if cfg.profile is not None:
+        from executors.calibration import load_profile_for  # scipy-free, but keep it lazy
+
+        coefficients = load_profile_for(cfg.profile, model, tensor_parallel).coefficients
+    return RooflineCostModel(model, hardware, tensor_parallel, cfg, block_size=block_size,
+                             coefficients=coefficients)

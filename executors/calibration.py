@@ -1,0 +1,376 @@
+"""Calibrated cost model: fit the roofline's prices to measured step times.
+
+A profile CSV (``PROFILE_COLUMNS``; ``experiments/profile.py`` writes one) has one row per
+measured step shape. Each row is rebuilt into a ``StepShape``, decomposed into ``StepDrivers``
+(the same decomposition the roofline uses) and the ``Coefficients`` are fitted with scipy:
+non-negative least squares for a linear start (knee p = 1, where compute and memory times add),
+then bounded ``least_squares`` on relative errors for each knee sharpness p of a small grid,
+keeping the p with the lowest error on the rows fitted. The result is saved as a small YAML or
+JSON hardware profile that ``executor=cost_model executor.profile=<file>`` loads.
+
+Held-out rows (``split_rows``) are never fitted: ``mape_heldout`` is the honest figure.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import yaml
+
+from executors.step_terms import (
+    DRIVER_COLUMNS,
+    Coefficients,
+    StepDecomposer,
+    StepDrivers,
+    StepShape,
+    driver_matrix,
+    predict_array,
+    step_shape,
+)
+from sim.errors import ConfigError
+from sim.plan import ScheduledRequest, StepPlan
+from sim.specs import ModelSpec
+
+#: The profile CSV schema (README "Profiling and calibration" documents each column).
+SHAPE_COLUMNS = ("kind", "batch_size", "num_tokens", "num_prefill_seqs", "prefill_chunk",
+                 "prefill_cached", "num_decode_seqs", "decode_context", "num_sampled")
+TIMING_COLUMNS = ("warmup", "repeats", "median_s", "mean_s", "std_s", "p10_s", "p90_s", "min_s")
+META_COLUMNS = ("model", "device", "dtype", "tensor_parallel", "executor")
+PROFILE_COLUMNS = SHAPE_COLUMNS + TIMING_COLUMNS + META_COLUMNS
+KINDS = ("decode", "prefill", "mixed")
+
+#: Which drivers each coefficient prices (a coefficient whose drivers are all zero in the data
+#: cannot be fitted and stays 0).
+COEFFICIENT_DRIVERS: dict[str, tuple[str, ...]] = {
+    "s_per_step": ("nonempty",),
+    "s_per_seq": ("rows",),
+    "s_per_token": ("tokens",),
+    "s_per_flop": ("linear_flops", "lm_head_flops"),
+    "s_per_weight_byte": ("linear_bytes", "lm_head_bytes"),
+    "s_per_attn_flop": ("prefill_flops", "decode_flops"),
+    "s_per_kv_byte": ("prefill_bytes", "decode_bytes"),
+    "s_per_attn_kernel": ("attn_kernels",),
+}
+SHARPNESS_GRID: tuple[float, ...] = (1.0, 1.5, 2.0, 3.0, 4.0, 8.0, math.inf)
+
+
+# ---- rows <-> plans ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ShapeSpec:
+    """One measured step shape: ``num_prefill_seqs`` chunks of ``prefill_chunk`` new tokens
+    over ``prefill_cached`` cached ones, plus ``num_decode_seqs`` decode rows over
+    ``decode_context`` cached tokens each. The first ``num_sampled`` rows sample."""
+
+    kind: str
+    num_prefill_seqs: int = 0
+    prefill_chunk: int = 0
+    prefill_cached: int = 0
+    num_decode_seqs: int = 0
+    decode_context: int = 0
+    num_sampled: int | None = None  # None: every row samples
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
+        for f in ("num_prefill_seqs", "prefill_chunk", "prefill_cached", "num_decode_seqs",
+                  "decode_context"):
+            if getattr(self, f) < 0:
+                raise ValueError(f"{f} must be >= 0, got {getattr(self, f)}")
+        if self.num_prefill_seqs and self.prefill_chunk < 1:
+            raise ValueError("prefill_chunk must be >= 1 when num_prefill_seqs > 0")
+        if self.num_decode_seqs and self.decode_context < 1:
+            raise ValueError("decode_context must be >= 1 for decode rows (one query over a "
+                             "non-empty cache)")
+        if self.num_prefill_seqs and self.prefill_chunk == 1 and self.prefill_cached > 0:
+            raise ValueError("a 1-token chunk over a non-empty cache is a decode row")
+        want = {"decode": (False, True), "prefill": (True, False), "mixed": (True, True)}
+        has = (self.num_prefill_seqs > 0, self.num_decode_seqs > 0)
+        if has != want[self.kind]:
+            raise ValueError(f"kind {self.kind!r} with {self.num_prefill_seqs} prefill and "
+                             f"{self.num_decode_seqs} decode rows")
+        if self.num_sampled is not None and not 0 <= self.num_sampled <= self.batch_size:
+            raise ValueError(f"num_sampled must be in [0, {self.batch_size}], "
+                             f"got {self.num_sampled}")
+
+    @property
+    def batch_size(self) -> int:
+        return self.num_prefill_seqs + self.num_decode_seqs
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prefill_seqs * self.prefill_chunk + self.num_decode_seqs
+
+    @property
+    def sampled(self) -> int:
+        return self.batch_size if self.num_sampled is None else self.num_sampled
+
+    def rows(self) -> list[tuple[int, int]]:
+        """(start_position, num_new_tokens) per row, prefill rows first."""
+        return ([(self.prefill_cached, self.prefill_chunk)] * self.num_prefill_seqs
+                + [(self.decode_context, 1)] * self.num_decode_seqs)
+
+    def tokens_per_row(self) -> list[int]:
+        """KV slots each row holds after the step."""
+        return [start + n for start, n in self.rows()]
+
+    def plan(self, block_tables: Sequence[list[int]] | None = None,
+             request_ids: Sequence[int] | None = None) -> StepPlan:
+        """The StepPlan of this shape (block tables from a KVBlockManager, or empty)."""
+        rows = self.rows()
+        ids = list(request_ids) if request_ids is not None else list(range(len(rows)))
+        tables = list(block_tables) if block_tables is not None else [[] for _ in rows]
+        k = self.sampled
+        return StepPlan([ScheduledRequest(rid, start, n, table, i < k)
+                         for i, (rid, (start, n), table) in enumerate(zip(ids, rows, tables))])
+
+    def shape(self) -> StepShape:
+        return step_shape(self.plan())
+
+    def as_row(self) -> dict[str, Any]:
+        return {"kind": self.kind, "batch_size": self.batch_size, "num_tokens": self.num_tokens,
+                "num_prefill_seqs": self.num_prefill_seqs, "prefill_chunk": self.prefill_chunk,
+                "prefill_cached": self.prefill_cached, "num_decode_seqs": self.num_decode_seqs,
+                "decode_context": self.decode_context, "num_sampled": self.sampled}
+
+
+def shape_from_row(row: dict[str, Any], where: str) -> ShapeSpec:
+    """Rebuild a row's shape, checking its redundant columns (batch_size, num_tokens)."""
+    try:
+        spec = ShapeSpec(str(row["kind"]), int(row["num_prefill_seqs"]), int(row["prefill_chunk"]),
+                         int(row["prefill_cached"]), int(row["num_decode_seqs"]),
+                         int(row["decode_context"]), int(row["num_sampled"]))
+    except KeyError as e:
+        raise ConfigError(f"profile.{e.args[0]}", f"missing column in {where}") from None
+    except ValueError as e:
+        raise ConfigError("profile", f"{where}: {e}") from None
+    for col in ("batch_size", "num_tokens"):
+        if int(row[col]) != getattr(spec, col):
+            raise ConfigError(f"profile.{col}", f"{where}: {row[col]} does not match the "
+                              f"shape columns ({getattr(spec, col)})")
+    return spec
+
+
+def read_profile_csv(path: str | Path) -> list[dict[str, Any]]:
+    """The rows of a profile CSV, validated (errors name the file, line and column)."""
+    import pandas as pd
+
+    df = pd.read_csv(path)
+    missing = [c for c in SHAPE_COLUMNS + ("median_s",) if c not in df.columns]
+    if missing:
+        raise ConfigError(f"profile.{missing[0]}", f"missing column in {path}")
+    rows = df.to_dict("records")
+    for i, row in enumerate(rows):
+        where = f"{path} line {i + 2}"
+        shape_from_row(row, where)
+        t = float(row["median_s"])
+        if not (t > 0 and math.isfinite(t)):
+            raise ConfigError("profile.median_s", f"{where}: must be > 0, got {row['median_s']}")
+    if not rows:
+        raise ConfigError("profile", f"{path} has no rows")
+    return rows
+
+
+def split_rows(rows: Sequence[dict[str, Any]]) -> tuple[list[int], list[int]]:
+    """Indices (fit, held out): within each kind, rows sorted by shape alternate between the
+    two, so the held-out shapes interleave the fitted ones but are never fitted."""
+    fit: list[int] = []
+    held: list[int] = []
+    for kind in KINDS:
+        idx = [i for i, r in enumerate(rows) if r["kind"] == kind]
+        idx.sort(key=lambda i: tuple(int(rows[i][c]) for c in SHAPE_COLUMNS[1:]))
+        fit += idx[0::2]
+        held += idx[1::2]
+    return sorted(fit), sorted(held)
+
+
+# ---- fitting ----------------------------------------------------------------------------------
+def mape(pred: np.ndarray, y: np.ndarray) -> float:
+    """Mean absolute percentage error, in percent."""
+    return float(100.0 * np.mean(np.abs(np.asarray(pred) / np.asarray(y) - 1.0)))
+
+
+@dataclass
+class Fit:
+    coefficients: Coefficients
+    mape_fit: float  # percent, on the rows fitted
+    per_sharpness: dict[float, float] = field(default_factory=dict)  # p -> MAPE on the fit rows
+
+
+def _linear_design(X: np.ndarray) -> np.ndarray:
+    """Design matrix of the p = 1 model (knee = sum), one column per coefficient."""
+    col = {c: X[:, i] for i, c in enumerate(DRIVER_COLUMNS)}
+    return np.column_stack([sum(col[d] for d in COEFFICIENT_DRIVERS[n])
+                            for n in Coefficients.names()])
+
+
+def fit_coefficients(drivers: Sequence[StepDrivers], y: Sequence[float],
+                     sharpness: float | Sequence[float] | None = None,
+                     active: Sequence[str] | None = None) -> Fit:
+    """Fit ``Coefficients`` to measured step seconds ``y`` (relative error is minimised).
+
+    ``sharpness``: one knee p, or a grid to choose from (default ``SHARPNESS_GRID``).
+    ``active``: coefficient names to fit (default: every one whose drivers are non-zero in the
+    data); the others are 0.
+    """
+    from scipy.optimize import least_squares, nnls
+
+    X = driver_matrix(list(drivers))
+    yv = np.asarray(y, dtype=float)
+    if len(yv) != len(X) or not len(yv):
+        raise ValueError(f"{len(X)} driver rows for {len(yv)} times")
+    if np.any(~(yv > 0)):
+        raise ValueError("measured times must be > 0")
+    names = Coefficients.names()
+    A = _linear_design(X)
+    present = np.any(A != 0, axis=0)
+    on = present if active is None else np.array([n in active for n in names]) & present
+    # Linear start: NNLS on relative errors of the additive (p = 1) model.
+    w = 1.0 / yv
+    x_lin = np.zeros(len(names))
+    x_lin[on], _ = nnls(A[:, on] * w[:, None], np.ones_like(yv))
+    # Scales: each coefficient's "one-row" size, so the solver works on O(1) numbers.
+    typical = np.array([np.median(yv) / max(np.median(A[:, j][A[:, j] > 0]), 1e-300)
+                        if on[j] else 1.0 for j in range(len(names))])
+    scale = np.where(x_lin > 0, x_lin, typical * 1e-2)
+    grid = SHARPNESS_GRID if sharpness is None else (
+        (sharpness,) if isinstance(sharpness, (int, float)) else tuple(sharpness))
+    best: tuple[float, float, np.ndarray] | None = None
+    per: dict[float, float] = {}
+    starts = [np.ones(len(names)), np.where(x_lin > 0, 1.0, 10.0)]
+    for p in grid:
+        best_p: tuple[float, np.ndarray] | None = None
+        for z0 in starts:
+            def resid(z: np.ndarray) -> np.ndarray:
+                x = np.where(on, z * scale, 0.0)
+                return predict_array(x, X, p) / yv - 1.0
+
+            r = least_squares(resid, z0, bounds=(0.0, np.inf), x_scale=1.0, loss="soft_l1",
+                              f_scale=0.05, max_nfev=2000)
+            x = np.where(on, r.x * scale, 0.0)
+            err = mape(predict_array(x, X, p), yv)
+            if best_p is None or err < best_p[0]:
+                best_p = (err, x)
+        assert best_p is not None
+        per[p] = best_p[0]
+        if best is None or best_p[0] < best[0] - 1e-9:
+            best = (best_p[0], p, best_p[1])
+    assert best is not None
+    err, p, x = best
+    return Fit(Coefficients(**dict(zip(names, map(float, x))), sharpness=p), err, per)
+
+
+def predict(coefficients: Coefficients, drivers: Sequence[StepDrivers]) -> np.ndarray:
+    """Seconds per row (without communication and swap)."""
+    x = np.array([getattr(coefficients, n) for n in Coefficients.names()])
+    return predict_array(x, driver_matrix(list(drivers)), coefficients.sharpness)
+
+
+# ---- hardware profiles ------------------------------------------------------------------------
+@dataclass
+class HardwareProfile:
+    """Fitted coefficients for one (model, device, dtype, tensor_parallel)."""
+
+    model: str
+    device: str
+    dtype: str
+    tensor_parallel: int
+    coefficients: Coefficients
+    fit: dict[str, Any] = field(default_factory=dict)  # rows, MAPE on fit / held-out rows
+    source: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        c = self.coefficients.as_dict()
+        if math.isinf(c["sharpness"]):
+            c["sharpness"] = None  # YAML/JSON have no portable infinity; null means max()
+        return {"model": self.model, "device": self.device, "dtype": self.dtype,
+                "tensor_parallel": self.tensor_parallel, "coefficients": c, "fit": self.fit,
+                "source": self.source}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], where: str) -> HardwareProfile:
+        if not isinstance(data, dict):
+            raise ConfigError("executor.profile", f"{where}: not a mapping")
+        for key in ("model", "device", "tensor_parallel", "coefficients"):
+            if key not in data:
+                raise ConfigError("executor.profile", f"{where}: missing key {key!r}")
+        raw = dict(data["coefficients"] or {})
+        unknown = sorted(set(raw) - set(Coefficients.names()) - {"sharpness"})
+        if unknown:
+            raise ConfigError("executor.profile",
+                              f"{where}: unknown coefficient {unknown[0]!r}; known: "
+                              f"{', '.join(Coefficients.names())}, sharpness")
+        if raw.get("sharpness") is None:
+            raw["sharpness"] = math.inf
+        try:
+            coeffs = Coefficients(**{k: float(v) for k, v in raw.items()})
+        except (TypeError, ValueError) as e:
+            raise ConfigError("executor.profile", f"{where}: {e}") from None
+        return cls(str(data["model"]), str(data["device"]), str(data.get("dtype", "")),
+                   int(data["tensor_parallel"]), coeffs, dict(data.get("fit") or {}),
+                   str(data.get("source", "")))
+
+
+def save_profile(profile: HardwareProfile, path: str | Path) -> Path:
+    """Write YAML, or JSON when the name ends in .json."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = profile.to_dict()
+    with path.open("w") as f:
+        if path.suffix == ".json":
+            json.dump(data, f, indent=2)
+            f.write("\n")
+        else:
+            yaml.safe_dump(data, f, sort_keys=False)
+    return path
+
+
+def load_profile(path: str | Path) -> HardwareProfile:
+    from workloads.base import resolve_path
+
+    p = resolve_path(str(path), "executor.profile")
+    with p.open() as f:
+        try:
+            data = json.load(f) if p.suffix == ".json" else yaml.safe_load(f)
+        except (json.JSONDecodeError, yaml.YAMLError) as e:
+            raise ConfigError("executor.profile", f"{p}: cannot parse: {e}") from None
+    return HardwareProfile.from_dict(data, str(p))
+
+
+def load_profile_for(path: str | Path, model: ModelSpec, tensor_parallel: int) -> HardwareProfile:
+    """Load a profile and check it was measured for this model and tensor parallelism."""
+    prof = load_profile(path)
+    if prof.model != model.name:
+        raise ConfigError("executor.profile", f"{path} was fitted for model {prof.model!r}, "
+                          f"this run uses {model.name!r}")
+    if prof.tensor_parallel != tensor_parallel:
+        raise ConfigError("executor.profile", f"{path} was fitted at tensor_parallel="
+                          f"{prof.tensor_parallel}, this run uses {tensor_parallel}")
+    return prof
+
+
+def calibrate(rows: Sequence[dict[str, Any]], model: ModelSpec, tensor_parallel: int = 1,
+              block_size: int = 16, source: str = "",
+              sharpness: float | Sequence[float] | None = None) -> HardwareProfile:
+    """Fit a profile to CSV rows (``read_profile_csv``), holding out half the shapes."""
+    dec = StepDecomposer(model, tensor_parallel, block_size)
+    drivers = [dec.drivers(shape_from_row(r, f"row {i}").shape()) for i, r in enumerate(rows)]
+    y = np.array([float(r["median_s"]) for r in rows])
+    fit_idx, held_idx = split_rows(rows)
+    if not held_idx:
+        fit_idx = held_idx = list(range(len(rows)))  # a single shape: nothing to hold out
+    f = fit_coefficients([drivers[i] for i in fit_idx], y[fit_idx], sharpness)
+    pred = predict(f.coefficients, drivers)
+    first = rows[0]
+    return HardwareProfile(
+        model=model.name, device=str(first.get("device", "")), dtype=str(first.get("dtype", "")),
+        tensor_parallel=tensor_parallel, coefficients=f.coefficients,
+        fit={"rows_fit": len(fit_idx), "rows_heldout": len(held_idx),
+             "mape_fit_pct": round(mape(pred[fit_idx], y[fit_idx]), 3),
+             "mape_heldout_pct": round(mape(pred[held_idx], y[held_idx]), 3)},
+        source=source)

@@ -1,0 +1,60 @@
+"""Fit the cost model to a profile CSV and save the hardware profile.
+
+    python -m experiments.calibrate profile_csv=outputs/profile/.../profile.csv
+    python -m experiments.calibrate profile_csv=p.csv out=outputs/tiny_cpu.yaml
+    python -m experiments.run executor.profile=outputs/tiny_cpu.yaml model=tiny ...
+
+Half the shapes (every other one of each kind, sorted) are held out of the fit; the last line
+is ``calibrated step-time MAPE: fit X% held-out Y%``.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from executors.calibration import calibrate, read_profile_csv, save_profile
+from sim.errors import ConfigError
+from sim.specs import load_model_spec
+from workloads.base import resolve_path
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``key=value`` overrides: ``profile_csv`` (required), ``out``, ``block_size``."""
+    cfg = {"profile_csv": "", "out": "", "block_size": "16"}
+    for arg in sys.argv[1:] if argv is None else argv:
+        key, sep, value = arg.partition("=")
+        if not sep or key not in cfg:
+            print(f"config error: unknown override {arg!r}; known: {', '.join(cfg)}",
+                  file=sys.stderr)
+            return 2
+        cfg[key] = value
+    try:
+        if not cfg["profile_csv"]:
+            raise ConfigError("profile_csv", "required: the CSV experiments/profile.py wrote")
+        csv = resolve_path(cfg["profile_csv"], "profile_csv")
+        rows = read_profile_csv(csv)
+        names = {str(r.get("model")) for r in rows}
+        tps = {int(r.get("tensor_parallel", 1)) for r in rows}
+        if len(names) != 1 or len(tps) != 1:
+            raise ConfigError("profile.model", f"{csv} mixes models {sorted(names)} or "
+                              f"tensor_parallel {sorted(tps)}; fit one at a time")
+        model = load_model_spec(names.pop())
+        prof = calibrate(rows, model, tps.pop(), int(cfg["block_size"]), source=str(csv))
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    out = Path(cfg["out"]) if cfg["out"] else csv.with_name("hardware_profile.yaml")
+    save_profile(prof, out)
+    for name, value in prof.coefficients.as_dict().items():
+        print(f"{name:<18} {value:.4g}")
+    print(f"profile: {out}")
+    f = prof.fit
+    print(f"calibrated step-time MAPE: fit {f['mape_fit_pct']:.2f}% "
+          f"held-out {f['mape_heldout_pct']:.2f}% ({f['rows_heldout']} held-out shapes)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

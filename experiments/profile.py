@@ -1,0 +1,203 @@
+"""Measure an executor over a grid of step shapes and write a profile CSV.
+
+    python -m experiments.profile executor=real model=tiny          # the real executor (CPU)
+    python -m experiments.profile profile.repeats=10 profile.decode_batch_sizes=[1,8,32]
+    python -m experiments.calibrate profile_csv=outputs/profile/.../profile.csv
+
+Shapes (``conf/profile.yaml``): decode batches (batch size x context length), prefill chunks
+(chunk size x tokens already cached) and mixed steps (decode rows plus one prefill chunk). Each
+shape is run ``warmup`` times unmeasured, then ``repeats`` times; the CSV (columns
+``executors.calibration.PROFILE_COLUMNS``, documented in the README) holds the median and spread
+of the executor's reported step durations (the real executor's are measured wall times).
+
+Plans are real: every repeat registers fresh requests with the executor (random prompt token
+ids covering the cached context), allocates their KV blocks from a ``KVBlockManager`` sized for
+the largest shape, and frees both afterwards, so a stateful executor sees well-formed steps.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import sys
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+import executors
+from executors.base import Executor
+from executors.calibration import PROFILE_COLUMNS, ShapeSpec
+from sim.errors import ConfigError, require
+from sim.kv_manager import KVBlockManager, blocks_for
+from sim.specs import ModelSpec, hardware_spec_from, model_spec_from
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ProfileGrid:
+    decode_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
+    decode_contexts: tuple[int, ...] = (16, 128, 512, 1024)
+    prefill_chunks: tuple[int, ...] = (8, 32, 128, 512)
+    prefill_cached: tuple[int, ...] = (0, 128, 512)
+    mixed_decode_batch_sizes: tuple[int, ...] = (4, 16)
+    mixed_decode_contexts: tuple[int, ...] = (256,)
+    mixed_prefill_chunks: tuple[int, ...] = (32, 256)
+    mixed_prefill_cached: tuple[int, ...] = (0,)
+    warmup: int = 2
+    repeats: int = 5
+    out: str = "profile.csv"  # relative: inside the run's output folder
+
+    def __post_init__(self) -> None:
+        require(self.warmup >= 0, "profile.warmup", f"must be >= 0, got {self.warmup}")
+        require(self.repeats >= 1, "profile.repeats", f"must be >= 1, got {self.repeats}")
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, tuple):
+                bad = [x for x in v if int(x) < (0 if "cached" in f.name else 1)]
+                require(not bad, f"profile.{f.name}", f"bad value {bad[:1]}")
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ProfileGrid:
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise ConfigError(f"profile.{unknown[0]}",
+                              f"unknown option; known: {', '.join(sorted(names))}")
+        return cls(**{k: tuple(int(x) for x in v) if isinstance(v, (list, tuple)) else v
+                      for k, v in data.items()})
+
+    def shapes(self, max_model_len: int) -> list[ShapeSpec]:
+        """Every shape of the grid that fits ``max_model_len``, decode then prefill then mixed."""
+        out = [ShapeSpec("decode", num_decode_seqs=b, decode_context=c)
+               for b, c in itertools.product(self.decode_batch_sizes, self.decode_contexts)]
+        out += [ShapeSpec("prefill", num_prefill_seqs=1, prefill_chunk=n, prefill_cached=k)
+                for n, k in itertools.product(self.prefill_chunks, self.prefill_cached)]
+        out += [ShapeSpec("mixed", num_prefill_seqs=1, prefill_chunk=n, prefill_cached=k,
+                          num_decode_seqs=b, decode_context=c)
+                for b, c, n, k in itertools.product(
+                    self.mixed_decode_batch_sizes, self.mixed_decode_contexts,
+                    self.mixed_prefill_chunks, self.mixed_prefill_cached)]
+        return [s for s in out if max(s.tokens_per_row()) <= max_model_len]
+
+
+def blocks_needed(shapes: Iterable[ShapeSpec], block_size: int) -> int:
+    """GPU blocks the largest shape holds at once."""
+    return max(sum(blocks_for(t, block_size) for t in s.tokens_per_row()) for s in shapes)
+
+
+class Profiler:
+    """Runs shapes through any ``Executor`` with real block tables."""
+
+    def __init__(self, executor: Executor, model: ModelSpec, block_size: int,
+                 num_gpu_blocks: int, seed: int = 0) -> None:
+        self.executor = executor
+        self.model = model
+        self.kv = KVBlockManager(num_gpu_blocks, block_size)
+        executor.init_kv_cache(num_gpu_blocks, 0, block_size)
+        self._rng = np.random.default_rng(seed)
+        self._next_id = 0
+
+    def run_once(self, shape: ShapeSpec) -> float:
+        """One step of this shape on fresh requests; the executor's reported seconds."""
+        ids = list(range(self._next_id, self._next_id + shape.batch_size))
+        self._next_id += shape.batch_size
+        tables = []
+        for rid, tokens in zip(ids, shape.tokens_per_row()):
+            prompt = self._rng.integers(0, self.model.vocab_size, tokens).tolist()
+            self.executor.add_request(rid, prompt)
+            if self.kv.allocate_slots(rid, tokens) is None:
+                raise RuntimeError(f"KV pool of {self.kv.num_gpu_blocks} blocks cannot hold "
+                                   f"shape {shape}")
+            tables.append(self.kv.block_table(rid))
+        try:
+            return float(self.executor.execute(shape.plan(tables, ids)).duration)
+        finally:
+            for rid in ids:
+                self.executor.free_request(rid)
+                self.kv.free(rid)
+
+    def measure(self, shape: ShapeSpec, warmup: int, repeats: int) -> dict[str, Any]:
+        for _ in range(warmup):
+            self.run_once(shape)
+        t = np.array([self.run_once(shape) for _ in range(repeats)])
+        return {**shape.as_row(), "warmup": warmup, "repeats": repeats,
+                "median_s": float(np.median(t)), "mean_s": float(t.mean()),
+                "std_s": float(t.std(ddof=1)) if len(t) > 1 else 0.0,
+                "p10_s": float(np.percentile(t, 10)), "p90_s": float(np.percentile(t, 90)),
+                "min_s": float(t.min())}
+
+
+def profile_executor(executor: Executor, model: ModelSpec, grid: ProfileGrid, block_size: int,
+                     meta: dict[str, Any], seed: int = 0) -> list[dict[str, Any]]:
+    """Measure every shape of ``grid``; rows in ``PROFILE_COLUMNS`` order."""
+    shapes = grid.shapes(model.max_model_len)
+    require(bool(shapes), "profile", "no shape of the grid fits model.max_model_len")
+    prof = Profiler(executor, model, block_size, blocks_needed(shapes, block_size), seed)
+    rows = []
+    for i, shape in enumerate(shapes):
+        row = {**prof.measure(shape, grid.warmup, grid.repeats), **meta}
+        rows.append({c: row[c] for c in PROFILE_COLUMNS})
+        log.info("%d/%d %s: %.3g s", i + 1, len(shapes), shape, row["median_s"])
+    return rows
+
+
+def write_csv(rows: Sequence[dict[str, Any]], path: Path) -> Path:
+    import pandas as pd
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pd.DataFrame(list(rows), columns=list(PROFILE_COLUMNS)).to_csv(path, index=False)
+    return path
+
+
+def build_executor(cfg: dict[str, Any]) -> tuple[Executor, ModelSpec, dict[str, Any]]:
+    """The executor the composed config selects (as the main job builds it), the model, and
+    the CSV's metadata columns."""
+    model = model_spec_from(dict(cfg["model"]), "model config")
+    hardware = hardware_spec_from(dict(cfg["hardware"]), "hardware config")
+    ex = dict(cfg["executor"])
+    tp = int(cfg.get("cluster", {}).get("tensor_parallel", 1))
+    try:
+        factory = executors.EXECUTORS.get(str(ex.get("name")))
+    except KeyError as e:
+        raise ConfigError("executor.name", str(e.args[0])) from None
+    executor = factory(model=model, hardware=hardware, tensor_parallel=tp, config=ex,
+                       block_size=int(cfg["kv"]["block_size"]), seed=int(cfg.get("seed", 0)))
+    meta = {"model": model.name, "device": str(ex.get("device") or hardware.name),
+            "dtype": str(ex.get("dtype") or model.weight_dtype), "tensor_parallel": tp,
+            "executor": str(ex.get("name"))}
+    return executor, model, meta
+
+
+def run(cfg: dict[str, Any], out_dir: Path) -> Path:
+    grid = ProfileGrid.from_dict(dict(cfg.get("profile") or {}))
+    executor, model, meta = build_executor(cfg)
+    rows = profile_executor(executor, model, grid, int(cfg["kv"]["block_size"]), meta,
+                            int(cfg.get("seed", 0)))
+    out = Path(grid.out)
+    return write_csv(rows, out if out.is_absolute() else out_dir / out)
+
+
+def main() -> None:
+    import hydra
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import DictConfig, OmegaConf
+
+    @hydra.main(version_base="1.3", config_path="../conf", config_name="profile")
+    def _main(cfg: DictConfig) -> None:
+        out_dir = Path(HydraConfig.get().runtime.output_dir)
+        try:
+            path = run(OmegaConf.to_container(cfg, resolve=True), out_dir)
+        except ConfigError as e:
+            print(f"config error: {e}", file=sys.stderr)
+            raise SystemExit(2) from None
+        print(f"profile: {path}")
+
+    _main()
+
+
+if __name__ == "__main__":
+    main()

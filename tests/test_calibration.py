@@ -1,0 +1,278 @@
+"""Calibration: the shared step decomposition, fitting, hardware profiles, the profiler."""
+
+import dataclasses
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from executors.base import Executor
+from executors.calibration import (
+    PROFILE_COLUMNS,
+    Coefficients,
+    HardwareProfile,
+    ShapeSpec,
+    calibrate,
+    fit_coefficients,
+    load_profile,
+    load_profile_for,
+    predict,
+    read_profile_csv,
+    save_profile,
+    split_rows,
+)
+from executors.cost_model import RooflineCostModel
+from executors.step_terms import StepDrivers, StepShape, step_shape
+from experiments.profile import ProfileGrid, blocks_needed, profile_executor, write_csv
+from sim.errors import ConfigError
+from sim.plan import ScheduledRequest, StepPlan, StepResult
+from sim.simulation import Simulation
+from sim.specs import load_hardware_spec, load_model_spec
+from tests.helpers import SHARED, compose_cfg
+
+TRUE = Coefficients(s_per_step=2e-3, s_per_seq=5e-5, s_per_token=2e-6, s_per_flop=1e-11,
+                    s_per_weight_byte=3e-10, s_per_attn_flop=4e-11, s_per_kv_byte=1e-9,
+                    s_per_attn_kernel=1e-4, sharpness=2.0)
+
+
+def test_step_shape_counts_rows_the_way_kernels_split_them():
+    plan = StepPlan([ScheduledRequest(0, 0, 5, [0], True),     # prefill from scratch
+                     ScheduledRequest(1, 8, 4, [1], False),    # chunk over 8 cached
+                     ScheduledRequest(2, 9, 1, [2], True),     # decode
+                     ScheduledRequest(3, 0, 1, [3], True)])    # 1-token prompt: prefill
+    s = step_shape(plan)
+    assert s == StepShape(num_tokens=11, num_sampled=3, num_rows=4,
+                          prefill_pairs=5 * 5 + 4 * 12 + 1, prefill_kv_tokens=5 + 12 + 1,
+                          prefill_q_tokens=10, num_prefill=3, decode_ctx=10, num_decode=1)
+
+
+def test_roofline_is_its_coefficients_applied_to_the_drivers():
+    cm = RooflineCostModel(load_model_spec("llama3_8b"), load_hardware_spec("a100_80gb"))
+    plan = ShapeSpec("mixed", 1, 300, 100, 7, 900).plan()
+    b = cm.breakdown(plan)
+    d = cm.decomposer.drivers(step_shape(plan))
+    manual = cm.roofline.breakdown(d, cm._ew_s_per_byte)
+    assert b.total == pytest.approx(manual.total)
+    assert b.linear == pytest.approx(math.hypot(d.linear_flops * cm.roofline.s_per_flop,
+                                                d.linear_bytes * cm.roofline.s_per_weight_byte))
+
+
+def _random_drivers(n: int, seed: int) -> list[StepDrivers]:
+    """Drivers that vary independently (so every coefficient is identifiable)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        tokens = float(rng.integers(1, 4096))
+        out.append(StepDrivers(
+            nonempty=1.0, rows=float(rng.integers(1, 64)), tokens=tokens,
+            linear_flops=tokens * rng.uniform(1e7, 3e7), linear_bytes=rng.uniform(1e6, 5e7),
+            lm_head_flops=rng.uniform(0, 1e9), lm_head_bytes=rng.uniform(0, 1e6),
+            prefill_flops=rng.uniform(0, 1e10), prefill_bytes=rng.uniform(0, 1e7),
+            decode_flops=rng.uniform(0, 1e8), decode_bytes=rng.uniform(0, 1e8),
+            attn_kernels=float(rng.integers(0, 3))))
+    return out
+
+
+def test_fit_recovers_known_coefficients():
+    drivers = _random_drivers(300, seed=1)
+    y = predict(TRUE, drivers)
+    fit = fit_coefficients(drivers, y)
+    assert fit.coefficients.sharpness == 2.0
+    for name in Coefficients.names():
+        assert getattr(fit.coefficients, name) == pytest.approx(getattr(TRUE, name), rel=0.02), name
+    assert fit.mape_fit < 0.1
+
+
+def test_fit_with_noise_predicts_held_out_rows():
+    drivers = _random_drivers(400, seed=2)
+    noise = np.random.default_rng(3).normal(1.0, 0.01, 400)
+    y = predict(TRUE, drivers) * noise
+    fit = fit_coefficients(drivers[:200], y[:200])
+    held = np.abs(predict(fit.coefficients, drivers[200:]) / y[200:] - 1).mean()
+    assert held < 0.02
+
+
+def test_fit_rejects_bad_input():
+    with pytest.raises(ValueError, match="times must be > 0"):
+        fit_coefficients(_random_drivers(3, 0), [1.0, 0.0, 1.0])
+    with pytest.raises(ValueError, match="3 driver rows for 2 times"):
+        fit_coefficients(_random_drivers(3, 0), [1.0, 1.0])
+
+
+@pytest.mark.parametrize("suffix", [".yaml", ".json"])
+@pytest.mark.parametrize("sharpness", [2.0, math.inf])
+def test_profile_round_trip(tmp_path, suffix, sharpness):
+    prof = HardwareProfile("tiny", "cpu", "fp32", 1, dataclasses.replace(TRUE, sharpness=sharpness),
+                           {"mape_heldout_pct": 1.5}, "p.csv")
+    path = save_profile(prof, tmp_path / f"hw{suffix}")
+    assert load_profile(path) == prof
+    assert load_profile_for(path, load_model_spec("tiny"), 1) == prof
+    with pytest.raises(ConfigError, match="executor.profile: .*fitted for model 'tiny'"):
+        load_profile_for(path, load_model_spec("llama3_8b"), 1)
+    with pytest.raises(ConfigError, match="executor.profile: .*tensor_parallel=1"):
+        load_profile_for(path, load_model_spec("tiny"), 2)
+
+
+def test_bad_profiles_name_the_field(tmp_path):
+    p = tmp_path / "bad.yaml"
+    p.write_text("model: tiny\ndevice: cpu\ntensor_parallel: 1\ncoefficients: {s_per_byte: 1}\n")
+    with pytest.raises(ConfigError, match="executor.profile: .*unknown coefficient 's_per_byte'"):
+        load_profile(p)
+    p.write_text("model: tiny\ndevice: cpu\ntensor_parallel: 1\ncoefficients: {s_per_seq: -1}\n")
+    with pytest.raises(ConfigError, match="s_per_seq must be >= 0"):
+        load_profile(p)
+    with pytest.raises(ConfigError, match="executor.profile: file not found"):
+        load_profile(tmp_path / "missing.yaml")
+
+
+def test_simulation_uses_executor_profile(tmp_path):
+    model = load_model_spec("llama3_8b")
+    slow = dataclasses.replace(TRUE, s_per_step=0.05)  # 50 ms per step: unmistakable
+    path = save_profile(HardwareProfile(model.name, "a100_80gb", "fp16", 1, slow), tmp_path / "p.yaml")
+    base = ("workload.num_requests=20", "workload.qps=50")
+    sim = Simulation(compose_cfg(*base, f"executor.profile={path}"))
+    assert sim.executor.coefficients == slow
+    plan = ShapeSpec("decode", num_decode_seqs=3, decode_context=40).plan()
+    d = sim.executor.decomposer.drivers(step_shape(plan))
+    assert sim.executor.execute(plan).duration == pytest.approx(predict(slow, [d])[0])
+    calibrated = sim.run().summary
+    roofline = Simulation(compose_cfg(*base)).run().summary
+    assert calibrated["median_tpot_ms"] > 50 > roofline["median_tpot_ms"]
+
+
+class NoisyExecutor(Executor):
+    """Stands in for the real executor: a known step-time function plus seeded noise. It
+    checks every plan is well formed the way a stateful executor would need it."""
+
+    def __init__(self, model, coefficients, noise=0.01, seed=0):
+        self.cm = RooflineCostModel(model, load_hardware_spec("a100_80gb"), coefficients=coefficients)
+        self.rng = np.random.default_rng(seed)
+        self.noise = noise
+        self.known: dict[int, int] = {}
+        self.num_blocks = None
+        self.block_size = None
+
+    def init_kv_cache(self, num_gpu_blocks, num_cpu_blocks, block_size):
+        self.num_blocks, self.block_size = num_gpu_blocks, block_size
+
+    def add_request(self, request_id, prompt_token_ids):
+        assert request_id not in self.known
+        self.known[request_id] = len(prompt_token_ids or [])
+
+    def free_request(self, request_id):
+        self.known.pop(request_id, None)
+
+    def execute(self, plan):
+        if self.num_blocks is not None:
+            used = [b for s in plan.scheduled for b in s.block_table]
+            assert len(used) == len(set(used)) and all(0 <= b < self.num_blocks for b in used)
+            for s in plan.scheduled:
+                assert s.request_id in self.known
+                assert len(s.block_table) * self.block_size >= s.context_len
+        t = self.cm.execute(plan).duration
+        return StepResult(t * float(self.rng.normal(1.0, self.noise)))
+
+    def weight_bytes(self):
+        return self.cm.weight_bytes()
+
+    def activation_reserve_bytes(self, max_num_batched_tokens, max_num_seqs):
+        return self.cm.activation_reserve_bytes(max_num_batched_tokens, max_num_seqs)
+
+
+# Covers the shapes the loop test simulates: a fit extrapolates poorly beyond its grid.
+SMALL_GRID = ProfileGrid(decode_batch_sizes=(1, 3, 8, 16, 32), decode_contexts=(16, 100, 400),
+                         prefill_chunks=(4, 40, 200, 700), prefill_cached=(0, 64),
+                         mixed_decode_batch_sizes=(4, 16), mixed_decode_contexts=(50, 300),
+                         mixed_prefill_chunks=(16, 128, 512), warmup=1, repeats=3)
+
+
+def test_profile_writes_the_documented_schema(tmp_path):
+    model = load_model_spec("tiny")
+    ex = NoisyExecutor(model, TRUE)
+    meta = {"model": "tiny", "device": "cpu", "dtype": "fp32", "tensor_parallel": 1,
+            "executor": "fake"}
+    rows = profile_executor(ex, model, SMALL_GRID, 16, meta)
+    path = write_csv(rows, tmp_path / "profile.csv")
+    df = pd.read_csv(path)
+    assert list(df.columns) == list(PROFILE_COLUMNS)
+    shapes = SMALL_GRID.shapes(model.max_model_len)
+    assert len(df) == len(shapes) == 15 + 8 + 12
+    assert ex.num_blocks == blocks_needed(shapes, 16) == 32 * blocks_for_ctx(401)
+    assert not ex.known  # every request registered was freed
+    assert (df.repeats == 3).all() and (df.p10_s <= df.median_s).all()
+    assert (df.median_s <= df.p90_s).all() and (df.std_s > 0).all()
+    mixed = df[df.kind == "mixed"].iloc[0]
+    assert (mixed.batch_size, mixed.num_tokens, mixed.num_sampled) == (5, 20, 5)  # 4 decodes + 16
+    assert set(df.kind) == {"decode", "prefill", "mixed"}
+    # Rebuilt rows give back the measured shapes.
+    assert [tuple(r.values()) for r in (s.as_row() for s in shapes)] == [
+        tuple(r[c] for c in ("kind", "batch_size", "num_tokens", "num_prefill_seqs",
+                             "prefill_chunk", "prefill_cached", "num_decode_seqs",
+                             "decode_context", "num_sampled")) for r in read_profile_csv(path)]
+
+
+def blocks_for_ctx(tokens: int) -> int:
+    return -(-tokens // 16)
+
+
+def test_profile_csv_errors_name_file_line_and_column(tmp_path):
+    p = tmp_path / "p.csv"
+    row = ShapeSpec("decode", num_decode_seqs=2, decode_context=10).as_row()
+    pd.DataFrame([{**row, "median_s": 0.01}, {**row, "num_tokens": 3, "median_s": 0.01}]).to_csv(p)
+    with pytest.raises(ConfigError, match=r"profile.num_tokens: .*p.csv line 3"):
+        read_profile_csv(p)
+    pd.DataFrame([{**row, "kind": "prefill", "median_s": 0.01}]).to_csv(p)
+    with pytest.raises(ConfigError, match=r"p.csv line 2: kind 'prefill' with 0 prefill"):
+        read_profile_csv(p)
+    pd.DataFrame([{**row, "median_s": -1}]).to_csv(p)
+    with pytest.raises(ConfigError, match="profile.median_s"):
+        read_profile_csv(p)
+
+
+def test_split_holds_out_interleaved_shapes_of_every_kind():
+    rows = [s.as_row() for s in SMALL_GRID.shapes(4096)]
+    fit, held = split_rows(rows)
+    assert sorted(fit + held) == list(range(len(rows))) and not set(fit) & set(held)
+    for kind in ("decode", "prefill", "mixed"):
+        assert any(rows[i]["kind"] == kind for i in held)
+
+
+def test_profile_fit_simulate_compare_loop(tmp_path):
+    """The whole loop on the tiny model: profile a stand-in executor, fit, simulate with the
+    profile, compare with the stand-in's own simulation (loose bound: CI cannot rot)."""
+    model = load_model_spec("tiny")
+    truth = dataclasses.replace(TRUE, s_per_step=3e-3, s_per_seq=2e-4, s_per_token=2e-5)
+    meta = {"model": "tiny", "device": "cpu", "dtype": "fp32", "tensor_parallel": 1,
+            "executor": "fake"}
+    rows = profile_executor(NoisyExecutor(model, truth), model, SMALL_GRID, 16, meta)
+    prof = calibrate(rows, model)
+    assert prof.fit["mape_heldout_pct"] < 5.0
+    path = save_profile(prof, tmp_path / "tiny.yaml")
+    base = ("model=tiny", "workload.num_requests=80", "workload.qps=40",
+            "workload.prompt_len.median=200", "workload.output_len.median=40")
+    real = Simulation(compose_cfg(*base))
+    real.executor = NoisyExecutor(model, truth, seed=5)
+    ref = real.run().summary
+    sim = Simulation(compose_cfg(*base, f"executor.profile={path}")).run().summary
+    for key in ("median_ttft_ms", "median_tpot_ms", "median_e2el_ms", "p90_e2el_ms"):
+        assert sim[key] == pytest.approx(ref[key], rel=0.10), key
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (SHARED / "profiles" / "vidur").exists(),
+                    reason="../shared/profiles/vidur is absent")
+def test_check_profiles_meets_targets():
+    from experiments.check_profiles import check_profiles, format_results
+
+    results = check_profiles(SHARED / "profiles" / "vidur")
+    lines = format_results(results)
+    assert lines[-1].startswith("profiles MAPE: roofline ")
+    assert len(results) == 5
+    for c in results:
+        assert c.roofline_mape <= 25.0, c  # target: uncalibrated roofline 25% or less
+    for c in results[:3]:  # linear ops: calibrated 5% or less
+        assert c.calibrated_mape <= 5.0, c
+    # Attention: prefill meets ~6%, decode ~11% (split-KV heuristics; docs/calibration.md).
+    assert results[3].calibrated_mape <= 12.0 and results[4].calibrated_mape <= 7.0
+    assert np.mean([c.calibrated_mape for c in results]) <= 6.0
