@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 from sim.plan import StepPlan, StepResult
 from sim.registry import Registry
+from sim.specs import HardwareSpec
 
 EXECUTORS: Registry = Registry("executor")
 
@@ -28,6 +29,17 @@ class Executor(ABC):
     @abstractmethod
     def activation_reserve_bytes(self, max_num_batched_tokens: int, max_num_seqs: int) -> float:
         """Peak activation/workspace bytes for the largest step the limits allow."""
+
+    # Optional hooks for executors that run on a real device (the real executor does).
+    def kv_cache_dtype(self) -> str | None:
+        """The dtype (a ``sim.specs`` name) of the KV cache this executor allocates, or None
+        for the model spec's ``kv_dtype``. The memory planner sizes blocks with it."""
+        return None
+
+    def device_spec(self, hardware: HardwareSpec) -> HardwareSpec:
+        """The device this executor really runs on (its name and memory): the configured
+        spec for a cost model, the CPU or GPU at hand for the real executor."""
+        return hardware
 
     # Optional hooks for executors that hold state (the real executor does).
     def init_kv_cache(self, num_gpu_blocks: int, num_cpu_blocks: int, block_size: int) -> None:

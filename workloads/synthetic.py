@@ -11,6 +11,7 @@ from sim.errors import ConfigError, require
 from sim.request import Request
 from workloads.base import WORKLOADS, Workload
 from workloads.distributions import ArrivalProcess, LengthDistribution
+from workloads.token_ids import TokenIdSource
 
 _CHUNK = 4096  # requests drawn per vectorized batch; does not change the stream
 
@@ -18,7 +19,8 @@ _CHUNK = 4096  # requests drawn per vectorized batch; does not change the stream
 class SyntheticWorkload(Workload):
     def __init__(self, num_requests: int, arrival: ArrivalProcess, prompt_len: LengthDistribution,
                  output_len: LengthDistribution, seed: int,
-                 priorities: list[float] | None = None) -> None:
+                 priorities: list[float] | None = None,
+                 token_ids: TokenIdSource | None = None) -> None:
         require(num_requests >= 1, "workload.num_requests", f"must be >= 1, got {num_requests}")
         self._n = num_requests
         self.arrival = arrival
@@ -26,6 +28,7 @@ class SyntheticWorkload(Workload):
         self.output_len = output_len
         self.seed = seed
         self.priorities = priorities
+        self.token_ids = token_ids  # None: requests carry lengths only (enough for a cost model)
 
     @property
     def num_requests(self) -> int:
@@ -53,8 +56,10 @@ class SyntheticWorkload(Workload):
             outs = self.output_len.sample(g_out, n).tolist()
             pris = (g_pri.choice(len(pri_p), size=n, p=pri_p).tolist() if pri_p is not None
                     else [0] * n)
+            tok = self.token_ids
             for at, i, o, p in zip(times.tolist(), ins, outs, pris):
-                yield Request(rid, at, i, o, priority=p)
+                ids = tok.synthetic(rid, i) if tok is not None else None
+                yield Request(rid, at, i, o, priority=p, prompt_token_ids=ids)
                 rid += 1
 
     def describe(self) -> str:
@@ -63,10 +68,28 @@ class SyntheticWorkload(Workload):
                 f"prompt {self.prompt_len.dist}, output {self.output_len.dist}")
 
 
+def token_id_source(cfg: dict[str, Any], seed: int, model: Any, needed: bool,
+                    prefixes: bool = True) -> TokenIdSource | None:
+    """The workload's token-id source, or None when neither the config (``token_ids``) nor
+    the executor (``needed``) asks for ids."""
+    if not (cfg.get("token_ids") or needed):
+        return None
+    if model is None:
+        raise ConfigError("workload.token_ids", "token ids need the model's vocabulary size")
+    prefix_len = int(cfg.get("shared_prefix_len") or 0) if prefixes else 0
+    groups = int(cfg.get("num_prefix_groups") or 1) if prefixes else 1
+    require(prefix_len >= 0, "workload.shared_prefix_len", f"must be >= 0, got {prefix_len}")
+    require(groups >= 1, "workload.num_prefix_groups", f"must be >= 1, got {groups}")
+    return TokenIdSource(seed, model.vocab_size, prefix_len, groups)
+
+
 @WORKLOADS.register("synthetic")
-def build_synthetic(cfg: dict[str, Any], seed: int, **_: Any) -> SyntheticWorkload:
+def build_synthetic(cfg: dict[str, Any], seed: int, model: Any = None, token_ids: bool = False,
+                    **_: Any) -> SyntheticWorkload:
+    """``token_ids=True`` (an executor that samples real tokens) turns prompt ids on."""
     cfg = dict(cfg)
-    known = {"num_requests", "qps", "arrival", "cv", "prompt_len", "output_len", "priorities"}
+    known = {"num_requests", "qps", "arrival", "cv", "prompt_len", "output_len", "priorities",
+             "token_ids", "shared_prefix_len", "num_prefix_groups"}
     unknown = sorted(set(cfg) - known)
     if unknown:
         raise ConfigError(f"workload.{unknown[0]}",
@@ -82,4 +105,5 @@ def build_synthetic(cfg: dict[str, Any], seed: int, **_: Any) -> SyntheticWorklo
         output_len=LengthDistribution.from_dict("workload.output_len", cfg["output_len"]),
         seed=seed,
         priorities=cfg.get("priorities"),
+        token_ids=token_id_source(cfg, seed, model, token_ids),
     )
