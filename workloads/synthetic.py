@@ -76,8 +76,9 @@ def token_id_source(cfg: dict[str, Any], seed: int, model: Any, needed: bool,
         return None
     if model is None:
         raise ConfigError("workload.token_ids", "token ids need the model's vocabulary size")
-    prefix_len = int(cfg.get("shared_prefix_len") or 0) if prefixes else 0
-    groups = int(cfg.get("num_prefix_groups") or 1) if prefixes else 1
+    prefix_len, groups = cfg.get("shared_prefix_len"), cfg.get("num_prefix_groups")
+    prefix_len = int(prefix_len) if prefixes and prefix_len is not None else 0
+    groups = int(groups) if prefixes and groups is not None else 1
     require(prefix_len >= 0, "workload.shared_prefix_len", f"must be >= 0, got {prefix_len}")
     require(groups >= 1, "workload.num_prefix_groups", f"must be >= 1, got {groups}")
     return TokenIdSource(seed, model.vocab_size, prefix_len, groups)
