@@ -53,7 +53,8 @@ class LlamaModel:
             o = k.paged_attention(q, cache, meta, self.scale)  # [T, Hq, D]
             h = F.linear(o.view(t, a.q_size), lw.o_proj)  # [T, H]
             x, residual = k.rms_norm(h, lw.post_norm, eps, residual)
-            h = F.linear(k.silu_mul(F.linear(x, lw.gate_up)), lw.down)  # [T, 2I] -> [T, I] -> [T, H]
+            act = k.silu_mul(F.linear(x, lw.gate_up))  # [T, 2I] -> [T, I]
+            h = F.linear(act, lw.down)  # [T, H]
         # Only the rows that sample need the final norm and the LM head.
         x, _ = k.rms_norm(h[logits_rows], w.norm, eps, residual[logits_rows])  # [S, H]
         return F.linear(x, w.lm_head).float()  # [S, V]
