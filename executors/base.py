@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 from sim.plan import StepPlan, StepResult
 from sim.registry import Registry
+from sim.specs import HardwareSpec
 
 if TYPE_CHECKING:
     import numpy as np
@@ -20,6 +21,8 @@ class Executor(ABC):
 
     #: True if ``execute`` samples real tokens (``StepResult.sampled_token_ids`` is set).
     produces_tokens: bool = False
+    #: True if ``decode_durations`` gives closed-form durations (decode jumps are possible).
+    closed_form_decode: bool = False
 
     @abstractmethod
     def execute(self, plan: StepPlan) -> StepResult:
@@ -38,6 +41,17 @@ class Executor(ABC):
         grow by one token per step, or None if this executor must run step by step (a real
         executor always does). Lets the replica take many decode steps in one event."""
         return None
+
+    # Optional hooks for executors that run on a real device (the real executor does).
+    def kv_cache_dtype(self) -> str | None:
+        """The dtype (a ``sim.specs`` name) of the KV cache this executor allocates, or None
+        for the model spec's ``kv_dtype``. The memory planner sizes blocks with it."""
+        return None
+
+    def device_spec(self, hardware: HardwareSpec) -> HardwareSpec:
+        """The device this executor really runs on (its name and memory): the configured
+        spec for a cost model, the CPU or GPU at hand for the real executor."""
+        return hardware
 
     # Optional hooks for executors that hold state (the real executor does).
     def init_kv_cache(self, num_gpu_blocks: int, num_cpu_blocks: int, block_size: int) -> None:

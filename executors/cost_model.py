@@ -87,6 +87,8 @@ class RooflineCostModel(Executor):
     """Prices a step's drivers (``executors/step_terms.py``) from the hardware spec, or from
     calibrated ``coefficients`` (a fitted hardware profile) when given."""
 
+    closed_form_decode = True
+
     def __init__(self, model: ModelSpec, hardware: HardwareSpec, tensor_parallel: int = 1,
                  config: CostModelConfig | None = None, block_size: int = 16,
                  coefficients: Coefficients | None = None) -> None:

@@ -36,6 +36,11 @@ class StepPlan:
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     # (cpu_block, gpu_block) copies to make before the step runs (host -> device)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
+    # The same copies grouped per request, in the order the builder made them: ("out", pairs)
+    # or ("in", pairs). A block one swap frees may be reused by a later one in the same step
+    # (swap in, then swap the same request out again), so an executor that really copies
+    # must follow this order; ``swap_out``/``swap_in`` alone lose it.
+    swaps: list[tuple[str, list[tuple[int, int]]]] = field(default_factory=list)
     # Requests preempted by recompute while building this plan (informational).
     recomputed: list[int] = field(default_factory=list)
     # Requests whose KV was swapped out while building this plan (informational).

@@ -71,6 +71,7 @@ class Replica:
         # before it. Without one, jumps are off.
         self.horizon = horizon
         self.fast_forward = (fast_forward and horizon is not None
+                             and executor.closed_form_decode
                              and getattr(policy, "supports_decode_jumps", False))
         self.num_jumps = 0
         cfg = policy.config

@@ -1,12 +1,14 @@
 """Build a whole run from one plain config mapping (what Hydra composes) and run it.
 
 The mapping has the sections ``model, hardware, policy, workload, executor, cluster, kv`` and
-the scalars ``seed, progress, check_integrity``; see ``conf/config.yaml``. Everything is
-validated before the first simulated event, with errors that name the field.
+the scalars ``seed, progress, check_integrity, device``; see ``conf/config.yaml`` (``device`` is
+read only by an executor that runs on one: the real executor; the cost model ignores it).
+Everything is validated before the first simulated event, with errors that name the field.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from dataclasses import dataclass
@@ -30,7 +32,8 @@ from sim.request import Request
 from sim.specs import HardwareSpec, ModelSpec, hardware_spec_from, model_spec_from
 
 SECTIONS = ("model", "hardware", "policy", "workload", "executor", "cluster", "kv")
-TOP_LEVEL = {*SECTIONS, "seed", "progress", "check_integrity", "output_dir", "step_mode"}
+TOP_LEVEL = {*SECTIONS, "seed", "progress", "check_integrity", "output_dir", "step_mode",
+             "device"}
 
 
 @dataclass(frozen=True)
@@ -107,9 +110,13 @@ class Simulation:
         self.kv_cfg = _dataclass_from(KVConfig, _section(cfg, "kv"), "kv")
         self.policy_cfg = _section(cfg, "policy")
         self.policy = policies.make_policy(self.policy_cfg)
-        self.workload = workloads.make_workload(_section(cfg, "workload"), self.seed,
-                                                model=self.model)
         self.executor = self._make_executor()
+        # The device the executor really runs on (the real executor's CPU or GPU).
+        self.hardware = self.executor.device_spec(self.hardware)
+        # An executor that samples real tokens needs the prompts' token ids.
+        self.workload = workloads.make_workload(_section(cfg, "workload"), self.seed,
+                                                model=self.model,
+                                                token_ids=self.executor.produces_tokens)
         self.memory = self._plan_memory()
         self._validate()
 
@@ -122,10 +129,14 @@ class Simulation:
             raise ConfigError("executor.name", str(e.args[0])) from None
         return factory(model=self.model, hardware=self.hardware,
                        tensor_parallel=self.cluster.tensor_parallel, config=ex,
-                       block_size=self.kv_cfg.block_size, seed=self.seed)
+                       block_size=self.kv_cfg.block_size, seed=self.seed,
+                       device=self.cfg.get("device"))
 
     def _plan_memory(self) -> MemoryPlan:
         k, p = self.kv_cfg, self.policy.config
+        kv_dtype = self.executor.kv_cache_dtype()
+        if kv_dtype is not None and kv_dtype != self.model.kv_dtype:
+            self.model = dataclasses.replace(self.model, kv_dtype=kv_dtype)
         act = self.executor.activation_reserve_bytes(p.max_num_batched_tokens, p.max_num_seqs)
         if k.activation_reserve_gib is not None:
             act = k.activation_reserve_gib * 2**30

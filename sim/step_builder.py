@@ -163,6 +163,7 @@ class StepBuilder:
                 req.num_swaps += 1
                 self._q.swapped.append(req)
                 self._plan.swap_out.extend(pairs)
+                self._plan.swaps.append(("out", pairs))
                 self._plan.swapped_out.append(rid)
                 return PreemptionMode.SWAP
             self.num_swap_fallbacks += 1
@@ -188,6 +189,7 @@ class StepBuilder:
         req.transition(RequestStatus.RUNNING)
         self._q.add_running(req)
         self._plan.swap_in.extend(pairs)
+        self._plan.swaps.append(("in", pairs))
         return True
 
     def build(self) -> StepPlan:

@@ -11,6 +11,7 @@ from sim.errors import ConfigError, require
 from sim.request import Request
 from workloads.base import WORKLOADS, Workload
 from workloads.distributions import ArrivalProcess, LengthDistribution
+from workloads.token_ids import TokenIdSource
 
 _CHUNK = 4096  # requests drawn per vectorized batch; does not change the stream
 
@@ -24,7 +25,8 @@ class SyntheticWorkload(Workload):
                  prompt_len: LengthDistribution | None, output_len: LengthDistribution | None,
                  seed: int, priorities: list[float] | None = None,
                  total_len: LengthDistribution | None = None,
-                 prefill_decode_ratio: float | None = None) -> None:
+                 prefill_decode_ratio: float | None = None,
+                 token_ids: TokenIdSource | None = None) -> None:
         require(num_requests >= 1, "workload.num_requests", f"must be >= 1, got {num_requests}")
         if total_len is not None:
             require(prefill_decode_ratio is not None and prefill_decode_ratio > 0,
@@ -38,6 +40,7 @@ class SyntheticWorkload(Workload):
         self.priorities = priorities
         self.total_len = total_len
         self.prefill_decode_ratio = prefill_decode_ratio
+        self.token_ids = token_ids  # None: requests carry lengths only (enough for a cost model)
 
     @property
     def num_requests(self) -> int:
@@ -77,8 +80,10 @@ class SyntheticWorkload(Workload):
                 outs = self.output_len.sample(g_out, n).tolist()
             pris = (g_pri.choice(len(pri_p), size=n, p=pri_p).tolist() if pri_p is not None
                     else [0] * n)
+            tok = self.token_ids
             for at, i, o, p in zip(times.tolist(), ins, outs, pris):
-                yield Request(rid, at, i, o, priority=p)
+                ids = tok.synthetic(rid, i) if tok is not None else None
+                yield Request(rid, at, i, o, priority=p, prompt_token_ids=ids)
                 rid += 1
 
     def describe(self) -> str:
@@ -89,11 +94,30 @@ class SyntheticWorkload(Workload):
         return f"synthetic: {self._n} requests, {a.kind} arrivals at {a.qps} req/s, {lengths}"
 
 
+def token_id_source(cfg: dict[str, Any], seed: int, model: Any, needed: bool,
+                    prefixes: bool = True) -> TokenIdSource | None:
+    """The workload's token-id source, or None when neither the config (``token_ids``) nor
+    the executor (``needed``) asks for ids."""
+    if not (cfg.get("token_ids") or needed):
+        return None
+    if model is None:
+        raise ConfigError("workload.token_ids", "token ids need the model's vocabulary size")
+    prefix_len, groups = cfg.get("shared_prefix_len"), cfg.get("num_prefix_groups")
+    prefix_len = int(prefix_len) if prefixes and prefix_len is not None else 0
+    groups = int(groups) if prefixes and groups is not None else 1
+    require(prefix_len >= 0, "workload.shared_prefix_len", f"must be >= 0, got {prefix_len}")
+    require(groups >= 1, "workload.num_prefix_groups", f"must be >= 1, got {groups}")
+    return TokenIdSource(seed, model.vocab_size, prefix_len, groups)
+
+
 @WORKLOADS.register("synthetic")
-def build_synthetic(cfg: dict[str, Any], seed: int, **_: Any) -> SyntheticWorkload:
+def build_synthetic(cfg: dict[str, Any], seed: int, model: Any = None, token_ids: bool = False,
+                    **_: Any) -> SyntheticWorkload:
+    """``token_ids=True`` (an executor that samples real tokens) turns prompt ids on."""
     cfg = dict(cfg)
     known = {"num_requests", "qps", "arrival", "cv", "prompt_len", "output_len", "priorities",
-             "total_len", "prefill_decode_ratio"}
+             "total_len", "prefill_decode_ratio", "token_ids", "shared_prefix_len",
+             "num_prefix_groups"}
     unknown = sorted(set(cfg) - known)
     if unknown:
         raise ConfigError(f"workload.{unknown[0]}",
@@ -120,4 +144,5 @@ def build_synthetic(cfg: dict[str, Any], seed: int, **_: Any) -> SyntheticWorklo
         priorities=cfg.get("priorities"),
         total_len=LengthDistribution.from_dict("workload.total_len", total) if total else None,
         prefill_decode_ratio=None if ratio is None else float(ratio),
+        token_ids=token_id_source(cfg, seed, model, token_ids),
     )

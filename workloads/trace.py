@@ -20,6 +20,8 @@ import numpy as np
 from sim.errors import ConfigError, require
 from sim.request import Request
 from workloads.base import WORKLOADS, Workload, resolve_path
+from workloads.synthetic import token_id_source
+from workloads.token_ids import MOONCAKE_BLOCK_TOKENS, TokenIdSource
 
 AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
 
@@ -69,8 +71,10 @@ def read_azure_csv(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return np.asarray(times), np.asarray(ins), np.asarray(outs)
 
 
-def read_mooncake_jsonl(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    times, ins, outs = [], [], []
+def read_mooncake_jsonl(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray,
+                                             list[list[int] | None], np.ndarray]:
+    """Times, input and output lengths, each row's ``hash_ids`` (None if absent) and line."""
+    times, ins, outs, hashes, lines = [], [], [], [], []
     with path.open() as f:
         for line, text in enumerate(f, start=1):
             if not text.strip():
@@ -83,27 +87,51 @@ def read_mooncake_jsonl(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]
             times.append(ms / 1000.0)
             ins.append(_positive_int(row.get("input_length"), "input_length", path, line, 1))
             outs.append(_positive_int(row.get("output_length"), "output_length", path, line, 0))
-    return np.asarray(times), np.asarray(ins), np.asarray(outs)
+            h = row.get("hash_ids")
+            if h is not None and not (isinstance(h, list)
+                                      and all(isinstance(x, int) and x >= 0 for x in h)):
+                raise TraceFormatError(path, line, "hash_ids must be a list of integers >= 0")
+            hashes.append(h)
+            lines.append(line)
+    return np.asarray(times), np.asarray(ins), np.asarray(outs), hashes, np.asarray(lines)
 
 
 class TraceWorkload(Workload):
     def __init__(self, path: Path, time_scale: float = 1.0, num_requests: int | None = None,
-                 max_output_len: int | None = None, start: int = 0) -> None:
+                 max_output_len: int | None = None, start: int = 0,
+                 token_ids: TokenIdSource | None = None) -> None:
         require(time_scale > 0, "workload.time_scale", f"must be > 0, got {time_scale}")
         require(num_requests is None or num_requests >= 1, "workload.num_requests",
                 f"must be >= 1, got {num_requests}")
         require(start >= 0, "workload.start", f"must be >= 0, got {start}")
         self.path = path
-        reader = read_mooncake_jsonl if path.suffix == ".jsonl" else read_azure_csv
-        times, ins, outs = reader(path)
+        hashes: list[list[int] | None] | None = None
+        if path.suffix == ".jsonl":
+            times, ins, outs, hashes, lines = read_mooncake_jsonl(path)
+        else:
+            times, ins, outs = read_azure_csv(path)
         if len(times) == 0:
             raise ConfigError("workload.path", f"{path}: the trace has no rows")
+        total = len(times)
         order = np.argsort(times, kind="stable")  # traces are mostly sorted; make it exact
+        end = total if num_requests is None else start + num_requests
+        order = order[start:end]
         times, ins, outs = times[order], ins[order], outs[order]
-        end = len(times) if num_requests is None else start + num_requests
-        times, ins, outs = times[start:end], ins[start:end], outs[start:end]
         if len(times) == 0:
-            raise ConfigError("workload.start", f"{path} has only {len(order)} rows")
+            raise ConfigError("workload.start", f"{path} has only {total} rows")
+        self.token_ids = token_ids
+        # Mooncake rows name their 512-token prompt blocks: equal hash ids, equal token ids.
+        self._hashes: list[list[int]] | None = None
+        if token_ids is not None and hashes is not None:
+            self._hashes = []
+            for i, n in zip(order.tolist(), ins.tolist()):
+                h = hashes[i]
+                if h is None or len(h) * MOONCAKE_BLOCK_TOKENS < n:
+                    have = 0 if h is None else len(h)
+                    raise TraceFormatError(path, int(lines[i]), f"{have} hash_ids cannot cover "
+                                           f"input_length {n} in {MOONCAKE_BLOCK_TOKENS}-token "
+                                           f"blocks (token ids are derived from them)")
+                self._hashes.append(h)
         # A request with zero generated tokens still produces one token in a serving engine.
         outs = np.maximum(outs, 1)
         if max_output_len is not None:
@@ -121,9 +149,13 @@ class TraceWorkload(Workload):
         return int(self._ins.max())
 
     def __iter__(self) -> Iterator[Request]:
+        tok, hashes = self.token_ids, self._hashes
         for rid, (t, i, o) in enumerate(zip(self._times.tolist(), self._ins.tolist(),
                                             self._outs.tolist())):
-            yield Request(rid, t, i, o)
+            ids = None
+            if tok is not None:
+                ids = tok.mooncake(hashes[rid], i) if hashes is not None else tok.synthetic(rid, i)
+            yield Request(rid, t, i, o, prompt_token_ids=ids)
 
     def describe(self) -> str:
         span = self._times[-1] if len(self._times) > 1 else 0.0
@@ -131,9 +163,11 @@ class TraceWorkload(Workload):
 
 
 @WORKLOADS.register("trace")
-def build_trace(cfg: dict[str, Any], seed: int, **_: Any) -> TraceWorkload:
+def build_trace(cfg: dict[str, Any], seed: int, model: Any = None, token_ids: bool = False,
+                **_: Any) -> TraceWorkload:
+    """``token_ids=True`` (an executor that samples real tokens) turns prompt ids on."""
     cfg = dict(cfg)
-    known = {"path", "time_scale", "num_requests", "max_output_len", "start"}
+    known = {"path", "time_scale", "num_requests", "max_output_len", "start", "token_ids"}
     unknown = sorted(set(cfg) - known)
     if unknown:
         raise ConfigError(f"workload.{unknown[0]}",
@@ -144,4 +178,5 @@ def build_trace(cfg: dict[str, Any], seed: int, **_: Any) -> TraceWorkload:
                          time_scale=float(cfg.get("time_scale", 1.0)),
                          num_requests=cfg.get("num_requests"),
                          max_output_len=cfg.get("max_output_len"),
-                         start=int(cfg.get("start", 0)))
+                         start=int(cfg.get("start", 0)),
+                         token_ids=token_id_source(cfg, seed, model, token_ids, prefixes=False))

@@ -1,0 +1,167 @@
+"""The real executor: the shared ``StepPlan``s run through a real Llama model, and the measured
+step times drive the simulated clock."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+
+import torch
+
+from executors.base import Executor
+from executors.real.config import DTYPE_NAMES, DTYPES, LlamaArgs, RealExecutorConfig
+from executors.real.kernels import AttentionMetadata, get_kernels
+from executors.real.kernels._triton import HAS_TRITON, interpreting
+from executors.real.model import LlamaModel
+from executors.real.runner import ModelRunner
+from executors.real.sampling import Sampler
+from executors.real.weights import load_hf_checkpoint, random_weights
+from sim.errors import ConfigError
+from sim.plan import StepPlan, StepResult
+from sim.specs import HardwareSpec, ModelSpec
+
+CPU_DEFAULT_MEMORY_GIB = 1.0  # what a cpu run may spend on weights, activations and KV
+CUDA_WORKSPACE_BYTES = 256 * 2**20  # allocator slack, Triton and cuBLAS workspaces
+
+
+def resolve_device(name: str | None) -> torch.device:
+    if name in (None, "", "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(str(name))
+    except RuntimeError as e:
+        raise ConfigError("device", f"not a torch device: {name!r} ({e})") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ConfigError("device", f"must be cpu or cuda[:N], got {name!r}")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device", f"{name!r} asked for, but torch {torch.__version__} sees no "
+                                    f"CUDA device; use device=cpu")
+    return dev
+
+
+def resolve_kernels(name: str | None, device: torch.device) -> str:
+    kernels = name or ("triton" if device.type == "cuda" else "torch")
+    if kernels == "triton":
+        if not HAS_TRITON:
+            raise ConfigError("executor.kernels", "triton is not installed; use "
+                                                  "executor.kernels=torch")
+        if device.type == "cpu" and not interpreting():
+            raise ConfigError("executor.kernels", "Triton kernels need a CUDA device; on cpu "
+                              "use executor.kernels=torch, or set TRITON_INTERPRET=1 (slow)")
+    return kernels
+
+
+class RealExecutor(Executor):
+    produces_tokens = True
+
+    def __init__(self, spec: ModelSpec, config: RealExecutorConfig, *, device: str | None = None,
+                 seed: int = 0, tensor_parallel: int = 1) -> None:
+        if tensor_parallel != 1:
+            raise ConfigError("cluster.tensor_parallel", f"the real executor runs one device; "
+                                                         f"got {tensor_parallel}")
+        self.spec = spec
+        self.config = config
+        self.device = resolve_device(config.device if config.device is not None else device)
+        self.kernels_name = resolve_kernels(config.kernels, self.device)
+        if config.dtype == "auto":
+            self.dtype = (torch.float32 if self.device.type == "cpu"
+                          else DTYPES[spec.activation_dtype])
+        else:
+            self.dtype = DTYPES[config.dtype]
+        if self.device.type == "cpu":
+            torch.set_num_threads(config.num_threads)
+        self.args = LlamaArgs.from_spec(spec)
+        self._memory = self._device_memory()
+        self._check_fits()
+        if config.checkpoint:
+            weights = load_hf_checkpoint(config.checkpoint, self.args, self.dtype, self.device)
+        else:
+            weights = random_weights(self.args, self.dtype, self.device, seed)
+        self.model = LlamaModel(self.args, weights, get_kernels(self.kernels_name), self.device)
+        self.runner = ModelRunner(self.model, self.device, self.dtype,
+                                  Sampler(config.temperature, config.top_p, seed))
+
+    # ---- memory ---------------------------------------------------------------------------
+    def _device_memory(self) -> float:
+        if self.config.device_memory_gib is not None:
+            return self.config.device_memory_gib * 2**30
+        if self.device.type == "cuda":
+            return float(torch.cuda.get_device_properties(self.device).total_memory)
+        return CPU_DEFAULT_MEMORY_GIB * 2**30
+
+    def _check_fits(self) -> None:
+        size = self.dtype.itemsize
+        need = self.spec.num_params * size
+        if need > self._memory:
+            raise ConfigError(
+                "executor.device_memory_gib",
+                f"{self.spec.name} needs {need / 2**30:.2f} GiB of {DTYPE_NAMES[self.dtype]} "
+                f"weights, more than the {self._memory / 2**30:.2f} GiB the {self.device} "
+                f"device may use")
+
+    def weight_bytes(self) -> float:
+        return float(self.model.weights.nbytes + self.model.cos_sin.numel() * 4)
+
+    def activation_reserve_bytes(self, max_num_batched_tokens: int, max_num_seqs: int) -> float:
+        """The largest step's live tensors: hidden, residual, qkv, attention output and the
+        gate/up product with its activation, plus fp32 logits and probabilities."""
+        a = self.args
+        per_token = (2 * a.hidden_size + a.q_size + 2 * a.kv_size + a.q_size
+                     + 3 * a.intermediate_size) * self.dtype.itemsize
+        logits = 2 * max_num_seqs * a.vocab_size * 4
+        workspace = CUDA_WORKSPACE_BYTES if self.device.type == "cuda" else 0
+        return float(max_num_batched_tokens * per_token + logits + workspace)
+
+    def kv_cache_dtype(self) -> str:
+        return DTYPE_NAMES[self.dtype]
+
+    def device_spec(self, hardware: HardwareSpec) -> HardwareSpec:
+        if self.device.type == "cuda":
+            name = torch.cuda.get_device_name(self.device)
+        else:
+            name = "cpu"
+        return dataclasses.replace(hardware, name=name, display_name=name,
+                                   memory_gib=self._memory / 2**30)
+
+    # ---- hooks ----------------------------------------------------------------------------
+    def init_kv_cache(self, num_gpu_blocks: int, num_cpu_blocks: int, block_size: int) -> None:
+        self.runner.init_kv_cache(num_gpu_blocks, num_cpu_blocks, block_size)
+        if self.config.warmup:
+            self._warmup(num_gpu_blocks, block_size)
+
+    def add_request(self, request_id: int, prompt_token_ids: Sequence[int] | None) -> None:
+        self.runner.add_request(request_id, prompt_token_ids)
+
+    def free_request(self, request_id: int) -> None:
+        self.runner.free_request(request_id)
+
+    def output_token_ids(self, request_id: int) -> list[int]:
+        return self.runner.output_token_ids(request_id)
+
+    # ---- steps ----------------------------------------------------------------------------
+    def execute(self, plan: StepPlan) -> StepResult:
+        cuda = self.device.type == "cuda"
+        t0 = time.perf_counter()
+        sampled = self.runner.step(plan)  # ends with a host copy of the sampled ids
+        if cuda:
+            torch.cuda.synchronize(self.device)
+        return StepResult(time.perf_counter() - t0, sampled)
+
+    def _warmup(self, num_gpu_blocks: int, block_size: int) -> None:
+        """One prefill and one decode step on scratch slots, so that kernel compilation and
+        allocator growth are not charged to the first measured steps. The slots are free:
+        every later read is preceded by the write of its own request."""
+        n = min(2 * block_size + 1, num_gpu_blocks * block_size - 1)
+        blocks = list(range(-(-(n + 1) // block_size)))
+        if n < 1 or len(blocks) > num_gpu_blocks:
+            return
+        dev = self.device
+        for start, count in ((0, n), (n, 1)):
+            meta = AttentionMetadata.build([(start, count, blocks)], block_size, dev)
+            ids = torch.zeros(count, dtype=torch.long, device=dev)
+            pos = torch.arange(start, start + count, device=dev)
+            self.model.forward(ids, pos, self.runner.gpu_cache, meta,
+                               torch.tensor([count - 1], device=dev))
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
