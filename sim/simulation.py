@@ -103,7 +103,7 @@ class Simulation:
         self.cluster = _dataclass_from(ClusterConfig, _section(cfg, "cluster"), "cluster")
         self.kv_cfg = _dataclass_from(KVConfig, _section(cfg, "kv"), "kv")
         self.policy_cfg = _section(cfg, "policy")
-        self.policy = policies.make_policy(self.policy_cfg)
+        self.policy = policies.make_policy(self.policy_cfg, seed=self.seed)
         self.workload = workloads.make_workload(_section(cfg, "workload"), self.seed,
                                                 model=self.model)
         self.executor = self._make_executor()
