@@ -146,8 +146,11 @@ def resume_swapped(step: StepBuilder, budget: Budget, order: Iterable[Request] |
     resume with a partial chunk. Returns the requests resumed."""
     resumed: list[Request] = []
     for req in list(step.swapped if order is None else order):
-        n = min(req.num_pending_tokens, budget.remaining_tokens) if chunked \
-            else req.num_pending_tokens
+        n = req.num_pending_tokens
+        # As in ``admit``: a request swapped out mid re-prefill may have more pending tokens
+        # than a whole step holds; it resumes in chunks or it could never resume.
+        if chunked or n > budget.max_num_batched_tokens:
+            n = min(n, budget.remaining_tokens)
         if n <= 0 or budget.remaining_tokens < n or budget.seats_left() <= 0:
             break
         if not step.swap_in(req):

@@ -5,8 +5,9 @@ Every step, in this order, within ``max_num_batched_tokens`` (default 512) token
    pressure the latest-arrived running request is preempted, as in ``fcfs``);
 2. running requests mid-prefill continue with the next chunk, oldest first;
 3. if nothing was preempted, swapped requests resume (a swapped prefill may resume chunked);
-4. if nothing is swapped out, waiting requests are admitted in arrival order, the last one
-   possibly with a partial chunk.
+4. if nothing was preempted and nothing is swapped out, waiting requests are admitted in
+   arrival order, the last one possibly with a partial chunk (admitting right after a
+   preemption would only hand the victim's blocks to a newcomer and preempt again).
 So a long prompt never stalls the decodes: it is spread over as many steps as it needs.
 ``max_num_partial_prefills`` (vLLM's name; null: no limit) caps how many requests may be
 mid-prefill at once; a prompt that fits whole in the step is always allowed.
@@ -55,7 +56,9 @@ class ChunkedPrefillPolicy(Policy):
         prefills = [r for r in step.running if r.num_pending_tokens > 1]
         preempted = schedule_running(step, budget, order=decodes)
         preempted += schedule_running(step, budget, order=prefills)
-        if not preempted and step.swapped:
+        if preempted:
+            return step.build()
+        if step.swapped:
             resume_swapped(step, budget, chunked=True)
         if not step.swapped and step.waiting:
             limit = cfg.max_num_partial_prefills

@@ -42,7 +42,7 @@ class FCFSPolicy(Policy):
         preempted = schedule_running(step, budget, self.victim_picker(step, order), order)
         self.requeue(preempted)
         if not preempted and step.swapped:
-            resume_swapped(step, budget, self.swapped_order(step))
+            resume_swapped(step, budget, self.swapped_order(step), self.config.chunked_prefill)
         return step.build()
 
     # ---- hooks --------------------------------------------------------------------------
