@@ -63,9 +63,11 @@ def victim_from_end(ordered: Sequence[Request]) -> VictimPicker:
 
 def schedule_running(step: StepBuilder, budget: Budget,
                      pick_victim: VictimPicker = latest_arrival_victim,
-                     order: Iterable[Request] | None = None) -> list[Request]:
-    """Give every running request its next tokens (one for a decode; up to the budget for a
-    request mid-prefill), preempting victims when the pool runs dry. Returns those preempted.
+                     order: Iterable[Request] | None = None,
+                     max_chunk: int | None = None) -> list[Request]:
+    """Give every running request its next tokens (one for a decode; up to the budget, and
+    up to ``max_chunk``, for a request mid-prefill), preempting victims when the pool runs
+    dry. Returns those preempted.
 
     Iterates over a snapshot, since preemption removes requests from ``step.running``.
     """
@@ -76,6 +78,8 @@ def schedule_running(step: StepBuilder, budget: Budget,
         n = min(req.num_pending_tokens, budget.remaining_tokens)
         if n <= 0:
             break
+        if max_chunk is not None:
+            n = min(n, max_chunk)
         while not step.schedule(req, n):
             victim = pick_victim(step, req)
             if victim is None:
@@ -89,14 +93,16 @@ def schedule_running(step: StepBuilder, budget: Budget,
 
 def admit(step: StepBuilder, budget: Budget, candidates: Iterable[Request], *,
           chunked: bool = False, strict_order: bool = True,
-          max_partial: int | None = None, reserve_full: bool = False) -> list[Request]:
+          max_partial: int | None = None, max_chunk: int | None = None,
+          reserve_full: bool = False) -> list[Request]:
     """Admit waiting requests in the given order while tokens, seats and free blocks last.
 
     Without chunking a request is admitted only with its whole pending prefill (a recomputed
     request re-prefills prompt + generated tokens); with chunking the last one admitted may
     get a partial chunk. ``strict_order`` stops at the first request that does not fit (FCFS,
     no head-of-line bypass); otherwise later, smaller requests may go ahead.
-    ``max_partial`` caps how many requests end the step with their prefill unfinished.
+    ``max_partial`` caps how many requests end the step with their prefill unfinished, and
+    ``max_chunk`` (chunked only) the tokens one request may get.
     ``reserve_full`` admits a request only if the pool holds its whole length (prompt +
     maximum output) and reserves it now (static batching); the watermark does not apply then,
     since a request that holds its whole length can never need another block.
@@ -116,12 +122,13 @@ def admit(step: StepBuilder, budget: Budget, candidates: Iterable[Request], *,
         # A recomputed request whose prompt + generated tokens exceed a whole step's budget
         # could never be admitted unchunked; it re-prefills in budget-sized chunks instead.
         too_big = n > budget.max_num_batched_tokens
-        if n > remaining:
+        limit = remaining if max_chunk is None or not chunked else min(remaining, max_chunk)
+        if n > limit:
             if not (chunked or too_big) or (max_partial is not None and partial >= max_partial):
                 if strict_order:
                     break
                 continue
-            n = remaining
+            n = limit
         if reserve_full:
             fits = step.can_allocate(req, full_length(req) - req.num_computed_tokens)
         else:

@@ -3,14 +3,18 @@
 Every step, in this order, within ``max_num_batched_tokens`` (default 512) tokens:
 1. every running request whose prompt is done gets its decode token (arrival order; on memory
    pressure the latest-arrived running request is preempted, as in ``fcfs``);
-2. running requests mid-prefill continue with the next chunk, oldest first;
+2. running requests mid-prefill continue with their next chunk, oldest first;
 3. if nothing was preempted, swapped requests resume (a swapped prefill may resume chunked);
 4. if nothing was preempted and nothing is swapped out, waiting requests are admitted in
    arrival order, the last one possibly with a partial chunk (admitting right after a
    preemption would only hand the victim's blocks to a newcomer and preempt again).
 So a long prompt never stalls the decodes: it is spread over as many steps as it needs.
-``max_num_partial_prefills`` (vLLM's name; null: no limit) caps how many requests may be
-mid-prefill at once; a prompt that fits whole in the step is always allowed.
+
+``max_num_partial_prefills`` (vLLM's name and default, 1) is how many prompts may be
+mid-prefill at once. With 1, the oldest prompt takes all the tokens the decodes left. With
+k > 1, as vLLM v0 does, those tokens are split evenly between up to k prompts wanting them, so
+a short prompt is not queued behind a long one's chunks; a prompt that fits whole in its
+share always starts.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ class ChunkedPrefillConfig(PolicyConfig):
     name: str = "chunked_prefill"
     max_num_batched_tokens: int = 512
     chunked_prefill: bool = True
-    max_num_partial_prefills: int | None = None
+    max_num_partial_prefills: int = 1
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -39,9 +43,8 @@ class ChunkedPrefillConfig(PolicyConfig):
         require(self.max_num_seqs <= self.max_num_batched_tokens, "policy.max_num_seqs",
                 f"{self.max_num_seqs} exceeds policy.max_num_batched_tokens="
                 f"{self.max_num_batched_tokens}: a step could not hold every decode")
-        require(self.max_num_partial_prefills is None or self.max_num_partial_prefills >= 1,
-                "policy.max_num_partial_prefills",
-                f"must be >= 1 or null, got {self.max_num_partial_prefills}")
+        require(self.max_num_partial_prefills >= 1, "policy.max_num_partial_prefills",
+                f"must be >= 1, got {self.max_num_partial_prefills}")
 
 
 @POLICIES.register("chunked_prefill")
@@ -55,17 +58,18 @@ class ChunkedPrefillPolicy(Policy):
         decodes = [r for r in step.running if r.num_pending_tokens == 1]
         prefills = [r for r in step.running if r.num_pending_tokens > 1]
         preempted = schedule_running(step, budget, order=decodes)
-        preempted += schedule_running(step, budget, order=prefills)
+        if preempted:
+            return step.build()
+        k = cfg.max_num_partial_prefills
+        # vLLM v0's prefill slot budget: share the tokens left among the prompts wanting them.
+        share = budget.remaining_tokens // max(1, min(k, len(prefills) + len(step.waiting)))
+        preempted = schedule_running(step, budget, order=prefills, max_chunk=max(1, share))
         if preempted:
             return step.build()
         if step.swapped:
             resume_swapped(step, budget, chunked=True)
         if not step.swapped and step.waiting:
-            limit = cfg.max_num_partial_prefills
-            if limit is not None:
-                # Requests that will still be mid-prefill after this step.
-                open_partials = sum(1 for r in step.running
-                                    if r.num_pending_tokens > step.granted(r))
-                limit = max(0, limit - open_partials)
-            admit(step, budget, step.waiting, chunked=True, max_partial=limit)
+            open_partials = sum(1 for r in step.running if r.num_pending_tokens > step.granted(r))
+            admit(step, budget, step.waiting, chunked=True, max_partial=max(0, k - open_partials),
+                  max_chunk=max(1, share))
         return step.build()

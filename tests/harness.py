@@ -28,6 +28,9 @@ class RecordedStep:
     # Running requests when the policy started this step: id -> tokens pending (1 = decode).
     running_before: dict[int, int] = field(default_factory=dict)
     num_running_after: int = 0  # size of the running set once the plan was built
+    # False for a plan that only preempted: the replica re-plans at once without executing
+    # it, but its preemptions happened and are recorded here.
+    executed: bool = True
 
     @property
     def grants(self) -> dict[int, int]:
@@ -81,6 +84,9 @@ def run_requests(policy: dict, requests: list[Request], *, num_gpu_blocks: int, 
         before = {r.request_id: r.num_pending_tokens for r in step.running}
         plan = decide(step)
         ex.context = (before, len(step.running))
+        if plan.is_empty and (plan.recomputed or plan.swapped_out):
+            ex.steps.append(RecordedStep(env.now, [], {}, [], [], list(plan.recomputed),
+                                         list(plan.swapped_out), *ex.context, executed=False))
         return plan
 
     pol.schedule = observed

@@ -37,7 +37,7 @@ POLICY_OPTIONS = {
         "preemptive": st.booleans(), "preemption_ratio": st.sampled_from([1.5, 4.0])}),
     "chunked_prefill": st.fixed_dictionaries({
         "max_num_batched_tokens": tokens, "max_num_seqs": seats, "preemption_mode": modes,
-        "max_num_partial_prefills": st.none() | st.integers(1, 2)}),
+        "max_num_partial_prefills": st.integers(1, 3)}),
     "priority": st.fixed_dictionaries({
         "max_num_batched_tokens": tokens, "max_num_seqs": seats, "preemption_mode": modes,
         "preemptive": st.booleans()}),
