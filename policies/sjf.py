@@ -42,7 +42,8 @@ class SJFConfig(PolicyConfig):
         super().__post_init__()
         require(self.predictor in PREDICTORS, "policy.predictor",
                 f"must be one of {list(PREDICTORS)}, got {self.predictor!r}")
-        require(self.noise_sigma >= 0, "policy.noise_sigma", f"must be >= 0, got {self.noise_sigma}")
+        require(self.noise_sigma >= 0, "policy.noise_sigma",
+                f"must be >= 0, got {self.noise_sigma}")
         edges = tuple(self.bucket_edges)
         require(len(edges) == 2 and 1 <= edges[0] < edges[1], "policy.bucket_edges",
                 f"must be two increasing positive lengths [short, medium], got {list(edges)}")
