@@ -1,8 +1,14 @@
 """The policy interface: one decision method over a read-only view of the replica.
 
 A policy only decides. It reads ``step.waiting``, ``step.running``, ``step.swapped`` and
-``step.kv`` and acts through ``step.schedule / preempt / swap_in`` (see ``sim/step_builder.py``),
-then returns ``step.build()``. It never touches the KV manager or request state directly.
+``step.kv`` and acts through ``step.schedule / reserve / preempt / swap_in`` (see
+``sim/step_builder.py``), then returns ``step.build()``. It never touches the KV manager or
+request state directly.
+
+Two optional hooks: ``on_arrival(req)`` is called by the replica once per accepted request,
+after it joined the waiting queue (a policy keeps its own ordered index there, e.g. a heap, so
+it never sorts the whole queue per step); ``seed`` is the run's seed, for policies that draw
+random numbers (one ``numpy.random.Generator`` per policy, derived from it).
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from typing import Any, ClassVar
 from sim.errors import ConfigError, require
 from sim.plan import StepPlan
 from sim.registry import Registry
+from sim.request import Request
 from sim.step_builder import PreemptionMode, StepBuilder
 
 POLICIES: Registry[type[Policy]] = Registry("policy")
@@ -60,18 +67,24 @@ class Policy(ABC):
     #: steps at once (sim/fast_forward.py). Policies opt in after the fast-vs-exact test.
     supports_decode_jumps: ClassVar[bool] = False
 
-    def __init__(self, config: PolicyConfig) -> None:
+    def __init__(self, config: PolicyConfig, seed: int = 0) -> None:
         self.config = config
+        self.seed = seed
+
+    def on_arrival(self, req: Request) -> None:
+        """A request was accepted and appended to the waiting queue (called by the replica's
+        ``add_request``, never for rejected requests). Default: nothing."""
 
     @abstractmethod
     def schedule(self, step: StepBuilder) -> StepPlan:
         """Decide the next step and return ``step.build()``."""
 
 
-def make_policy(data: dict[str, Any]) -> Policy:
+def make_policy(data: dict[str, Any], seed: int = 0) -> Policy:
+    """Build the policy named by ``data["name"]`` from its config section and the run's seed."""
     name = data.get("name")
     try:
         cls = POLICIES.get(str(name))
     except KeyError as e:
         raise ConfigError("policy.name", str(e.args[0])) from None
-    return cls(cls.config_class.from_dict(data))
+    return cls(cls.config_class.from_dict(data), seed=seed)

@@ -1,13 +1,14 @@
-"""The budget helper every policy reuses: token/sequence limits and the two loops that spend
-them (decode the running set, admit from a queue). Policies differ in the order they pass
-requests in and the victims they pick, not in these loops."""
+"""The budget helper every policy reuses: token/sequence limits and the loops that spend them
+(decode the running set, admit from a queue, resume swapped requests, make room by
+preemption). Policies differ in the order they pass requests in and the victims they pick, not
+in these loops."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from itertools import islice
 
-from sim.request import Request
+from sim.request import Request, RequestStatus
 from sim.step_builder import ReadOnly, StepBuilder
 
 VictimPicker = Callable[[StepBuilder, Request], "Request | None"]
@@ -31,6 +32,12 @@ class Budget:
         return self.max_num_seqs - len(self.step.running)
 
 
+def full_length(req: Request) -> int:
+    """Tokens that ever need a KV slot: prompt + maximum output - 1 (the last sampled token
+    is never fed back)."""
+    return req.prompt_len + req.max_output_len - 1
+
+
 def latest_arrival_victim(step: StepBuilder, requester: Request) -> Request | None:
     """vLLM's default: the running request that arrived last and is not yet in this step.
     May return ``requester`` itself (it then preempts itself)."""
@@ -40,11 +47,27 @@ def latest_arrival_victim(step: StepBuilder, requester: Request) -> Request | No
     return None
 
 
+def victim_from_end(ordered: Sequence[Request]) -> VictimPicker:
+    """A picker that takes the last request of ``ordered`` (most preemptible last) that is
+    still running and not yet in this step. ``latest_arrival_victim`` is this over the
+    arrival-ordered running set; priority and SJF pass the running set sorted by their key."""
+
+    def pick(step: StepBuilder, requester: Request) -> Request | None:
+        for victim in reversed(ordered):
+            if victim.status is RequestStatus.RUNNING and not step.is_scheduled(victim):
+                return victim
+        return None
+
+    return pick
+
+
 def schedule_running(step: StepBuilder, budget: Budget,
                      pick_victim: VictimPicker = latest_arrival_victim,
-                     order: Iterable[Request] | None = None) -> list[Request]:
-    """Give every running request its next tokens (one for a decode; up to the budget for a
-    request mid-prefill), preempting victims when the pool runs dry. Returns those preempted.
+                     order: Iterable[Request] | None = None,
+                     max_chunk: int | None = None) -> list[Request]:
+    """Give every running request its next tokens (one for a decode; up to the budget, and
+    up to ``max_chunk``, for a request mid-prefill), preempting victims when the pool runs
+    dry. Returns those preempted.
 
     Iterates over a snapshot, since preemption removes requests from ``step.running``.
     """
@@ -55,6 +78,8 @@ def schedule_running(step: StepBuilder, budget: Budget,
         n = min(req.num_pending_tokens, budget.remaining_tokens)
         if n <= 0:
             break
+        if max_chunk is not None:
+            n = min(n, max_chunk)
         while not step.schedule(req, n):
             victim = pick_victim(step, req)
             if victim is None:
@@ -68,14 +93,19 @@ def schedule_running(step: StepBuilder, budget: Budget,
 
 def admit(step: StepBuilder, budget: Budget, candidates: Iterable[Request], *,
           chunked: bool = False, strict_order: bool = True,
-          max_partial: int | None = None) -> list[Request]:
+          max_partial: int | None = None, max_chunk: int | None = None,
+          reserve_full: bool = False) -> list[Request]:
     """Admit waiting requests in the given order while tokens, seats and free blocks last.
 
     Without chunking a request is admitted only with its whole pending prefill (a recomputed
     request re-prefills prompt + generated tokens); with chunking the last one admitted may
     get a partial chunk. ``strict_order`` stops at the first request that does not fit (FCFS,
     no head-of-line bypass); otherwise later, smaller requests may go ahead.
-    ``max_partial`` caps how many requests end the step with their prefill unfinished.
+    ``max_partial`` caps how many requests end the step with their prefill unfinished, and
+    ``max_chunk`` (chunked only) the tokens one request may get.
+    ``reserve_full`` admits a request only if the pool holds its whole length (prompt +
+    maximum output) and reserves it now (static batching); the watermark does not apply then,
+    since a request that holds its whole length can never need another block.
     """
     if isinstance(candidates, ReadOnly):
         # A live queue shrinks as requests are admitted: iterate over a snapshot of the part
@@ -92,17 +122,78 @@ def admit(step: StepBuilder, budget: Budget, candidates: Iterable[Request], *,
         # A recomputed request whose prompt + generated tokens exceed a whole step's budget
         # could never be admitted unchunked; it re-prefills in budget-sized chunks instead.
         too_big = n > budget.max_num_batched_tokens
-        if n > remaining:
+        limit = remaining if max_chunk is None or not chunked else min(remaining, max_chunk)
+        if n > limit:
             if not (chunked or too_big) or (max_partial is not None and partial >= max_partial):
                 if strict_order:
                     break
                 continue
-            n = remaining
-        if not step.can_allocate(req, n, use_watermark=True) or not step.schedule(req, n):
+            n = limit
+        if reserve_full:
+            fits = step.can_allocate(req, full_length(req) - req.num_computed_tokens)
+        else:
+            fits = step.can_allocate(req, n, use_watermark=True)
+        if not fits or not step.schedule(req, n):
             if strict_order:
                 break
             continue
+        if reserve_full and not step.reserve(req, full_length(req)):
+            raise RuntimeError(f"request {req.request_id}: reservation failed after the check")
         if n < req.num_pending_tokens:
             partial += 1
         admitted.append(req)
     return admitted
+
+
+def resume_swapped(step: StepBuilder, budget: Budget, order: Iterable[Request] | None = None,
+                   chunked: bool = False) -> list[Request]:
+    """Swap requests back in (in ``order``, default: the order they were swapped out) and
+    schedule their pending tokens this step, while seats, tokens and blocks last. A resumed
+    request continues exactly where it stopped. With ``chunked`` a request mid-prefill may
+    resume with a partial chunk. Returns the requests resumed."""
+    resumed: list[Request] = []
+    for req in list(step.swapped if order is None else order):
+        n = req.num_pending_tokens
+        # As in ``admit``: a request swapped out mid re-prefill may have more pending tokens
+        # than a whole step holds; it resumes in chunks or it could never resume.
+        if chunked or n > budget.max_num_batched_tokens:
+            n = min(n, budget.remaining_tokens)
+        if n <= 0 or budget.remaining_tokens < n or budget.seats_left() <= 0:
+            break
+        if not step.swap_in(req):
+            break
+        if not step.schedule(req, n):
+            # swap_in checked room for the old blocks; a new block may still be missing.
+            step.preempt(req)
+            break
+        resumed.append(req)
+    return resumed
+
+
+def preempt_for(step: StepBuilder, budget: Budget, req: Request,
+                victims: Callable[[], Iterable[Request]]) -> list[Request]:
+    """Preempt running requests so that waiting ``req`` can be admitted with its whole
+    pending prefill: a free seat and enough blocks above the watermark. ``victims`` yields
+    the requests the policy allows to be preempted for ``req``, most preemptible first (it is
+    called only if ``req`` does not fit already). Preempts nobody unless the token budget
+    already admits ``req`` and the victims offered free enough room; then preempts the
+    fewest, in order. Returns those preempted."""
+    n = req.num_pending_tokens
+    if n > budget.remaining_tokens:
+        return []
+    need = step.blocks_needed(req, n) + step.watermark_blocks - step.kv.num_free_blocks
+    seats = 1 - budget.seats_left()
+    if need <= 0 and seats <= 0:
+        return []
+    chosen: list[Request] = []
+    for v in victims():
+        if v is req or v.status is not RequestStatus.RUNNING or step.is_scheduled(v):
+            continue
+        chosen.append(v)
+        need -= len(step.kv.block_table(v.request_id))
+        seats -= 1
+        if need <= 0 and seats <= 0:
+            for victim in chosen:
+                step.preempt(victim)
+            return chosen
+    return []

@@ -7,27 +7,27 @@ Each step is either a prefill step or a decode step:
 2. Otherwise every running request decodes one token; when one cannot get a block, the most
    recently arrived running request is preempted (recompute by default).
 3. If that preempted nobody, swapped requests come back in order while blocks last.
+
+Orderings (``sjf``, ``priority``) subclass this and override the three hooks below: which
+waiting requests to admit and how, the running order, and the memory-pressure victim.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from policies.base import POLICIES, Policy
-from policies.budget import Budget, admit, schedule_running
+from policies.budget import (
+    Budget,
+    VictimPicker,
+    admit,
+    latest_arrival_victim,
+    resume_swapped,
+    schedule_running,
+)
 from sim.plan import StepPlan
+from sim.request import Request
 from sim.step_builder import StepBuilder
-
-
-def swap_in_and_decode(step: StepBuilder, budget: Budget) -> None:
-    """Bring swapped requests back in order and schedule their pending tokens this step."""
-    for req in list(step.swapped):
-        if budget.remaining_tokens < req.num_pending_tokens or budget.seats_left() <= 0:
-            break
-        if not step.swap_in(req):
-            break
-        if not step.schedule(req, req.num_pending_tokens):
-            # swap_in checked room for the old blocks; a new block may still be missing.
-            step.preempt(req)
-            break
 
 
 @POLICIES.register("fcfs")
@@ -40,9 +40,30 @@ class FCFSPolicy(Policy):
         cfg = self.config
         budget = Budget(step, cfg.max_num_batched_tokens, cfg.max_num_seqs)
         if not step.swapped and step.waiting:
-            if admit(step, budget, step.waiting, chunked=cfg.chunked_prefill):
+            if self.admit_waiting(step, budget):
                 return step.build()
-        preempted = schedule_running(step, budget)
+        order = self.running_order(step)
+        preempted = schedule_running(step, budget, self.victim_picker(step, order), order)
+        self.requeue(preempted)
         if not preempted and step.swapped:
-            swap_in_and_decode(step, budget)
+            resume_swapped(step, budget, self.swapped_order(step), self.config.chunked_prefill)
         return step.build()
+
+    # ---- hooks --------------------------------------------------------------------------
+    def admit_waiting(self, step: StepBuilder, budget: Budget) -> list[Request]:
+        """Admit from the waiting queue; returns those admitted."""
+        return admit(step, budget, step.waiting, chunked=self.config.chunked_prefill)
+
+    def running_order(self, step: StepBuilder) -> Sequence[Request]:
+        """The order in which running requests get their tokens (most preemptible last)."""
+        return step.running
+
+    def victim_picker(self, step: StepBuilder, order: Sequence[Request]) -> VictimPicker:
+        return latest_arrival_victim
+
+    def swapped_order(self, step: StepBuilder) -> Sequence[Request]:
+        return step.swapped
+
+    def requeue(self, preempted: list[Request]) -> None:
+        """Requests preempted by this policy; those recomputed are waiting again. FCFS needs
+        nothing (they are at the head of ``step.waiting``); ordered policies re-index them."""

@@ -115,6 +115,7 @@ class Replica:
             return
         self.executor.add_request(req.request_id, req.prompt_token_ids)
         self.queues.waiting.append(req)
+        self.policy.on_arrival(req)
         self.num_unfinished += 1
         if self._wakeup is not None and not self._wakeup.triggered:
             self._wakeup.succeed()

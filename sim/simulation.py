@@ -109,7 +109,7 @@ class Simulation:
         self.cluster = _dataclass_from(ClusterConfig, _section(cfg, "cluster"), "cluster")
         self.kv_cfg = _dataclass_from(KVConfig, _section(cfg, "kv"), "kv")
         self.policy_cfg = _section(cfg, "policy")
-        self.policy = policies.make_policy(self.policy_cfg)
+        self.policy = policies.make_policy(self.policy_cfg, seed=self.seed)
         self.executor = self._make_executor()
         # The device the executor really runs on (the real executor's CPU or GPU).
         self.hardware = self.executor.device_spec(self.hardware)

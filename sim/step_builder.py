@@ -4,6 +4,7 @@ A policy reads the replica's queues through read-only views and acts only throug
 below, which are the single home of request state transitions and KV operations:
 
     schedule(req, n)   grant n new tokens (allocates slots; moves a waiting request to running)
+    reserve(req, n)    hold slots for a scheduled request's first n tokens now (static batching)
     preempt(req)       free its GPU KV by swap or by recompute (the replica's preemption mode)
     swap_in(req)       bring a swapped request's KV back so it can run again
     build()            the StepPlan handed to the executor
@@ -96,12 +97,16 @@ class StepBuilder:
         self.now = now
         self._plan = StepPlan()
         self.scheduled_requests: list[Request] = []  # parallel to plan.scheduled
-        self._scheduled_ids: set[int] = set()
+        self._granted: dict[int, int] = {}  # request id -> tokens granted this step
         self.num_scheduled_tokens = 0
 
     # ---- queries ------------------------------------------------------------------------
     def is_scheduled(self, req: Request) -> bool:
-        return req.request_id in self._scheduled_ids
+        return req.request_id in self._granted
+
+    def granted(self, req: Request) -> int:
+        """Tokens granted to ``req`` in this step so far (0 if not scheduled)."""
+        return self._granted.get(req.request_id, 0)
 
     @property
     def num_scheduled(self) -> int:
@@ -119,7 +124,7 @@ class StepBuilder:
         """Grant ``num_new_tokens`` to ``req`` this step. Returns False (and changes nothing)
         if the KV pool cannot hold them: the policy may preempt someone and retry."""
         rid = req.request_id
-        if rid in self._scheduled_ids:
+        if rid in self._granted:
             raise ValueError(f"request {rid} is already scheduled in this step")
         pending = req.num_pending_tokens
         if not 1 <= num_new_tokens <= pending:
@@ -141,9 +146,20 @@ class StepBuilder:
             num_new_tokens == pending,
         ))
         self.scheduled_requests.append(req)
-        self._scheduled_ids.add(rid)
+        self._granted[rid] = num_new_tokens
         self.num_scheduled_tokens += num_new_tokens
         return True
+
+    def reserve(self, req: Request, num_tokens: int) -> bool:
+        """Make a request scheduled in this step hold KV slots for its first ``num_tokens``
+        tokens now, beyond what the step computes (static batching reserves prompt + maximum
+        output up front, so its decodes never need a block). Only a request already scheduled
+        in this step may reserve, so a reservation can never leak on a waiting request.
+        Returns False (and changes nothing) if the pool cannot hold them."""
+        rid = req.request_id
+        if rid not in self._granted:
+            raise ValueError(f"request {rid} must be scheduled in this step before it reserves")
+        return self.kv.allocate_slots(rid, num_tokens) is not None
 
     def preempt(self, req: Request, mode: PreemptionMode | None = None) -> PreemptionMode:
         """Take a running request off the GPU. Swap falls back to recompute (and is counted)
@@ -151,7 +167,7 @@ class StepBuilder:
         rid = req.request_id
         if req.status is not RequestStatus.RUNNING:
             raise ValueError(f"request {rid} is {req.status.name}, only RUNNING can be preempted")
-        if rid in self._scheduled_ids:
+        if rid in self._granted:
             self._unschedule(req)
         mode = PreemptionMode(mode or self.preemption_mode)
         self._q.remove_running(req)
@@ -207,5 +223,5 @@ class StepBuilder:
         i = next(i for i, r in enumerate(self.scheduled_requests) if r is req)
         row = self._plan.scheduled.pop(i)
         del self.scheduled_requests[i]
-        self._scheduled_ids.discard(req.request_id)
+        del self._granted[req.request_id]
         self.num_scheduled_tokens -= row.num_new_tokens

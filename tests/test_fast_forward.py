@@ -10,6 +10,12 @@ from sim.simulation import Simulation
 from tests.helpers import compose_cfg
 
 JUMPING = [n for n in POLICIES.names() if POLICIES.get(n).supports_decode_jumps]
+# Options that exercise a policy's own decisions (priority classes, preemptive SJF).
+EXTRA = {
+    "priority": ("workload.priorities=[1,1,2]",),
+    "sjf": ("policy.preemptive=true", "policy.predictor=noisy"),
+    "chunked_prefill": ("policy.max_num_batched_tokens=256", "policy.max_num_seqs=64"),
+}
 
 
 def _run(mode: str, overrides: list[str]):
@@ -44,7 +50,8 @@ def _assert_same(overrides: list[str]) -> dict:
 
 @pytest.mark.parametrize("policy", JUMPING)
 def test_default_workload_fast_equals_exact(policy):
-    s = _assert_same([f"policy={policy}", "workload.num_requests=300", "workload.qps=8"])
+    s = _assert_same([f"policy={policy}", "workload.num_requests=300", "workload.qps=8",
+                      *EXTRA.get(policy, ())])
     assert s["num_decode_jumps"] > 0
 
 
@@ -52,8 +59,10 @@ def test_default_workload_fast_equals_exact(policy):
 def test_preemption_heavy_case_fast_equals_exact(policy):
     s = _assert_same([f"policy={policy}", "model=tiny", "kv.num_gpu_blocks=30",
                       "workload.qps=30", "workload.num_requests=60",
-                      "workload.prompt_len.max=200", "workload.output_len.max=150"])
-    assert s["num_preemptions"] > 0 and s["num_decode_jumps"] > 0
+                      "workload.prompt_len.max=200", "workload.output_len.max=150",
+                      *EXTRA.get(policy, ())])
+    # Static batching reserves KV up front and never preempts.
+    assert (s["num_preemptions"] > 0) == (policy != "static") and s["num_decode_jumps"] > 0
 
 
 @pytest.mark.parametrize("policy", JUMPING)
@@ -66,4 +75,5 @@ def test_random_small_workloads_under_kv_pressure(policy, seed, blocks, qps, swa
         "kv.num_cpu_blocks=64", f"workload.qps={qps}", "workload.num_requests=40",
         "workload.prompt_len.max=200", "workload.output_len.max=120",
         f"policy.preemption_mode={'swap' if swap else 'recompute'}",
+        *EXTRA.get(policy, ()),
     ])

@@ -27,12 +27,19 @@ CONFIGS: dict[str, dict[str, tuple[str, ...]]] = {
                               *TINY_POOL),
     },
     "chunked_prefill": {
-        "plain": ("policy.max_num_batched_tokens=16",),
-        "swap": ("policy.max_num_batched_tokens=32", "policy.preemption_mode=swap", *TINY_POOL),
+        "plain": ("policy.max_num_batched_tokens=16", "policy.max_num_seqs=16"),
+        "swap": ("policy.max_num_batched_tokens=32", "policy.max_num_seqs=16",
+                 "policy.preemption_mode=swap", *TINY_POOL),
     },
     "sjf": {
         "plain": (),
         "recompute": ("policy.preemption_mode=recompute", *TINY_POOL),
+    },
+    "static": {
+        "plain": ("policy.max_num_seqs=4",),
+    },
+    "priority": {
+        "swap": ("policy.preemption_mode=swap", *TINY_POOL),
     },
 }
 CASES = [(name, label) for name in sorted(set(CONFIGS) | set(POLICIES.names()))

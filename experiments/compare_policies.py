@@ -1,0 +1,163 @@
+"""Every policy on the same workload and seed, per scenario: the experiment behind docs/policies.md.
+
+    python -m experiments.compare_policies                        # all scenarios (~1 min)
+    python -m experiments.compare_policies scenario=long_prompts  # one
+    python -m experiments.compare_policies num_requests=40 jobs=1 # a smoke run
+
+Configured by ``conf/compare_policies.yaml`` (the main job's config plus ``variants`` and
+``scenarios``). Writes into its Hydra output folder:
+
+* ``policies.csv``: one row per (scenario, policy variant): ``scenario``, ``policy`` (the
+  variant's label) and every ``summary.json`` key;
+* ``policies.html``: per scenario, the latency CDFs (TTFT, TPOT, E2E) of all variants side by
+  side, the main figures, and the literature's expectations checked against them;
+* ``checks.md``: those expectations as text; ``<scenario>/policies.csv`` and
+  ``<scenario>/<variant>/`` (requests.csv, steps.csv, summary.json of each run).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import sys
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import hydra
+import pandas as pd
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+
+from experiments.policy_checks import CHECKS, Check
+from sim.errors import ConfigError
+from sim.report import html_page, latency_cdf_figure
+from sim.simulation import Simulation
+
+log = logging.getLogger(__name__)
+
+CONF = Path(__file__).resolve().parent.parent / "conf"
+BASE = ("model", "hardware", "workload", "executor", "cluster", "kv", "seed", "check_integrity")
+SCENARIO_KEYS = {"about", "workload", "kv", "policy"}
+SHOWN = ("request_throughput", "output_throughput", "mean_ttft_ms", "p99_ttft_ms",
+         "mean_e2el_ms", "median_e2el_ms", "p99_e2el_ms", "p99_itl_ms", "num_preemptions",
+         "num_swaps", "num_recomputes", "num_swap_fallbacks")
+
+
+def _merge(base: dict[str, Any], over: dict[str, Any] | None) -> dict[str, Any]:
+    if not over:
+        return copy.deepcopy(base)
+    return OmegaConf.to_container(OmegaConf.merge(base, over), resolve=True)  # type: ignore
+
+
+def policy_section(label: str, variant: dict[str, Any], extra: dict[str, Any] | None) -> dict:
+    """The variant's policy group file (``conf/policy/<policy>.yaml``) plus its overrides."""
+    v = dict(variant)
+    name = v.pop("policy", None)
+    path = CONF / "policy" / f"{name}.yaml"
+    if name is None or not path.exists():
+        known = sorted(p.stem for p in (CONF / "policy").glob("*.yaml"))
+        raise ConfigError(f"variants.{label}.policy",
+                          f"must name a policy config, one of {known}; got {name!r}")
+    base = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+    return _merge(_merge(base, v), extra)  # type: ignore[arg-type]
+
+
+def plan_runs(cfg: dict[str, Any]) -> list[tuple[str, str, dict[str, Any]]]:
+    """(scenario, variant label, simulation config) for every run the config asks for."""
+    scenarios: dict[str, Any] = cfg.get("scenarios") or {}
+    variants: dict[str, Any] = cfg.get("variants") or {}
+    if not variants:
+        raise ConfigError("variants", "no policy variants configured")
+    pick = cfg.get("scenario", "all")
+    if pick != "all" and pick not in scenarios:
+        raise ConfigError("scenario", f"unknown scenario {pick!r}; known: all, "
+                          f"{', '.join(scenarios)}")
+    n = cfg.get("num_requests")
+    runs = []
+    for sname in (scenarios if pick == "all" else [pick]):
+        sc = scenarios[sname] or {}
+        unknown = sorted(set(sc) - SCENARIO_KEYS)
+        if unknown:
+            raise ConfigError(f"scenarios.{sname}.{unknown[0]}",
+                              f"unknown key; known: {', '.join(sorted(SCENARIO_KEYS))}")
+        for label, variant in variants.items():
+            sim = {k: copy.deepcopy(cfg[k]) for k in BASE if k in cfg}
+            sim["workload"] = _merge(sim["workload"], sc.get("workload"))
+            sim["kv"] = _merge(sim["kv"], sc.get("kv"))
+            if n is not None:
+                sim["workload"]["num_requests"] = int(n)
+            sim["policy"] = policy_section(label, variant or {}, sc.get("policy"))
+            sim["progress"] = False
+            runs.append((sname, label, sim))
+    return runs
+
+
+def _run(task: tuple[str, str, dict[str, Any], Path]) -> dict[str, Any]:
+    _, _, sim_cfg, out = task
+    return Simulation(sim_cfg, out).run().summary
+
+
+def run(cfg: dict[str, Any], out_dir: Path) -> pd.DataFrame:
+    """Run every (scenario, variant), write the outputs, return the table."""
+    runs = plan_runs(cfg)
+    sims = {(s, v): Simulation(c) for s, v, c in runs}  # validate everything before running
+    tasks = [(s, v, c, out_dir / s / v) for s, v, c in runs]
+    jobs = max(1, int(cfg.get("jobs", 1)))
+    if jobs == 1:
+        summaries = [_run(t) for t in tasks]
+    else:
+        with ProcessPoolExecutor(jobs) as pool:
+            summaries = list(pool.map(_run, tasks))
+    rows = []
+    for (s, v, _, _), summary in zip(tasks, summaries):
+        row = {"scenario": s, "policy": v, **{k: x for k, x in summary.items() if k != "policy"}}
+        row["reject_reasons"] = json.dumps(summary.get("reject_reasons", {}), sort_keys=True)
+        rows.append(row)
+    table = pd.DataFrame(rows)
+    table.to_csv(out_dir / "policies.csv", index=False)
+    sections, notes = [], []
+    for s in dict.fromkeys(r[0] for r in runs):
+        part = table[table.scenario == s].drop(columns="scenario")
+        part.to_csv(out_dir / s / "policies.csv", index=False)
+        checks = CHECKS[s](part, out_dir / s, sims) if s in CHECKS else []
+        notes.append(_checks_text(s, cfg["scenarios"][s].get("about", ""), checks))
+        frames = {v: pd.read_csv(out_dir / s / v / "requests.csv") for v in part.policy}
+        fig = latency_cdf_figure(frames, f"{s}: latency CDFs")
+        shown = part.set_index("policy")[list(SHOWN)]
+        sections.append((fig, f"<h3>{s}</h3><p>{cfg['scenarios'][s].get('about', '')}</p>"
+                              f"{shown.to_html(float_format=lambda x: f'{x:.4g}')}"
+                              f"<pre>{_checks_text(s, '', checks)}</pre>"))
+    (out_dir / "checks.md").write_text("\n".join(notes))
+    figs_html = "".join(pre + f.to_html(full_html=False, include_plotlyjs=False)
+                        for f, pre in sections)
+    page = html_page("Policies compared", [], figs_html)
+    (out_dir / "policies.html").write_text(page)
+    return table
+
+
+def _checks_text(scenario: str, about: str, checks: list[Check]) -> str:
+    lines = [f"## {scenario}", about] if about else [f"## {scenario}"]
+    for c in checks:
+        lines.append(f"- [{'holds' if c.holds else 'DOES NOT HOLD'}] {c.claim}: {c.detail}")
+    return "\n".join(lines) + "\n"
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="compare_policies")
+def main(cfg: DictConfig) -> None:
+    out_dir = Path(HydraConfig.get().runtime.output_dir)
+    container = OmegaConf.to_container(cfg, resolve=True)
+    try:
+        table = run(container, out_dir)  # type: ignore[arg-type]
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    with pd.option_context("display.width", 200, "display.max_columns", 20):
+        print(table.set_index(["scenario", "policy"])[list(SHOWN[:8])].round(2))
+    print((out_dir / "checks.md").read_text())
+    print(f"outputs: {out_dir}")
+
+
+if __name__ == "__main__":
+    main()

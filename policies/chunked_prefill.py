@@ -1,0 +1,79 @@
+"""Chunked prefill with stall-free batching (Sarathi-Serve; vLLM's chunked prefill).
+
+Every step, in this order, within ``max_num_batched_tokens`` (default 512) tokens:
+1. every running request whose prompt is done gets its decode token (arrival order; on memory
+   pressure the latest-arrived running request is preempted, as in ``fcfs``);
+2. running requests mid-prefill continue with their next chunk, oldest first;
+3. if nothing was preempted, swapped requests resume (a swapped prefill may resume chunked);
+4. if nothing was preempted and nothing is swapped out, waiting requests are admitted in
+   arrival order, the last one possibly with a partial chunk (admitting right after a
+   preemption would only hand the victim's blocks to a newcomer and preempt again).
+So a long prompt never stalls the decodes: it is spread over as many steps as it needs.
+
+``max_num_partial_prefills`` (vLLM's name and default, 1) is how many prompts may be
+mid-prefill at once. With 1, the oldest prompt takes all the tokens the decodes left. With
+k > 1, as vLLM v0 does, those tokens are split evenly between up to k prompts wanting them, so
+a short prompt is not queued behind a long one's chunks; a prompt that fits whole in its
+share always starts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from policies.base import POLICIES, Policy, PolicyConfig
+from policies.budget import Budget, admit, resume_swapped, schedule_running
+from sim.errors import require
+from sim.plan import StepPlan
+from sim.step_builder import StepBuilder
+
+
+@dataclass(frozen=True)
+class ChunkedPrefillConfig(PolicyConfig):
+    name: str = "chunked_prefill"
+    max_num_batched_tokens: int = 512
+    chunked_prefill: bool = True
+    max_num_partial_prefills: int = 1
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require(self.chunked_prefill, "policy.chunked_prefill",
+                "must be true for the chunked_prefill policy")
+        # Stall-free needs room for a decode token of every running request in every step.
+        require(self.max_num_seqs <= self.max_num_batched_tokens, "policy.max_num_seqs",
+                f"{self.max_num_seqs} exceeds policy.max_num_batched_tokens="
+                f"{self.max_num_batched_tokens}: a step could not hold every decode")
+        require(self.max_num_partial_prefills >= 1, "policy.max_num_partial_prefills",
+                f"must be >= 1, got {self.max_num_partial_prefills}")
+
+
+@POLICIES.register("chunked_prefill")
+class ChunkedPrefillPolicy(Policy):
+    # With no prefill chunk to place (nothing waiting that fits), a decode-only step repeats
+    # until an arrival, finish or KV shortage: decode jumps are safe.
+    supports_decode_jumps = True
+
+    config_class = ChunkedPrefillConfig
+    config: ChunkedPrefillConfig
+
+    def schedule(self, step: StepBuilder) -> StepPlan:
+        cfg = self.config
+        budget = Budget(step, cfg.max_num_batched_tokens, cfg.max_num_seqs)
+        decodes = [r for r in step.running if r.num_pending_tokens == 1]
+        prefills = [r for r in step.running if r.num_pending_tokens > 1]
+        preempted = schedule_running(step, budget, order=decodes)
+        if preempted:
+            return step.build()
+        k = cfg.max_num_partial_prefills
+        # vLLM v0's prefill slot budget: share the tokens left among the prompts wanting them.
+        share = budget.remaining_tokens // max(1, min(k, len(prefills) + len(step.waiting)))
+        preempted = schedule_running(step, budget, order=prefills, max_chunk=max(1, share))
+        if preempted:
+            return step.build()
+        if step.swapped:
+            resume_swapped(step, budget, chunked=True)
+        if not step.swapped and step.waiting:
+            open_partials = sum(1 for r in step.running if r.num_pending_tokens > step.granted(r))
+            admit(step, budget, step.waiting, chunked=True, max_partial=max(0, k - open_partials),
+                  max_chunk=max(1, share))
+        return step.build()

@@ -1,0 +1,85 @@
+"""FCFS's step structure with the waiting queue in a policy's own order (SJF, priority).
+
+The order lives in a ``WaitingHeap`` fed by ``on_arrival`` and by the policy's own
+preemptions (``requeue``), so no step sorts the whole waiting queue. Admission stays strict:
+it stops at the first request in order that does not fit, as vLLM's priority scheduler does,
+so a big request at the head is never bypassed forever by smaller ones behind it. With
+``preemptive`` the head of the queue may displace running requests the subclass allows
+(``may_preempt``), most preemptible first, but only when that makes it fit.
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from collections.abc import Iterator, Sequence
+from contextlib import closing
+from typing import Any
+
+from policies.base import PolicyConfig
+from policies.budget import Budget, VictimPicker, admit, preempt_for, victim_from_end
+from policies.fcfs import FCFSPolicy
+from policies.queues import WaitingHeap
+from sim.request import Request, RequestStatus
+from sim.step_builder import StepBuilder
+
+
+class OrderedPolicy(FCFSPolicy):
+    def __init__(self, config: PolicyConfig, seed: int = 0) -> None:
+        super().__init__(config, seed)
+        self.queue = WaitingHeap(self.waiting_key)
+
+    # ---- what a subclass defines ----------------------------------------------------------
+    @abstractmethod
+    def waiting_key(self, req: Request) -> Any:
+        """Admission order: smallest first."""
+
+    @abstractmethod
+    def running_key(self, req: Request) -> Any:
+        """Running order: smallest gets its tokens first; the largest is preempted first."""
+
+    def may_preempt(self, candidate: Request, victim: Request) -> bool:
+        """Whether waiting ``candidate`` may displace running ``victim`` (if preemptive)."""
+        return False
+
+    def index(self, req: Request) -> None:
+        """``req`` (again) waits: put it in the policy's index."""
+        self.queue.push(req)
+
+    def candidates(self, step: StepBuilder, in_order: Iterator[Request]) -> Iterator[Request]:
+        """The admission sequence; ``in_order`` walks ``self.queue``."""
+        return in_order
+
+    # ---- FCFS hooks -----------------------------------------------------------------------
+    def on_arrival(self, req: Request) -> None:
+        self.index(req)
+
+    def requeue(self, preempted: list[Request]) -> None:
+        for req in preempted:
+            if req.status is RequestStatus.PREEMPTED:  # recomputed: waiting again
+                self.index(req)
+
+    def admit_waiting(self, step: StepBuilder, budget: Budget) -> list[Request]:
+        with self.queue.ordered() as in_order:
+            with closing(self._making_room(step, budget, self.candidates(step, in_order))) as c:
+                return admit(step, budget, c, chunked=self.config.chunked_prefill)
+
+    def running_order(self, step: StepBuilder) -> Sequence[Request]:
+        return sorted(step.running, key=self.running_key)
+
+    def victim_picker(self, step: StepBuilder, order: Sequence[Request]) -> VictimPicker:
+        return victim_from_end(order)
+
+    def swapped_order(self, step: StepBuilder) -> Sequence[Request]:
+        return sorted(step.swapped, key=self.running_key)
+
+    # ---- internals ------------------------------------------------------------------------
+    def _making_room(self, step: StepBuilder, budget: Budget,
+                     candidates: Iterator[Request]) -> Iterator[Request]:
+        preemptive = getattr(self.config, "preemptive", False)
+        for req in candidates:
+            if preemptive:
+                def victims(req: Request = req) -> Iterator[Request]:
+                    ranked = sorted(step.running, key=self.running_key, reverse=True)
+                    return (v for v in ranked if self.may_preempt(req, v))
+                self.requeue(preempt_for(step, budget, req, victims))
+            yield req

@@ -1,0 +1,72 @@
+"""An index of the waiting queue in a policy's order, updated on arrival (no per-step sort).
+
+The replica's ``step.waiting`` stays the single truth about who waits; a policy keeps one or
+more ``WaitingHeap``s beside it. Entries are invalidated lazily: an entry counts only while its
+request is still WAITING/PREEMPTED and it is the request's latest push (a request preempted
+twice is pushed twice; only the newest entry is live). Each step pops entries in order as the
+admission loop asks for them and pushes back the ones it did not admit, so a step costs
+O((admitted + 1) log W), not O(W log W).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from sim.request import Request, RequestStatus
+
+_WAITING = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+
+
+class WaitingHeap:
+    def __init__(self, key: Callable[[Request], Any]) -> None:
+        self._key = key
+        self._heap: list[tuple[Any, int, Request]] = []
+        self._seq = 0  # push counter: tie-break and version of an entry
+        self._live: dict[int, int] = {}  # request id -> seq of its live entry
+
+    def push(self, req: Request) -> None:
+        """Index a request that (again) waits, under its key as of now."""
+        self._seq += 1
+        self._live[req.request_id] = self._seq
+        heapq.heappush(self._heap, (self._key(req), self._seq, req))
+
+    def _is_live(self, entry: tuple[Any, int, Request]) -> bool:
+        _, seq, req = entry
+        return req.status in _WAITING and self._live.get(req.request_id) == seq
+
+    def _drop(self, entry: tuple[Any, int, Request]) -> None:
+        _, seq, req = entry
+        if self._live.get(req.request_id) == seq:
+            del self._live[req.request_id]
+
+    @contextmanager
+    def ordered(self) -> Iterator[Iterator[Request]]:
+        """Iterate the waiting requests in key order, lazily. On exit every request taken
+        but still waiting (not admitted) is put back under its old key."""
+        taken: list[tuple[Any, int, Request]] = []
+
+        def walk() -> Iterator[Request]:
+            heap = self._heap
+            while heap:
+                entry = heapq.heappop(heap)
+                if not self._is_live(entry):
+                    self._drop(entry)
+                    continue
+                taken.append(entry)
+                yield entry[2]
+
+        try:
+            yield walk()
+        finally:
+            for entry in taken:
+                if self._is_live(entry):
+                    heapq.heappush(self._heap, entry)
+                else:
+                    self._drop(entry)
+
+    def __len__(self) -> int:
+        """Entries held, live or not yet found stale (an upper bound on those waiting)."""
+        return len(self._heap)

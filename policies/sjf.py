@@ -1,0 +1,101 @@
+"""Shortest job first by predicted remaining work, with aging and optional preemption.
+
+Remaining work is the predicted number of output tokens still to generate (prediction minus
+tokens generated, at least 1): decode steps, one per token, are what a request's latency is
+made of, while its prompt is one prefill. The prediction is drawn once, at arrival, and
+stored in ``req.extra["predicted_output_len"]`` (see ``policies/predictors.py``).
+
+Admission order: first every request that has waited at least ``aging_s`` seconds, oldest
+first (aging bounds starvation: under overload a long request eventually heads the queue);
+then the rest by predicted remaining work. With ``preemptive`` the head of that order may
+preempt running requests whose predicted remaining work is at least ``preemption_ratio``
+times its own (longest first), when that makes it fit. The memory-pressure victim is the
+running request with the longest predicted remaining work. Steps otherwise as ``fcfs``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from policies.base import POLICIES, PolicyConfig
+from policies.ordered import OrderedPolicy
+from policies.predictors import PREDICTORS, make_predictor
+from policies.queues import WaitingHeap
+from sim.errors import require
+from sim.request import Request
+from sim.step_builder import StepBuilder
+
+
+@dataclass(frozen=True)
+class SJFConfig(PolicyConfig):
+    name: str = "sjf"
+    predictor: str = "oracle"  # oracle | noisy | bucket
+    noise_sigma: float = 0.5  # noisy: sigma of the lognormal error
+    bucket_edges: tuple[int, int] = (128, 512)  # bucket: short <= e0 < medium <= e1 < long
+    bucket_accuracy: float = 0.8  # bucket: probability the class is right
+    aging_s: float | None = 30.0  # waited this long: served in arrival order; null: never
+    preemptive: bool = False
+    preemption_ratio: float = 4.0  # victim's remaining work >= ratio x the newcomer's
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require(self.predictor in PREDICTORS, "policy.predictor",
+                f"must be one of {list(PREDICTORS)}, got {self.predictor!r}")
+        require(self.noise_sigma >= 0, "policy.noise_sigma",
+                f"must be >= 0, got {self.noise_sigma}")
+        edges = tuple(self.bucket_edges)
+        require(len(edges) == 2 and 1 <= edges[0] < edges[1], "policy.bucket_edges",
+                f"must be two increasing positive lengths [short, medium], got {list(edges)}")
+        object.__setattr__(self, "bucket_edges", (int(edges[0]), int(edges[1])))
+        require(0 <= self.bucket_accuracy <= 1, "policy.bucket_accuracy",
+                f"must be in [0, 1], got {self.bucket_accuracy}")
+        require(self.aging_s is None or self.aging_s >= 0, "policy.aging_s",
+                f"must be >= 0 or null, got {self.aging_s}")
+        require(self.preemption_ratio > 1, "policy.preemption_ratio",
+                f"must be > 1 (else two requests could preempt each other), got "
+                f"{self.preemption_ratio}")
+
+
+def predicted_remaining(req: Request) -> float:
+    return max(1.0, req.extra["predicted_output_len"] - req.num_output_tokens)
+
+
+@POLICIES.register("sjf")
+class SJFPolicy(OrderedPolicy):
+    config_class = SJFConfig
+    config: SJFConfig
+
+    def __init__(self, config: SJFConfig, seed: int = 0) -> None:
+        super().__init__(config, seed)
+        c = config
+        self.predict = make_predictor(c.predictor, seed, c.noise_sigma, c.bucket_edges,
+                                      c.bucket_accuracy)
+        self.by_arrival = WaitingHeap(lambda r: (r.arrival_time, r.request_id))
+
+    def on_arrival(self, req: Request) -> None:
+        req.extra = {**(req.extra or {}), "predicted_output_len": self.predict(req)}
+        super().on_arrival(req)
+
+    def waiting_key(self, req: Request) -> tuple[float, float, int]:
+        return (predicted_remaining(req), req.arrival_time, req.request_id)
+
+    running_key = waiting_key
+
+    def may_preempt(self, candidate: Request, victim: Request) -> bool:
+        return predicted_remaining(victim) >= (self.config.preemption_ratio
+                                               * predicted_remaining(candidate))
+
+    def index(self, req: Request) -> None:
+        super().index(req)
+        self.by_arrival.push(req)
+
+    def candidates(self, step: StepBuilder, in_order: Iterator[Request]) -> Iterator[Request]:
+        aging = self.config.aging_s
+        if aging is not None:
+            with self.by_arrival.ordered() as oldest_first:
+                for req in oldest_first:
+                    if step.now - req.arrival_time < aging:
+                        break
+                    yield req
+        yield from in_order
