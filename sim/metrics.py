@@ -16,12 +16,74 @@ from sim.request import Request
 PERCENTILES = (("median", 50), ("p90", 90), ("p99", 99))
 
 
+class StreamingQuantiles:
+    """Quantiles of a stream of positive values in bounded memory (a log-bucketed histogram,
+    as DDSketch): every quantile is within ``relative_accuracy`` of a true sample value;
+    count, mean and std are exact. Values are buffered and binned in batches."""
+
+    def __init__(self, relative_accuracy: float = 1e-3, min_value: float = 1e-9,
+                 max_value: float = 1e5, flush_every: int = 1 << 20) -> None:
+        self._gamma = (1 + relative_accuracy) / (1 - relative_accuracy)
+        self._log_gamma = np.log(self._gamma)
+        self._min = min_value
+        self._bins = int(np.ceil(np.log(max_value / min_value) / self._log_gamma)) + 1
+        self._counts = np.zeros(self._bins, dtype=np.int64)
+        self._buffer = array("d")
+        self._flush_every = flush_every
+        self.count = 0
+        self._sum = 0.0
+        self._sumsq = 0.0
+
+    def extend(self, values: np.ndarray) -> None:
+        self._buffer.frombytes(np.ascontiguousarray(values, dtype=np.float64).tobytes())
+        if len(self._buffer) >= self._flush_every:
+            self._flush()
+
+    def _flush(self) -> None:
+        if not self._buffer:
+            return
+        v = np.frombuffer(self._buffer, dtype=np.float64)
+        self.count += len(v)
+        self._sum += float(v.sum())
+        self._sumsq += float(np.square(v).sum())
+        idx = np.floor(np.log(np.maximum(v, self._min) / self._min) / self._log_gamma)
+        idx = np.clip(idx.astype(np.int64), 0, self._bins - 1)
+        self._counts += np.bincount(idx, minlength=self._bins)
+        self._buffer = array("d")
+
+    def __len__(self) -> int:
+        return self.count + len(self._buffer)
+
+    def stats(self, name: str) -> dict[str, float]:
+        """The same keys as ``latency_stats``, in milliseconds."""
+        self._flush()
+        if self.count == 0:
+            return latency_stats(name, np.empty(0))
+        mean = self._sum / self.count
+        var = max(self._sumsq / self.count - mean * mean, 0.0)
+        out = {f"mean_{name}_ms": mean * 1000.0, f"std_{name}_ms": np.sqrt(var) * 1000.0}
+        cum = np.cumsum(self._counts)
+        for key, q in PERCENTILES:
+            # The bucket holding the sample of rank q% (numpy's 'lower' rank), at its centre.
+            rank = int(np.floor(q / 100.0 * (self.count - 1)))
+            i = int(np.searchsorted(cum, rank + 1))
+            value = self._min * self._gamma**i * 2 / (1 + self._gamma)
+            out[f"{key}_{name}_ms"] = float(value * 1000.0)
+        return out
+
+
 class MetricsCollector:
-    def __init__(self) -> None:
+    """``itl="exact"`` keeps every inter-token gap (exact percentiles, 8 bytes per token);
+    ``itl="streaming"`` keeps a bounded histogram instead (for runs of millions of requests)."""
+
+    def __init__(self, itl: str = "exact") -> None:
+        if itl not in ("exact", "streaming"):
+            raise ValueError(f"itl_quantiles must be exact or streaming, got {itl!r}")
         self.ttft = array("d")
         self.tpot = array("d")
         self.e2el = array("d")
-        self.itl = array("d")
+        self.itl: array | StreamingQuantiles = (array("d") if itl == "exact"
+                                                 else StreamingQuantiles())
         self.completed = 0
         self.rejected = 0
         self.reject_reasons: dict[str, int] = {}
@@ -47,7 +109,11 @@ class MetricsCollector:
                              / (req.num_output_tokens - 1))
         self.e2el.append(req.finish_time - req.arrival_time)
         if len(req.token_times) > 1:
-            self.itl.extend(np.diff(np.frombuffer(req.token_times, dtype=np.float64)))
+            gaps = np.diff(np.frombuffer(req.token_times, dtype=np.float64))
+            if isinstance(self.itl, array):
+                self.itl.frombytes(gaps.tobytes())
+            else:
+                self.itl.extend(gaps)
         self.num_preemptions += req.num_preemptions
         self.num_swaps += req.num_swaps
         self.num_recomputes += req.num_recomputes
@@ -78,7 +144,10 @@ class MetricsCollector:
         }
         for name, values in (("ttft", self.ttft), ("tpot", self.tpot), ("itl", self.itl),
                              ("e2el", self.e2el)):
-            out.update(latency_stats(name, values))
+            if isinstance(values, StreamingQuantiles):
+                out.update(values.stats(name))
+            else:
+                out.update(latency_stats(name, values))
         out["num_preemptions"] = self.num_preemptions
         out["num_swaps"] = self.num_swaps
         out["num_recomputes"] = self.num_recomputes

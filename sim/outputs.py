@@ -30,6 +30,8 @@ def _fmt(x: float | None) -> str:
 class CsvSink:
     """Writes rows to a CSV file, or keeps them in memory when ``path`` is None (tests)."""
 
+    enabled = True
+
     def __init__(self, path: Path | None, columns: tuple[str, ...]) -> None:
         self.columns = columns
         self.rows: list[tuple] | None = None
@@ -50,6 +52,20 @@ class CsvSink:
         if self._file is not None:
             self._file.close()
             self._file = None
+
+
+class NullSink(CsvSink):
+    """Drops rows (``record_steps=false``: million-request runs need no per-step table)."""
+
+    enabled = False
+
+    def __init__(self, columns: tuple[str, ...]) -> None:
+        self.columns = columns
+        self.rows = None
+        self._file = None
+
+    def write(self, row: tuple) -> None:
+        pass
 
 
 def request_row(req: Request) -> tuple:

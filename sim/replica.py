@@ -217,6 +217,9 @@ class Replica:
         nb = kv.num_gpu_blocks
         starts = np.concatenate(([start], ends[:-1]))
         write = self.steps_sink.write
+        if not self.steps_sink.enabled:
+            self.num_steps += k - 1
+            k = 1  # skip building rows nobody keeps
         for i in range(k - 1):
             self.num_steps += 1
             u = int(used[i])

@@ -92,12 +92,14 @@ def html_page(title: str, figures: list[go.Figure], preamble: str = "") -> str:
 
 def write_report(out_dir: Path, summary: dict[str, Any]) -> Path:
     requests = pd.read_csv(out_dir / "requests.csv")
-    steps = pd.read_csv(out_dir / "steps.csv")
+    steps_csv = out_dir / "steps.csv"
+    figures = [latency_cdf_figure({str(summary.get('policy')): requests})]
+    if steps_csv.exists():  # absent with record_steps=false
+        figures.append(timeline_figure(pd.read_csv(steps_csv)))
     title = (f"{summary.get('model')} / {summary.get('hardware')} / {summary.get('policy')}: "
              f"{summary['completed']} requests")
     pre = f"<pre>{format_summary(summary)}</pre>"
-    page = html_page(title, [latency_cdf_figure({str(summary.get('policy')): requests}),
-                             timeline_figure(steps)], pre)
+    page = html_page(title, figures, pre)
     path = out_dir / "report.html"
     path.write_text(page)
     return path

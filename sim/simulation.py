@@ -25,7 +25,7 @@ from sim.errors import ConfigError, require
 from sim.kv_manager import KVBlockManager
 from sim.memory import MemoryPlan, plan_memory
 from sim.metrics import MetricsCollector
-from sim.outputs import REQUEST_COLUMNS, STEP_COLUMNS, CsvSink
+from sim.outputs import REQUEST_COLUMNS, STEP_COLUMNS, CsvSink, NullSink
 from sim.progress import Progress
 from sim.replica import Replica, SimulationStalled
 from sim.request import Request
@@ -33,7 +33,7 @@ from sim.specs import HardwareSpec, ModelSpec, hardware_spec_from, model_spec_fr
 
 SECTIONS = ("model", "hardware", "policy", "workload", "executor", "cluster", "kv")
 TOP_LEVEL = {*SECTIONS, "seed", "progress", "check_integrity", "output_dir", "step_mode",
-             "device"}
+             "device", "itl_quantiles", "record_steps"}
 
 
 @dataclass(frozen=True)
@@ -103,6 +103,10 @@ class Simulation:
         self.step_mode = str(cfg.get("step_mode", "fast"))
         require(self.step_mode in ("fast", "exact"), "step_mode",
                 f"must be fast or exact, got {self.step_mode!r}")
+        self.itl_quantiles = str(cfg.get("itl_quantiles", "exact"))
+        require(self.itl_quantiles in ("exact", "streaming"), "itl_quantiles",
+                f"must be exact or streaming, got {self.itl_quantiles!r}")
+        self.record_steps = bool(cfg.get("record_steps", True))
 
         self.model: ModelSpec = model_spec_from(_section(cfg, "model"), "model config")
         self.hardware: HardwareSpec = hardware_spec_from(_section(cfg, "hardware"), "hardware config")
@@ -176,8 +180,9 @@ class Simulation:
         if out is not None:
             out.mkdir(parents=True, exist_ok=True)
         req_sink = CsvSink(out / "requests.csv" if out else None, REQUEST_COLUMNS)
-        step_sink = CsvSink(out / "steps.csv" if out else None, STEP_COLUMNS)
-        metrics = MetricsCollector()
+        step_sink = (CsvSink(out / "steps.csv" if out else None, STEP_COLUMNS)
+                     if self.record_steps else NullSink(STEP_COLUMNS))
+        metrics = MetricsCollector(self.itl_quantiles)
         kept: list[Request] = []
         progress = Progress(self.workload.num_requests, self.progress_enabled)
         state = {"done": 0}
