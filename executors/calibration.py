@@ -24,7 +24,6 @@ import numpy as np
 import yaml
 
 from executors.step_terms import (
-    DRIVER_COLUMNS,
     Coefficients,
     StepDecomposer,
     StepDrivers,
@@ -45,18 +44,7 @@ META_COLUMNS = ("model", "device", "dtype", "tensor_parallel", "executor")
 PROFILE_COLUMNS = SHAPE_COLUMNS + TIMING_COLUMNS + META_COLUMNS
 KINDS = ("decode", "prefill", "mixed")
 
-#: Which drivers each coefficient prices (a coefficient whose drivers are all zero in the data
-#: cannot be fitted and stays 0).
-COEFFICIENT_DRIVERS: dict[str, tuple[str, ...]] = {
-    "s_per_step": ("nonempty",),
-    "s_per_seq": ("rows",),
-    "s_per_token": ("tokens",),
-    "s_per_flop": ("linear_flops", "lm_head_flops"),
-    "s_per_weight_byte": ("linear_bytes", "lm_head_bytes"),
-    "s_per_attn_flop": ("prefill_flops", "decode_flops"),
-    "s_per_kv_byte": ("prefill_bytes", "decode_bytes"),
-    "s_per_attn_kernel": ("attn_kernels",),
-}
+SHRINK_TOLERANCE = 1e-3  # percentage points of fit MAPE a shrunk coefficient may cost
 SHARPNESS_GRID: tuple[float, ...] = (1.0, 1.5, 2.0, 3.0, 4.0, 8.0, math.inf)
 
 
@@ -203,10 +191,11 @@ class Fit:
 
 
 def _linear_design(X: np.ndarray) -> np.ndarray:
-    """Design matrix of the p = 1 model (knee = sum), one column per coefficient."""
-    col = {c: X[:, i] for i, c in enumerate(DRIVER_COLUMNS)}
-    return np.column_stack([sum(col[d] for d in COEFFICIENT_DRIVERS[n])
-                            for n in Coefficients.names()])
+    """Design matrix of the p = 1 model (every knee a sum, so linear in the coefficients): one
+    column per coefficient, the prediction with that coefficient 1 and the others 0. A
+    coefficient whose column is all zero is not driven by the data and stays 0."""
+    eye = np.eye(len(Coefficients.names()))
+    return np.column_stack([predict_array(e, X, 1.0) for e in eye])
 
 
 def fit_coefficients(drivers: Sequence[StepDrivers], y: Sequence[float],
@@ -262,7 +251,35 @@ def fit_coefficients(drivers: Sequence[StepDrivers], y: Sequence[float],
             best = (best_p[0], p, best_p[1])
     assert best is not None
     err, p, x = best
+    x = _shrink(x, X, yv, p, on)
+    err = mape(predict_array(x, X, p), yv)
     return Fit(Coefficients(**dict(zip(names, map(float, x))), sharpness=p), err, per)
+
+
+def _shrink(x: np.ndarray, X: np.ndarray, y: np.ndarray, p: float, on: np.ndarray) -> np.ndarray:
+    """Lower each coefficient as far as the fit allows (``SHRINK_TOLERANCE``).
+
+    A bound that never binds on the profiled shapes (e.g. one decode block's streaming rate
+    when no shape leaves a block alone on its SM) is not identified: any value below where it
+    starts to bind fits equally well, and a large one would bind on shapes outside the
+    profile. The smallest value that fits keeps it out of the way; an identified coefficient
+    barely moves (lowering it costs fit error at once)."""
+    x = x.copy()
+    limit = mape(predict_array(x, X, p), y) + SHRINK_TOLERANCE
+    for j in np.flatnonzero(on & (x > 0)):
+        lo, hi = 0.0, x[j]
+        for _ in range(40):
+            x[j] = lo if lo == 0.0 and _ == 0 else 0.5 * (lo + hi)
+            if mape(predict_array(x, X, p), y) <= limit:
+                hi = x[j]
+                if hi == 0.0:
+                    break
+            else:
+                lo = x[j]
+            if hi - lo <= 1e-4 * hi:
+                break
+        x[j] = hi
+    return x
 
 
 def predict(coefficients: Coefficients, drivers: Sequence[StepDrivers]) -> np.ndarray:
@@ -356,9 +373,15 @@ def load_profile_for(path: str | Path, model: ModelSpec, tensor_parallel: int) -
 
 def calibrate(rows: Sequence[dict[str, Any]], model: ModelSpec, tensor_parallel: int = 1,
               block_size: int = 16, source: str = "",
-              sharpness: float | Sequence[float] | None = None) -> HardwareProfile:
-    """Fit a profile to CSV rows (``read_profile_csv``), holding out half the shapes."""
-    dec = StepDecomposer(model, tensor_parallel, block_size)
+              sharpness: float | Sequence[float] | None = None,
+              num_sms: int | None = None) -> HardwareProfile:
+    """Fit a profile to CSV rows (``read_profile_csv``), holding out half the shapes.
+
+    ``num_sms``: the profiled GPU's SM count (decode attention waves); None (a CPU, or
+    unknown) runs every decode thread block in one wave. It is saved with the profile so that
+    the cost model decomposes steps exactly as the fit did.
+    """
+    dec = StepDecomposer(model, tensor_parallel, block_size, num_sms)
     drivers = [dec.drivers(shape_from_row(r, f"row {i}").shape()) for i, r in enumerate(rows)]
     y = np.array([float(r["median_s"]) for r in rows])
     fit_idx, held_idx = split_rows(rows)
@@ -372,5 +395,6 @@ def calibrate(rows: Sequence[dict[str, Any]], model: ModelSpec, tensor_parallel:
         tensor_parallel=tensor_parallel, coefficients=f.coefficients,
         fit={"rows_fit": len(fit_idx), "rows_heldout": len(held_idx),
              "mape_fit_pct": round(mape(pred[fit_idx], y[fit_idx]), 3),
-             "mape_heldout_pct": round(mape(pred[held_idx], y[held_idx]), 3)},
+             "mape_heldout_pct": round(mape(pred[held_idx], y[held_idx]), 3),
+             "num_sms": num_sms},
         source=source)

@@ -54,7 +54,9 @@ class CostModelConfig:
     # ~110 TFLOP/s on long prefixes, 0.35 of peak (docs/calibration.md).
     attention_efficiency: float = 0.5
     kv_read_efficiency: float = 0.85  # paged-KV gathers vs streaming weights, relative
-    attention_kernel_us: float = 10.0  # launch + ramp-up + tail of one attention kernel
+    attention_kernel_us: float = 7.0  # launch + ramp-up + tail of one attention kernel
+    attention_wave_us: float = 3.0  # start-up + write-back of one wave of decode thread blocks
+    attention_ctas_per_sm: int = 2  # decode thread blocks resident per SM (one wave's slots)
     # p of the knee (FLOP time^p + byte time^p)^(1/p); None: the sharp roofline max().
     roofline_sharpness: float | None = 2.0
     profile: str | None = None  # a fitted hardware profile (YAML/JSON; executors/calibration.py)
@@ -63,6 +65,9 @@ class CostModelConfig:
         require(self.step_overhead_ms >= 0, "executor.step_overhead_ms", "must be >= 0")
         require(self.per_seq_overhead_us >= 0, "executor.per_seq_overhead_us", "must be >= 0")
         require(self.attention_kernel_us >= 0, "executor.attention_kernel_us", "must be >= 0")
+        require(self.attention_wave_us >= 0, "executor.attention_wave_us", "must be >= 0")
+        require(self.attention_ctas_per_sm >= 1, "executor.attention_ctas_per_sm",
+                f"must be >= 1, got {self.attention_ctas_per_sm}")
         for f in ("compute_efficiency", "memory_efficiency"):
             v = getattr(self, f)
             require(v is None or 0 < v <= 1, f"executor.{f}", f"must be in (0, 1], got {v}")
@@ -91,7 +96,7 @@ class RooflineCostModel(Executor):
 
     def __init__(self, model: ModelSpec, hardware: HardwareSpec, tensor_parallel: int = 1,
                  config: CostModelConfig | None = None, block_size: int = 16,
-                 coefficients: Coefficients | None = None) -> None:
+                 coefficients: Coefficients | None = None, num_sms: int | None = -1) -> None:
         require(tensor_parallel >= 1, "cluster.tensor_parallel", f"must be >= 1, got {tensor_parallel}")
         require(model.num_heads % tensor_parallel == 0, "cluster.tensor_parallel",
                 f"{tensor_parallel} does not divide {model.name}'s {model.num_heads} heads")
@@ -100,7 +105,10 @@ class RooflineCostModel(Executor):
         self.tp = tensor_parallel
         self.config = c = config or CostModelConfig()
         self.block_size = block_size
-        self.decomposer = StepDecomposer(model, tensor_parallel, block_size)
+        # num_sms: the hardware's unless a fitted profile says what it was fitted with.
+        sms = hardware.num_sms if num_sms == -1 else num_sms
+        self.decomposer = StepDecomposer(model, tensor_parallel, block_size, sms,
+                                         c.attention_ctas_per_sm)
         ce = c.compute_efficiency or hardware.compute_efficiency
         me = c.memory_efficiency or hardware.memory_efficiency
         bw = hardware.memory_bandwidth_gbps * 1e9 * me  # achievable bytes/s
@@ -111,7 +119,13 @@ class RooflineCostModel(Executor):
             s_per_flop=1.0 / (hardware.peak_flops(model.weight_dtype) * ce),
             s_per_weight_byte=1.0 / bw,
             s_per_attn_flop=1.0 / (hardware.peak_tflops_fp16 * 1e12 * ce * c.attention_efficiency),
+            s_per_diag_flop=1.0 / (hardware.peak_tflops_fp16 * 1e12 * ce * c.attention_efficiency),
             s_per_kv_byte=1.0 / (bw * c.kv_read_efficiency),
+            # One decode thread block streams at its SM's share of the paged-KV bandwidth; an
+            # SM's resident blocks overlap fully (only a fit can tell by how much less).
+            s_per_cta_byte=hardware.num_sms / (bw * c.kv_read_efficiency),
+            s_per_sm_byte=hardware.num_sms / (bw * c.kv_read_efficiency * c.attention_ctas_per_sm),
+            s_per_attn_wave=c.attention_wave_us * 1e-6,
             s_per_attn_kernel=c.attention_kernel_us * 1e-6,
             sharpness=math.inf if c.roofline_sharpness is None else c.roofline_sharpness,
         )
@@ -152,26 +166,21 @@ class RooflineCostModel(Executor):
         plan advances by one token (each context grows by one per step), evaluated with the
         same terms as ``execute`` (the decode context enters as an array)."""
         shape = step_shape(plan)
-        ctx = shape.decode_ctx + shape.num_decode * np.arange(num_steps, dtype=np.int64)
-        return self.breakdown_shape(replace(shape, decode_ctx=ctx)).total
-
-    def time_for(self, n_tokens: int, n_sampled: int, n_rows: int, pf_pairs: float,
-                 pf_kv_tokens: int, pf_q_tokens: int, dec_ctx: int, n_dec: int,
-                 n_swap_out_blocks: int = 0, n_swap_in_blocks: int = 0) -> StepBreakdown:
-        """Step time from aggregate shape figures (``pf_pairs``: chunk x (cached + chunk))."""
-        return self.breakdown_shape(StepShape(
-            n_tokens, n_sampled, n_rows, int(pf_pairs), pf_kv_tokens, pf_q_tokens,
-            int(pf_q_tokens > 0), dec_ctx, n_dec, n_swap_out_blocks, n_swap_in_blocks))
+        steps = np.arange(num_steps, dtype=np.int64)
+        return self.breakdown_shape(replace(
+            shape, decode_ctx=shape.decode_ctx + shape.num_decode * steps,
+            decode_max_ctx=shape.decode_max_ctx + steps)).total
 
 
 @EXECUTORS.register("cost_model")
 def build_cost_model(model: ModelSpec, hardware: HardwareSpec, tensor_parallel: int,
                      config: dict[str, Any], block_size: int = 16, **_: Any) -> RooflineCostModel:
     cfg = CostModelConfig.from_dict(config)
-    coefficients = None
     if cfg.profile is not None:
         from executors.calibration import load_profile_for  # scipy-free, but keep it lazy
 
-        coefficients = load_profile_for(cfg.profile, model, tensor_parallel).coefficients
-    return RooflineCostModel(model, hardware, tensor_parallel, cfg, block_size=block_size,
-                             coefficients=coefficients)
+        prof = load_profile_for(cfg.profile, model, tensor_parallel)
+        return RooflineCostModel(model, hardware, tensor_parallel, cfg, block_size=block_size,
+                                 coefficients=prof.coefficients,
+                                 num_sms=prof.fit.get("num_sms", hardware.num_sms))
+    return RooflineCostModel(model, hardware, tensor_parallel, cfg, block_size=block_size)

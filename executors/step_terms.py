@@ -24,6 +24,12 @@ from sim.plan import StepPlan
 from sim.specs import ModelSpec
 
 
+#: Query rows per attention tile. FlashAttention-style kernels give each thread block a tile of
+#: 64 (or 128) query rows, so a prefill chunk costs whole tiles: Vidur's A100 prefill profile
+#: steps every 64 tokens (e.g. chunks of 160 and 192 tokens take the same time).
+ATTENTION_TILE = 64
+
+
 @dataclass(frozen=True, slots=True)
 class StepShape:
     """Aggregate shape of one step: all any step-time model needs to know about a plan."""
@@ -31,11 +37,13 @@ class StepShape:
     num_tokens: int = 0  # query tokens computed
     num_sampled: int = 0  # rows that sample (LM head rows)
     num_rows: int = 0  # scheduled requests
-    prefill_pairs: int = 0  # prefill rows: sum of chunk x (cached + chunk) (query, key) pairs
+    prefill_prefix_pairs: int = 0  # prefill rows: padded chunk x cached (query, key) pairs
+    prefill_diag_pairs: int = 0  # prefill rows: padded chunk x padded chunk (the causal square)
     prefill_kv_tokens: int = 0  # prefill rows: KV tokens read (cached + chunk)
     prefill_q_tokens: int = 0  # prefill rows: query tokens
     num_prefill: int = 0  # prefill rows
     decode_ctx: int = 0  # decode rows: KV tokens read (context incl. the new token)
+    decode_max_ctx: int = 0  # decode rows: the longest context (the critical thread block)
     num_decode: int = 0  # decode rows (one query over a non-empty cache)
     swap_out_blocks: int = 0
     swap_in_blocks: int = 0
@@ -44,32 +52,46 @@ class StepShape:
 def step_shape(plan: StepPlan) -> StepShape:
     """The shape of a plan. A row is "decode" exactly when ``ScheduledRequest.is_decode``.
 
-    Prefill attention is counted as the full chunk x (cached + chunk) rectangle: kernels work in
-    whole tiles along the causal diagonal, torch's reference attention computes the masked score
-    matrix in full, and Vidur's measured A100 FlashAttention profile tracks the rectangle too
-    (docs/calibration.md).
+    Prefill attention is counted in whole query tiles (``ATTENTION_TILE``) over the row's whole
+    context: the chunk's padded queries x cached keys (``prefill_prefix_pairs``) plus the padded
+    chunk squared (``prefill_diag_pairs``). Kernels work in whole tiles along the causal
+    diagonal, torch's reference attention computes the masked score matrix in full, and Vidur's
+    measured A100 profile tracks the square, not the triangle; the diagonal is kept apart
+    because masked tiles run at their own rate (docs/calibration.md).
     """
-    n_tokens = n_sampled = pairs = pf_kv = pf_q = n_pf = dec_ctx = n_dec = 0
+    n_tokens = n_sampled = prefix = diag = pf_kv = pf_q = n_pf = dec_ctx = dec_max = n_dec = 0
+    tile = ATTENTION_TILE
     for s in plan.scheduled:
         n = s.num_new_tokens
         n_tokens += n
         n_sampled += s.sample
         if n == 1 and s.start_position > 0:
-            dec_ctx += s.start_position + 1
+            ctx = s.start_position + 1
+            dec_ctx += ctx
+            if ctx > dec_max:
+                dec_max = ctx
             n_dec += 1
         else:
-            ctx = s.start_position + n
-            pairs += n * ctx
-            pf_kv += ctx
+            padded = -(-n // tile) * tile
+            prefix += padded * s.start_position
+            diag += padded * padded
+            pf_kv += s.start_position + n
             pf_q += n
             n_pf += 1
-    return StepShape(n_tokens, n_sampled, len(plan.scheduled), pairs, pf_kv, pf_q, n_pf,
-                     dec_ctx, n_dec, len(plan.swap_out), len(plan.swap_in))
+    return StepShape(n_tokens, n_sampled, len(plan.scheduled), prefix, diag, pf_kv, pf_q, n_pf,
+                     dec_ctx, dec_max, n_dec, len(plan.swap_out), len(plan.swap_in))
 
 
 @dataclass(frozen=True, slots=True)
 class StepDrivers:
-    """Physical drivers of a step's time on one rank, summed over layers."""
+    """Physical drivers of a step's time on one rank, summed over layers.
+
+    Decode attention runs in waves of thread blocks (``StepDecomposer`` explains the split):
+    ``decode_waves`` full waves of ``decode_wave_*`` work each, then ``decode_tail`` (0 or 1)
+    partial wave of ``decode_tail_*`` work. Every wave is bounded by its HBM traffic and FLOPs,
+    by one block streaming its KV alone (``decode_cta_bytes``) and by the busiest SM streaming
+    the KV of all its resident blocks (``decode_sm_bytes`` / ``decode_tail_sm_bytes``).
+    """
 
     nonempty: float = 0.0  # 1 if the step runs anything (fixed per-step overhead)
     rows: float = 0.0  # per-sequence overhead (input prep, sampling bookkeeping)
@@ -78,11 +100,23 @@ class StepDrivers:
     linear_bytes: float = 0.0  # their weight bytes (+ activations in and out)
     lm_head_flops: float = 0.0  # sampled rows only
     lm_head_bytes: float = 0.0
-    prefill_flops: float = 0.0  # attention of prefill rows
+    prefill_flops: float = 0.0  # attention of prefill rows over their cached prefix
+    prefill_diag_flops: float = 0.0  # attention of prefill rows over their own chunk
     prefill_bytes: float = 0.0  # KV read + Q/O traffic of prefill rows
-    decode_flops: float = 0.0
+    decode_flops: float = 0.0  # totals of decode attention (reporting; waves price them)
     decode_bytes: float = 0.0
-    attn_kernels: float = 0.0  # attention kernel launches (one per layer per kind present)
+    decode_waves: float = 0.0  # full waves of decode thread blocks
+    decode_wave_flops: float = 0.0  # one full wave, all layers
+    decode_wave_bytes: float = 0.0
+    decode_sm_bytes: float = 0.0  # KV the busiest SM streams in a full wave, all layers
+    decode_tail: float = 0.0  # 1 if a partial wave follows the full ones
+    decode_tail_flops: float = 0.0
+    decode_tail_bytes: float = 0.0
+    decode_tail_sm_bytes: float = 0.0
+    decode_cta_bytes: float = 0.0  # KV of the longest thread block, all layers
+    decode_wave_count: float = 0.0  # waves run, all layers (fixed cost per wave)
+    prefill_kernels: float = 0.0  # attention kernel launches (one per layer)
+    decode_kernels: float = 0.0  # one per layer, plus the split-KV combine kernel
     elementwise_bytes: float = 0.0  # norms, RoPE, SiLU, residual adds, KV store
     comm_calls: float = 0.0  # all-reduces (TP only)
     comm_bytes: float = 0.0  # ring traffic per rank
@@ -91,11 +125,21 @@ class StepDrivers:
 
 
 class StepDecomposer:
-    """Turns a ``StepShape`` into ``StepDrivers`` for one model on ``tensor_parallel`` ranks."""
+    """Turns a ``StepShape`` into ``StepDrivers`` for one model on ``tensor_parallel`` ranks.
 
-    def __init__(self, model: ModelSpec, tensor_parallel: int = 1, block_size: int = 16) -> None:
+    Decode attention: a paged decode kernel gives each (sequence, KV head) pair a thread block
+    (``units``). When there are fewer units than SMs it splits each sequence's KV into ``splits``
+    pieces so the blocks fill the GPU's ``num_sms x ctas_per_sm`` slots (and a combine kernel
+    merges the pieces); otherwise a block reads one sequence's whole KV for its head. Blocks
+    run in waves of ``slots``: a wave with few blocks is bound by one block's streaming rate, a
+    full one by HBM. ``num_sms=None`` (e.g. a CPU) runs every block in one wave.
+    """
+
+    def __init__(self, model: ModelSpec, tensor_parallel: int = 1, block_size: int = 16,
+                 num_sms: int | None = None, ctas_per_sm: int = 2) -> None:
         t, m = tensor_parallel, model
         self.model, self.tp, self.layers = m, t, m.num_layers
+        self.num_sms, self.ctas_per_sm = num_sms, ctas_per_sm
         h, a, wb = m.hidden_size, m.act_bytes, m.weight_bytes_per_element
         q, kv, inter = m.q_size // t, max(m.head_dim, m.kv_size // t), m.intermediate_size // t
         # (in_features, out_features) of each projection on one rank
@@ -105,6 +149,7 @@ class StepDecomposer:
         self._lin_act_bytes_per_token = sum((fi + fo) * a for fi, fo in linears)
         self._heads = m.num_heads // t
         self._kv_width = kv  # kv_heads x head_dim on one rank
+        self._kv_heads = kv // m.head_dim
         self._kvb = m.kv_bytes_per_element
         self._ab = a
         # Element-wise bytes per token per layer: 2 RMSNorms with residual add (read x and
@@ -112,6 +157,38 @@ class StepDecomposer:
         # and the KV store of the new token.
         self._ew_bytes_per_token = a * (2 * 4 * h + 2 * (q + kv) + 3 * inter) + 2 * kv * self._kvb
         self._kv_block_bytes = m.kv_bytes_per_token_per_rank(t) * block_size
+
+    def _decode_waves(self, s: StepShape, out: dict[str, float]) -> None:
+        """Decode attention as waves of thread blocks. ``decode_ctx`` and ``decode_max_ctx``
+        may be arrays (decode jumps); the batch size is the same for every step of a jump."""
+        L, d, kvb = self.layers, self.model.head_dim, self._kvb
+        units = s.num_decode * self._kv_heads
+        if self.num_sms is None:  # every block in one (tail) wave, one per SM
+            splits, slots, sms = 1, units, units
+            full, rem = 0, units
+        else:
+            sms = self.num_sms
+            slots = sms * self.ctas_per_sm
+            splits = max(1, slots // units) if units < sms else 1
+            full, rem = divmod(units * splits, slots)
+        ctas = units * splits
+        total_flops, total_bytes = out["decode_flops"], out["decode_bytes"]
+        out["decode_waves"] = float(full)
+        out["decode_tail"] = float(rem > 0)
+        out["decode_wave_count"] = float(L * (full + (rem > 0)))
+        # One block's KV (K and V of one head over its share of the longest context).
+        cta = L * 2 * d * kvb * s.decode_max_ctx / splits
+        out["decode_cta_bytes"] = cta
+        if full:
+            out["decode_wave_flops"] = total_flops * slots / ctas
+            out["decode_wave_bytes"] = total_bytes * slots / ctas
+            out["decode_sm_bytes"] = self.ctas_per_sm * cta
+        if rem:
+            out["decode_tail_flops"] = total_flops * rem / ctas
+            out["decode_tail_bytes"] = total_bytes * rem / ctas
+            out["decode_tail_sm_bytes"] = -(-rem // sms) * cta
+        if splits > 1:
+            out["decode_kernels"] += L  # the combine kernel that merges the split pieces
 
     def drivers(self, s: StepShape) -> StepDrivers:
         L, m = self.layers, self.model
@@ -123,14 +200,17 @@ class StepDecomposer:
             out["linear_flops"] = L * n * self._lin_flops_per_token
             out["linear_bytes"] = L * (self._lin_weight_bytes + n * self._lin_act_bytes_per_token)
             if s.num_prefill:
-                out["prefill_flops"] = L * 4.0 * hq * d * s.prefill_pairs
+                out["prefill_kernels"] = float(L)
+                out["prefill_flops"] = L * 4.0 * hq * d * s.prefill_prefix_pairs
+                out["prefill_diag_flops"] = L * 4.0 * hq * d * s.prefill_diag_pairs
                 out["prefill_bytes"] = L * (2 * kvw * kvb * s.prefill_kv_tokens
                                             + 2 * hq * d * ab * s.prefill_q_tokens)
             if s.num_decode:
                 out["decode_flops"] = L * 4.0 * hq * d * s.decode_ctx
                 out["decode_bytes"] = L * (2 * kvw * kvb * s.decode_ctx
                                            + 2 * hq * d * ab * s.num_decode)
-            out["attn_kernels"] = float(L * ((s.num_prefill > 0) + (s.num_decode > 0)))
+                out["decode_kernels"] = float(L)
+                self._decode_waves(s, out)
             out["elementwise_bytes"] = L * n * self._ew_bytes_per_token
             if self.tp > 1:
                 out["comm_calls"] = 2.0 * L
@@ -166,42 +246,42 @@ class StepBreakdown:
                 + self.lm_head + self.communication + self.overhead + self.swap)
 
 
-def _nonzero(x: float | np.ndarray) -> bool:
-    return bool(x.any()) if isinstance(x, np.ndarray) else x != 0
+def knee(*terms: float | np.ndarray, sharpness: float) -> float | np.ndarray:
+    """Roofline of one term over its bounds (compute, memory, latency...): ``max`` when
+    ``sharpness`` is inf, else their p-norm, which rounds the ridge where several bounds are
+    significant and overlap imperfectly. Element-wise over arrays (decode jumps, fitting)."""
+    if any(isinstance(t, np.ndarray) for t in terms):
+        return knee_array([np.asarray(t, dtype=float) for t in terms], sharpness)
+    hi = max(terms)
+    if math.isinf(sharpness) or hi == 0.0:
+        return hi
+    p = sharpness  # scale first: the p-th powers of tiny seconds underflow
+    return hi * sum((t / hi) ** p for t in terms) ** (1.0 / p)
 
 
-def knee(compute: float, memory: float, sharpness: float) -> float:
-    """Roofline of one term: ``max`` when ``sharpness`` is inf, else the p-norm, which rounds
-    the ridge where compute and memory traffic are both significant and overlap imperfectly.
-    Element-wise over arrays (decode jumps evaluate many steps at once)."""
-    if isinstance(compute, np.ndarray) or isinstance(memory, np.ndarray):
-        return knee_array(np.asarray(compute, dtype=float), np.asarray(memory, dtype=float),
-                          sharpness)
+def knee_array(terms: list[np.ndarray], sharpness: float) -> np.ndarray:
+    hi = terms[0]
+    for t in terms[1:]:
+        hi = np.maximum(hi, t)
     if math.isinf(sharpness):
-        return max(compute, memory)
-    if compute == 0.0 or memory == 0.0:
-        return compute + memory
-    p = sharpness
-    hi = max(compute, memory)  # scale first: the p-th powers of tiny seconds underflow
-    return hi * ((compute / hi) ** p + (memory / hi) ** p) ** (1.0 / p)
+        return hi
+    hi = np.maximum(hi, 1e-300)
+    return hi * sum((t / hi) ** sharpness for t in terms) ** (1.0 / sharpness)
 
 
-def knee_array(compute: np.ndarray, memory: np.ndarray, sharpness: float) -> np.ndarray:
-    if math.isinf(sharpness):
-        return np.maximum(compute, memory)
-    hi = np.maximum(np.maximum(compute, memory), 1e-300)
-    return hi * ((compute / hi) ** sharpness + (memory / hi) ** sharpness) ** (1.0 / sharpness)
-
-
-#: Coefficient name -> the driver(s) it prices. Knee terms pair a FLOP and a byte coefficient.
+#: Coefficient name -> what it prices. Knee terms combine a FLOP, a byte and latency bounds.
 COEFFICIENT_DOCS: dict[str, str] = {
     "s_per_step": "fixed overhead of a non-empty step (scheduler, launches, sync)",
     "s_per_seq": "per scheduled request (input preparation, sampling)",
     "s_per_token": "per query token outside GEMMs and attention (element-wise work)",
     "s_per_flop": "per GEMM FLOP (projections and LM head), compute side of their roofline",
     "s_per_weight_byte": "per GEMM byte (weights + activations), memory side of their roofline",
-    "s_per_attn_flop": "per attention FLOP, compute side of the attention roofline",
-    "s_per_kv_byte": "per attention byte (KV read + Q/O), memory side of the attention roofline",
+    "s_per_attn_flop": "per attention FLOP over cached keys (prefill prefix, decode)",
+    "s_per_diag_flop": "per attention FLOP of a prefill chunk over itself (causal square)",
+    "s_per_kv_byte": "per attention byte through HBM (KV read + Q/O), memory side",
+    "s_per_cta_byte": "per KV byte one decode thread block streams alone (latency-bound rate)",
+    "s_per_sm_byte": "per KV byte the busiest SM streams for its resident decode blocks",
+    "s_per_attn_wave": "per wave of decode thread blocks (block start-up and write-back)",
     "s_per_attn_kernel": "per attention kernel launch (launch, ramp-up and tail floor)",
 }
 
@@ -216,7 +296,11 @@ class Coefficients:
     s_per_flop: float = 0.0
     s_per_weight_byte: float = 0.0
     s_per_attn_flop: float = 0.0
+    s_per_diag_flop: float = 0.0
     s_per_kv_byte: float = 0.0
+    s_per_cta_byte: float = 0.0
+    s_per_sm_byte: float = 0.0
+    s_per_attn_wave: float = 0.0
     s_per_attn_kernel: float = 0.0
     sharpness: float = math.inf
 
@@ -246,21 +330,28 @@ class Coefficients:
         p = self.sharpness
         b = StepBreakdown()
         b.linear = knee(self.s_per_flop * d.linear_flops,
-                        self.s_per_weight_byte * d.linear_bytes, p)
+                        self.s_per_weight_byte * d.linear_bytes, sharpness=p)
         b.lm_head = knee(self.s_per_flop * d.lm_head_flops,
-                         self.s_per_weight_byte * d.lm_head_bytes, p)
-        b.attention_prefill = knee(self.s_per_attn_flop * d.prefill_flops,
-                                   self.s_per_kv_byte * d.prefill_bytes, p)
-        b.attention_decode = knee(self.s_per_attn_flop * d.decode_flops,
-                                  self.s_per_kv_byte * d.decode_bytes, p)
-        # The kernel floor is charged to the attention terms, one per kind present.
-        has_prefill, has_decode = _nonzero(d.prefill_flops), _nonzero(d.decode_flops)
-        per_layer = d.attn_kernels and self.s_per_attn_kernel * d.attn_kernels / (
-            has_prefill + has_decode)
-        if has_prefill:
-            b.attention_prefill += per_layer
-        if has_decode:
-            b.attention_decode += per_layer
+                         self.s_per_weight_byte * d.lm_head_bytes, sharpness=p)
+        b.attention_prefill = knee(
+            self.s_per_attn_flop * d.prefill_flops + self.s_per_diag_flop * d.prefill_diag_flops,
+            self.s_per_kv_byte * d.prefill_bytes, sharpness=p,
+        ) + self.s_per_attn_kernel * d.prefill_kernels
+        decode = self.s_per_attn_kernel * d.decode_kernels
+        if _nonzero(d.decode_kernels):
+            cta = self.s_per_cta_byte * d.decode_cta_bytes
+            if d.decode_waves:
+                decode = decode + d.decode_waves * knee(
+                    self.s_per_attn_flop * d.decode_wave_flops,
+                    _max(self.s_per_kv_byte * d.decode_wave_bytes, cta,
+                         self.s_per_sm_byte * d.decode_sm_bytes), sharpness=p)
+            if d.decode_tail:
+                decode = decode + knee(
+                    self.s_per_attn_flop * d.decode_tail_flops,
+                    _max(self.s_per_kv_byte * d.decode_tail_bytes, cta,
+                         self.s_per_sm_byte * d.decode_tail_sm_bytes), sharpness=p)
+            decode = decode + self.s_per_attn_wave * d.decode_wave_count
+        b.attention_decode = decode
         if tokens_priced_by_bytes is None:
             b.elementwise = self.s_per_token * d.tokens
         else:
@@ -269,10 +360,24 @@ class Coefficients:
         return b
 
 
+def _max(*terms: float | np.ndarray) -> float | np.ndarray:
+    """The binding one of a wave's memory-side bounds (HBM, one block, the busiest SM)."""
+    if any(isinstance(t, np.ndarray) for t in terms):
+        return np.maximum(np.maximum(terms[0], terms[1]), terms[2])
+    return max(terms)
+
+
+def _nonzero(x: float | np.ndarray) -> bool:
+    return bool(np.any(x)) if isinstance(x, np.ndarray) else x != 0
+
+
 #: Driver columns of the design matrix the fitter uses, in ``predict_array`` order.
 DRIVER_COLUMNS = ("nonempty", "rows", "tokens", "linear_flops", "linear_bytes", "lm_head_flops",
-                  "lm_head_bytes", "prefill_flops", "prefill_bytes", "decode_flops",
-                  "decode_bytes", "attn_kernels")
+                  "lm_head_bytes", "prefill_flops", "prefill_diag_flops", "prefill_bytes",
+                  "prefill_kernels", "decode_waves", "decode_wave_flops", "decode_wave_bytes",
+                  "decode_sm_bytes", "decode_tail", "decode_tail_flops", "decode_tail_bytes",
+                  "decode_tail_sm_bytes", "decode_cta_bytes", "decode_wave_count",
+                  "decode_kernels")
 
 
 def driver_matrix(drivers: list[StepDrivers]) -> np.ndarray:
@@ -283,13 +388,21 @@ def driver_matrix(drivers: list[StepDrivers]) -> np.ndarray:
 def predict_array(x: np.ndarray, X: np.ndarray, sharpness: float) -> np.ndarray:
     """Vectorised ``Coefficients.breakdown(...).total`` (without comm/swap) for fitting.
 
-    ``x`` is in ``Coefficients.names()`` order; ``X`` from ``driver_matrix``.
+    ``x`` is in ``Coefficients.names()`` order; ``X`` from ``driver_matrix``. With
+    ``sharpness`` 1 every knee is a sum, so the model is linear in ``x`` (the fit's start).
     """
-    step, seq, tok, flop, wbyte, aflop, kvbyte, kern = x
+    step, seq, tok, flop, wbyte, aflop, dflop, kvbyte, ctab, smb, wave, kern = x
     c = {name: X[:, i] for i, name in enumerate(DRIVER_COLUMNS)}
+    p = sharpness
+    cta = ctab * c["decode_cta_bytes"]
     return (step * c["nonempty"] + seq * c["rows"] + tok * c["tokens"]
-            + knee_array(flop * c["linear_flops"], wbyte * c["linear_bytes"], sharpness)
-            + knee_array(flop * c["lm_head_flops"], wbyte * c["lm_head_bytes"], sharpness)
-            + knee_array(aflop * c["prefill_flops"], kvbyte * c["prefill_bytes"], sharpness)
-            + knee_array(aflop * c["decode_flops"], kvbyte * c["decode_bytes"], sharpness)
-            + kern * c["attn_kernels"])
+            + knee_array([flop * c["linear_flops"], wbyte * c["linear_bytes"]], p)
+            + knee_array([flop * c["lm_head_flops"], wbyte * c["lm_head_bytes"]], p)
+            + knee_array([aflop * c["prefill_flops"] + dflop * c["prefill_diag_flops"],
+                          kvbyte * c["prefill_bytes"]], p)
+            + c["decode_waves"] * knee_array([aflop * c["decode_wave_flops"], np.maximum(np.maximum(
+                kvbyte * c["decode_wave_bytes"], cta), smb * c["decode_sm_bytes"])], p)
+            + c["decode_tail"] * knee_array([aflop * c["decode_tail_flops"], np.maximum(np.maximum(
+                kvbyte * c["decode_tail_bytes"], cta), smb * c["decode_tail_sm_bytes"])], p)
+            + wave * c["decode_wave_count"]
+            + kern * (c["prefill_kernels"] + c["decode_kernels"]))

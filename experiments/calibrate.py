@@ -16,13 +16,30 @@ from pathlib import Path
 
 from executors.calibration import calibrate, read_profile_csv, save_profile
 from sim.errors import ConfigError
-from sim.specs import load_model_spec
+from sim.specs import CONF_DIR, load_hardware_spec, load_model_spec
 from workloads.base import resolve_path
 
 
+def _num_sms(value: str, rows: list[dict]) -> int | None:
+    """The SM count the fit decomposes decode attention with (``StepDecomposer``)."""
+    if value:
+        try:
+            n = int(value)
+        except ValueError:
+            raise ConfigError("num_sms", f"must be an integer, got {value!r}") from None
+        if n < 1:
+            raise ConfigError("num_sms", f"must be >= 1, got {n}")
+        return n
+    device = str(rows[0].get("device", ""))
+    if (CONF_DIR / "hardware" / f"{device}.yaml").exists():
+        return load_hardware_spec(device).num_sms
+    return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """``key=value`` overrides: ``profile_csv`` (required), ``out``, ``block_size``."""
-    cfg = {"profile_csv": "", "out": "", "block_size": "16"}
+    """``key=value`` overrides: ``profile_csv`` (required), ``out``, ``block_size``,
+    ``num_sms`` (default: the hardware config named by the rows' ``device``, else none)."""
+    cfg = {"profile_csv": "", "out": "", "block_size": "16", "num_sms": ""}
     for arg in sys.argv[1:] if argv is None else argv:
         key, sep, value = arg.partition("=")
         if not sep or key not in cfg:
@@ -41,7 +58,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ConfigError("profile.model", f"{csv} mixes models {sorted(names)} or "
                               f"tensor_parallel {sorted(tps)}; fit one at a time")
         model = load_model_spec(names.pop())
-        prof = calibrate(rows, model, tps.pop(), int(cfg["block_size"]), source=str(csv))
+        prof = calibrate(rows, model, tps.pop(), int(cfg["block_size"]), source=str(csv),
+                         num_sms=_num_sms(cfg["num_sms"], rows))
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2

@@ -40,8 +40,10 @@ ATTENTION_FILE = "compute/a100_Llama-2-70b-hf_tp2_attention.csv"
 MAX_TOKENS = 4096
 # Coefficients each check may fit: the terms that price that operator (and its fixed cost).
 LINEAR_TERMS = ("s_per_step", "s_per_token", "s_per_flop", "s_per_weight_byte")
-DECODE_TERMS = ("s_per_seq", "s_per_attn_flop", "s_per_kv_byte", "s_per_attn_kernel")
-PREFILL_TERMS = ("s_per_token", "s_per_attn_flop", "s_per_kv_byte", "s_per_attn_kernel")
+DECODE_TERMS = ("s_per_seq", "s_per_attn_flop", "s_per_kv_byte", "s_per_cta_byte",
+                "s_per_sm_byte", "s_per_attn_wave", "s_per_attn_kernel")
+PREFILL_TERMS = ("s_per_token", "s_per_attn_flop", "s_per_diag_flop", "s_per_kv_byte",
+                 "s_per_attn_kernel")
 
 
 @dataclass
@@ -93,8 +95,8 @@ def check_linear(root: Path, label: str, file: str, hardware: str) -> CheckResul
     n_tokens = [int(n) for n in y_ms.index]
     cm = RooflineCostModel(model, load_hardware_spec(hardware))
     # One row with num_tokens query tokens, no sampling: exactly the layer's projections.
-    shapes = [StepShape(num_tokens=n, num_rows=1, prefill_pairs=n * n, prefill_kv_tokens=n,
-                        prefill_q_tokens=n, num_prefill=1) for n in n_tokens]
+    shapes = [ShapeSpec("prefill", num_prefill_seqs=1, prefill_chunk=n, num_sampled=0).shape()
+              for n in n_tokens]
     roof = np.array([cm.breakdown_shape(s).linear for s in shapes])
     return _check(f"linear {label}", shapes, y_ms.to_numpy() * 1e-3, roof, cm.decomposer,
                   LINEAR_TERMS)

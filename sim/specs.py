@@ -157,6 +157,7 @@ class HardwareSpec:
     memory_gib: float
     memory_bandwidth_gbps: float
     peak_tflops_fp16: float  # dense tensor-core fp16/bf16
+    num_sms: int  # streaming multiprocessors: how many thread blocks run side by side
     peak_tflops_fp8: float = 0.0  # 0: not supported
     peak_tops_int8: float = 0.0
     interconnect: str = "nvlink"
@@ -171,7 +172,7 @@ class HardwareSpec:
     display_name: str = ""
 
     def __post_init__(self) -> None:
-        for f in ("memory_gib", "memory_bandwidth_gbps", "peak_tflops_fp16",
+        for f in ("memory_gib", "memory_bandwidth_gbps", "peak_tflops_fp16", "num_sms",
                   "interconnect_bandwidth_gbps", "pcie_bandwidth_gbps"):
             require(getattr(self, f) > 0, f"hardware.{f}", f"must be > 0, got {getattr(self, f)}")
         for f in ("compute_efficiency", "memory_efficiency", "interconnect_efficiency"):

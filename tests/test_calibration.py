@@ -23,7 +23,7 @@ from executors.calibration import (
     split_rows,
 )
 from executors.cost_model import RooflineCostModel
-from executors.step_terms import StepDrivers, StepShape, step_shape
+from executors.step_terms import ATTENTION_TILE, StepDecomposer, StepDrivers, StepShape, step_shape
 from experiments.profile import ProfileGrid, blocks_needed, profile_executor, write_csv
 from sim.errors import ConfigError
 from sim.plan import ScheduledRequest, StepPlan, StepResult
@@ -32,8 +32,9 @@ from sim.specs import load_hardware_spec, load_model_spec
 from tests.helpers import SHARED, compose_cfg
 
 TRUE = Coefficients(s_per_step=2e-3, s_per_seq=5e-5, s_per_token=2e-6, s_per_flop=1e-11,
-                    s_per_weight_byte=3e-10, s_per_attn_flop=4e-11, s_per_kv_byte=1e-9,
-                    s_per_attn_kernel=1e-4, sharpness=2.0)
+                    s_per_weight_byte=3e-10, s_per_attn_flop=4e-11, s_per_diag_flop=6e-11,
+                    s_per_kv_byte=1e-9, s_per_cta_byte=5e-8, s_per_sm_byte=3e-8,
+                    s_per_attn_wave=2e-5, s_per_attn_kernel=1e-4, sharpness=2.0)
 
 
 def test_step_shape_counts_rows_the_way_kernels_split_them():
@@ -42,9 +43,58 @@ def test_step_shape_counts_rows_the_way_kernels_split_them():
                      ScheduledRequest(2, 9, 1, [2], True),     # decode
                      ScheduledRequest(3, 0, 1, [3], True)])    # 1-token prompt: prefill
     s = step_shape(plan)
+    tile = ATTENTION_TILE  # every chunk here pads to one query tile
     assert s == StepShape(num_tokens=11, num_sampled=3, num_rows=4,
-                          prefill_pairs=5 * 5 + 4 * 12 + 1, prefill_kv_tokens=5 + 12 + 1,
-                          prefill_q_tokens=10, num_prefill=3, decode_ctx=10, num_decode=1)
+                          prefill_prefix_pairs=tile * 8, prefill_diag_pairs=3 * tile * tile,
+                          prefill_kv_tokens=5 + 12 + 1, prefill_q_tokens=10, num_prefill=3,
+                          decode_ctx=10, decode_max_ctx=10, num_decode=1)
+    # A 100-token chunk pads to two tiles; decode rows keep the longest context.
+    plan = StepPlan([ScheduledRequest(0, 30, 100, [0], True), ScheduledRequest(1, 7, 1, [1], True),
+                     ScheduledRequest(2, 40, 1, [2], True)])
+    s = step_shape(plan)
+    assert (s.prefill_prefix_pairs, s.prefill_diag_pairs) == (2 * tile * 30, (2 * tile) ** 2)
+    assert (s.decode_ctx, s.decode_max_ctx, s.num_decode) == (8 + 41, 41, 2)
+
+
+def _decode_drivers(batch: int, ctx: int, num_sms: int | None = 10):
+    # 8 KV heads on one rank (llama3_8b), 2 blocks per SM: 20 slots per wave.
+    dec = StepDecomposer(load_model_spec("llama3_8b"), 1, 16, num_sms, 2)
+    return dec.drivers(ShapeSpec("decode", num_decode_seqs=batch, decode_context=ctx).shape())
+
+
+def test_decode_attention_runs_in_waves_of_thread_blocks():
+    L, kv_bytes = 32, 2 * 128 * 2  # layers; K and V bytes per token per KV head
+    d = _decode_drivers(5, 99)  # 40 units >= 10 SMs: no split; 40 blocks = 2 full waves
+    assert (d.decode_waves, d.decode_tail, d.decode_wave_count) == (2, 0, 2 * L)
+    assert d.decode_cta_bytes == L * kv_bytes * 100
+    assert d.decode_sm_bytes == 2 * d.decode_cta_bytes
+    assert d.decode_wave_bytes == pytest.approx(d.decode_bytes / 2)
+    assert d.decode_kernels == L
+    d = _decode_drivers(3, 99)  # 24 blocks: one full wave of 20, a tail of 4 (1 per SM)
+    assert (d.decode_waves, d.decode_tail, d.decode_wave_count) == (1, 1, 2 * L)
+    assert d.decode_tail_bytes == pytest.approx(d.decode_bytes * 4 / 24)
+    assert d.decode_tail_sm_bytes == d.decode_cta_bytes
+    d = _decode_drivers(1, 99)  # 8 units < 10 SMs: KV split in 20 // 8 = 2; combine kernel
+    assert (d.decode_waves, d.decode_tail) == (0, 1)
+    assert d.decode_cta_bytes == L * kv_bytes * 100 / 2
+    assert d.decode_tail_sm_bytes == 2 * d.decode_cta_bytes  # 16 blocks on 10 SMs
+    assert d.decode_kernels == 2 * L
+    d = _decode_drivers(3, 99, num_sms=None)  # no SMs known: one wave, no split
+    assert (d.decode_waves, d.decode_tail, d.decode_tail_sm_bytes) == (0, 1, d.decode_cta_bytes)
+
+
+def test_decode_time_jumps_when_a_wave_overflows():
+    """Roofline: one more sequence than the slots hold adds a wave bound by one block's
+    streaming rate (the step from 27 to 28 and 54 to 55 sequences in Vidur's A100 profile)."""
+    cm = RooflineCostModel(load_model_spec("llama3_8b"), load_hardware_spec("a100_80gb"))
+    slots = 108 * 2 // 8  # sequences per wave: 8 KV heads, 2 blocks per SM on 108 SMs
+
+    def t(batch: int) -> float:
+        return cm.breakdown(ShapeSpec("decode", num_decode_seqs=batch,
+                                      decode_context=4000).plan()).attention_decode
+
+    assert t(slots + 1) / t(slots) > 1.3
+    assert t(slots) / t(slots - 1) < 1.1
 
 
 def test_roofline_is_its_coefficients_applied_to_the_drivers():
@@ -68,9 +118,14 @@ def _random_drivers(n: int, seed: int) -> list[StepDrivers]:
             nonempty=1.0, rows=float(rng.integers(1, 64)), tokens=tokens,
             linear_flops=tokens * rng.uniform(1e7, 3e7), linear_bytes=rng.uniform(1e6, 5e7),
             lm_head_flops=rng.uniform(0, 1e9), lm_head_bytes=rng.uniform(0, 1e6),
-            prefill_flops=rng.uniform(0, 1e10), prefill_bytes=rng.uniform(0, 1e7),
-            decode_flops=rng.uniform(0, 1e8), decode_bytes=rng.uniform(0, 1e8),
-            attn_kernels=float(rng.integers(0, 3))))
+            prefill_flops=rng.uniform(0, 1e10), prefill_diag_flops=rng.uniform(0, 1e10),
+            prefill_bytes=rng.uniform(0, 1e7), prefill_kernels=float(rng.integers(0, 2)),
+            decode_waves=float(rng.integers(0, 3)), decode_wave_flops=rng.uniform(0, 1e8),
+            decode_wave_bytes=rng.uniform(0, 1e8), decode_sm_bytes=rng.uniform(0, 1e6),
+            decode_tail=float(rng.integers(0, 2)), decode_tail_flops=rng.uniform(0, 1e8),
+            decode_tail_bytes=rng.uniform(0, 1e8), decode_tail_sm_bytes=rng.uniform(0, 1e6),
+            decode_cta_bytes=rng.uniform(0, 1e6), decode_wave_count=float(rng.integers(0, 64)),
+            decode_kernels=float(rng.integers(0, 3))))
     return out
 
 
@@ -180,9 +235,10 @@ class NoisyExecutor(Executor):
         return self.cm.activation_reserve_bytes(max_num_batched_tokens, max_num_seqs)
 
 
-# Covers the shapes the loop test simulates: a fit extrapolates poorly beyond its grid.
-SMALL_GRID = ProfileGrid(decode_batch_sizes=(1, 3, 8, 16, 32), decode_contexts=(16, 100, 400),
-                         prefill_chunks=(4, 40, 200, 700), prefill_cached=(0, 64),
+# Covers the shapes the loop test simulates: a fit extrapolates poorly beyond its grid. Three
+# cached lengths, so that the interleaved split fits chunks over a prefix too.
+SMALL_GRID = ProfileGrid(decode_batch_sizes=(1, 3, 8, 16, 32, 54, 64), decode_contexts=(16, 100, 400),
+                         prefill_chunks=(4, 40, 200, 700), prefill_cached=(0, 32, 64),
                          mixed_decode_batch_sizes=(4, 16), mixed_decode_contexts=(50, 300),
                          mixed_prefill_chunks=(16, 128, 512), warmup=1, repeats=3)
 
@@ -197,8 +253,8 @@ def test_profile_writes_the_documented_schema(tmp_path):
     df = pd.read_csv(path)
     assert list(df.columns) == list(PROFILE_COLUMNS)
     shapes = SMALL_GRID.shapes(model.max_model_len)
-    assert len(df) == len(shapes) == 15 + 8 + 12
-    assert ex.num_blocks == blocks_needed(shapes, 16) == 32 * blocks_for_ctx(401)
+    assert len(df) == len(shapes) == 21 + 12 + 12
+    assert ex.num_blocks == blocks_needed(shapes, 16) == 64 * blocks_for_ctx(401)
     assert not ex.known  # every request registered was freed
     assert (df.repeats == 3).all() and (df.p10_s <= df.median_s).all()
     assert (df.median_s <= df.p90_s).all() and (df.std_s > 0).all()
@@ -246,13 +302,16 @@ def test_profile_fit_simulate_compare_loop(tmp_path):
     meta = {"model": "tiny", "device": "cpu", "dtype": "fp32", "tensor_parallel": 1,
             "executor": "fake"}
     rows = profile_executor(NoisyExecutor(model, truth), model, SMALL_GRID, 16, meta)
-    prof = calibrate(rows, model)
+    prof = calibrate(rows, model, num_sms=load_hardware_spec("a100_80gb").num_sms)  # as the stand-in
+    assert prof.fit["num_sms"] == 108
     assert prof.fit["mape_heldout_pct"] < 5.0
     path = save_profile(prof, tmp_path / "tiny.yaml")
     base = ("model=tiny", "workload.num_requests=80", "workload.qps=40",
             "workload.prompt_len.median=200", "workload.output_len.median=40")
     real = Simulation(compose_cfg(*base))
-    real.executor = NoisyExecutor(model, truth, seed=5)
+    # The stand-in's own step-time function, without the 1% noise: with noise, the median TTFT
+    # of 80 requests moves by up to 20% from seed to seed (queueing amplifies it).
+    real.executor = NoisyExecutor(model, truth, noise=0.0)
     ref = real.run().summary
     sim = Simulation(compose_cfg(*base, f"executor.profile={path}")).run().summary
     for key in ("median_ttft_ms", "median_tpot_ms", "median_e2el_ms", "p90_e2el_ms"):
@@ -271,8 +330,8 @@ def test_check_profiles_meets_targets():
     assert len(results) == 5
     for c in results:
         assert c.roofline_mape <= 25.0, c  # target: uncalibrated roofline 25% or less
-    for c in results[:3]:  # linear ops: calibrated 5% or less
+    for c in results[:3] + results[4:]:  # linear ops and prefill: calibrated 5% or less
         assert c.calibrated_mape <= 5.0, c
-    # Attention: prefill meets ~6%, decode ~11% (split-KV heuristics; docs/calibration.md).
-    assert results[3].calibrated_mape <= 12.0 and results[4].calibrated_mape <= 7.0
-    assert np.mean([c.calibrated_mape for c in results]) <= 6.0
+    # Decode ~7%: the kernel's split-KV choices at <= 21 sequences (docs/calibration.md).
+    assert results[3].calibrated_mape <= 7.5
+    assert np.mean([c.calibrated_mape for c in results]) <= 5.0  # the headline target
