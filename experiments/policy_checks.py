@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from sim.plan import ScheduledRequest, StepPlan
 from sim.simulation import Simulation
 
 
@@ -106,9 +107,11 @@ def per_token_costs(sim: Simulation) -> tuple[float, float]:
     """Seconds per token of context to swap out and back in over PCIe, and to recompute it
     (one prefill of the workload's median-length prompt, per token), from the cost model."""
     ex, bs = sim.executor, sim.kv_cfg.block_size
-    swap = ex.time_for(0, 0, 0, 0.0, 0, 0, 0, 0, 64, 64).swap / (64 * bs)
+    pairs = [(i, i) for i in range(64)]
+    swap = ex.breakdown(StepPlan(swap_out=pairs, swap_in=pairs)).swap / (64 * bs)
     p = int(getattr(sim.workload.prompt_len, "median", 0) or 1000)
-    prefill = ex.time_for(p, 1, 1, p * (p + 1) / 2, p, p, 0, 0).total / p
+    row = ScheduledRequest(0, 0, p, list(range(-(-p // bs))), True)
+    prefill = ex.breakdown(StepPlan([row])).total / p
     return swap, prefill
 
 

@@ -67,7 +67,8 @@ class StreamingQuantiles:
             # The bucket holding the sample of rank q% (numpy's 'lower' rank), at its centre.
             rank = int(np.floor(q / 100.0 * (self.count - 1)))
             i = int(np.searchsorted(cum, rank + 1))
-            value = self._min * self._gamma**i * 2 / (1 + self._gamma)
+            # Bucket i holds [min g^i, min g^(i+1)); this point is within alpha of both ends.
+            value = self._min * 2 * self._gamma ** (i + 1) / (1 + self._gamma)
             out[f"{key}_{name}_ms"] = float(value * 1000.0)
         return out
 
