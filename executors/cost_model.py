@@ -7,7 +7,13 @@ Per layer and per tensor-parallel rank, every operator costs
 * attention, split the way kernels split it: prefill chunks (FLOPs grow with chunk x context,
   causal within the chunk) and decode rows (one query; the cached KV is read);
 * element-wise work (RMSNorms, RoPE, SiLU-and-mul, residual adds): bytes only;
-* two all-reduces per layer under TP: latency + ring traffic 2(t-1)/t x bytes / link bandwidth;
+* two all-reduces per layer under TP: latency + ring traffic 2(t-1)/t x bytes / bus bandwidth,
+  with the coefficients fitted per (hardware, TP degree) in ``conf/network/`` (see
+  ``executors/network.py``);
+* under pipeline parallelism (PP stages of ceil(layers / PP) layers each) the batch crosses
+  every stage, so its time is PP x one stage plus PP - 1 stage-to-stage sends of the hidden
+  states; ``duration`` is that whole latency and the replica overlaps PP micro-batches
+  (``sim/cluster/pipeline.py``);
 
 plus the LM head for the sampled rows only, a fixed per-step CPU overhead, a per-sequence
 overhead (input preparation, sampling), and the PCIe time of the step's swap copies.
@@ -19,6 +25,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from executors.base import EXECUTORS, Executor
+from executors.network import load_network
 from sim.errors import ConfigError, require
 from sim.memory import activation_reserve_bytes
 from sim.plan import StepPlan, StepResult
@@ -35,6 +42,7 @@ class CostModelConfig:
     memory_efficiency: float | None = None
     attention_efficiency: float = 0.8  # FlashAttention vs a dense GEMM, relative
     profile: str | None = None  # calibrated coefficients (issue: calibration)
+    network: str | None = "auto"  # conf/network/<hardware>.yaml; "none": hardware spec only
 
     def __post_init__(self) -> None:
         require(self.step_overhead_ms >= 0, "executor.step_overhead_ms", "must be >= 0")
@@ -65,25 +73,36 @@ class StepBreakdown:
     elementwise: float = 0.0
     lm_head: float = 0.0
     communication: float = 0.0
+    pipeline: float = 0.0  # stage-to-stage sends
     overhead: float = 0.0
     swap: float = 0.0
 
     @property
     def total(self) -> float:
         return (self.linear + self.attention_prefill + self.attention_decode + self.elementwise
-                + self.lm_head + self.communication + self.overhead + self.swap)
+                + self.lm_head + self.communication + self.pipeline + self.overhead + self.swap)
 
 
 class RooflineCostModel(Executor):
     def __init__(self, model: ModelSpec, hardware: HardwareSpec, tensor_parallel: int = 1,
-                 config: CostModelConfig | None = None, block_size: int = 16) -> None:
+                 config: CostModelConfig | None = None, block_size: int = 16,
+                 pipeline_parallel: int = 1) -> None:
         require(tensor_parallel >= 1, "cluster.tensor_parallel", f"must be >= 1, got {tensor_parallel}")
+        require(pipeline_parallel >= 1, "cluster.pipeline_parallel",
+                f"must be >= 1, got {pipeline_parallel}")
+        require(pipeline_parallel <= model.num_layers, "cluster.pipeline_parallel",
+                f"{pipeline_parallel} stages for {model.name}'s {model.num_layers} layers")
         require(model.num_heads % tensor_parallel == 0, "cluster.tensor_parallel",
                 f"{tensor_parallel} does not divide {model.name}'s {model.num_heads} heads")
         self.model = model
         self.hardware = hardware
         self.tp = tensor_parallel
+        self.pp = pipeline_parallel
+        # Layers the batch crosses, counting each stage as its largest (ceil) share.
+        self._layers = (model.num_layers if pipeline_parallel == 1
+                        else pipeline_parallel * -(-model.num_layers // pipeline_parallel))
         self.config = config or CostModelConfig()
+        self.network = load_network(hardware, self.config.network)
         self.block_size = block_size
         c = self.config
         ce = c.compute_efficiency or hardware.compute_efficiency
@@ -91,8 +110,6 @@ class RooflineCostModel(Executor):
         self._flops = hardware.peak_flops(model.weight_dtype) * ce  # achievable FLOP/s
         self._attn_flops = hardware.peak_tflops_fp16 * 1e12 * ce * c.attention_efficiency
         self._bw = hardware.memory_bandwidth_gbps * 1e9 * me  # achievable bytes/s
-        self._link_bw = hardware.interconnect_bandwidth_gbps * 1e9 * hardware.interconnect_efficiency
-        self._link_lat = hardware.interconnect_latency_us * 1e-6
         self._pcie_bw = hardware.pcie_bandwidth_gbps * 1e9
         self._pcie_lat = hardware.pcie_latency_us * 1e-6
         self._overhead = c.step_overhead_ms * 1e-3
@@ -110,11 +127,11 @@ class RooflineCostModel(Executor):
         # Element-wise bytes per token per layer: 2 RMSNorms with residual add (read x and
         # residual, write both), RoPE on q and k (read+write), SiLU-and-mul (read 2I, write I).
         self._elementwise_bytes_per_token = a * (2 * 4 * h + 2 * (q + kv) + 3 * inter)
-        self._kv_block_bytes = m.kv_bytes_per_token_per_rank(t) * block_size
+        self._kv_block_bytes = m.kv_bytes_per_token_per_rank(t, pipeline_parallel) * block_size
 
     # ---- Executor interface -------------------------------------------------------------
     def weight_bytes(self) -> float:
-        return self.model.weight_bytes(self.tp)
+        return self.model.weight_bytes(self.tp, self.pp)
 
     def activation_reserve_bytes(self, max_num_batched_tokens: int, max_num_seqs: int) -> float:
         return activation_reserve_bytes(self.model, max_num_batched_tokens, max_num_seqs, self.tp)
@@ -157,7 +174,7 @@ class RooflineCostModel(Executor):
         """Step time from aggregate shape figures (what ``breakdown`` computes from a plan)."""
         m, b = self.model, StepBreakdown()
         if n_tokens:
-            layers = m.num_layers
+            layers = self._layers
             ab, wb = self._ab, self._wb
             lin = 0.0
             for fin, fout in self._linears:
@@ -177,10 +194,11 @@ class RooflineCostModel(Executor):
             # KV store of the new tokens is element-wise traffic too.
             b.elementwise = layers * n_tokens * (self._elementwise_bytes_per_token
                                                  + 2 * kvw * kvb) / self._bw
+            msg = n_tokens * m.hidden_size * ab  # the hidden states of the step
             if self.tp > 1:
-                msg = n_tokens * m.hidden_size * ab
-                ring = 2.0 * (self.tp - 1) / self.tp * msg / self._link_bw
-                b.communication = layers * 2 * (self._link_lat + ring)
+                b.communication = layers * 2 * self.network.all_reduce(msg, self.tp)
+            if self.pp > 1:
+                b.pipeline = (self.pp - 1) * self.network.send_recv(msg)
         if n_sampled:
             v, h = m.vocab_size // self.tp, m.hidden_size
             b.lm_head = self._roof(2.0 * n_sampled * h * v, h * v * 2 + n_sampled * (h + v) * 4)
@@ -194,6 +212,7 @@ class RooflineCostModel(Executor):
 
 @EXECUTORS.register("cost_model")
 def build_cost_model(model: ModelSpec, hardware: HardwareSpec, tensor_parallel: int,
-                     config: dict[str, Any], block_size: int = 16, **_: Any) -> RooflineCostModel:
+                     config: dict[str, Any], block_size: int = 16, pipeline_parallel: int = 1,
+                     **_: Any) -> RooflineCostModel:
     return RooflineCostModel(model, hardware, tensor_parallel, CostModelConfig.from_dict(config),
-                             block_size=block_size)
+                             block_size=block_size, pipeline_parallel=pipeline_parallel)

@@ -2,6 +2,12 @@
 
 Per step the work is O(requests in the batch): no simpy event per token and no Python object
 per token (token timestamps are C doubles in the request's array).
+
+Disaggregation hook: a replica built with ``handoff=callback`` is a prefill replica. When a
+step samples a request's first token and the request is not finished, the replica takes it out
+of its running set, keeping its KV blocks, and calls ``callback(req, replica)``; the cluster
+then moves the KV and calls ``release_handoff(req)`` here once the transfer is done. On the
+decode side the cluster calls ``accept_transferred(req)``. See ``sim/cluster/disaggregated.py``.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ class Replica:
         max_model_len: int,
         check_integrity: bool = False,
         on_finished: Callable[[Request], None] | None = None,
+        handoff: Callable[[Request, Replica], None] | None = None,
     ) -> None:
         self.env = env
         self.replica_id = replica_id
@@ -51,6 +58,7 @@ class Replica:
         self.max_model_len = max_model_len
         self.check_integrity = check_integrity
         self.on_finished = on_finished
+        self.handoff = handoff
         cfg = policy.config
         self.queues = ReplicaQueues()
         self.builder = StepBuilder(self.queues, kv, cfg.preemption_mode, cfg.kv_watermark)
@@ -71,8 +79,9 @@ class Replica:
         if not cfg.chunked_prefill and req.prompt_len > cfg.max_num_batched_tokens:
             return (f"prompt_exceeds_batch: prompt {req.prompt_len} > "
                     f"policy.max_num_batched_tokens {cfg.max_num_batched_tokens}")
-        # The last sampled token never needs a KV slot.
-        need = blocks_for(total - 1, self.kv.block_size)
+        # The last sampled token never needs a KV slot; a prefill replica (handoff set) only
+        # ever holds the prompt.
+        need = blocks_for(req.prompt_len if self.handoff else total - 1, self.kv.block_size)
         if need > self.kv.num_gpu_blocks:
             return (f"exceeds_kv_pool: needs {need} blocks, the pool has "
                     f"{self.kv.num_gpu_blocks}")
@@ -93,13 +102,43 @@ class Replica:
         self.executor.add_request(req.request_id, req.prompt_token_ids)
         self.queues.waiting.append(req)
         self.num_unfinished += 1
-        if self._wakeup is not None and not self._wakeup.triggered:
-            self._wakeup.succeed()
+        self.notify()
 
     @property
     def num_outstanding(self) -> int:
         """Requests accepted and not yet finished (what a router may count)."""
         return self.num_unfinished
+
+    @property
+    def kv_usage(self) -> float:
+        """Fraction of GPU KV blocks in use (what the replica reports to a router)."""
+        return self.kv.usage
+
+    def notify(self) -> None:
+        """Wake the loop if it sleeps waiting for work or for free blocks."""
+        if self._wakeup is not None and not self._wakeup.triggered:
+            self._wakeup.succeed()
+
+    # ---- disaggregation -------------------------------------------------------------------
+    def accept_transferred(self, req: Request) -> None:
+        """Decode side: ``req``'s KV arrived in blocks reserved with
+        ``builder.reserve_transfer``; it decodes here from the next step."""
+        req.replica_id = self.replica_id
+        self.executor.add_request(req.request_id, req.prompt_token_ids)
+        self.builder.accept_transferred(req)
+        self.num_unfinished += 1
+        self.notify()
+
+    def release_handoff(self, req: Request) -> None:
+        """Prefill side: the KV of a handed-off request has left; free its blocks."""
+        self.builder.free_handed_off(req)
+        self.executor.free_request(req.request_id)
+        self.notify()
+
+    def _handoff(self, req: Request) -> None:
+        self.builder.release_for_handoff(req)
+        self.num_unfinished -= 1
+        self.handoff(req, self)
 
     def _has_work(self) -> bool:
         q = self.queues
@@ -155,6 +194,8 @@ class Replica:
             req.record_token(now, token)
             if req.num_output_tokens >= req.max_output_len:
                 self._finish(req, now)
+            elif self.handoff is not None:
+                self._handoff(req)
 
     def _finish(self, req: Request, now: float) -> None:
         req.finish_time = now
