@@ -135,7 +135,10 @@ class Simulation:
         pools = []
         for side, count in (("prefill", c.num_prefill_replicas), ("decode", c.num_decode_replicas)):
             pc = getattr(c, side)
-            hw = self.hardware if pc.hardware is None else load_hardware_spec(pc.hardware)
+            try:
+                hw = self.hardware if pc.hardware is None else load_hardware_spec(pc.hardware)
+            except ConfigError as e:
+                raise ConfigError(f"cluster.{side}.hardware", str(e).split(": ", 1)[-1]) from None
             policy_cfg = {**self.policy_cfg, **pc.policy}
             pools.append(self._make_pool(side, count, hw, policy_cfg, c.tp(side), c.pp(side),
                                          f"cluster.{side}"))
