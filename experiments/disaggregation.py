@@ -6,8 +6,8 @@
 For every (deployment, workload) pair, goodput is the highest request rate at which at least
 ``experiment.attainment`` of the requests meet both the TTFT and the TPOT SLO (DistServe's
 definition), found by bracketing (doubling or halving ``rate_start``) and then bisecting on the
-rate; every probe is a full simulation with the same seed of ``duration_s`` seconds of arrivals. Writes ``results.csv`` and
-``results.md`` into the Hydra run folder and prints the table.
+rate; every probe is a full simulation with the same seed of ``duration_s`` seconds of
+arrivals. Writes ``results.csv`` and ``results.md`` into the Hydra run folder and prints the table.
 """
 
 from __future__ import annotations

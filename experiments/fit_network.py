@@ -44,7 +44,8 @@ def size_bins(sizes: np.ndarray) -> list[np.ndarray]:
     return out
 
 
-def binned_errors(sizes: np.ndarray, measured_s: np.ndarray, predict) -> list[tuple[float, float, float]]:
+def binned_errors(sizes: np.ndarray, measured_s: np.ndarray,
+                  predict) -> list[tuple[float, float, float]]:
     """(bin median size, measured median s, relative error of the model's median) per bin."""
     rows = []
     for m in size_bins(sizes):

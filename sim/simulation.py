@@ -111,8 +111,10 @@ class Simulation:
         # The first pool's (the prefill pool's, when disaggregated) policy, executor and
         # memory plan: what single-replica callers read.
         first = self.pools[0]
-        self.policy, self.executor, self.memory = first.first_policy, first.first_executor, first.memory
-        self._validate(first.first_policy, "policy" if len(self.pools) == 1 else "cluster.prefill.policy")
+        self.policy, self.executor = first.first_policy, first.first_executor
+        self.memory = first.memory
+        self._validate(first.first_policy,
+                       "policy" if len(self.pools) == 1 else "cluster.prefill.policy")
         if self.is_disaggregated and first.first_executor.produces_tokens:
             raise ConfigError("cluster.name", "disaggregation moves KV blocks between replicas, "
                               "which only executors without KV contents (cost_model) can do")

@@ -61,7 +61,8 @@ def test_disaggregation_experiment_smoke(tmp_path):
         ("long_prompt", "colocated_4"), ("long_prompt", "disagg_1p3d"),
         ("long_output", "colocated_4"), ("long_output", "disagg_1p3d")]
     assert all(r["goodput_rps"] > 0 for r in rows)
-    assert (tmp_path / "results.csv").exists() and "goodput_rps" in (tmp_path / "results.md").read_text()
+    assert (tmp_path / "results.csv").exists()
+    assert "goodput_rps" in (tmp_path / "results.md").read_text()
 
 
 def test_routing_experiment_smoke(tmp_path):

@@ -53,7 +53,8 @@ def test_random_router_is_deterministic_under_the_seed(tmp_path):
 def test_disaggregated_run_conserves_requests_and_reports_the_link(tmp_path):
     cfg = small_cfg("cluster=disaggregated", "cluster.num_prefill_replicas=2",
                     "cluster.num_decode_replicas=2", "cluster.link.preset=ethernet",
-                    "+cluster.decode.policy.max_num_seqs=64", "check_integrity=true", "kv.num_gpu_blocks=1500",
+                    "+cluster.decode.policy.max_num_seqs=64", "check_integrity=true",
+                    "kv.num_gpu_blocks=1500",
                     "workload.num_requests=120")
     res = run_simulation(cfg, tmp_path, keep_requests=True)
     s = json.loads((tmp_path / "summary.json").read_text())
@@ -87,7 +88,8 @@ def test_disaggregated_pools_take_their_own_hardware_tp_and_policy():
     pre, dec = sim.pools
     assert (pre.hardware.name, pre.tensor_parallel) == ("h100_sxm", 4)
     assert (dec.hardware.name, dec.tensor_parallel) == ("h200", 2)
-    assert dec.first_policy.config.max_num_seqs == 32 and pre.first_policy.config.max_num_seqs == 256
+    assert dec.first_policy.config.max_num_seqs == 32
+    assert pre.first_policy.config.max_num_seqs == 256
     s = sim.run().summary
     assert s["completed"] == 60 and s["num_gpus"] == 6
 

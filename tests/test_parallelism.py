@@ -84,7 +84,8 @@ def test_pipeline_splits_weights_and_kv_and_adds_stage_sends():
     assert b2.total == pytest.approx(b1.total + b2.pipeline)
     # Memory planner: half the layers per GPU -> twice the KV tokens per block budget, and
     # the freed weight memory on top.
-    a = plan_memory(m, hw, block_size=16, tensor_parallel=4, weight_bytes_override=tp4.weight_bytes())
+    a = plan_memory(m, hw, block_size=16, tensor_parallel=4,
+                    weight_bytes_override=tp4.weight_bytes())
     b = plan_memory(m, hw, block_size=16, tensor_parallel=4, pipeline_parallel=2,
                     weight_bytes_override=pp2.weight_bytes())
     assert b.kv_bytes_per_token == a.kv_bytes_per_token / 2

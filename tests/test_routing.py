@@ -90,7 +90,8 @@ def test_least_outstanding_avoids_the_replica_busy_with_a_long_request():
     # Round robin sends r2 to replica 0, busy with r0. least_outstanding sends it to
     # replica 1, idle again since r1 finished at 2.5; at 3.6 both replicas hold one request
     # (r0, r2), a tie broken by index, so r3 goes to 0.
-    assert [row["replica_id"] for row in sorted(rr.rows, key=lambda x: x["request_id"])] == [0, 1, 0, 1]
+    rows = sorted(rr.rows, key=lambda x: x["request_id"])
+    assert [row["replica_id"] for row in rows] == [0, 1, 0, 1]
     assert [r.replica_id for r in reqs] == [0, 1, 1, 0]
 
 

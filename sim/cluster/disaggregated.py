@@ -105,7 +105,8 @@ class Disaggregated:
         if need > kv.num_gpu_blocks:
             return (f"exceeds_kv_pool: needs {need} blocks on a decode replica, which has "
                     f"{kv.num_gpu_blocks}")
-        if blocks_for(req.prompt_len, kv.block_size) > kv.num_gpu_blocks - d.builder.watermark_blocks:
+        room = kv.num_gpu_blocks - d.builder.watermark_blocks
+        if blocks_for(req.prompt_len, kv.block_size) > room:
             return "exceeds_kv_pool: prompt does not fit above a decode replica's KV watermark"
         return None
 

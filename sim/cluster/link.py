@@ -76,7 +76,9 @@ class LinkConfig:
 
     @property
     def bandwidth_bytes_per_s(self) -> float:
-        gbps = self.bandwidth_gbps if self.bandwidth_gbps is not None else LINK_PRESETS[self.preset][0]
+        gbps = self.bandwidth_gbps
+        if gbps is None:
+            gbps = LINK_PRESETS[self.preset][0]
         return gbps * 1e9
 
     @property
