@@ -9,7 +9,13 @@ costs ``knee(FLOPs x s_per_flop, bytes x s_per_byte)`` (``max`` by default):
   decode rows (one query; the cached KV is read, at ``kv_read_efficiency`` of the bandwidth since
   paged KV is gathered in block-sized pieces), plus a floor per attention kernel;
 * element-wise work (RMSNorms, RoPE, SiLU-and-mul, residual adds, KV store): bytes only;
-* two all-reduces per layer under TP: latency + ring traffic 2(t-1)/t x bytes / link bandwidth;
+* two all-reduces per layer under TP: latency + ring traffic 2(t-1)/t x bytes / bus bandwidth,
+  with the coefficients fitted per (hardware, TP degree) in ``conf/network/`` (see
+  ``executors/network.py``);
+* under pipeline parallelism (PP stages of ceil(layers / PP) layers each) the batch crosses
+  every stage, so its time is PP x one stage plus PP - 1 stage-to-stage sends of the hidden
+  states; ``duration`` is that whole latency and the replica overlaps PP micro-batches
+  (``sim/cluster/pipeline.py``);
 
 plus the LM head for the sampled rows only, a fixed per-step CPU overhead, a per-sequence
 overhead (input preparation, sampling), and the PCIe time of the step's swap copies.
@@ -27,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from executors.base import EXECUTORS, Executor
+from executors.network import load_network
 from executors.step_terms import (
     Coefficients,
     StepBreakdown,
@@ -60,6 +67,7 @@ class CostModelConfig:
     # p of the knee (FLOP time^p + byte time^p)^(1/p); None: the sharp roofline max().
     roofline_sharpness: float | None = 2.0
     profile: str | None = None  # a fitted hardware profile (YAML/JSON; executors/calibration.py)
+    network: str | None = "auto"  # conf/network/<hardware>.yaml; "none": hardware spec only
 
     def __post_init__(self) -> None:
         require(self.step_overhead_ms >= 0, "executor.step_overhead_ms", "must be >= 0")
@@ -96,19 +104,26 @@ class RooflineCostModel(Executor):
 
     def __init__(self, model: ModelSpec, hardware: HardwareSpec, tensor_parallel: int = 1,
                  config: CostModelConfig | None = None, block_size: int = 16,
-                 coefficients: Coefficients | None = None, num_sms: int | None = -1) -> None:
+                 coefficients: Coefficients | None = None, num_sms: int | None = -1,
+                 pipeline_parallel: int = 1) -> None:
         require(tensor_parallel >= 1, "cluster.tensor_parallel", f"must be >= 1, got {tensor_parallel}")
+        require(pipeline_parallel >= 1, "cluster.pipeline_parallel",
+                f"must be >= 1, got {pipeline_parallel}")
+        require(pipeline_parallel <= model.num_layers, "cluster.pipeline_parallel",
+                f"{pipeline_parallel} stages for {model.name}'s {model.num_layers} layers")
         require(model.num_heads % tensor_parallel == 0, "cluster.tensor_parallel",
                 f"{tensor_parallel} does not divide {model.name}'s {model.num_heads} heads")
         self.model = model
         self.hardware = hardware
         self.tp = tensor_parallel
+        self.pp = pipeline_parallel
         self.config = c = config or CostModelConfig()
+        self.network = load_network(hardware, c.network)
         self.block_size = block_size
         # num_sms: the hardware's unless a fitted profile says what it was fitted with.
         sms = hardware.num_sms if num_sms == -1 else num_sms
         self.decomposer = StepDecomposer(model, tensor_parallel, block_size, sms,
-                                         c.attention_ctas_per_sm)
+                                         c.attention_ctas_per_sm, pipeline_parallel)
         ce = c.compute_efficiency or hardware.compute_efficiency
         me = c.memory_efficiency or hardware.memory_efficiency
         bw = hardware.memory_bandwidth_gbps * 1e9 * me  # achievable bytes/s
@@ -132,14 +147,12 @@ class RooflineCostModel(Executor):
         self.coefficients = coefficients or self.roofline
         # Element-wise bytes stay priced by bandwidth unless a profile fitted s_per_token.
         self._ew_s_per_byte = None if coefficients is not None else 1.0 / bw
-        self._link_bw = hardware.interconnect_bandwidth_gbps * 1e9 * hardware.interconnect_efficiency
-        self._link_lat = hardware.interconnect_latency_us * 1e-6
         self._pcie_bw = hardware.pcie_bandwidth_gbps * 1e9
         self._pcie_lat = hardware.pcie_latency_us * 1e-6
 
     # ---- Executor interface -------------------------------------------------------------
     def weight_bytes(self) -> float:
-        return self.model.weight_bytes(self.tp)
+        return self.model.weight_bytes(self.tp, self.pp)
 
     def activation_reserve_bytes(self, max_num_batched_tokens: int, max_num_seqs: int) -> float:
         return activation_reserve_bytes(self.model, max_num_batched_tokens, max_num_seqs, self.tp)
@@ -155,8 +168,12 @@ class RooflineCostModel(Executor):
         """Seconds per term for a step of this shape."""
         d = self.decomposer.drivers(shape)
         b = self.coefficients.breakdown(d, self._ew_s_per_byte)
-        if d.comm_calls:
-            b.communication = d.comm_calls * self._link_lat + d.comm_bytes / self._link_bw
+        if shape.num_tokens and (self.tp > 1 or self.pp > 1):
+            msg = shape.num_tokens * self.model.hidden_size * self.model.act_bytes
+            if self.tp > 1:  # two all-reduces per layer (fitted NCCL timings, conf/network)
+                b.communication = d.comm_calls * self.network.all_reduce(msg, self.tp)
+            if self.pp > 1:  # the hidden states cross PP - 1 stage boundaries
+                b.pipeline = (self.pp - 1) * self.network.send_recv(msg)
         if d.swap_calls:
             b.swap = d.swap_calls * self._pcie_lat + d.swap_bytes / self._pcie_bw
         return b
@@ -174,7 +191,8 @@ class RooflineCostModel(Executor):
 
 @EXECUTORS.register("cost_model")
 def build_cost_model(model: ModelSpec, hardware: HardwareSpec, tensor_parallel: int,
-                     config: dict[str, Any], block_size: int = 16, **_: Any) -> RooflineCostModel:
+                     config: dict[str, Any], block_size: int = 16, pipeline_parallel: int = 1,
+                     **_: Any) -> RooflineCostModel:
     cfg = CostModelConfig.from_dict(config)
     if cfg.profile is not None:
         from executors.calibration import load_profile_for  # scipy-free, but keep it lazy
@@ -182,5 +200,7 @@ def build_cost_model(model: ModelSpec, hardware: HardwareSpec, tensor_parallel: 
         prof = load_profile_for(cfg.profile, model, tensor_parallel)
         return RooflineCostModel(model, hardware, tensor_parallel, cfg, block_size=block_size,
                                  coefficients=prof.coefficients,
-                                 num_sms=prof.fit.get("num_sms", hardware.num_sms))
-    return RooflineCostModel(model, hardware, tensor_parallel, cfg, block_size=block_size)
+                                 num_sms=prof.fit.get("num_sms", hardware.num_sms),
+                                 pipeline_parallel=pipeline_parallel)
+    return RooflineCostModel(model, hardware, tensor_parallel, cfg, block_size=block_size,
+                             pipeline_parallel=pipeline_parallel)

@@ -136,9 +136,14 @@ class StepDecomposer:
     """
 
     def __init__(self, model: ModelSpec, tensor_parallel: int = 1, block_size: int = 16,
-                 num_sms: int | None = None, ctas_per_sm: int = 2) -> None:
+                 num_sms: int | None = None, ctas_per_sm: int = 2,
+                 pipeline_parallel: int = 1) -> None:
         t, m = tensor_parallel, model
-        self.model, self.tp, self.layers = m, t, m.num_layers
+        # Layers a batch crosses: under pipeline parallelism every stage counts as its largest
+        # (ceil) share, since stages run in lockstep.
+        layers = m.num_layers if pipeline_parallel == 1 else (
+            pipeline_parallel * -(-m.num_layers // pipeline_parallel))
+        self.model, self.tp, self.layers = m, t, layers
         self.num_sms, self.ctas_per_sm = num_sms, ctas_per_sm
         h, a, wb = m.hidden_size, m.act_bytes, m.weight_bytes_per_element
         q, kv, inter = m.q_size // t, max(m.head_dim, m.kv_size // t), m.intermediate_size // t
@@ -156,7 +161,7 @@ class StepDecomposer:
         # residual, write both), RoPE on q and k (read+write), SiLU-and-mul (read 2I, write I),
         # and the KV store of the new token.
         self._ew_bytes_per_token = a * (2 * 4 * h + 2 * (q + kv) + 3 * inter) + 2 * kv * self._kvb
-        self._kv_block_bytes = m.kv_bytes_per_token_per_rank(t) * block_size
+        self._kv_block_bytes = m.kv_bytes_per_token_per_rank(t, pipeline_parallel) * block_size
 
     def _decode_waves(self, s: StepShape, out: dict[str, float]) -> None:
         """Decode attention as waves of thread blocks. ``decode_ctx`` and ``decode_max_ctx``
@@ -237,13 +242,15 @@ class StepBreakdown:
     elementwise: float = 0.0
     lm_head: float = 0.0
     communication: float = 0.0
+    pipeline: float = 0.0  # stage-to-stage sends (pipeline parallelism)
     overhead: float = 0.0
     swap: float = 0.0
 
     @property
     def total(self) -> float:
         return (self.linear + self.attention_prefill + self.attention_decode + self.elementwise
-                + self.lm_head + self.communication + self.overhead + self.swap)
+                + self.lm_head + self.communication + self.pipeline + self.overhead
+                + self.swap)
 
 
 def knee(*terms: float | np.ndarray, sharpness: float) -> float | np.ndarray:

@@ -2,6 +2,12 @@
 
 Per step the work is O(requests in the batch): no simpy event per token and no Python object
 per token (token timestamps are C doubles in the request's array).
+
+Disaggregation hook: a replica built with ``handoff=callback`` is a prefill replica. When a
+step samples a request's first token and the request is not finished, the replica takes it out
+of its running set, keeping its KV blocks, and calls ``callback(req, replica)``; the cluster
+then moves the KV and calls ``release_handoff(req)`` here once the transfer is done. On the
+decode side the cluster calls ``accept_transferred(req)``. See ``sim/cluster/disaggregated.py``.
 """
 
 from __future__ import annotations
@@ -55,6 +61,7 @@ class Replica:
         on_finished: Callable[[Request], None] | None = None,
         horizon: Callable[[], float] | None = None,
         fast_forward: bool = False,
+        handoff: Callable[[Request, Replica], None] | None = None,
     ) -> None:
         self.env = env
         self.replica_id = replica_id
@@ -67,10 +74,13 @@ class Replica:
         self.max_model_len = max_model_len
         self.check_integrity = check_integrity
         self.on_finished = on_finished
+        self.handoff = handoff
         # Time of the next event from outside this replica (an arrival); decode jumps stop
         # before it. Without one, jumps are off.
         self.horizon = horizon
-        self.fast_forward = (fast_forward and horizon is not None
+        # A prefill replica hands requests off after their first token (disaggregation): every
+        # step's membership changes, and the handoff happens in _apply, so no jumps there.
+        self.fast_forward = (fast_forward and horizon is not None and handoff is None
                              and executor.closed_form_decode
                              and getattr(policy, "supports_decode_jumps", False))
         self.num_jumps = 0
@@ -94,8 +104,9 @@ class Replica:
         if not cfg.chunked_prefill and req.prompt_len > cfg.max_num_batched_tokens:
             return (f"prompt_exceeds_batch: prompt {req.prompt_len} > "
                     f"policy.max_num_batched_tokens {cfg.max_num_batched_tokens}")
-        # The last sampled token never needs a KV slot.
-        need = blocks_for(total - 1, self.kv.block_size)
+        # The last sampled token never needs a KV slot; a prefill replica (handoff set) only
+        # ever holds the prompt.
+        need = blocks_for(req.prompt_len if self.handoff else total - 1, self.kv.block_size)
         if need > self.kv.num_gpu_blocks:
             return (f"exceeds_kv_pool: needs {need} blocks, the pool has "
                     f"{self.kv.num_gpu_blocks}")
@@ -117,13 +128,43 @@ class Replica:
         self.queues.waiting.append(req)
         self.policy.on_arrival(req)
         self.num_unfinished += 1
-        if self._wakeup is not None and not self._wakeup.triggered:
-            self._wakeup.succeed()
+        self.notify()
 
     @property
     def num_outstanding(self) -> int:
         """Requests accepted and not yet finished (what a router may count)."""
         return self.num_unfinished
+
+    @property
+    def kv_usage(self) -> float:
+        """Fraction of GPU KV blocks in use (what the replica reports to a router)."""
+        return self.kv.usage
+
+    def notify(self) -> None:
+        """Wake the loop if it sleeps waiting for work or for free blocks."""
+        if self._wakeup is not None and not self._wakeup.triggered:
+            self._wakeup.succeed()
+
+    # ---- disaggregation -------------------------------------------------------------------
+    def accept_transferred(self, req: Request) -> None:
+        """Decode side: ``req``'s KV arrived in blocks reserved with
+        ``builder.reserve_transfer``; it decodes here from the next step."""
+        req.replica_id = self.replica_id
+        self.executor.add_request(req.request_id, req.prompt_token_ids)
+        self.builder.accept_transferred(req)
+        self.num_unfinished += 1
+        self.notify()
+
+    def release_handoff(self, req: Request) -> None:
+        """Prefill side: the KV of a handed-off request has left; free its blocks."""
+        self.builder.free_handed_off(req)
+        self.executor.free_request(req.request_id)
+        self.notify()
+
+    def _handoff(self, req: Request) -> None:
+        self.builder.release_for_handoff(req)
+        self.num_unfinished -= 1
+        self.handoff(req, self)
 
     def _has_work(self) -> bool:
         q = self.queues
@@ -190,6 +231,8 @@ class Replica:
             req.record_token(now, token)
             if req.num_output_tokens >= req.max_output_len:
                 self._finish(req, now)
+            elif self.handoff is not None:
+                self._handoff(req)
 
     def _apply_jump(self, plan: StepPlan, requests: list[Request], jump: Jump,
                     start: float, queue_lengths: tuple[int, int, int]) -> None:

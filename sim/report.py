@@ -15,7 +15,12 @@ MAX_POINTS = 600  # per curve: keeps the page small for million-request runs
 
 
 def format_summary(s: dict[str, Any]) -> str:
-    head = (f"{s.get('model')} on {s.get('hardware')} (TP{s.get('tensor_parallel', 1)}), "
+    par = f"TP{s.get('tensor_parallel', 1)}"
+    if s.get("pipeline_parallel", 1) > 1:
+        par += f" PP{s['pipeline_parallel']}"
+    if "cluster" in s:  # cluster runs only
+        par += f", {s['cluster']} x{s['num_replicas']}"
+    head = (f"{s.get('model')} on {s.get('hardware')} ({par}), "
             f"policy {s.get('policy')}, executor {s.get('executor')}")
     lines = [head,
              f"  completed {s['completed']}  rejected {s['rejected']}  preemptions "

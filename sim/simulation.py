@@ -1,9 +1,8 @@
 """Build a whole run from one plain config mapping (what Hydra composes) and run it.
 
 The mapping has the sections ``model, hardware, policy, workload, executor, cluster, kv`` and
-the scalars ``seed, progress, check_integrity, device``; see ``conf/config.yaml`` (``device`` is
-read only by an executor that runs on one: the real executor; the cost model ignores it).
-Everything is validated before the first simulated event, with errors that name the field.
+the scalars ``seed, progress, check_integrity``; see ``conf/config.yaml``. Everything is
+validated before the first simulated event, with errors that name the field.
 """
 
 from __future__ import annotations
@@ -21,28 +20,26 @@ import executors
 import policies
 import workloads
 from executors.base import Executor
+from sim.cluster.colocated import Colocated
+from sim.cluster.config import ClusterConfig, DisaggregatedConfig, cluster_config_from
+from sim.cluster.disaggregated import Disaggregated
+from sim.cluster.link import Link
+from sim.cluster.outputs import CLUSTER_REQUEST_COLUMNS, ClusterRequestSink, cluster_summary
+from sim.cluster.pool import Pool
+from sim.cluster.router import make_router
 from sim.errors import ConfigError, require
-from sim.kv_manager import KVBlockManager
 from sim.memory import MemoryPlan, plan_memory
 from sim.metrics import MetricsCollector
 from sim.outputs import REQUEST_COLUMNS, STEP_COLUMNS, CsvSink, NullSink
 from sim.progress import Progress
 from sim.replica import Replica, SimulationStalled
 from sim.request import Request
-from sim.specs import HardwareSpec, ModelSpec, hardware_spec_from, model_spec_from
+from sim.specs import (HardwareSpec, ModelSpec, hardware_spec_from, load_hardware_spec,
+                       model_spec_from)
 
 SECTIONS = ("model", "hardware", "policy", "workload", "executor", "cluster", "kv")
 TOP_LEVEL = {*SECTIONS, "seed", "progress", "check_integrity", "output_dir", "step_mode",
              "device", "itl_quantiles", "record_steps"}
-
-
-@dataclass(frozen=True)
-class ClusterConfig:
-    tensor_parallel: int = 1
-
-    def __post_init__(self) -> None:
-        require(self.tensor_parallel >= 1, "cluster.tensor_parallel",
-                f"must be >= 1, got {self.tensor_parallel}")
 
 
 @dataclass(frozen=True)
@@ -84,10 +81,13 @@ class SimulationResult:
     requests: list[Request]  # finished/rejected requests, when keep_requests=True
     requests_sink: CsvSink
     steps_sink: CsvSink
+    deployment: Colocated | Disaggregated | None = None
 
 
 class Simulation:
-    """A validated, ready-to-run simulation (single replica; TP inside the cost model)."""
+    """A validated, ready-to-run simulation: one replica, ``num_replicas`` behind a router, or a
+    disaggregated prefill + decode deployment (``sim/cluster/``). TP and PP live inside each
+    replica (the cost model and ``PipelinedReplica``)."""
 
     def __init__(self, cfg: dict[str, Any], out_dir: Path | None = None,
                  keep_requests: bool = False) -> None:
@@ -110,65 +110,117 @@ class Simulation:
 
         self.model: ModelSpec = model_spec_from(_section(cfg, "model"), "model config")
         self.hardware: HardwareSpec = hardware_spec_from(_section(cfg, "hardware"), "hardware config")
-        self.cluster = _dataclass_from(ClusterConfig, _section(cfg, "cluster"), "cluster")
+        self.cluster: ClusterConfig | DisaggregatedConfig = cluster_config_from(
+            _section(cfg, "cluster"))
         self.kv_cfg = _dataclass_from(KVConfig, _section(cfg, "kv"), "kv")
         self.policy_cfg = _section(cfg, "policy")
-        self.policy = policies.make_policy(self.policy_cfg, seed=self.seed)
-        self.executor = self._make_executor()
+        self.pools = self._make_pools()
+        # The first pool's (the prefill pool's, when disaggregated) policy, executor and
+        # memory plan: what single-replica callers read.
+        first = self.pools[0]
+        self.policy, self.executor = first.first_policy, first.first_executor
+        self.memory = first.memory
         # The device the executor really runs on (the real executor's CPU or GPU).
         self.hardware = self.executor.device_spec(self.hardware)
         # An executor that samples real tokens needs the prompts' token ids.
         self.workload = workloads.make_workload(_section(cfg, "workload"), self.seed,
                                                 model=self.model,
                                                 token_ids=self.executor.produces_tokens)
-        self.memory = self._plan_memory()
-        self._validate()
+        self._validate(first.first_policy,
+                       "policy" if len(self.pools) == 1 else "cluster.prefill.policy")
+        if self.is_disaggregated and first.first_executor.produces_tokens:
+            raise ConfigError("cluster.name", "disaggregation moves KV blocks between replicas, "
+                              "which only executors without KV contents (cost_model) can do")
 
-    def _make_executor(self) -> Executor:
+    @property
+    def is_disaggregated(self) -> bool:
+        return isinstance(self.cluster, DisaggregatedConfig)
+
+    @property
+    def is_cluster(self) -> bool:
+        """Anything beyond the plain single replica: adds the cluster outputs."""
+        c = self.cluster
+        return self.is_disaggregated or c.num_replicas > 1 or c.pipeline_parallel > 1
+
+    def _make_pools(self) -> list[Pool]:
+        c = self.cluster
+        if isinstance(c, ClusterConfig):
+            return [self._make_pool("replica", c.num_replicas, self.hardware, self.policy_cfg,
+                                    c.tensor_parallel, c.pipeline_parallel, "cluster")]
+        pools = []
+        for side, count in (("prefill", c.num_prefill_replicas), ("decode", c.num_decode_replicas)):
+            pc = getattr(c, side)
+            try:
+                hw = self.hardware if pc.hardware is None else load_hardware_spec(pc.hardware)
+            except ConfigError as e:
+                raise ConfigError(f"cluster.{side}.hardware", str(e).split(": ", 1)[-1]) from None
+            policy_cfg = {**self.policy_cfg, **pc.policy}
+            pools.append(self._make_pool(side, count, hw, policy_cfg, c.tp(side), c.pp(side),
+                                         f"cluster.{side}"))
+        return pools
+
+    def _make_pool(self, role: str, count: int, hardware: HardwareSpec,
+                   policy_cfg: dict[str, Any], tp: int, pp: int, where: str) -> Pool:
+        try:
+            policy = policies.make_policy(policy_cfg, seed=self.seed)
+        except ConfigError as e:
+            if where == "cluster":
+                raise
+            raise ConfigError(f"{where}.{e.field}", str(e).split(": ", 1)[-1]) from None
+        make = lambda: self._make_executor(hardware, tp, pp)  # noqa: E731
+        executor = make()
+        memory = self._plan_memory(policy, executor, hardware, tp, pp)
+        return Pool(role, count, hardware, policy_cfg, tp, pp, memory, self.kv_cfg.block_size,
+                    policy, executor, make, self.seed)
+
+    def _make_executor(self, hardware: HardwareSpec, tp: int, pp: int) -> Executor:
         ex = _section(self.cfg, "executor")
         name = ex.get("name")
         try:
             factory = executors.EXECUTORS.get(str(name))
         except KeyError as e:
             raise ConfigError("executor.name", str(e.args[0])) from None
-        return factory(model=self.model, hardware=self.hardware,
-                       tensor_parallel=self.cluster.tensor_parallel, config=ex,
+        # Only executors that model pipeline stages take pipeline_parallel.
+        extra = {"pipeline_parallel": pp} if pp > 1 else {}
+        return factory(model=self.model, hardware=hardware, tensor_parallel=tp, config=ex,
                        block_size=self.kv_cfg.block_size, seed=self.seed,
-                       device=self.cfg.get("device"))
+                       device=self.cfg.get("device"), **extra)
 
-    def _plan_memory(self) -> MemoryPlan:
-        k, p = self.kv_cfg, self.policy.config
-        kv_dtype = self.executor.kv_cache_dtype()
+    def _plan_memory(self, policy: policies.Policy, executor: Executor, hardware: HardwareSpec,
+                     tp: int, pp: int) -> MemoryPlan:
+        k, p = self.kv_cfg, policy.config
+        kv_dtype = executor.kv_cache_dtype()
         if kv_dtype is not None and kv_dtype != self.model.kv_dtype:
             self.model = dataclasses.replace(self.model, kv_dtype=kv_dtype)
-        act = self.executor.activation_reserve_bytes(p.max_num_batched_tokens, p.max_num_seqs)
+        hardware = executor.device_spec(hardware)
+        act = executor.activation_reserve_bytes(p.max_num_batched_tokens, p.max_num_seqs)
         if k.activation_reserve_gib is not None:
             act = k.activation_reserve_gib * 2**30
         mp = plan_memory(
-            self.model, self.hardware, block_size=k.block_size,
+            self.model, hardware, block_size=k.block_size,
             gpu_memory_utilization=k.gpu_memory_utilization,
-            tensor_parallel=self.cluster.tensor_parallel,
+            tensor_parallel=tp, pipeline_parallel=pp,
             max_num_batched_tokens=p.max_num_batched_tokens, max_num_seqs=p.max_num_seqs,
             swap_space_gib=k.swap_space_gib, num_gpu_blocks_override=k.num_gpu_blocks,
             activation_reserve_override_bytes=act,
-            weight_bytes_override=self.executor.weight_bytes(),
+            weight_bytes_override=executor.weight_bytes(),
         )
         if k.num_cpu_blocks is not None:
             mp = MemoryPlan(**{**mp.__dict__, "num_cpu_blocks": int(k.num_cpu_blocks)})
         return mp
 
-    def _validate(self) -> None:
-        p = self.policy.config
+    def _validate(self, policy: policies.Policy, section: str) -> None:
+        p = policy.config
         longest = self.workload.max_prompt_len
         if not p.chunked_prefill and p.max_num_batched_tokens < longest:
             raise ConfigError(
-                "policy.max_num_batched_tokens",
+                f"{section}.max_num_batched_tokens",
                 f"{p.max_num_batched_tokens} is below the longest prompt the workload can send "
                 f"({longest} tokens) and policy.chunked_prefill is off: such prompts could "
                 f"never be scheduled. Raise it or turn chunked prefill on.")
         if p.max_num_batched_tokens < p.max_num_seqs and not p.chunked_prefill:
             raise ConfigError(
-                "policy.max_num_batched_tokens",
+                f"{section}.max_num_batched_tokens",
                 f"{p.max_num_batched_tokens} is below policy.max_num_seqs={p.max_num_seqs}: "
                 f"a full batch of decodes would not fit in one step")
 
@@ -179,7 +231,8 @@ class Simulation:
         out = self.out_dir
         if out is not None:
             out.mkdir(parents=True, exist_ok=True)
-        req_sink = CsvSink(out / "requests.csv" if out else None, REQUEST_COLUMNS)
+        columns = REQUEST_COLUMNS + (CLUSTER_REQUEST_COLUMNS if self.is_cluster else ())
+        req_sink = CsvSink(out / "requests.csv" if out else None, columns)
         step_sink = (CsvSink(out / "steps.csv" if out else None, STEP_COLUMNS)
                      if self.record_steps else NullSink(STEP_COLUMNS))
         metrics = MetricsCollector(self.itl_quantiles)
@@ -194,15 +247,10 @@ class Simulation:
             if state["done"] & 63 == 0:
                 progress.update(state["done"], env.now)
 
-        kv = KVBlockManager(self.memory.num_gpu_blocks, self.kv_cfg.block_size,
-                            self.memory.num_cpu_blocks)
-        self.executor.init_kv_cache(kv.num_gpu_blocks, kv.num_cpu_blocks, kv.block_size)
+        # The next arrival's time: decode jumps stop before it (sim/fast_forward.py).
         next_arrival = [float("inf")]
-        replica = Replica(env, 0, self.policy, self.executor, kv, metrics, req_sink, step_sink,
-                          max_model_len=self.model.max_model_len,
-                          check_integrity=self.check_integrity, on_finished=on_done,
-                          horizon=lambda: next_arrival[0],
-                          fast_forward=self.step_mode == "fast")
+        deployment = self._build_deployment(env, metrics, req_sink, step_sink, on_done,
+                                            lambda: next_arrival[0])
 
         def arrivals():
             for req in self.workload:
@@ -210,7 +258,7 @@ class Simulation:
                 delay = req.arrival_time - env.now
                 if delay > 0:
                     yield env.timeout(delay)
-                replica.add_request(req)
+                deployment.add_request(req)
                 if req.is_finished:  # rejected at arrival
                     on_done(req)
             next_arrival[0] = float("inf")
@@ -222,13 +270,59 @@ class Simulation:
             progress.close()
             req_sink.close()
             step_sink.close()
-        if replica.num_unfinished:
-            raise SimulationStalled(replica._stall_message())
+        if deployment.num_unfinished:
+            raise SimulationStalled(deployment.stall_message())
         wall = time.perf_counter() - wall0
-        summary = self._summary(metrics, [replica], env.now, wall)
+        summary = self._summary(metrics, deployment.replicas, env.now, wall)
+        if self.is_cluster:
+            summary.update(cluster_summary(self.cluster, self.pools, deployment, env.now))
         if out is not None:
             (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-        return SimulationResult(summary, metrics, [replica], self.memory, kept, req_sink, step_sink)
+        return SimulationResult(summary, metrics, deployment.replicas, self.memory, kept,
+                                req_sink, step_sink, deployment)
+
+    def _build_deployment(self, env: simpy.Environment, metrics: MetricsCollector,
+                          req_sink: CsvSink, step_sink: CsvSink, on_done,
+                          horizon) -> Colocated | Disaggregated:
+        common = dict(max_model_len=self.model.max_model_len,
+                      check_integrity=self.check_integrity)
+        rows: CsvSink = req_sink
+        if self.is_cluster:
+            rows = ClusterRequestSink(req_sink)  # appends the cluster columns to each row
+        c = self.cluster
+        if isinstance(c, ClusterConfig):
+            # Routers decide only at arrivals, so jumps that stop before the next arrival
+            # never show a router a replica's future. (Disaggregated pools get KV transfers
+            # at other times: they step one at a time.)
+            replicas = self.pools[0].build(env, 0, metrics, rows, step_sink,
+                                           on_finished=on_done, horizon=horizon,
+                                           fast_forward=self.step_mode == "fast", **common)
+            deployment = Colocated(replicas, make_router(c.router, self.seed))
+        else:
+            prefill_pool, decode_pool = self.pools
+            holder: list[Disaggregated] = []
+
+            def decode_done(req: Request) -> None:
+                on_done(req)
+                holder[0].on_decode_finished(req)
+
+            prefill = prefill_pool.build(env, 0, metrics, rows, step_sink, on_finished=on_done,
+                                         handoff=lambda req, rep: holder[0].handoff(req, rep),
+                                         **common)
+            decode = decode_pool.build(env, prefill_pool.count, metrics, rows, step_sink,
+                                       on_finished=decode_done, **common)
+            link = Link(env, c.link, prefill_pool.count + decode_pool.count)
+            lanes = min(prefill_pool.tensor_parallel * prefill_pool.pipeline_parallel,
+                        decode_pool.tensor_parallel * decode_pool.pipeline_parallel)
+            deployment = Disaggregated(
+                env, prefill, decode, make_router(c.router, self.seed, 0),
+                make_router(c.decode_router, self.seed, 1, "cluster.decode_router"), link,
+                kv_bytes_per_token=self.model.kv_bytes_per_token, lanes=lanes, metrics=metrics,
+                requests_sink=rows)
+            holder.append(deployment)
+        if isinstance(rows, ClusterRequestSink):
+            rows.extra = deployment.extra_columns
+        return deployment
 
     def _summary(self, metrics: MetricsCollector, replicas: list[Replica], sim_end: float,
                  wall: float) -> dict[str, Any]:
@@ -239,7 +333,7 @@ class Simulation:
             "kv_num_gpu_blocks": kv.num_gpu_blocks,
             "kv_num_cpu_blocks": kv.num_cpu_blocks,
             "kv_bytes_per_token": int(self.model.kv_bytes_per_token),
-            "kv_peak_usage": kv.peak_used_blocks / kv.num_gpu_blocks,
+            "kv_peak_usage": max(r.kv.peak_used_blocks / r.kv.num_gpu_blocks for r in replicas),
             "num_steps": sum(r.num_steps for r in replicas),
             "num_decode_jumps": sum(r.num_jumps for r in replicas),
             "step_mode": self.step_mode,

@@ -8,6 +8,11 @@ below, which are the single home of request state transitions and KV operations:
     preempt(req)       free its GPU KV by swap or by recompute (the replica's preemption mode)
     swap_in(req)       bring a swapped request's KV back so it can run again
     build()            the StepPlan handed to the executor
+
+Between steps, a cluster moves a request from a prefill replica to a decode replica through
+the four handoff methods at the end (``release_for_handoff``, ``reserve_transfer``,
+``accept_transferred``, ``free_handed_off``). In transit the request stays RUNNING and holds KV
+blocks, but sits in no replica's running set, so no policy can schedule or preempt it.
 """
 
 from __future__ import annotations
@@ -93,16 +98,22 @@ class StepBuilder:
         self.num_swap_fallbacks = 0  # swap asked, CPU pool full, recomputed instead
         self.reset(0.0)
 
-    def reset(self, now: float) -> None:
+    def reset(self, now: float, in_flight: set[int] | None = None) -> None:
+        """Start a new step at ``now``. ``in_flight``: ids of running requests that are part
+        of a micro-batch still in the pipeline (pipeline parallelism); they count as already
+        scheduled, so the shared loops skip them and never pick them as victims."""
         self.now = now
         self._plan = StepPlan()
         self.scheduled_requests: list[Request] = []  # parallel to plan.scheduled
         self._granted: dict[int, int] = {}  # request id -> tokens granted this step
+        self._in_flight: set[int] = in_flight or set()
         self.num_scheduled_tokens = 0
 
     # ---- queries ------------------------------------------------------------------------
     def is_scheduled(self, req: Request) -> bool:
-        return req.request_id in self._granted
+        """True if ``req`` is in this step, or in a micro-batch still in the pipeline."""
+        rid = req.request_id
+        return rid in self._granted or rid in self._in_flight
 
     def granted(self, req: Request) -> int:
         """Tokens granted to ``req`` in this step so far (0 if not scheduled)."""
@@ -126,6 +137,8 @@ class StepBuilder:
         rid = req.request_id
         if rid in self._granted:
             raise ValueError(f"request {rid} is already scheduled in this step")
+        if rid in self._in_flight:
+            raise ValueError(f"request {rid} is in a micro-batch still in the pipeline")
         pending = req.num_pending_tokens
         if not 1 <= num_new_tokens <= pending:
             raise ValueError(
@@ -167,6 +180,9 @@ class StepBuilder:
         rid = req.request_id
         if req.status is not RequestStatus.RUNNING:
             raise ValueError(f"request {rid} is {req.status.name}, only RUNNING can be preempted")
+        if rid in self._in_flight:
+            raise ValueError(f"request {rid} is in a micro-batch still in the pipeline; "
+                             f"it cannot be preempted until that batch completes")
         if rid in self._granted:
             self._unschedule(req)
         mode = PreemptionMode(mode or self.preemption_mode)
@@ -210,6 +226,38 @@ class StepBuilder:
 
     def build(self) -> StepPlan:
         return self._plan
+
+    # ---- handoff between replicas (disaggregation), called between steps ------------------
+    def release_for_handoff(self, req: Request) -> None:
+        """Prefill side: take a RUNNING request out of the running set, keeping its blocks
+        (they are the transfer's source until ``free_handed_off``)."""
+        if req.status is not RequestStatus.RUNNING:
+            raise ValueError(f"request {req.request_id} is {req.status.name}, not RUNNING")
+        self._q.remove_running(req)
+
+    def free_handed_off(self, req: Request) -> None:
+        """Prefill side: the transfer is done; release the source blocks."""
+        self.kv.free(req.request_id)
+
+    def reserve_transfer(self, req: Request) -> bool:
+        """Decode side: allocate blocks for the request's computed tokens (the KV about to
+        arrive), above the admission watermark. False (nothing changes) when they do not fit."""
+        n = req.num_computed_tokens
+        if not self.kv.can_allocate(self.kv.blocks_needed(req.request_id, n),
+                                    self.watermark_blocks):
+            return False
+        return self.kv.allocate_slots(req.request_id, n) is not None
+
+    def accept_transferred(self, req: Request) -> None:
+        """Decode side: the KV has arrived in the reserved blocks; the request joins the
+        running set (still RUNNING) and decodes from its next step."""
+        if req.status is not RequestStatus.RUNNING:
+            raise ValueError(f"request {req.request_id} is {req.status.name}, not RUNNING")
+        have = len(self.kv.block_table(req.request_id))
+        if have * self.kv.block_size < req.num_computed_tokens:
+            raise ValueError(f"request {req.request_id}: {have} reserved blocks cannot hold "
+                             f"{req.num_computed_tokens} transferred tokens")
+        self._q.add_running(req)
 
     # ---- internals ----------------------------------------------------------------------
     def _remove_waiting(self, req: Request) -> None:

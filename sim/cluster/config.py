@@ -1,0 +1,122 @@
+"""The ``cluster`` config section: one pool of co-located replicas behind a router
+(``conf/cluster/single.yaml``), or a prefill pool and a decode pool joined by a link
+(``conf/cluster/disaggregated.yaml``). Pure data, validated with errors naming the field."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from sim.cluster.link import LinkConfig
+from sim.cluster.router import ROUTERS
+from sim.errors import ConfigError, require
+
+
+def _check_router(name: str, where: str) -> None:
+    require(name in ROUTERS.names(), where,
+            f"unknown router {name!r}; known: {', '.join(ROUTERS.names())}")
+
+
+def _unknown(data: dict[str, Any], known: set[str], section: str) -> None:
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ConfigError(f"{section}.{unknown[0]}",
+                          f"unknown option; known: {', '.join(sorted(known))}")
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """``num_replicas`` identical replicas (each ``tensor_parallel x pipeline_parallel`` GPUs)
+    behind ``router``. The default (one replica) is the plain single-replica run."""
+
+    name: str = "single"
+    tensor_parallel: int = 1
+    pipeline_parallel: int = 1
+    num_replicas: int = 1
+    router: str = "round_robin"
+
+    def __post_init__(self) -> None:
+        require(self.tensor_parallel >= 1, "cluster.tensor_parallel",
+                f"must be >= 1, got {self.tensor_parallel}")
+        require(self.pipeline_parallel >= 1, "cluster.pipeline_parallel",
+                f"must be >= 1, got {self.pipeline_parallel}")
+        require(self.num_replicas >= 1, "cluster.num_replicas",
+                f"must be >= 1, got {self.num_replicas}")
+        _check_router(self.router, "cluster.router")
+
+    @property
+    def num_gpus(self) -> int:
+        return self.num_replicas * self.tensor_parallel * self.pipeline_parallel
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    """One side of a disaggregated deployment. ``None`` inherits the run's value."""
+
+    hardware: str | None = None  # a conf/hardware/<name>.yaml
+    tensor_parallel: int | None = None
+    pipeline_parallel: int | None = None
+    policy: dict[str, Any] = field(default_factory=dict)  # merged over the run's policy
+
+
+@dataclass(frozen=True)
+class DisaggregatedConfig:
+    name: str = "disaggregated"
+    num_prefill_replicas: int = 1
+    num_decode_replicas: int = 1
+    tensor_parallel: int = 1  # default for both pools
+    pipeline_parallel: int = 1
+    router: str = "least_outstanding"  # picks the prefill replica at arrival
+    decode_router: str = "least_outstanding"  # picks the decode replica after the prefill
+    prefill: PoolConfig = field(default_factory=PoolConfig)
+    decode: PoolConfig = field(default_factory=PoolConfig)
+    link: LinkConfig = field(default_factory=LinkConfig)
+
+    def __post_init__(self) -> None:
+        for f in ("num_prefill_replicas", "num_decode_replicas", "tensor_parallel",
+                  "pipeline_parallel"):
+            require(getattr(self, f) >= 1, f"cluster.{f}", f"must be >= 1, got {getattr(self, f)}")
+        _check_router(self.router, "cluster.router")
+        _check_router(self.decode_router, "cluster.decode_router")
+        for side in ("prefill", "decode"):
+            pool = getattr(self, side)
+            for f in ("tensor_parallel", "pipeline_parallel"):
+                v = getattr(pool, f)
+                require(v is None or v >= 1, f"cluster.{side}.{f}", f"must be >= 1, got {v}")
+
+    def tp(self, side: str) -> int:
+        v = getattr(self, side).tensor_parallel
+        return self.tensor_parallel if v is None else v
+
+    def pp(self, side: str) -> int:
+        v = getattr(self, side).pipeline_parallel
+        return self.pipeline_parallel if v is None else v
+
+
+def _pool_from(data: Any, side: str) -> PoolConfig:
+    if data is None:
+        return PoolConfig()
+    if not isinstance(data, dict):
+        raise ConfigError(f"cluster.{side}", f"must be a mapping, got {data!r}")
+    _unknown(data, set(PoolConfig.__dataclass_fields__), f"cluster.{side}")
+    policy = data.get("policy") or {}
+    if not isinstance(policy, dict):
+        raise ConfigError(f"cluster.{side}.policy", f"must be a mapping, got {policy!r}")
+    return PoolConfig(data.get("hardware"), data.get("tensor_parallel"),
+                      data.get("pipeline_parallel"), dict(policy))
+
+
+def cluster_config_from(data: dict[str, Any]) -> ClusterConfig | DisaggregatedConfig:
+    """Parse the ``cluster`` section. A section without ``name`` is a ``single`` one."""
+    data = dict(data)
+    name = data.get("name", "single")
+    if name == "disaggregated":
+        _unknown(data, set(DisaggregatedConfig.__dataclass_fields__), "cluster")
+        data["prefill"] = _pool_from(data.get("prefill"), "prefill")
+        data["decode"] = _pool_from(data.get("decode"), "decode")
+        data["link"] = LinkConfig.from_value(data.get("link"))
+        return DisaggregatedConfig(**data)
+    if name != "single":
+        raise ConfigError("cluster.name", f"must be 'single' or 'disaggregated', got {name!r}")
+    _unknown(data, set(ClusterConfig.__dataclass_fields__), "cluster")
+    return ClusterConfig(**data)

@@ -1,0 +1,201 @@
+"""Prefill/decode disaggregation: a prefill pool and a decode pool joined by a KV link.
+
+Life of a request (``cluster=disaggregated``)::
+
+    arrival --router--> prefill replica p: queue, prefill (whole or chunked, as p's policy
+        decides), sample the first token      (TTFT ends here)
+      --handoff--> decode_router picks decode replica d; the request joins d's FIFO of
+        pending transfers, still holding its blocks on p
+      --reserve--> d allocates blocks for the prompt's KV (above its watermark); while it
+        cannot, the request waits on p holding p's blocks: back-pressure
+      --link--> the KV moves p -> d (``sim/cluster/link.py``), then p frees its blocks
+      --accept--> d's running set; d's policy decodes it to the end (TPOT, ITL, finish)
+
+A request whose first token is its last finishes on the prefill replica (nothing to move).
+Both sides run the same ``Replica`` loop and ``StepPlan`` contract; the request stays RUNNING
+from its first prefill step to its finish (see ``StepBuilder``'s handoff methods).
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import simpy
+
+from sim.cluster.link import Link
+from sim.cluster.router import Router
+from sim.kv_manager import blocks_for
+from sim.metrics import MetricsCollector
+from sim.outputs import CsvSink, request_row
+from sim.replica import Replica
+from sim.request import Request
+
+
+@dataclass
+class TransferRecord:
+    prefill_id: int
+    ready_time: float = 0.0  # first token sampled, handed off
+    decode_id: int | None = None
+    nbytes: float = 0.0
+    reserved_time: float | None = None  # decode blocks allocated, transfer may start
+    arrive_time: float | None = None  # KV in place on the decode replica
+
+
+class _DecodeTarget:
+    """A decode replica as its router sees it: requests it runs plus those assigned to it
+    (waiting for blocks or in transit), and the KV usage it reports."""
+
+    __slots__ = ("replica", "assigned")
+
+    def __init__(self, replica: Replica) -> None:
+        self.replica = replica
+        self.assigned = 0
+
+    @property
+    def num_outstanding(self) -> int:
+        return self.replica.num_outstanding + self.assigned
+
+    @property
+    def kv_usage(self) -> float:
+        return self.replica.kv_usage
+
+
+class Disaggregated:
+    kind = "disaggregated"
+
+    def __init__(self, env: simpy.Environment, prefill: list[Replica], decode: list[Replica],
+                 router: Router, decode_router: Router, link: Link, *,
+                 kv_bytes_per_token: float, lanes: int, metrics: MetricsCollector,
+                 requests_sink: CsvSink) -> None:
+        """``kv_bytes_per_token``: K and V of one token over all layers (the whole model);
+        ``lanes``: parallel rank-to-rank links per transfer (min of the two sides' GPUs per
+        replica). Prefill replicas must be built with ``handoff=self.handoff``, decode
+        replicas with ``on_finished`` calling ``self.on_decode_finished``."""
+        self.env = env
+        self.prefill = prefill
+        self.decode = decode
+        self.replicas = prefill + decode
+        self.router = router
+        self.decode_router = decode_router
+        self.link = link
+        self.kv_bytes_per_token = kv_bytes_per_token
+        self.lanes = lanes
+        self.metrics = metrics
+        self.requests_sink = requests_sink
+        self._first_decode_id = decode[0].replica_id
+        self._targets = [_DecodeTarget(d) for d in decode]
+        self._pending: list[deque[Request]] = [deque() for _ in decode]
+        self.records: dict[int, TransferRecord] = {}
+        self.routed = [0] * len(self.replicas)
+        self.num_backpressured = 0
+        self.backpressure_wait = array("d")
+        self.transfer_time = array("d")
+        self.num_in_transit = 0
+
+    # ---- arrival ------------------------------------------------------------------------
+    def decode_rejection(self, req: Request) -> str | None:
+        """Why the decode pool could never hold ``req`` (all decode replicas are alike)."""
+        d = self.decode[0]
+        kv = d.kv
+        need = blocks_for(req.prompt_len + req.max_output_len - 1, kv.block_size)
+        if need > kv.num_gpu_blocks:
+            return (f"exceeds_kv_pool: needs {need} blocks on a decode replica, which has "
+                    f"{kv.num_gpu_blocks}")
+        room = kv.num_gpu_blocks - d.builder.watermark_blocks
+        if blocks_for(req.prompt_len, kv.block_size) > room:
+            return "exceeds_kv_pool: prompt does not fit above a decode replica's KV watermark"
+        return None
+
+    def add_request(self, req: Request) -> None:
+        reason = self.decode_rejection(req) if req.max_output_len > 1 else None
+        if reason is not None:
+            self.metrics.on_arrival(req)
+            req.reject(reason)
+            self.metrics.on_rejected(req)
+            self.requests_sink.write(request_row(req))
+            return
+        i = self.router.choose(req, self.prefill)
+        self.routed[i] += 1
+        self.prefill[i].add_request(req)
+
+    # ---- prefill -> decode --------------------------------------------------------------
+    def handoff(self, req: Request, replica: Replica) -> None:
+        """Called by a prefill replica right after ``req`` sampled its first token."""
+        now = self.env.now
+        j = self.decode_router.choose(req, self._targets)
+        tokens = blocks_for(req.num_computed_tokens, replica.kv.block_size) * replica.kv.block_size
+        rec = TransferRecord(replica.replica_id, now, self.decode[j].replica_id,
+                             tokens * self.kv_bytes_per_token)
+        self.records[req.request_id] = rec
+        self._targets[j].assigned += 1
+        self.routed[len(self.prefill) + j] += 1
+        self._pending[j].append(req)
+        self._reserve(j)
+
+    def _reserve(self, j: int) -> None:
+        """Start the transfers of decode replica ``j``'s pending requests, in FIFO order,
+        while it can allocate their blocks."""
+        pending, replica, now = self._pending[j], self.decode[j], self.env.now
+        while pending and replica.builder.reserve_transfer(pending[0]):
+            req = pending.popleft()
+            rec = self.records[req.request_id]
+            rec.reserved_time = now
+            wait = now - rec.ready_time
+            if wait > 0:
+                self.num_backpressured += 1
+            self.backpressure_wait.append(wait)
+            self.num_in_transit += 1
+            self.env.process(self._transfer(req, rec, j))
+
+    def _transfer(self, req: Request, rec: TransferRecord, j: int):
+        yield from self.link.transfer(rec.prefill_id, rec.decode_id, rec.nbytes, self.lanes)
+        rec.arrive_time = self.env.now
+        self.transfer_time.append(rec.arrive_time - rec.reserved_time)
+        self.num_in_transit -= 1
+        self.prefill[rec.prefill_id - self.prefill[0].replica_id].release_handoff(req)
+        self._targets[j].assigned -= 1
+        self.decode[j].accept_transferred(req)
+
+    def on_decode_finished(self, req: Request) -> None:
+        """A decode replica freed blocks: retry its pending transfers."""
+        self._reserve(req.replica_id - self._first_decode_id)
+
+    # ---- bookkeeping --------------------------------------------------------------------
+    @property
+    def num_unfinished(self) -> int:
+        return (sum(r.num_unfinished for r in self.replicas) + self.num_in_transit
+                + sum(len(p) for p in self._pending))
+
+    def stall_message(self) -> str:
+        parts = [r._stall_message() for r in self.replicas if r.num_unfinished]
+        waiting = [len(p) for p in self._pending]
+        return "; ".join(parts + [f"pending transfers per decode replica {waiting}, "
+                                  f"{self.num_in_transit} in transit"])
+
+    def extra_columns(self, row: tuple) -> tuple:
+        rec = self.records.pop(row[0], None)
+        if rec is None:  # rejected, or finished on the prefill replica (one output token)
+            return (row[1], "", "", "", "")
+        wait = rec.reserved_time - rec.ready_time
+        return (rec.prefill_id, rec.decode_id, int(rec.nbytes), repr(wait),
+                repr(rec.arrive_time - rec.reserved_time))
+
+    def summary(self, sim_end: float) -> dict[str, Any]:
+        t = np.frombuffer(self.transfer_time, dtype=np.float64) * 1e3
+        w = np.frombuffer(self.backpressure_wait, dtype=np.float64) * 1e3
+        util = self.link.utilization(sim_end)
+        return {
+            "num_kv_transfers": self.link.num_transfers,
+            "kv_transfer_bytes": self.link.bytes_sent,
+            "mean_kv_transfer_time_ms": float(t.mean()) if len(t) else 0.0,
+            "p99_kv_transfer_time_ms": float(np.percentile(t, 99)) if len(t) else 0.0,
+            "kv_backpressure_count": self.num_backpressured,
+            "mean_kv_backpressure_wait_ms": float(w.mean()) if len(w) else 0.0,
+            "p99_kv_backpressure_wait_ms": float(np.percentile(w, 99)) if len(w) else 0.0,
+            "link_utilization": max(util) if util else 0.0,
+            "link_utilization_per_port": util,
+        }

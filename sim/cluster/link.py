@@ -1,0 +1,137 @@
+"""The KV-transfer link between the prefill and the decode pool.
+
+Model: every port is a FIFO ``simpy.Resource`` of capacity one. A transfer holds its ports
+for its serialization time (bytes / bandwidth) and then arrives ``latency`` later (the
+latency is propagation and set-up, it does not occupy the port). Concurrent transfers on a
+port therefore queue: two transfers of S bytes started together finish at
+``S/B + L`` and ``2 S/B + L``. (FIFO, not fair sharing: under fair sharing both would finish at
+``2 S/B + L``; FIFO gives the same makespan and a lower mean, as NIC queues do.)
+
+``scope`` says which ports a transfer uses:
+
+* ``replica`` (default): each replica has its own NIC port (one per GPU rank; ranks send their
+  KV shards in parallel). A transfer from prefill replica p to decode replica d holds p's port
+  and then d's port, so a decode replica fed by three prefill replicas is limited by its own
+  port. Ports are always acquired sender first, receiver second, so no cycle can form.
+* ``cluster``: one port carries every transfer (a single shared uplink).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from dataclasses import dataclass
+
+import simpy
+
+from sim.errors import ConfigError, require
+
+# Effective per-direction bandwidth of one GPU's link and its one-way latency.
+#   nvlink:     A100 NVLink3 send/recv fitted to Vidur's a100_dgx intra-node measurements
+#               (conf/network/a100_80gb.yaml: 277 GB/s, 12.9 us).
+#   infiniband: one NDR 400 Gb/s NIC per GPU, as fitted to Vidur's h100_dgx cross-node
+#               send/recv (35.1 GB/s, 22.3 us).
+#   pcie:       PCIe Gen4 x16 through host memory, effective 25 GB/s, 10 us.
+#   ethernet:   100 GbE with a TCP stack, effective 11 GB/s, 50 us.
+LINK_PRESETS: dict[str, tuple[float, float]] = {  # name -> (bandwidth GB/s, latency us)
+    "nvlink": (277.4, 12.9),
+    "infiniband": (35.1, 22.3),
+    "pcie": (25.0, 10.0),
+    "ethernet": (11.0, 50.0),
+}
+SCOPES = ("replica", "cluster")
+
+
+@dataclass(frozen=True)
+class LinkConfig:
+    preset: str = "infiniband"
+    bandwidth_gbps: float | None = None  # overrides the preset
+    latency_us: float | None = None  # overrides the preset
+    scope: str = "replica"
+
+    def __post_init__(self) -> None:
+        require(self.preset in LINK_PRESETS, "cluster.link.preset",
+                f"unknown link {self.preset!r}; known: {', '.join(LINK_PRESETS)}")
+        require(self.bandwidth_gbps is None or self.bandwidth_gbps > 0,
+                "cluster.link.bandwidth_gbps", f"must be > 0, got {self.bandwidth_gbps}")
+        require(self.latency_us is None or self.latency_us >= 0, "cluster.link.latency_us",
+                f"must be >= 0, got {self.latency_us}")
+        require(self.scope in SCOPES, "cluster.link.scope",
+                f"must be one of {list(SCOPES)}, got {self.scope!r}")
+
+    @classmethod
+    def from_value(cls, value: str | dict | None) -> LinkConfig:
+        """``link: infiniband`` or ``link: {preset: ..., bandwidth_gbps: ..., ...}``."""
+        if value is None:
+            return cls()
+        if isinstance(value, str):
+            return cls(preset=value)
+        if not isinstance(value, dict):
+            raise ConfigError("cluster.link", f"must be a preset name or a mapping, got {value!r}")
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ConfigError(f"cluster.link.{unknown[0]}",
+                              f"unknown option; known: {', '.join(sorted(known))}")
+        return cls(**value)
+
+    @property
+    def bandwidth_bytes_per_s(self) -> float:
+        gbps = self.bandwidth_gbps
+        if gbps is None:
+            gbps = LINK_PRESETS[self.preset][0]
+        return gbps * 1e9
+
+    @property
+    def latency_s(self) -> float:
+        us = self.latency_us if self.latency_us is not None else LINK_PRESETS[self.preset][1]
+        return us * 1e-6
+
+
+class Link:
+    """The ports of one deployment and the transfers over them (see the module docstring)."""
+
+    def __init__(self, env: simpy.Environment, config: LinkConfig, num_replicas: int) -> None:
+        self.env = env
+        self.config = config
+        self.bandwidth = config.bandwidth_bytes_per_s
+        self.latency = config.latency_s
+        n = 1 if config.scope == "cluster" else num_replicas
+        self.ports = [simpy.Resource(env, capacity=1) for _ in range(n)]
+        self.busy_time = [0.0] * n
+        self.bytes_sent = 0.0
+        self.num_transfers = 0
+
+    def _ports_for(self, src: int, dst: int) -> list[int]:
+        return [0] if self.config.scope == "cluster" else [src, dst]
+
+    def serialization_time(self, nbytes: float, lanes: int = 1) -> float:
+        """Seconds a transfer of ``nbytes`` holds its ports, spread over ``lanes`` parallel
+        rank-to-rank lanes (min of the two sides' TP degrees)."""
+        return nbytes / (self.bandwidth * lanes)
+
+    def transfer(self, src: int, dst: int, nbytes: float,
+                 lanes: int = 1) -> Generator[simpy.Event, None, None]:
+        """A simpy process: queue for the ports, send, arrive ``latency`` later."""
+        held = []
+        try:
+            for p in self._ports_for(src, dst):
+                req = self.ports[p].request()
+                held.append((p, req))
+                yield req
+            busy = self.serialization_time(nbytes, lanes)
+            yield self.env.timeout(busy)
+            for p, _ in held:
+                self.busy_time[p] += busy
+        finally:
+            for p, req in held:
+                self.ports[p].release(req)
+        self.bytes_sent += nbytes
+        self.num_transfers += 1
+        if self.latency:
+            yield self.env.timeout(self.latency)
+
+    def utilization(self, duration: float) -> list[float]:
+        """Busy fraction of each port over ``duration`` seconds."""
+        if duration <= 0:
+            return [0.0] * len(self.ports)
+        return [b / duration for b in self.busy_time]

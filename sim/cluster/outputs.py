@@ -1,0 +1,81 @@
+"""The cluster's additions to ``requests.csv`` and ``summary.json``.
+
+They appear only in cluster runs (more than one replica, pipeline stages, or
+disaggregation), so a plain single-replica run writes exactly the core columns and keys.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from sim.outputs import CsvSink
+
+if TYPE_CHECKING:
+    from sim.cluster.colocated import Colocated
+    from sim.cluster.config import ClusterConfig, DisaggregatedConfig
+    from sim.cluster.disaggregated import Disaggregated
+    from sim.cluster.pool import Pool
+
+# Appended after the core REQUEST_COLUMNS. Co-located: both ids are the serving replica.
+# kv_backpressure_wait: seconds from the first token until the decode replica could allocate
+# the blocks (the request waited on the prefill side); kv_transfer_time: seconds from that
+# allocation until the KV was in place (link queueing + serialization + latency).
+CLUSTER_REQUEST_COLUMNS = ("prefill_replica_id", "decode_replica_id", "kv_transfer_bytes",
+                           "kv_backpressure_wait", "kv_transfer_time")
+
+
+class ClusterRequestSink:
+    """Wraps the requests sink; appends ``extra(row)`` to every row a replica writes."""
+
+    def __init__(self, inner: CsvSink) -> None:
+        self.inner = inner
+        self.extra: Callable[[tuple], tuple] = lambda row: ("",) * len(CLUSTER_REQUEST_COLUMNS)
+
+    def write(self, row: tuple) -> None:
+        self.inner.write(row + self.extra(row))
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def cluster_summary(cfg: ClusterConfig | DisaggregatedConfig, pools: list[Pool],
+                    deployment: Colocated | Disaggregated, sim_end: float) -> dict[str, Any]:
+    per_replica = []
+    i = 0
+    for pool in pools:
+        for _ in range(pool.count):
+            r = deployment.replicas[i]
+            per_replica.append({
+                "replica_id": r.replica_id,
+                "role": pool.role,
+                "hardware": pool.hardware.name,
+                "tensor_parallel": pool.tensor_parallel,
+                "pipeline_parallel": pool.pipeline_parallel,
+                "kv_num_gpu_blocks": r.kv.num_gpu_blocks,
+                "routed": deployment.routed[i],
+                "num_steps": r.num_steps,
+                "busy_fraction": r.busy_time / sim_end if sim_end else 0.0,
+                "kv_peak_usage": r.kv.peak_used_blocks / r.kv.num_gpu_blocks,
+            })
+            i += 1
+    out: dict[str, Any] = {
+        "cluster": deployment.kind,
+        "num_replicas": len(deployment.replicas),
+        "num_gpus": sum(p.num_gpus for p in pools),
+        "router": cfg.router,
+        "pipeline_parallel": cfg.pipeline_parallel,
+    }
+    if deployment.kind == "disaggregated":
+        out.update({
+            "num_prefill_replicas": pools[0].count,
+            "num_decode_replicas": pools[1].count,
+            "decode_router": cfg.decode_router,
+            "link": cfg.link.preset,
+            "link_bandwidth_gbps": cfg.link.bandwidth_bytes_per_s / 1e9,
+            "link_latency_us": cfg.link.latency_s * 1e6,
+            "link_scope": cfg.link.scope,
+        })
+    out.update(deployment.summary(sim_end))
+    out["replicas"] = per_replica
+    return out

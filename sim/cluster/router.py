@@ -1,0 +1,112 @@
+"""Routers: pick the replica that serves a newly arrived request.
+
+A router sees only what a real front-end could know at that instant: each replica's count of
+outstanding (accepted, unfinished) requests, which the router itself tracks, and the KV usage
+the replica last reported (its block manager's usage after its most recent step). It never
+looks at queue contents, request lengths, or the future.
+
+Register a new one with ``@ROUTERS.register("name")``; the class gets the run's seeded
+``numpy.random.Generator``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import Protocol
+
+import numpy as np
+
+from sim.errors import ConfigError
+from sim.registry import Registry
+from sim.request import Request
+
+
+class RouteTarget(Protocol):
+    """The load signals a router may read from a replica."""
+
+    @property
+    def num_outstanding(self) -> int: ...
+
+    @property
+    def kv_usage(self) -> float: ...
+
+
+ROUTERS: Registry[type[Router]] = Registry("router")
+
+
+class Router(ABC):
+    def __init__(self, rng: np.random.Generator) -> None:
+        self.rng = rng
+
+    @abstractmethod
+    def choose(self, req: Request, targets: Sequence[RouteTarget]) -> int:
+        """Index into ``targets`` of the replica that gets ``req``."""
+
+
+@ROUTERS.register("round_robin")
+class RoundRobin(Router):
+    def __init__(self, rng: np.random.Generator) -> None:
+        super().__init__(rng)
+        self._next = 0
+
+    def choose(self, req: Request, targets: Sequence[RouteTarget]) -> int:
+        i = self._next % len(targets)
+        self._next = i + 1
+        return i
+
+
+@ROUTERS.register("random")
+class RandomRouter(Router):
+    def choose(self, req: Request, targets: Sequence[RouteTarget]) -> int:
+        return int(self.rng.integers(len(targets)))
+
+
+@ROUTERS.register("least_outstanding")
+class LeastOutstanding(Router):
+    """Fewest unfinished requests; ties go to the lowest index."""
+
+    def choose(self, req: Request, targets: Sequence[RouteTarget]) -> int:
+        return min(range(len(targets)), key=lambda i: targets[i].num_outstanding)
+
+
+@ROUTERS.register("least_kv")
+class LeastKV(Router):
+    """Lowest reported KV usage; ties (e.g. several idle replicas) go to fewer outstanding
+    requests, then the lowest index. Queued requests hold no KV yet, so this router cannot
+    see a backlog that has not been admitted: see docs/cluster.md."""
+
+    def choose(self, req: Request, targets: Sequence[RouteTarget]) -> int:
+        return min(range(len(targets)),
+                   key=lambda i: (targets[i].kv_usage, targets[i].num_outstanding))
+
+
+@ROUTERS.register("power_of_two")
+class PowerOfTwo(Router):
+    """Two distinct replicas drawn at random; the one with fewer outstanding requests wins
+    (the first drawn on a tie). Mitzenmacher's "power of two choices"."""
+
+    def choose(self, req: Request, targets: Sequence[RouteTarget]) -> int:
+        n = len(targets)
+        if n == 1:
+            return 0
+        a, b = (int(x) for x in self.rng.choice(n, size=2, replace=False))
+        return b if targets[b].num_outstanding < targets[a].num_outstanding else a
+
+
+# A stream id for the routers' generator that no workload stream uses (workloads spawn
+# children 0..3 of SeedSequence(seed)); each router gets its own child of this one.
+ROUTER_STREAM = 0x524F55
+
+
+def router_rng(seed: int, index: int = 0) -> np.random.Generator:
+    """The seeded generator of router ``index`` in a run with ``seed``."""
+    return np.random.default_rng(np.random.SeedSequence(seed, spawn_key=(ROUTER_STREAM, index)))
+
+
+def make_router(name: str, seed: int, index: int = 0, field: str = "cluster.router") -> Router:
+    try:
+        cls = ROUTERS.get(str(name))
+    except KeyError as e:
+        raise ConfigError(field, str(e.args[0])) from None
+    return cls(router_rng(seed, index))

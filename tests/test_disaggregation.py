@@ -1,0 +1,129 @@
+"""Prefill/decode disaggregation on tiny cases with fixed 1 s steps: exact timelines, the KV
+link, back-pressure, and conservation across the cluster."""
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sim.cluster.link import LinkConfig
+from sim.request import Request, RequestStatus
+from tests.cluster_harness import run_disaggregated
+
+# Harness defaults: 1 s steps, 1000 bytes of KV per token, a link of 16,000 B/s and 0.5 s
+# latency, so a 32-token prompt (two 16-token blocks) takes 2.0 s + 0.5 s to move.
+XFER = 2.5
+
+
+def test_single_request_ttft_is_prefill_time_and_first_decode_follows_the_transfer():
+    r = Request(0, 0.0, 32, 3)
+    run = run_disaggregated([r])
+    assert r.ttft == 1.0  # one prefill step, no queueing
+    assert list(r.token_times) == [1.0, 1.0 + XFER + 1.0, 1.0 + XFER + 2.0]
+    assert r.status is RequestStatus.FINISHED and r.replica_id == 1
+    row = run.rows[0]
+    assert (row["prefill_replica_id"], row["decode_replica_id"]) == (0, 1)
+    assert row["kv_transfer_bytes"] == 32_000
+    assert float(row["kv_backpressure_wait"]) == 0.0
+    assert float(row["kv_transfer_time"]) == pytest.approx(XFER)
+    # The prefill replica ran one step; the decode replica's first step continues at position
+    # 32 over the two transferred blocks plus a fresh one for token 33.
+    pre, dec = run.executors
+    assert [s.rows for s in pre.steps] == [[(0, 0, 32, True)]]
+    assert [(s.time, s.rows) for s in dec.steps] == [
+        (1.0 + XFER, [(0, 32, 1, True)]), (2.0 + XFER, [(0, 33, 1, True)])]
+    assert dec.steps[0].tables[0] == [0, 1, 2]
+    for rep in run.replicas:
+        assert rep.kv.num_used_blocks == 0
+
+
+def test_queueing_adds_to_ttft_and_transfers_queue_on_the_link():
+    a, b = Request(0, 0.0, 32, 2), Request(1, 0.0, 32, 2)
+    run = run_disaggregated([a, b], prefill_policy={"name": "fcfs", "max_num_seqs": 1})
+    assert a.ttft == 1.0 and b.ttft == 2.0  # b's prefill waited one step for a's
+    # a holds the ports from 1 to 3 and lands at 3.5; b asks at 2, sends 3..5, lands at 5.5.
+    assert a.token_times[1] == 1.0 + XFER + 1.0
+    assert b.token_times[1] == 5.5 + 1.0
+    rows = {r["request_id"]: r for r in run.rows}
+    assert float(rows[0]["kv_transfer_time"]) == pytest.approx(2.5)
+    assert float(rows[1]["kv_transfer_time"]) == pytest.approx(3.5)  # 1 s queued on the port
+    s = run.deployment.summary(run.env.now)
+    assert s["num_kv_transfers"] == 2 and s["kv_backpressure_count"] == 0
+    assert s["link_utilization_per_port"][0] == pytest.approx(4.0 / run.env.now)
+
+
+def test_decode_pool_full_makes_the_request_wait_on_the_prefill_side_holding_its_blocks():
+    # Decode replica: 3 blocks. a (32 + 17 tokens) fills it; b must wait until a finishes.
+    a, b = Request(0, 0.0, 32, 17), Request(1, 0.0, 32, 2)
+    link = LinkConfig(bandwidth_gbps=1e-3, latency_us=0.0)  # 32 ms per prompt
+    run = run_disaggregated([a, b], decode_blocks=3, link=link)
+    dep = run.deployment
+    assert dep.num_backpressured == 1
+    assert a.ttft == b.ttft == 1.0  # one prefill step for both
+    rows = {r["request_id"]: r for r in run.rows}
+    assert float(rows[0]["kv_backpressure_wait"]) == 0.0
+    # b could only reserve when a finished and freed the decode blocks.
+    assert float(rows[1]["kv_backpressure_wait"]) == pytest.approx(a.finish_time - 1.0)
+    assert b.token_times[1] == pytest.approx(a.finish_time + 0.032 + 1.0)
+    assert dep.summary(run.env.now)["kv_backpressure_count"] == 1
+
+
+def test_backpressure_keeps_prefill_blocks_until_the_transfer():
+    a, b = Request(0, 0.0, 32, 17), Request(1, 0.0, 32, 2)
+    run = run_disaggregated([a, b], decode_blocks=3,
+                            link=LinkConfig(bandwidth_gbps=1e-3, latency_us=0.0))
+    pre = run.replicas[0]
+    # While b waited, the prefill replica's KV still held b's two blocks: the peak is 4
+    # (a's and b's prompts) even though a's left after 32 ms.
+    assert pre.kv.peak_used_blocks == 4
+    assert pre.kv.num_used_blocks == 0
+
+
+def test_one_token_request_finishes_on_the_prefill_replica():
+    r = Request(0, 0.0, 20, 1)
+    run = run_disaggregated([r])
+    assert r.finish_time == 1.0 and r.replica_id == 0
+    assert run.rows[0]["decode_replica_id"] == ""
+    assert run.deployment.link.num_transfers == 0
+
+
+def test_decode_pool_that_cannot_hold_the_request_rejects_it_at_arrival():
+    r = Request(0, 0.0, 32, 40)  # 71 tokens -> 5 blocks > 3
+    run = run_disaggregated([r], decode_blocks=3)
+    assert r.status is RequestStatus.REJECTED and "decode replica" in r.reject_reason
+    assert run.metrics.rejected == 1 and len(run.rows) == 1
+
+
+def test_tensor_parallel_lanes_divide_the_transfer_time():
+    r = Request(0, 0.0, 32, 2)
+    run_disaggregated([r], lanes=2)
+    assert r.token_times[1] == 1.0 + (1.0 + 0.5) + 1.0
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.tuples(st.floats(0, 20), st.integers(1, 60), st.integers(1, 30)),
+                min_size=1, max_size=25),
+       st.integers(1, 3), st.integers(1, 3), st.sampled_from(["round_robin", "least_outstanding",
+                                                               "least_kv", "power_of_two"]))
+def test_conservation_every_request_finishes_exactly_once_on_one_decode_replica(
+        specs, num_prefill, num_decode, router):
+    reqs = [Request(i, t, p, o) for i, (t, p, o) in enumerate(specs)]
+    run = run_disaggregated(reqs, num_prefill=num_prefill, num_decode=num_decode,
+                            prefill_blocks=12, decode_blocks=8, block_size=8,
+                            link=LinkConfig(bandwidth_gbps=1e-5, latency_us=1e5),
+                            router=router, decode_router=router,
+                            prefill_policy={"name": "fcfs", "max_num_batched_tokens": 64})
+    ids = [r["request_id"] for r in run.rows]
+    assert sorted(ids) == list(range(len(reqs)))  # one row per request
+    decode_ids = set(range(num_prefill, num_prefill + num_decode))
+    for r in reqs:
+        if r.status is RequestStatus.REJECTED:
+            continue
+        assert r.status is RequestStatus.FINISHED and r.num_output_tokens == r.max_output_len
+        assert run.finished.count(r) == 1
+        if r.max_output_len > 1:
+            assert r.replica_id in decode_ids
+    assert run.metrics.completed + run.metrics.rejected == len(reqs)
+    assert run.deployment.num_unfinished == 0 and not run.deployment.records
+    for rep in run.replicas:
+        assert rep.kv.num_used_blocks == 0
+        rep.kv.check_integrity()
