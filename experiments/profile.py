@@ -43,17 +43,21 @@ class ProfileGrid:
     decode_contexts: tuple[int, ...] = (16, 128, 512, 1024)
     prefill_chunks: tuple[int, ...] = (8, 32, 128, 512)
     prefill_cached: tuple[int, ...] = (0, 128, 512)
+    prefill_batch_sizes: tuple[int, ...] = (1,)  # prefill rows per step (whole prompts batched)
     mixed_decode_batch_sizes: tuple[int, ...] = (4, 16)
     mixed_decode_contexts: tuple[int, ...] = (256,)
     mixed_prefill_chunks: tuple[int, ...] = (32, 256)
     mixed_prefill_cached: tuple[int, ...] = (0,)
     warmup: int = 2
     repeats: int = 5
+    order: str = "rounds"  # rounds: every shape once per round, shuffled; grouped: back to back
     out: str = "profile.csv"  # relative: inside the run's output folder
 
     def __post_init__(self) -> None:
         require(self.warmup >= 0, "profile.warmup", f"must be >= 0, got {self.warmup}")
         require(self.repeats >= 1, "profile.repeats", f"must be >= 1, got {self.repeats}")
+        require(self.order in ("rounds", "grouped"), "profile.order",
+                f"must be rounds or grouped, got {self.order!r}")
         for f in fields(self):
             v = getattr(self, f.name)
             if isinstance(v, tuple):
@@ -74,8 +78,9 @@ class ProfileGrid:
         """Every shape of the grid that fits ``max_model_len``, decode then prefill then mixed."""
         out = [ShapeSpec("decode", num_decode_seqs=b, decode_context=c)
                for b, c in itertools.product(self.decode_batch_sizes, self.decode_contexts)]
-        out += [ShapeSpec("prefill", num_prefill_seqs=1, prefill_chunk=n, prefill_cached=k)
-                for n, k in itertools.product(self.prefill_chunks, self.prefill_cached)]
+        out += [ShapeSpec("prefill", num_prefill_seqs=b, prefill_chunk=n, prefill_cached=k)
+                for b, n, k in itertools.product(self.prefill_batch_sizes, self.prefill_chunks,
+                                                 self.prefill_cached)]
         out += [ShapeSpec("mixed", num_prefill_seqs=1, prefill_chunk=n, prefill_cached=k,
                           num_decode_seqs=b, decode_context=c)
                 for b, c, n, k in itertools.product(
@@ -121,25 +126,51 @@ class Profiler:
                 self.kv.free(rid)
 
     def measure(self, shape: ShapeSpec, warmup: int, repeats: int) -> dict[str, Any]:
+        """``warmup`` unmeasured then ``repeats`` measured runs of one shape, back to back."""
         for _ in range(warmup):
             self.run_once(shape)
-        t = np.array([self.run_once(shape) for _ in range(repeats)])
-        return {**shape.as_row(), "warmup": warmup, "repeats": repeats,
-                "median_s": float(np.median(t)), "mean_s": float(t.mean()),
-                "std_s": float(t.std(ddof=1)) if len(t) > 1 else 0.0,
-                "p10_s": float(np.percentile(t, 10)), "p90_s": float(np.percentile(t, 90)),
-                "min_s": float(t.min())}
+        return timing_row(shape, warmup, [self.run_once(shape) for _ in range(repeats)])
+
+
+def timing_row(shape: ShapeSpec, warmup: int, times: Sequence[float]) -> dict[str, Any]:
+    """A profile row's shape and timing columns from one shape's measured seconds."""
+    t = np.asarray(times, dtype=float)
+    return {**shape.as_row(), "warmup": warmup, "repeats": len(t),
+            "median_s": float(np.median(t)), "mean_s": float(t.mean()),
+            "std_s": float(t.std(ddof=1)) if len(t) > 1 else 0.0,
+            "p10_s": float(np.percentile(t, 10)), "p90_s": float(np.percentile(t, 90)),
+            "min_s": float(t.min())}
 
 
 def profile_executor(executor: Executor, model: ModelSpec, grid: ProfileGrid, block_size: int,
                      meta: dict[str, Any], seed: int = 0) -> list[dict[str, Any]]:
-    """Measure every shape of ``grid``; rows in ``PROFILE_COLUMNS`` order."""
+    """Measure every shape of ``grid``; rows in ``PROFILE_COLUMNS`` order.
+
+    ``grid.order="rounds"`` (the default) warms every shape up, then measures in rounds, each
+    visiting every shape once in a fresh seeded order: a burst of load from other processes
+    then lands on one repeat of many shapes (which the median discards) instead of on every
+    repeat of the few shapes measured during it. ``"grouped"`` runs each shape's repeats back
+    to back.
+    """
     shapes = grid.shapes(model.max_model_len)
     require(bool(shapes), "profile", "no shape of the grid fits model.max_model_len")
     prof = Profiler(executor, model, block_size, blocks_needed(shapes, block_size), seed)
+    if grid.order == "grouped":
+        timings = [prof.measure(shape, grid.warmup, grid.repeats) for shape in shapes]
+    else:
+        for shape in shapes:
+            for _ in range(grid.warmup):
+                prof.run_once(shape)
+        times: list[list[float]] = [[] for _ in shapes]
+        rng = np.random.default_rng(seed)
+        for r in range(grid.repeats):
+            for i in rng.permutation(len(shapes)):
+                times[i].append(prof.run_once(shapes[i]))
+            log.info("round %d/%d", r + 1, grid.repeats)
+        timings = [timing_row(s, grid.warmup, t) for s, t in zip(shapes, times)]
     rows = []
-    for i, shape in enumerate(shapes):
-        row = {**prof.measure(shape, grid.warmup, grid.repeats), **meta}
+    for i, (shape, timing) in enumerate(zip(shapes, timings)):
+        row = {**timing, **meta}
         rows.append({c: row[c] for c in PROFILE_COLUMNS})
         log.info("%d/%d %s: %.3g s", i + 1, len(shapes), shape, row["median_s"])
     return rows
