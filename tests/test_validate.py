@@ -134,3 +134,22 @@ def test_whole_loop_on_the_real_cpu_executor(tmp_path):
     for sub in ("real", "sim"):
         assert (tmp_path / sub / "requests.csv").exists()
     assert (tmp_path / "profile.csv").exists() and (tmp_path / "hardware_profile.yaml").exists()
+
+
+def test_real_executor_measurement_options():
+    pytest.importorskip("torch")
+    import gc
+    import platform
+
+    from executors.real.config import RealExecutorConfig
+    from executors.real.host_memory import keep_freed_host_memory
+
+    with pytest.raises(ConfigError, match="executor.timer"):
+        RealExecutorConfig(timer="bogus")
+    if platform.system() == "Linux" and platform.libc_ver()[0] == "glibc":
+        assert keep_freed_host_memory() is True
+    # defer_gc leaves the collector as it found it, around every step.
+    sim = Simulation(_validate_cfg("workload.num_requests=5", "executor.timer=wall"))
+    assert gc.isenabled()
+    sim.run()
+    assert gc.isenabled()

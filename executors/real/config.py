@@ -126,6 +126,11 @@ class RealExecutorConfig:
     # cpu device: glibc keeps freed memory (no mmap, no trim), as CUDA's caching allocator
     # does, so large steps do not page-fault their temporaries back in (host_memory.py).
     keep_host_memory: bool = True
+    # Keep Python's garbage collector out of the timed step: a collection is triggered by
+    # whichever allocation crosses the threshold and scans the whole simulator's heap
+    # (requests, simpy events), host overhead that belongs to no step. Deferred, it runs
+    # right after the step, outside the timing (docs/calibration.md, "CPU validation").
+    defer_gc: bool = True
 
     def __post_init__(self) -> None:
         require(self.dtype == "auto" or self.dtype in DTYPES, "executor.dtype",

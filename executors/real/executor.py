@@ -4,6 +4,7 @@ step times drive the simulated clock."""
 from __future__ import annotations
 
 import dataclasses
+import gc
 import time
 from collections.abc import Sequence
 
@@ -149,11 +150,19 @@ class RealExecutor(Executor):
     # ---- steps ----------------------------------------------------------------------------
     def execute(self, plan: StepPlan) -> StepResult:
         cuda = self.device.type == "cuda"
-        t0 = self._clock()
-        sampled = self.runner.step(plan)  # ends with a host copy of the sampled ids
-        if cuda:
-            torch.cuda.synchronize(self.device)
-        return StepResult(self._clock() - t0, sampled)
+        defer = self.config.defer_gc and gc.isenabled()
+        if defer:
+            gc.disable()
+        try:
+            t0 = self._clock()
+            sampled = self.runner.step(plan)  # ends with a host copy of the sampled ids
+            if cuda:
+                torch.cuda.synchronize(self.device)
+            t = self._clock() - t0
+        finally:
+            if defer:
+                gc.enable()
+        return StepResult(t, sampled)
 
     def _warmup(self, num_gpu_blocks: int, block_size: int) -> None:
         """One prefill and one decode step on scratch slots, so that kernel compilation and
