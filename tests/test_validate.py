@@ -149,7 +149,9 @@ def test_real_executor_measurement_options():
     if platform.system() == "Linux" and platform.libc_ver()[0] == "glibc":
         assert keep_freed_host_memory() is True
     # defer_gc leaves the collector as it found it, around every step.
-    sim = Simulation(_validate_cfg("workload.num_requests=5", "executor.timer=wall"))
+    from experiments.validate import _sim_cfg
+
+    sim = Simulation(_sim_cfg(_validate_cfg("workload.num_requests=5", "executor.timer=wall")))
     assert gc.isenabled()
     sim.run()
     assert gc.isenabled()
