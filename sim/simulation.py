@@ -132,6 +132,13 @@ class Simulation:
             raise ConfigError("cluster.name", "disaggregation moves KV blocks between replicas, "
                               "which only executors without KV contents (cost_model) can do")
 
+    def replace_executor(self, executor: Executor) -> None:
+        """Swap the single replica's executor before ``run()`` (e.g. for a recording wrapper
+        or a stand-in). Cluster runs build one executor per replica: not supported there."""
+        if self.is_cluster:
+            raise ValueError("replace_executor works on single-replica runs only")
+        self.executor = self.pools[0].first_executor = executor
+
     @property
     def is_disaggregated(self) -> bool:
         return isinstance(self.cluster, DisaggregatedConfig)

@@ -311,11 +311,13 @@ def test_profile_fit_simulate_compare_loop(tmp_path):
     real = Simulation(compose_cfg(*base))
     # The stand-in's own step-time function, without the 1% noise: with noise, the median TTFT
     # of 80 requests moves by up to 20% from seed to seed (queueing amplifies it).
-    real.executor = NoisyExecutor(model, truth, noise=0.0)
+    real.replace_executor(NoisyExecutor(model, truth, noise=0.0))
     ref = real.run().summary
     sim = Simulation(compose_cfg(*base, f"executor.profile={path}")).run().summary
     for key in ("median_ttft_ms", "median_tpot_ms", "median_e2el_ms", "p90_e2el_ms"):
-        assert sim[key] == pytest.approx(ref[key], rel=0.10), key
+        # Loose on purpose (the issue: "a loose bound so it cannot rot"); tight figures come
+        # from the benchmark (docs/calibration.md).
+        assert sim[key] == pytest.approx(ref[key], rel=0.15), key
 
 
 @pytest.mark.slow

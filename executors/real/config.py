@@ -119,6 +119,18 @@ class RealExecutorConfig:
     kernels: str | None = None  # triton | torch; None: triton on cuda, torch on cpu
     device_memory_gib: float | None = None  # None: the GPU's memory; 1 GiB on cpu
     warmup: bool = True  # run (and compile) one prefill and one decode before the first step
+    # What a step's duration is: "wall" (perf_counter; after a CUDA sync on a GPU) or "cpu"
+    # (this process's CPU time; cpu device only): on a shared host, wall time also counts the
+    # time slices other processes take, CPU time does not (docs/calibration.md, CPU validation).
+    timer: str = "wall"
+    # cpu device: glibc keeps freed memory (no mmap, no trim), as CUDA's caching allocator
+    # does, so large steps do not page-fault their temporaries back in (host_memory.py).
+    keep_host_memory: bool = True
+    # Keep Python's garbage collector out of the timed step: a collection is triggered by
+    # whichever allocation crosses the threshold and scans the whole simulator's heap
+    # (requests, simpy events), host overhead that belongs to no step. Deferred, it runs
+    # right after the step, outside the timing (docs/calibration.md, "CPU validation").
+    defer_gc: bool = True
 
     def __post_init__(self) -> None:
         require(self.dtype == "auto" or self.dtype in DTYPES, "executor.dtype",
@@ -130,6 +142,8 @@ class RealExecutorConfig:
         require(0 < self.top_p <= 1, "executor.top_p", f"must be in (0, 1], got {self.top_p}")
         require(self.kernels in (None, "triton", "torch"), "executor.kernels",
                 f"must be triton or torch, got {self.kernels!r}")
+        require(self.timer in ("wall", "cpu"), "executor.timer",
+                f"must be wall or cpu, got {self.timer!r}")
         require(self.device_memory_gib is None or self.device_memory_gib > 0,
                 "executor.device_memory_gib", f"must be > 0, got {self.device_memory_gib}")
 

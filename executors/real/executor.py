@@ -4,6 +4,7 @@ step times drive the simulated clock."""
 from __future__ import annotations
 
 import dataclasses
+import gc
 import time
 from collections.abc import Sequence
 
@@ -11,6 +12,7 @@ import torch
 
 from executors.base import Executor
 from executors.real.config import DTYPE_NAMES, DTYPES, LlamaArgs, RealExecutorConfig
+from executors.real.host_memory import keep_freed_host_memory
 from executors.real.kernels import AttentionMetadata, get_kernels
 from executors.real.kernels._triton import HAS_TRITON, interpreting
 from executors.real.model import LlamaModel
@@ -71,6 +73,12 @@ class RealExecutor(Executor):
             self.dtype = DTYPES[config.dtype]
         if self.device.type == "cpu":
             torch.set_num_threads(config.num_threads)
+            if config.keep_host_memory:
+                keep_freed_host_memory()
+        elif config.timer == "cpu":
+            raise ConfigError("executor.timer", f"cpu time measures host work only; a "
+                              f"{self.device} step needs executor.timer=wall")
+        self._clock = time.process_time if config.timer == "cpu" else time.perf_counter
         self.args = LlamaArgs.from_spec(spec)
         self._memory = self._device_memory()
         self._check_fits()
@@ -142,11 +150,19 @@ class RealExecutor(Executor):
     # ---- steps ----------------------------------------------------------------------------
     def execute(self, plan: StepPlan) -> StepResult:
         cuda = self.device.type == "cuda"
-        t0 = time.perf_counter()
-        sampled = self.runner.step(plan)  # ends with a host copy of the sampled ids
-        if cuda:
-            torch.cuda.synchronize(self.device)
-        return StepResult(time.perf_counter() - t0, sampled)
+        defer = self.config.defer_gc and gc.isenabled()
+        if defer:
+            gc.disable()
+        try:
+            t0 = self._clock()
+            sampled = self.runner.step(plan)  # ends with a host copy of the sampled ids
+            if cuda:
+                torch.cuda.synchronize(self.device)
+            t = self._clock() - t0
+        finally:
+            if defer:
+                gc.enable()
+        return StepResult(t, sampled)
 
     def _warmup(self, num_gpu_blocks: int, block_size: int) -> None:
         """One prefill and one decode step on scratch slots, so that kernel compilation and
