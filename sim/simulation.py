@@ -218,12 +218,15 @@ class Simulation:
 
     def _validate(self, policy: policies.Policy, section: str) -> None:
         p = policy.config
-        longest = self.workload.max_prompt_len
+        # Prompts longer than the model's context are rejected at arrival (as vLLM does), so
+        # only the ones that fit it must fit a step.
+        longest = min(self.workload.max_prompt_len, self.model.max_model_len - 1)
         if not p.chunked_prefill and p.max_num_batched_tokens < longest:
             raise ConfigError(
                 f"{section}.max_num_batched_tokens",
                 f"{p.max_num_batched_tokens} is below the longest prompt the workload can send "
-                f"({longest} tokens) and policy.chunked_prefill is off: such prompts could "
+                f"within model.max_model_len ({longest} tokens) and policy.chunked_prefill "
+                f"is off: such prompts could "
                 f"never be scheduled. Raise it or turn chunked prefill on.")
         if p.max_num_batched_tokens < p.max_num_seqs and not p.chunked_prefill:
             raise ConfigError(

@@ -120,3 +120,15 @@ def test_unknown_model_lists_known_ones():
 def test_config_error_exits_cleanly_with_field_name(tmp_path):
     p = _main("workload.qps=0", f"hydra.run.dir={tmp_path}")
     assert p.returncode == 2 and "workload.qps" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_prompts_beyond_the_context_are_rejected_not_refused(tmp_path):
+    """A trace with prompts longer than max_model_len still runs: those requests are rejected
+    at arrival with a reason (vLLM's behaviour); the batch budget is checked against the rest."""
+    trace = tmp_path / "t.csv"
+    trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n0.0,10,5\n0.5,9000,5\n1.0,20,3\n")
+    res = Simulation(compose_cfg("workload=trace", f"workload.path={trace}",
+                                 "progress=false"), keep_requests=True).run()
+    s = res.summary
+    assert s["completed"] == 2 and s["rejected"] == 1 and s["reject_reasons"] == {"too_long": 1}
+    assert [r.request_id for r in res.requests if r.reject_reason] == [1]
