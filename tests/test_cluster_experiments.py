@@ -1,12 +1,15 @@
 """Smoke runs of the cluster experiments at tiny sizes, and the goodput bisection itself."""
 
+import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 import experiments.disaggregation as disagg
-from experiments.common import slo_attainment
+from experiments.common import merge, slo_attainment
 from experiments.disaggregation import Probe, goodput
+from sim.errors import ConfigError
 from sim.request import Request, RequestStatus
+from sim.simulation import Simulation
 from tests.helpers import CONF
 
 
@@ -53,16 +56,66 @@ def test_slo_attainment_counts_rejected_and_slow_requests_as_misses():
 def test_disaggregation_experiment_smoke(tmp_path):
     cfg = _compose("disaggregation", "experiment.duration_s=1", "experiment.min_requests=8",
                    "experiment.workers=1", "experiment.rel_tolerance=0.5",
-                   "experiment.rate_max=4")
+                   "experiment.rate_max=4", "experiment.seeds=[0,1]")
     exp = cfg["experiment"]
-    exp["deployments"] = {k: exp["deployments"][k] for k in ("colocated_4", "disagg_1p3d")}
+    names = ("colocated_fcfs", "colocated_chunked", "disagg_1p3d_chunked")
+    exp["deployments"] = {k: exp["deployments"][k] for k in names}
     rows = disagg.run_experiment(cfg, tmp_path)
-    assert [(r["workload"], r["deployment"]) for r in rows] == [
-        ("long_prompt", "colocated_4"), ("long_prompt", "disagg_1p3d"),
-        ("long_output", "colocated_4"), ("long_output", "disagg_1p3d")]
-    assert all(r["goodput_rps"] > 0 for r in rows)
+    assert [(r["workload"], r["deployment"], r["policy"]) for r in rows] == [
+        (w, d, p) for w in ("long_prompt", "long_output") for d, p in zip(
+            names, ("fcfs", "chunked_prefill", "chunked_prefill/fcfs"))]
+    assert all(r["goodput_rps"] > 0 and len(r["goodput_per_seed"].split(" / ")) == 2
+               for r in rows)
+    runs = (tmp_path / "runs.csv").read_text().splitlines()
+    assert len(runs) == 1 + 2 * 3 * 2  # header, workloads x deployments x seeds
     assert (tmp_path / "results.csv").exists()
     assert "goodput_rps" in (tmp_path / "results.md").read_text()
+
+
+def test_deployment_policies_reach_each_pool():
+    cfg = _compose("disaggregation")
+    run = disagg.deployment_config(cfg, "colocated_chunked")
+    assert run["policy"]["name"] == "chunked_prefill"
+    assert run["policy"]["max_num_batched_tokens"] == 512
+    assert run["cluster"] == {"name": "single", "num_replicas": 4, "router": "least_outstanding"}
+    run = disagg.deployment_config(cfg, "disagg_3p1d_chunked")
+    assert run["policy"]["name"] == "fcfs"
+    assert run["cluster"]["prefill"]["policy"]["name"] == "chunked_prefill"
+    assert run["cluster"]["decode"]["policy"] == {}
+    run.pop("experiment")
+    sim = Simulation(merge(run, {"progress": False}), None)
+    assert [p.first_policy.config.name for p in sim.pools] == ["chunked_prefill", "fcfs"]
+    assert sim.pools[0].first_policy.config.max_num_batched_tokens == 512
+    assert sim.pools[1].first_policy.config.max_num_batched_tokens == 8192
+
+
+def test_deployment_config_errors_name_the_field():
+    cfg = _compose("disaggregation")
+    deps = cfg["experiment"]["deployments"]
+    deps["bad_name"] = {"policy": "nope", "cluster": {"name": "single"}}
+    deps["bad_key"] = {"policy": "fcfs", "cluster": {"name": "single"}, "router": "x"}
+    deps["no_policy"] = {"cluster": {"name": "single"}}
+    deps["pool_policy_colocated"] = {"policy": "fcfs", "prefill_policy": "chunked",
+                                     "cluster": {"name": "single"}}
+    deps["old_style"] = {"name": "single", "num_replicas": 4}
+    expected = {"bad_name": "experiment.deployments.bad_name.policy",
+                "bad_key": "experiment.deployments.bad_key.router",
+                "no_policy": "experiment.deployments.no_policy.policy",
+                "pool_policy_colocated":
+                    "experiment.deployments.pool_policy_colocated.prefill_policy",
+                "old_style": "experiment.deployments.old_style"}
+    for name, field in expected.items():
+        with pytest.raises(ConfigError) as e:
+            disagg.deployment_config(cfg, name)
+        assert e.value.field == field, name
+
+
+def test_limited_by_reads_the_lowest_failing_probe():
+    probes = [Probe(8.0, 0.95, 0, 0, 0.99, 0.96), Probe(16.0, 0.2, 0, 0, 0.3, 0.2),
+              Probe(12.0, 0.85, 0, 0, 0.95, 0.86), Probe(10.0, 0.89, 0, 0, 0.92, 0.93)]
+    assert disagg.limited_by(probes, 8.0, 0.9) == "either"
+    assert disagg.limited_by(probes[:3], 8.0, 0.9) == "tpot"
+    assert disagg.limited_by(probes[:1], 8.0, 0.9) == ""
 
 
 def test_routing_experiment_smoke(tmp_path):
