@@ -134,6 +134,21 @@ class KVBlockManager:
             self.peak_used_blocks = used
         return new
 
+    def grow(self, request_ids: list[Hashable]) -> bool:
+        """Append one new block to the table of each listed request, in list order (a request
+        listed twice gets two): the blocks, in the order, that ``allocate_slots`` calls for
+        them one by one would hand out. False (nothing changes) if the pool is too small."""
+        n = len(request_ids)
+        if n > len(self._gpu.free_queue):
+            return False
+        tables = self.block_tables
+        for rid, b in zip(request_ids, self._gpu.take(n)):
+            tables[rid].append(b)
+        used = self.num_gpu_blocks - len(self._gpu.free_queue)
+        if used > self.peak_used_blocks:
+            self.peak_used_blocks = used
+        return True
+
     def fork(self, parent_id: Hashable, child_id: Hashable) -> list[int]:
         """Share all of the parent's blocks with a new request (ref counts +1), e.g. for
         parallel sampling. Copy-on-write of a shared partial tail block is the caller's job."""
