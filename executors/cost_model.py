@@ -157,6 +157,7 @@ class RooflineCostModel(Executor):
         self._lm_head: dict[int, float] = {}
         self._overhead: dict[tuple[int, bool], float] = {}
         self._decode_consts: dict[int, tuple] = {}
+        self._decode_curves: dict[int, tuple] = {}
 
     @property
     def coefficients(self) -> Coefficients:
@@ -173,6 +174,7 @@ class RooflineCostModel(Executor):
         self._lm_head.clear()
         self._overhead.clear()
         self._decode_consts.clear()
+        self._decode_curves.clear()
 
     # ---- Executor interface -------------------------------------------------------------
     def weight_bytes(self) -> float:
@@ -207,10 +209,50 @@ class RooflineCostModel(Executor):
         plan advances by one token (each context grows by one per step), evaluated with the
         same terms as ``execute`` (the decode context enters as an array)."""
         shape = step_shape(plan)
-        steps = np.arange(num_steps, dtype=np.int64)
-        return self.duration(replace(
-            shape, decode_ctx=shape.decode_ctx + shape.num_decode * steps,
-            decode_max_ctx=shape.decode_max_ctx + steps))
+        nd = shape.num_decode
+        if not (nd == shape.num_tokens == shape.num_rows == shape.num_sampled) or (
+                shape.swap_out_blocks or shape.swap_in_blocks):
+            steps = np.arange(num_steps, dtype=np.int64)
+            return self.duration(replace(
+                shape, decode_ctx=shape.decode_ctx + nd * steps,
+                decode_max_ctx=shape.decode_max_ctx + steps))
+        # A decode-only batch: everything but decode attention is the same every step, and
+        # decode attention is affine in the steps inside each roofline bound; evaluated with
+        # its constants folded (equal to the term-by-term sum to rounding, ~1e-16 relative).
+        curve = self._decode_curves.get(nd)
+        if curve is None:
+            fixed = self.duration(StepShape(num_tokens=nd, num_sampled=nd, num_rows=nd))
+            curve = self._decode_curves[nd] = (fixed + self._decode_curve(nd)[0],
+                                               self._decode_curve(nd)[1])
+        steps = np.arange(num_steps, dtype=np.float64)
+        ctx = shape.decode_ctx + nd * steps
+        mx = shape.decode_max_ctx + steps
+        out = curve[0]
+        p = self.coefficients.sharpness
+        for count, a_flop, a_byte, b_byte, a_max in curve[1]:
+            out = out + count * _knee2(a_flop * ctx, np.maximum(a_byte * ctx + b_byte,
+                                                                 a_max * mx), p)
+        return out
+
+    def _decode_curve(self, nd: int) -> tuple[float, list[tuple[float, ...]]]:
+        """Decode attention for ``nd`` rows as (constant seconds, [(wave count, s per context
+        token of FLOPs, s per context token of bytes, s of Q/O bytes, s per token of the
+        longest context)] for the full waves and the tail wave)."""
+        (c_flops, c_kv, c_q, L, c_cta, splits, full, rem, slots, ctas, sms, kernels,
+         wave_count) = self._decode_constants(nd)
+        c = self.coefficients
+        const = c.s_per_attn_kernel * kernels + c.s_per_attn_wave * wave_count
+        waves = []
+        cta = c.s_per_cta_byte * c_cta / splits
+        for count, share, per_sm in ((full, slots, self.decomposer.ctas_per_sm),
+                                     (1 if rem else 0, rem, -(-rem // sms) if rem else 0)):
+            if not count:
+                continue
+            f = share / ctas
+            waves.append((float(count), c.s_per_attn_flop * c_flops * f,
+                          c.s_per_kv_byte * L * c_kv * f, c.s_per_kv_byte * L * c_q * f,
+                          max(cta, c.s_per_sm_byte * per_sm * c_cta / splits)))
+        return const, waves
 
     # ---- the same total, term by term with memoized terms (the simulator's hot path) --------
     def duration(self, shape: StepShape) -> float | np.ndarray:
@@ -305,6 +347,16 @@ class RooflineCostModel(Executor):
         return (L * 4.0 * hq * d, 2 * kvw * kvb, 2 * hq * d * ab * nd, L, L * 2 * d * kvb,
                 splits, full, rem, slots, units * splits, sms, kernels,
                 float(L * (full + (rem > 0))))
+
+
+def _knee2(x: np.ndarray, y: np.ndarray, p: float) -> np.ndarray:
+    """``knee(x, y, sharpness=p)`` on arrays, in as few array operations as possible."""
+    if math.isinf(p):
+        return np.maximum(x, y)
+    if p == 2.0:
+        return np.hypot(x, y)
+    hi = np.maximum(np.maximum(x, y), 1e-300)
+    return hi * ((x / hi) ** p + (y / hi) ** p) ** (1.0 / p)
 
 
 @EXECUTORS.register("cost_model")

@@ -46,7 +46,8 @@ class DecodeRun:
     """See the module docstring. ``members`` is in arrival order (the running set's order)."""
 
     __slots__ = ("block_size", "steps", "_times", "_base", "members", "ids", "tables", "ctx0",
-                 "end", "nblk", "complete")
+                 "end", "bound", "next_bound", "ctx0_sum", "ctx0_max", "complete",
+                 "scheduled_at")
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
@@ -58,12 +59,18 @@ class DecodeRun:
         self.tables: list[list[int]] = []  # the KV manager's live block tables
         # Per member: num_computed_tokens - steps (context = ctx0 + steps), the run step after
         # which it has sampled its last token (max_output_len - (num_output_tokens - steps)),
-        # and the KV blocks it holds.
+        # and the first run step whose token no longer fits its KV blocks (blocks x
+        # block_size - ctx0: run step s computes token ctx0 + s + 1).
         self.ctx0 = np.empty(0, dtype=np.int64)
         self.end = np.empty(0, dtype=np.int64)
-        self.nblk = np.empty(0, dtype=np.int64)
+        self.bound = np.empty(0, dtype=np.int64)
+        self.next_bound = 0  # min(bound) (no allocation needed before that run step)
+        self.ctx0_sum = 0  # sum and max of ctx0
+        self.ctx0_max = 0
         # True when every decoding request of the running set is a member.
         self.complete = True
+        # The builder's step (its reset count) in which the whole run was scheduled.
+        self.scheduled_at = -1
 
     def __len__(self) -> int:
         return len(self.members)
@@ -93,7 +100,14 @@ class DecodeRun:
         self.tables.insert(i, table)
         self.ctx0 = _insert(self.ctx0, i, req._computed)
         self.end = _insert(self.end, i, req.max_output_len - req._outputs)
-        self.nblk = _insert(self.nblk, i, len(table))
+        b = len(table) * self.block_size - req._computed
+        self.bound = _insert(self.bound, i, b)
+        if len(self.members) == 1:
+            self.next_bound, self.ctx0_sum, self.ctx0_max = b, req._computed, req._computed
+        else:
+            self.next_bound = min(self.next_bound, b)
+            self.ctx0_sum += req._computed
+            self.ctx0_max = max(self.ctx0_max, req._computed)
 
     def _release(self, req: Request) -> None:
         req._sync_times()
@@ -113,11 +127,12 @@ class DecodeRun:
             i = indices[0]
             self.ctx0 = np.concatenate((self.ctx0[:i], self.ctx0[i + 1:]))
             self.end = np.concatenate((self.end[:i], self.end[i + 1:]))
-            self.nblk = np.concatenate((self.nblk[:i], self.nblk[i + 1:]))
+            self.bound = np.concatenate((self.bound[:i], self.bound[i + 1:]))
         else:
             keep = np.ones(len(self.ctx0), dtype=bool)
             keep[indices] = False
-            self.ctx0, self.end, self.nblk = self.ctx0[keep], self.end[keep], self.nblk[keep]
+            self.ctx0, self.end, self.bound = self.ctx0[keep], self.end[keep], self.bound[keep]
+        self._summarize()
         self._trim()
         return out
 
@@ -128,7 +143,8 @@ class DecodeRun:
         self.members.clear()
         self.ids.clear()
         self.tables.clear()
-        self.ctx0 = self.end = self.nblk = np.empty(0, dtype=np.int64)
+        self.ctx0 = self.end = self.bound = np.empty(0, dtype=np.int64)
+        self._summarize()
         self.complete = False
         self._trim()
 
@@ -148,14 +164,31 @@ class DecodeRun:
         n = len(self.members)
         self.ctx0 = np.fromiter((r._computed for r in self.members), np.int64, n)
         self.end = np.fromiter((r.max_output_len - r._outputs for r in self.members), np.int64, n)
-        self.nblk = np.fromiter((len(t) for t in self.tables), np.int64, n)
+        nblk = np.fromiter((len(t) for t in self.tables), np.int64, n)
+        self.bound = nblk * self.block_size - self.ctx0
+        self._summarize()
         self.complete = True
 
+    def _summarize(self) -> None:
+        if len(self.ctx0):
+            self.next_bound = int(self.bound.min())
+            self.ctx0_sum = int(self.ctx0.sum())
+            self.ctx0_max = int(self.ctx0.max())
+        else:
+            self.next_bound = self.ctx0_sum = self.ctx0_max = 0
+
     # ---- steps --------------------------------------------------------------------------
-    def blocks_for_next_step(self) -> np.ndarray:
-        """New KV blocks each member needs to compute its next token (0 or more)."""
-        ctx = self.ctx0 + (self.steps + 1)
-        return np.maximum(-(-ctx // self.block_size) - self.nblk, 0)
+    def members_needing_blocks(self) -> np.ndarray | None:
+        """Indices of the members whose next token needs a new KV block (one each), or None
+        when none does (checked in O(1))."""
+        if self.steps < self.next_bound:
+            return None
+        return np.flatnonzero(self.bound <= self.steps)
+
+    def add_blocks(self, counts: np.ndarray) -> None:
+        """Members got ``counts`` new blocks each."""
+        self.bound = self.bound + counts * self.block_size
+        self.next_bound = int(self.bound.min())
 
     def advance(self, end_times: array | list[float] | np.ndarray) -> np.ndarray:
         """Take ``len(end_times)`` run steps ending at those times (every member computes and
@@ -193,26 +226,28 @@ def _insert(a: np.ndarray, i: int, value: int) -> np.ndarray:
     return out
 
 
-def jump_block_steps(ctx: np.ndarray, nblk: np.ndarray, block_size: int,
+def jump_block_steps(first: np.ndarray, block_size: int,
                      k: int) -> tuple[np.ndarray, np.ndarray]:
-    """The new KV blocks of steps 2..k of a decode jump whose first step computes contexts
-    ``ctx`` + 1 with ``nblk`` blocks already held: (step, member) pairs in the order the
-    step-by-step loop allocates them (step by step, members in order), as two arrays of
-    1-based steps and member indices."""
-    first = nblk * block_size - ctx + 1  # the first step whose token needs a new block
+    """The new KV blocks of steps 2..k of a decode jump whose members first need a new block
+    in steps ``first`` (1-based): (step, member) pairs in the order the step-by-step loop
+    allocates them (step by step, members in order), as two arrays."""
+    if k <= block_size:  # each member needs at most one
+        member = np.flatnonzero(first <= k)
+        step = first[member]
+        order = np.argsort(step, kind="stable")
+        return step[order], member[order]
     count = np.where(first <= k, (k - first) // block_size + 1, 0)
     total = int(count.sum())
     if total == 0:
         empty = np.empty(0, dtype=np.int64)
         return empty, empty
-    member = np.repeat(np.arange(len(ctx), dtype=np.int64), count)
+    member = np.repeat(np.arange(len(first), dtype=np.int64), count)
     offset = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(count) - count, count)
     step = first[member] + block_size * offset
     order = np.lexsort((member, step))
     return step[order], member[order]
 
 
-def jump_new_blocks(ctx: np.ndarray, nblk: np.ndarray, block_size: int, k: int) -> int:
+def jump_new_blocks(first: np.ndarray, block_size: int, k: int) -> int:
     """Total new KV blocks steps 2..k of that jump need."""
-    first = nblk * block_size - ctx + 1
     return int(np.where(first <= k, (k - first) // block_size + 1, 0).sum())

@@ -38,18 +38,30 @@ class DecodeBlock:
     over a large decoding batch costs no per-row Python object. ``run`` and ``run_step`` name
     the decode run (sim/decode_run.py) this block schedules whole, at that run step."""
 
-    __slots__ = ("request_ids", "start_positions", "block_tables", "ctx_sum", "ctx_max",
+    __slots__ = ("request_ids", "_ctx0", "_offset", "block_tables", "ctx_sum", "ctx_max",
                  "run", "run_step")
 
-    def __init__(self, request_ids: list[int], start_positions: np.ndarray,
-                 block_tables: list[list[int]], run: object = None, run_step: int = 0) -> None:
+    def __init__(self, request_ids: list[int], ctx0: np.ndarray, offset: int,
+                 block_tables: list[list[int]], ctx_sum: int, ctx_max: int,
+                 run: object = None, run_step: int = 0) -> None:
         self.request_ids = request_ids
-        self.start_positions = start_positions
+        self._ctx0 = ctx0  # never mutated in place: the start positions are ctx0 + offset
+        self._offset = offset
         self.block_tables = block_tables
-        self.ctx_sum = int(start_positions.sum())
-        self.ctx_max = int(start_positions.max()) if len(start_positions) else 0
+        self.ctx_sum = ctx_sum  # sum and max of the start positions
+        self.ctx_max = ctx_max
         self.run = run
         self.run_step = run_step
+
+    @classmethod
+    def of_rows(cls, request_ids: list[int], start_positions: list[int],
+                block_tables: list[list[int]]) -> DecodeBlock:
+        return cls(request_ids, np.asarray(start_positions, dtype=np.int64), 0, block_tables,
+                   sum(start_positions), max(start_positions, default=0))
+
+    @property
+    def start_positions(self) -> np.ndarray:
+        return self._ctx0 + self._offset
 
     def __len__(self) -> int:
         return len(self.request_ids)

@@ -13,6 +13,8 @@ decode side the cluster calls ``accept_transferred(req)``. See ``sim/cluster/dis
 from __future__ import annotations
 
 from collections.abc import Callable
+from itertools import repeat
+from operator import truediv
 
 import numpy as np
 import simpy
@@ -230,8 +232,9 @@ class Replica:
         sampled = result.sampled_token_ids
         run = self.builder.run
         if run is not None and run.members and not plan._num_blocks and (
-                run.ids[0] in self.builder._granted):
-            run.dissolve()  # someone expanded the plan's block into rows: go row by row
+                run.scheduled_at == self.builder._step_index):
+            # Someone expanded the plan's block into rows: go row by row.
+            self.builder._dissolve_run()
         k = 0
         i = 0  # index into requests (parallel to the expanded rows)
         joining: list[Request] = []
@@ -289,12 +292,16 @@ class Replica:
                 ids = run.ids
                 if not kv.grow([ids[m] for m in members.tolist()]):
                     raise AssertionError("decode jump overran the KV pool")  # plan_run_jump checks
-                run.nblk = run.nblk + np.bincount(members, minlength=len(ids))
+                run.add_blocks(np.bincount(members, minlength=len(ids)))
             done = run.advance(ends)
             finished = run.remove_at(done.tolist()) if len(done) else []
         else:
             first = float(ends[0])
             times = ends.tobytes()
+            members = jump.block_members
+            if members is not None and len(members):  # step by step, rows in order
+                if not kv.grow([requests[m].request_id for m in members.tolist()]):
+                    raise AssertionError("decode jump overran the KV pool")  # plan_jump checks
             for req in requests:
                 req.num_computed_tokens += k
                 req.num_output_tokens += k
@@ -302,29 +309,26 @@ class Replica:
                     req.first_token_time = first
                 req.last_token_time = last
                 req.token_times.frombytes(times)
-                if kv.allocate_slots(req.request_id, req.num_computed_tokens) is None:
-                    raise AssertionError("decode jump overran the KV pool")  # plan_jump checks
             finished = [r for r in requests if r.num_output_tokens >= r.max_output_len]
         self.busy_time += float(jump.durations.sum())
-        # Steps 1..k-1 as the step-by-step loop would have recorded them.
-        n = len(requests)
-        waiting, running, swapped = queue_lengths
-        used = used0 + np.cumsum(jump.new_blocks)
-        nb = kv.num_gpu_blocks
-        starts = np.concatenate(([start], ends[:-1]))
-        write = self.steps_sink.write
-        if not self.steps_sink.enabled:
-            self.num_steps += k - 1
-            k = 1  # skip building rows nobody keeps
-        for i in range(k - 1):
-            self.num_steps += 1
-            u = int(used[i])
-            write((self.num_steps, self.replica_id, repr(float(starts[i])),
-                   repr(float(jump.durations[i])), n, 0, n, n, waiting, running, swapped, u,
-                   round(u / nb, 6), 0, 0, 0, 0))
+        # Steps 1..k-1 as the step-by-step loop would have recorded them (one C-level pass).
+        m = k - 1
+        if self.steps_sink.enabled:
+            n = len(requests)
+            waiting, running, swapped = queue_lengths
+            used = (used0 + np.cumsum(jump.new_blocks[:m])).tolist()
+            first_id = self.num_steps + 1
+            self.steps_sink.write_many(zip(
+                range(first_id, first_id + m), repeat(self.replica_id),
+                map(repr, [start] + ends[:m - 1].tolist()),
+                map(repr, jump.durations[:m].tolist()), repeat(n), repeat(0), repeat(n),
+                repeat(n), repeat(waiting), repeat(running), repeat(swapped), used,
+                map(round, map(truediv, used, repeat(kv.num_gpu_blocks)), repeat(6)),
+                repeat(0), repeat(0), repeat(0), repeat(0)))
+        self.num_steps += m
         for req in finished:
             self._finish(req, last)
-        self._record_step(float(starts[-1]), float(jump.durations[-1]), plan)
+        self._record_step(float(ends[-2]), float(jump.durations[-1]), plan)
         self.num_jumps += 1
 
     def _finish(self, req: Request, now: float) -> None:

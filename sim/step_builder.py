@@ -102,6 +102,7 @@ class StepBuilder:
         # The decoding requests as one block (sim/decode_run.py); None: per-row only.
         self.run: DecodeRun | None = None
         self._run_view: ReadOnly[Request] | None = None
+        self._step_index = 0
         self.reset(0.0)
 
     def enable_decode_run(self) -> None:
@@ -115,6 +116,7 @@ class StepBuilder:
         of a micro-batch still in the pipeline (pipeline parallelism); they count as already
         scheduled, so the shared loops skip them and never pick them as victims."""
         self.now = now
+        self._step_index += 1
         self._plan = StepPlan()
         self.scheduled_requests: list[Request] = []  # parallel to plan.scheduled
         self._granted: dict[int, int] = {}  # request id -> tokens granted this step
@@ -125,10 +127,14 @@ class StepBuilder:
     def is_scheduled(self, req: Request) -> bool:
         """True if ``req`` is in this step, or in a micro-batch still in the pipeline."""
         rid = req.request_id
+        if req._run is not None and req._run.scheduled_at == self._step_index:
+            return True
         return rid in self._granted or rid in self._in_flight
 
     def granted(self, req: Request) -> int:
         """Tokens granted to ``req`` in this step so far (0 if not scheduled)."""
+        if req._run is not None and req._run.scheduled_at == self._step_index:
+            return 1
         return self._granted.get(req.request_id, 0)
 
     @property
@@ -273,7 +279,7 @@ class StepBuilder:
             if r._run is None and r.num_pending_tokens > granted.get(r.request_id, 0):
                 n += 1
         run = self.run
-        if run is not None and run.members and run.ids[0] not in granted:
+        if run is not None and run.members and run.scheduled_at != self._step_index:
             n += len(run)
         return n
 
@@ -298,31 +304,35 @@ class StepBuilder:
             return False
         if n == 0:
             return True
-        if n > max_tokens or run.ids[0] in self._granted:
+        if n > max_tokens or run.scheduled_at == self._step_index:
             return False
-        need = run.blocks_for_next_step()
-        total = int(need.sum())
-        if total:
-            if total > self.kv.num_free_blocks:
+        need = run.members_needing_blocks()
+        if need is not None:
+            if len(need) > self.kv.num_free_blocks:
                 return False
-            idx = np.repeat(np.arange(n), need) if total > np.count_nonzero(need) else (
-                np.flatnonzero(need))
             ids = run.ids
-            self.kv.grow([ids[i] for i in idx.tolist()])
-            run.nblk = run.nblk + need
-        self._plan.add_block(DecodeBlock(list(run.ids), run.ctx0 + run.steps, list(run.tables),
-                                         run, run.steps))
+            self.kv.grow([ids[i] for i in need.tolist()])
+            counts = np.zeros(n, dtype=np.int64)
+            counts[need] = 1
+            run.add_blocks(counts)
+        s = run.steps
+        self._plan.add_block(DecodeBlock(list(run.ids), run.ctx0, s, list(run.tables),
+                                         run.ctx0_sum + n * s, run.ctx0_max + s, run, s))
         self.scheduled_requests.extend(run.members)
-        self._granted.update(dict.fromkeys(run.ids, 1))
+        run.scheduled_at = self._step_index  # its members count as granted one token each
         self.num_scheduled_tokens += n
         return True
 
     def _dissolve_run(self) -> None:
         """A single-row operation touches a member: turn the run back into plain requests
         (and any block of it in this plan back into rows)."""
-        if any(isinstance(p, DecodeBlock) for p in self._plan.parts):
+        run = self.run
+        assert run is not None
+        if run.scheduled_at == self._step_index:  # its block is in this plan
             self._plan.scheduled  # expands the blocks into rows  # noqa: B018
-        self.run.dissolve()  # type: ignore[union-attr]
+            self._granted.update(dict.fromkeys(run.ids, 1))
+            run.scheduled_at = -1
+        run.dissolve()
 
     # ---- handoff between replicas (disaggregation), called between steps ------------------
     def release_for_handoff(self, req: Request) -> None:
