@@ -153,7 +153,7 @@ class RooflineCostModel(Executor):
         self._pcie_lat = hardware.pcie_latency_us * 1e-6
         # Memoized terms of ``duration`` (see there).
         self._per_tokens: dict[int, tuple[float, float, float, float]] = {}
-        self._prefill: dict[tuple[int, int, int, int], float] = {}
+        self._prefill_consts: tuple | None = None
         self._lm_head: dict[int, float] = {}
         self._overhead: dict[tuple[int, bool], float] = {}
         self._decode_consts: dict[int, tuple] = {}
@@ -170,7 +170,7 @@ class RooflineCostModel(Executor):
 
     def _clear_terms(self) -> None:
         self._per_tokens.clear()
-        self._prefill.clear()
+        self._prefill_consts = None
         self._lm_head.clear()
         self._overhead.clear()
         self._decode_consts.clear()
@@ -256,30 +256,18 @@ class RooflineCostModel(Executor):
 
     # ---- the same total, term by term with memoized terms (the simulator's hot path) --------
     def duration(self, shape: StepShape) -> float | np.ndarray:
-        """``breakdown_shape(shape).total``, bit for bit, in a fraction of the time: every term
-        but decode attention depends on a few small integers (tokens, sampled rows, rows, the
-        prefill pairs...) and is computed once per value by ``breakdown_shape`` itself;
-        decode attention repeats its arithmetic with the per-batch-size constants hoisted
-        (``decode_ctx`` and ``decode_max_ctx`` may be arrays: decode jumps)."""
+        """``breakdown_shape(shape).total``, bit for bit, in a fraction of the time: the terms
+        that depend on one small integer (tokens, sampled rows, rows) are computed once per
+        value by ``breakdown_shape`` itself; prefill and decode attention repeat its
+        arithmetic with the constants hoisted (``decode_ctx`` and ``decode_max_ctx`` may be
+        arrays). tests/test_decode_run.py checks the equality."""
         n = shape.num_tokens
         per_n = self._per_tokens.get(n)
         if per_n is None:
             b = self.breakdown_shape(StepShape(num_tokens=n))
             per_n = self._per_tokens[n] = (b.linear, b.elementwise, b.communication, b.pipeline)
         linear, elementwise, communication, pipeline = per_n
-        if shape.num_prefill:
-            key = (shape.prefill_prefix_pairs, shape.prefill_diag_pairs,
-                   shape.prefill_kv_tokens, shape.prefill_q_tokens)
-            prefill = self._prefill.get(key)
-            if prefill is None:
-                if len(self._prefill) > 1 << 16:
-                    self._prefill.clear()
-                prefill = self._prefill[key] = self.breakdown_shape(StepShape(
-                    num_tokens=shape.prefill_q_tokens, prefill_prefix_pairs=key[0],
-                    prefill_diag_pairs=key[1], prefill_kv_tokens=key[2],
-                    prefill_q_tokens=key[3], num_prefill=1)).attention_prefill
-        else:
-            prefill = 0.0
+        prefill = self._prefill_attention(shape) if shape.num_prefill else 0.0
         decode = (self._decode_attention(shape.num_decode, shape.decode_ctx,
                                          shape.decode_max_ctx) if shape.num_decode else 0.0)
         lm_head = self._lm_head.get(shape.num_sampled)
@@ -299,6 +287,25 @@ class RooflineCostModel(Executor):
         # StepBreakdown.total's order, so the sum is the same float.
         return (linear + prefill + decode + elementwise + lm_head + communication + pipeline
                 + overhead + swap)
+
+    def _prefill_attention(self, s: StepShape) -> float:
+        """``breakdown_shape(s).attention_prefill`` (StepDecomposer.drivers and
+        Coefficients.breakdown, the same operations in the same order)."""
+        k = self._prefill_consts
+        if k is None:
+            dec = self.decomposer
+            m, L = dec.model, dec.layers
+            k = self._prefill_consts = (L * 4.0 * dec._heads * m.head_dim, L,
+                                        2 * dec._kv_width * dec._kvb,
+                                        2 * dec._heads * m.head_dim * dec._ab, float(L))
+        c_flops, L, c_kv, c_q, kernels = k
+        c = self.coefficients
+        flops = c_flops * s.prefill_prefix_pairs
+        diag = c_flops * s.prefill_diag_pairs
+        nbytes = L * (c_kv * s.prefill_kv_tokens + c_q * s.prefill_q_tokens)
+        return knee(c.s_per_attn_flop * flops + c.s_per_diag_flop * diag,
+                    c.s_per_kv_byte * nbytes, sharpness=c.sharpness) + (
+                        c.s_per_attn_kernel * kernels)
 
     def _decode_attention(self, nd: int, ctx, max_ctx):
         """``breakdown_shape(...).attention_decode`` for ``nd`` decode rows of total context

@@ -31,8 +31,10 @@ def is_steady_decode(plan: StepPlan) -> bool:
     the shape that repeats unchanged while nothing external happens."""
     if plan.swap_in or plan.swap_out or plan.recomputed or plan.swapped_out:
         return False
-    if plan.decode_block is not None:
-        return True
+    if plan._num_blocks:
+        # The whole decode run alone; a block next to other rows is stepped singly (it is
+        # never expanded here: that would dissolve the run).
+        return plan.decode_block is not None
     return all(s.num_new_tokens == 1 and s.sample and s.start_position > 0
                for s in plan.scheduled)
 
