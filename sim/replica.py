@@ -21,11 +21,11 @@ import simpy
 
 from executors.base import Executor
 from policies.base import Policy
+from sim.decode_run import is_decoding
+from sim.fast_forward import Jump, is_steady_decode, plan_jump, plan_run_jump
 from sim.kv_manager import KVBlockManager, blocks_for
 from sim.metrics import MetricsCollector
 from sim.outputs import CsvSink, request_row
-from sim.decode_run import is_decoding
-from sim.fast_forward import Jump, is_steady_decode, plan_jump, plan_run_jump
 from sim.plan import DecodeBlock, StepPlan, StepResult
 from sim.request import Request, RequestStatus
 from sim.step_builder import ReplicaQueues, StepBuilder

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from executors.cost_model import RooflineCostModel
-from executors.step_terms import Coefficients, StepShape, step_shape
+from executors.step_terms import Coefficients, step_shape
 from policies.budget import Budget, schedule_running
 from sim.kv_manager import KVBlockManager
 from sim.plan import DecodeBlock, ScheduledRequest, StepPlan
@@ -56,8 +56,8 @@ def _state(builder: StepBuilder, plan: StepPlan, preempted: list[Request]) -> tu
 
 
 @settings(max_examples=60, deadline=None)
-@given(contexts=st.lists(st.integers(1, 70), min_size=1, max_size=12), bs=st.sampled_from([1, 4, 16]),
-       spare=st.integers(0, 6))
+@given(contexts=st.lists(st.integers(1, 70), min_size=1, max_size=12),
+       bs=st.sampled_from([1, 4, 16]), spare=st.integers(0, 6))
 def test_bulk_decode_scheduling_equals_row_by_row(contexts, bs, spare):
     outputs = [min(c, 1 + c % 3) for c in contexts]
     held = sum(-(-c // bs) for c in contexts)
