@@ -39,6 +39,8 @@ from executors.step_terms import (
     StepBreakdown,
     StepDecomposer,
     StepShape,
+    _max,
+    knee,
     step_shape,
 )
 from sim.errors import ConfigError, require
@@ -144,11 +146,35 @@ class RooflineCostModel(Executor):
             s_per_attn_kernel=c.attention_kernel_us * 1e-6,
             sharpness=math.inf if c.roofline_sharpness is None else c.roofline_sharpness,
         )
-        self.coefficients = coefficients or self.roofline
+        self._coefficients = coefficients or self.roofline
         # Element-wise bytes stay priced by bandwidth unless a profile fitted s_per_token.
         self._ew_s_per_byte = None if coefficients is not None else 1.0 / bw
         self._pcie_bw = hardware.pcie_bandwidth_gbps * 1e9
         self._pcie_lat = hardware.pcie_latency_us * 1e-6
+        # Memoized terms of ``duration`` (see there).
+        self._per_tokens: dict[int, tuple[float, float, float, float]] = {}
+        self._prefill_consts: tuple | None = None
+        self._lm_head: dict[int, float] = {}
+        self._overhead: dict[tuple[int, bool], float] = {}
+        self._decode_consts: dict[int, tuple] = {}
+        self._decode_curves: dict[int, tuple] = {}
+
+    @property
+    def coefficients(self) -> Coefficients:
+        return self._coefficients
+
+    @coefficients.setter
+    def coefficients(self, value: Coefficients) -> None:
+        self._coefficients = value
+        self._clear_terms()
+
+    def _clear_terms(self) -> None:
+        self._per_tokens.clear()
+        self._prefill_consts = None
+        self._lm_head.clear()
+        self._overhead.clear()
+        self._decode_consts.clear()
+        self._decode_curves.clear()
 
     # ---- Executor interface -------------------------------------------------------------
     def weight_bytes(self) -> float:
@@ -158,7 +184,7 @@ class RooflineCostModel(Executor):
         return activation_reserve_bytes(self.model, max_num_batched_tokens, max_num_seqs, self.tp)
 
     def execute(self, plan: StepPlan) -> StepResult:
-        return StepResult(self.breakdown(plan).total)
+        return StepResult(self.duration(step_shape(plan)))
 
     # ---- the model ----------------------------------------------------------------------
     def breakdown(self, plan: StepPlan) -> StepBreakdown:
@@ -183,10 +209,161 @@ class RooflineCostModel(Executor):
         plan advances by one token (each context grows by one per step), evaluated with the
         same terms as ``execute`` (the decode context enters as an array)."""
         shape = step_shape(plan)
-        steps = np.arange(num_steps, dtype=np.int64)
-        return self.breakdown_shape(replace(
-            shape, decode_ctx=shape.decode_ctx + shape.num_decode * steps,
-            decode_max_ctx=shape.decode_max_ctx + steps)).total
+        nd = shape.num_decode
+        if not (nd == shape.num_tokens == shape.num_rows == shape.num_sampled) or (
+                shape.swap_out_blocks or shape.swap_in_blocks):
+            steps = np.arange(num_steps, dtype=np.int64)
+            return self.duration(replace(
+                shape, decode_ctx=shape.decode_ctx + nd * steps,
+                decode_max_ctx=shape.decode_max_ctx + steps))
+        # A decode-only batch: everything but decode attention is the same every step, and
+        # decode attention is affine in the steps inside each roofline bound; evaluated with
+        # its constants folded (equal to the term-by-term sum to rounding, ~1e-16 relative).
+        curve = self._decode_curves.get(nd)
+        if curve is None:
+            fixed = self.duration(StepShape(num_tokens=nd, num_sampled=nd, num_rows=nd))
+            curve = self._decode_curves[nd] = (fixed + self._decode_curve(nd)[0],
+                                               self._decode_curve(nd)[1])
+        steps = np.arange(num_steps, dtype=np.float64)
+        ctx = shape.decode_ctx + nd * steps
+        mx = shape.decode_max_ctx + steps
+        out = curve[0]
+        p = self.coefficients.sharpness
+        for count, a_flop, a_byte, b_byte, a_max in curve[1]:
+            out = out + count * _knee2(a_flop * ctx, np.maximum(a_byte * ctx + b_byte,
+                                                                 a_max * mx), p)
+        return out
+
+    def _decode_curve(self, nd: int) -> tuple[float, list[tuple[float, ...]]]:
+        """Decode attention for ``nd`` rows as (constant seconds, [(wave count, s per context
+        token of FLOPs, s per context token of bytes, s of Q/O bytes, s per token of the
+        longest context)] for the full waves and the tail wave)."""
+        (c_flops, c_kv, c_q, L, c_cta, splits, full, rem, slots, ctas, sms, kernels,
+         wave_count) = self._decode_constants(nd)
+        c = self.coefficients
+        const = c.s_per_attn_kernel * kernels + c.s_per_attn_wave * wave_count
+        waves = []
+        cta = c.s_per_cta_byte * c_cta / splits
+        for count, share, per_sm in ((full, slots, self.decomposer.ctas_per_sm),
+                                     (1 if rem else 0, rem, -(-rem // sms) if rem else 0)):
+            if not count:
+                continue
+            f = share / ctas
+            waves.append((float(count), c.s_per_attn_flop * c_flops * f,
+                          c.s_per_kv_byte * L * c_kv * f, c.s_per_kv_byte * L * c_q * f,
+                          max(cta, c.s_per_sm_byte * per_sm * c_cta / splits)))
+        return const, waves
+
+    # ---- the same total, term by term with memoized terms (the simulator's hot path) --------
+    def duration(self, shape: StepShape) -> float | np.ndarray:
+        """``breakdown_shape(shape).total``, bit for bit, in a fraction of the time: the terms
+        that depend on one small integer (tokens, sampled rows, rows) are computed once per
+        value by ``breakdown_shape`` itself; prefill and decode attention repeat its
+        arithmetic with the constants hoisted (``decode_ctx`` and ``decode_max_ctx`` may be
+        arrays). tests/test_decode_run.py checks the equality."""
+        n = shape.num_tokens
+        per_n = self._per_tokens.get(n)
+        if per_n is None:
+            b = self.breakdown_shape(StepShape(num_tokens=n))
+            per_n = self._per_tokens[n] = (b.linear, b.elementwise, b.communication, b.pipeline)
+        linear, elementwise, communication, pipeline = per_n
+        prefill = self._prefill_attention(shape) if shape.num_prefill else 0.0
+        decode = (self._decode_attention(shape.num_decode, shape.decode_ctx,
+                                         shape.decode_max_ctx) if shape.num_decode else 0.0)
+        lm_head = self._lm_head.get(shape.num_sampled)
+        if lm_head is None:
+            lm_head = self._lm_head[shape.num_sampled] = self.breakdown_shape(
+                StepShape(num_sampled=shape.num_sampled)).lm_head
+        swaps = shape.swap_out_blocks or shape.swap_in_blocks
+        key2 = (shape.num_rows, bool(swaps))
+        overhead = self._overhead.get(key2)
+        if overhead is None:
+            overhead = self._overhead[key2] = self.breakdown_shape(
+                StepShape(num_rows=shape.num_rows, swap_out_blocks=int(bool(swaps)))).overhead
+        swap = 0.0
+        if swaps:
+            swap = self.breakdown_shape(StepShape(swap_out_blocks=shape.swap_out_blocks,
+                                                  swap_in_blocks=shape.swap_in_blocks)).swap
+        # StepBreakdown.total's order, so the sum is the same float.
+        return (linear + prefill + decode + elementwise + lm_head + communication + pipeline
+                + overhead + swap)
+
+    def _prefill_attention(self, s: StepShape) -> float:
+        """``breakdown_shape(s).attention_prefill`` (StepDecomposer.drivers and
+        Coefficients.breakdown, the same operations in the same order)."""
+        k = self._prefill_consts
+        if k is None:
+            dec = self.decomposer
+            m, L = dec.model, dec.layers
+            k = self._prefill_consts = (L * 4.0 * dec._heads * m.head_dim, L,
+                                        2 * dec._kv_width * dec._kvb,
+                                        2 * dec._heads * m.head_dim * dec._ab, float(L))
+        c_flops, L, c_kv, c_q, kernels = k
+        c = self.coefficients
+        flops = c_flops * s.prefill_prefix_pairs
+        diag = c_flops * s.prefill_diag_pairs
+        nbytes = L * (c_kv * s.prefill_kv_tokens + c_q * s.prefill_q_tokens)
+        return knee(c.s_per_attn_flop * flops + c.s_per_diag_flop * diag,
+                    c.s_per_kv_byte * nbytes, sharpness=c.sharpness) + (
+                        c.s_per_attn_kernel * kernels)
+
+    def _decode_attention(self, nd: int, ctx, max_ctx):
+        """``breakdown_shape(...).attention_decode`` for ``nd`` decode rows of total context
+        ``ctx`` and longest context ``max_ctx`` (StepDecomposer.drivers and
+        Coefficients.breakdown, the same operations in the same order)."""
+        k = self._decode_consts.get(nd)
+        if k is None:
+            k = self._decode_consts[nd] = self._decode_constants(nd)
+        (c_flops, c_kv, c_q, L, c_cta, splits, full, rem, slots, ctas, sms, kernels,
+         wave_count) = k
+        c = self.coefficients
+        p = c.sharpness
+        total_flops = c_flops * ctx
+        total_bytes = L * (c_kv * ctx + c_q)
+        cta_bytes = c_cta * max_ctx / splits
+        decode = c.s_per_attn_kernel * kernels
+        cta = c.s_per_cta_byte * cta_bytes
+        if full:
+            decode = decode + float(full) * knee(
+                c.s_per_attn_flop * (total_flops * slots / ctas),
+                _max(c.s_per_kv_byte * (total_bytes * slots / ctas), cta,
+                     c.s_per_sm_byte * (self.decomposer.ctas_per_sm * cta_bytes)), sharpness=p)
+        if rem:
+            decode = decode + knee(
+                c.s_per_attn_flop * (total_flops * rem / ctas),
+                _max(c.s_per_kv_byte * (total_bytes * rem / ctas), cta,
+                     c.s_per_sm_byte * (-(-rem // sms) * cta_bytes)), sharpness=p)
+        return decode + c.s_per_attn_wave * wave_count
+
+    def _decode_constants(self, nd: int) -> tuple:
+        dec = self.decomposer
+        m, L = dec.model, dec.layers
+        d, hq, kvw, kvb, ab = m.head_dim, dec._heads, dec._kv_width, dec._kvb, dec._ab
+        units = nd * dec._kv_heads
+        if dec.num_sms is None:
+            splits, slots, sms = 1, units, units
+            full, rem = 0, units
+        else:
+            sms = dec.num_sms
+            slots = sms * dec.ctas_per_sm
+            splits = max(1, slots // units) if units < sms else 1
+            full, rem = divmod(units * splits, slots)
+        kernels = float(L)
+        if splits > 1:
+            kernels += L
+        return (L * 4.0 * hq * d, 2 * kvw * kvb, 2 * hq * d * ab * nd, L, L * 2 * d * kvb,
+                splits, full, rem, slots, units * splits, sms, kernels,
+                float(L * (full + (rem > 0))))
+
+
+def _knee2(x: np.ndarray, y: np.ndarray, p: float) -> np.ndarray:
+    """``knee(x, y, sharpness=p)`` on arrays, in as few array operations as possible."""
+    if math.isinf(p):
+        return np.maximum(x, y)
+    if p == 2.0:
+        return np.hypot(x, y)
+    hi = np.maximum(np.maximum(x, y), 1e-300)
+    return hi * ((x / hi) ** p + (y / hi) ** p) ** (1.0 / p)
 
 
 @EXECUTORS.register("cost_model")

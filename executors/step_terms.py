@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, fields
 
 import numpy as np
 
-from sim.plan import StepPlan
+from sim.plan import DecodeBlock, StepPlan
 from sim.specs import ModelSpec
 
 
@@ -60,8 +60,20 @@ def step_shape(plan: StepPlan) -> StepShape:
     because masked tiles run at their own rate (docs/calibration.md).
     """
     n_tokens = n_sampled = prefix = diag = pf_kv = pf_q = n_pf = dec_ctx = dec_max = n_dec = 0
+    n_rows = 0
     tile = ATTENTION_TILE
-    for s in plan.scheduled:
+    for s in plan.parts:
+        if isinstance(s, DecodeBlock):  # decode rows as columns (sim/decode_run.py)
+            n = len(s)
+            n_rows += n
+            n_tokens += n
+            n_sampled += n
+            dec_ctx += s.ctx_sum + n
+            if s.ctx_max + 1 > dec_max:
+                dec_max = s.ctx_max + 1
+            n_dec += n
+            continue
+        n_rows += 1
         n = s.num_new_tokens
         n_tokens += n
         n_sampled += s.sample
@@ -78,7 +90,7 @@ def step_shape(plan: StepPlan) -> StepShape:
             pf_kv += s.start_position + n
             pf_q += n
             n_pf += 1
-    return StepShape(n_tokens, n_sampled, len(plan.scheduled), prefix, diag, pf_kv, pf_q, n_pf,
+    return StepShape(n_tokens, n_sampled, n_rows, prefix, diag, pf_kv, pf_q, n_pf,
                      dec_ctx, dec_max, n_dec, len(plan.swap_out), len(plan.swap_in))
 
 

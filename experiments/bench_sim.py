@@ -5,7 +5,7 @@ block size 16, vLLM-style scheduling with at most 128 running requests and 4,096
 tokens, Poisson arrivals at 6 req/s, total length uniform in [256, 2048] split prefill:decode
 = 3:1, seed 42, in 37 s / 1.2 GB for 10,000 requests and 292 s / 2.4 GB for 100,000 requests
 on this kind of machine. Each case here runs in its own process so its peak memory (max RSS,
-interpreter and imports included) is its own.
+interpreter and imports included) is its own. Results: docs/performance.md.
 
     python -m experiments.bench_sim                                  # 10k and 100k, fcfs + chunked
     python -m experiments.bench_sim --sizes 10000 100000 1000000     # the full table
@@ -35,11 +35,14 @@ POLICY_OVERRIDES = {
 
 
 def case_overrides(policy: str, n: int, step_mode: str, out_dir: Path) -> list[str]:
-    big = n > 200_000  # no per-token or per-step history for million-request runs
+    # Exact ITL percentiles keep 8 bytes per token (230 MB at 100k requests, and a copy to
+    # sort): from 100k on the ITL distribution is a streaming histogram (0.1% relative).
+    # Million-request runs keep no per-step history either.
+    streaming, big = n >= 100_000, n > 200_000
     return ["model=llama3_8b", "hardware=a100_80gb", "cluster.tensor_parallel=1",
             "kv.block_size=16", "workload=vidur_bench", f"workload.num_requests={n}",
             "workload.qps=6", "seed=42", f"step_mode={step_mode}", "progress=false",
-            f"itl_quantiles={'streaming' if big else 'exact'}",
+            f"itl_quantiles={'streaming' if streaming else 'exact'}",
             f"record_steps={'false' if big else 'true'}", *POLICY_OVERRIDES[policy]]
 
 
@@ -64,7 +67,8 @@ def run_case(policy: str, n: int, step_mode: str, out_dir: Path) -> dict:
             "steps": s["num_steps"], "jumps": s.get("num_decode_jumps", 0), "peak_mb": peak_mb,
             "completed": s["completed"], "median_ttft_ms": s["median_ttft_ms"],
             "median_tpot_ms": s["median_tpot_ms"], "median_e2e_ms": s["median_e2el_ms"],
-            "record_steps": container["record_steps"]}
+            "record_steps": container["record_steps"],
+            "streaming": container["itl_quantiles"] == "streaming"}
 
 
 def main() -> None:
@@ -112,7 +116,8 @@ def main() -> None:
         print(f"{r['policy']:<16}{n:>10,}{wall:>9.2f}{n / wall:>9,.0f}{r['steps']:>11,}"
               f"{r['steps'] / wall:>10,.0f}{r['peak_mb']:>9.0f}{ratio:>10}  "
               f"{r['median_ttft_ms']:.0f} / {r['median_tpot_ms']:.1f} / {r['median_e2e_ms']:.0f}"
-              + ("" if r["record_steps"] else "   (no steps.csv, streaming ITL)"))
+              + ("" if r["record_steps"] else "   (no steps.csv)")
+              + ("   (streaming ITL)" if r.get("streaming") else ""))
     print("\nvs Vidur: Vidur's wall time / ours (10k: 37 s, 100k: 292 s; * = at Vidur's 100k "
           "rate of 342 req/s). Vidur's own medians for orientation: TTFT ~100 ms, TPOT ~34 ms, "
           "E2E ~9.8 s (its attention model is its own).")

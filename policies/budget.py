@@ -72,7 +72,11 @@ def schedule_running(step: StepBuilder, budget: Budget,
     Iterates over a snapshot, since preemption removes requests from ``step.running``.
     """
     preempted: list[Request] = []
-    for req in list(step.running if order is None else order):
+    order = step.running if order is None else order
+    # The common case in one go: the whole decode run, one token each (sim/decode_run.py).
+    if step.schedule_decode_run(order, budget.remaining_tokens):
+        return preempted
+    for req in list(order):
         if req.status.name != "RUNNING" or step.is_scheduled(req):
             continue  # preempted earlier in this loop, or already granted
         n = min(req.num_pending_tokens, budget.remaining_tokens)

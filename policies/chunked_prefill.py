@@ -59,8 +59,7 @@ class ChunkedPrefillPolicy(Policy):
     def schedule(self, step: StepBuilder) -> StepPlan:
         cfg = self.config
         budget = Budget(step, cfg.max_num_batched_tokens, cfg.max_num_seqs)
-        decodes = [r for r in step.running if r.num_pending_tokens == 1]
-        prefills = [r for r in step.running if r.num_pending_tokens > 1]
+        decodes, prefills = step.split_running()
         preempted = schedule_running(step, budget, order=decodes)
         if preempted:
             return step.build()
@@ -73,7 +72,7 @@ class ChunkedPrefillPolicy(Policy):
         if step.swapped:
             resume_swapped(step, budget, chunked=True)
         if not step.swapped and step.waiting:
-            open_partials = sum(1 for r in step.running if r.num_pending_tokens > step.granted(r))
+            open_partials = step.num_pending_after_step()
             admit(step, budget, step.waiting, chunked=True, max_partial=max(0, k - open_partials),
                   max_chunk=max(1, share))
         return step.build()

@@ -16,11 +16,13 @@ The jump ends at the first of:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
 
-from sim.plan import StepPlan
+from sim.decode_run import DecodeRun, jump_block_steps, jump_new_blocks
+from sim.plan import DecodeBlock, StepPlan
 from sim.request import Request
 
 
@@ -29,6 +31,10 @@ def is_steady_decode(plan: StepPlan) -> bool:
     the shape that repeats unchanged while nothing external happens."""
     if plan.swap_in or plan.swap_out or plan.recomputed or plan.swapped_out:
         return False
+    if plan._num_blocks:
+        # The whole decode run alone; a block next to other rows is stepped singly (it is
+        # never expanded here: that would dissolve the run).
+        return plan.decode_block is not None
     return all(s.num_new_tokens == 1 and s.sample and s.start_position > 0
                for s in plan.scheduled)
 
@@ -39,6 +45,76 @@ class Jump:
     durations: np.ndarray  # [num_steps]
     ends: np.ndarray  # [num_steps] absolute end time of each step
     new_blocks: np.ndarray  # [num_steps] KV blocks newly allocated in each step
+    # The rows (indices into the plan's rows or the run's members) that get the new KV blocks
+    # of steps 2..k, in the order the step-by-step loop allocates them (step by step, rows in
+    # order), so a jump hands out exactly the block ids single steps would.
+    block_members: np.ndarray | None = None
+
+
+def _jump_length(durations_fn, plan: StepPlan, k_max: int, start: float,
+                 horizon: float) -> tuple[int, np.ndarray, np.ndarray] | None:
+    # Most jumps end at the next arrival, a few steps away: price a few steps first, then (if
+    # the horizon is further) as many as can start before it. Step durations never shrink as
+    # contexts grow, so at most (horizon - start) / first duration + 1 steps start before it.
+    k_eval = min(k_max, 8)
+    durations = durations_fn(plan, k_eval)
+    if durations is None:
+        return None
+    # Same sequential float additions as env.now += duration, step after step.
+    ends = np.cumsum(np.concatenate(([start], durations)))[1:]
+    if k_eval < k_max and ends[-1] < horizon:
+        d1 = float(durations[0])
+        k_eval = k_max if d1 <= 0 or math.isinf(horizon) else (
+            min(k_max, int((horizon - start) / d1) + 2))
+        if k_eval > len(durations):
+            durations = durations_fn(plan, k_eval)
+            ends = np.cumsum(np.concatenate(([start], durations)))[1:]
+    # Step k (k >= 1) starts at ends[k-1]; it belongs to the jump only if that is strictly
+    # before the horizon (at or after it, an arrival may be seen first).
+    k = int(min(k_eval, 1 + np.searchsorted(ends[:-1], horizon, side="left")))
+    if k < 2:
+        return None
+    return k, durations[:k], ends[:k]
+
+
+def plan_run_jump(plan: StepPlan, block: DecodeBlock, run: DecodeRun, durations_fn,
+                  start: float, horizon: float, free_blocks: int,
+                  max_steps: int = 1 << 16) -> Jump | None:
+    """``plan_jump`` for a plan that is one decode block scheduling the whole decode run:
+    the same jump, from the run's arrays (no per-row work)."""
+    k_max = min(run.steps_left(), max_steps)
+    if k_max < 2:
+        return None
+    # Run step s computes each member's token ctx0 + s + 1; this plan is run step
+    # block.run_step, so jump step j (1-based) first needs a new block when
+    # block.run_step + j - 1 >= bound.
+    first = run.bound - (block.run_step - 1)
+    return _sized_jump(plan, first, run.block_size, durations_fn, k_max, start, horizon,
+                       free_blocks)
+
+
+def _sized_jump(plan: StepPlan, first: np.ndarray, bs: int, durations_fn, k_max: int,
+                start: float, horizon: float, free_blocks: int) -> Jump | None:
+    """The jump for rows that first need a new KV block in steps ``first`` (1-based)."""
+    if len(first) * (k_max // bs + 1) > free_blocks and (
+            jump_new_blocks(first, bs, k_max) > free_blocks):
+        lo, hi = 1, k_max  # step 1's blocks are the plan's
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if jump_new_blocks(first, bs, mid) <= free_blocks:
+                lo = mid
+            else:
+                hi = mid
+        k_max = lo
+        if k_max < 2:
+            return None
+    sized = _jump_length(durations_fn, plan, k_max, start, horizon)
+    if sized is None:
+        return None
+    k, durations, ends = sized
+    steps, members = jump_block_steps(first, bs, k)
+    new_blocks = np.bincount(steps - 1, minlength=k)[:k]
+    return Jump(k, durations, ends, new_blocks, members)
 
 
 def plan_jump(plan: StepPlan, requests: list[Request], durations_fn, start: float,
@@ -54,36 +130,10 @@ def plan_jump(plan: StepPlan, requests: list[Request], durations_fn, start: floa
     have = np.fromiter((len(s.block_table) for s in plan.scheduled), dtype=np.int64,
                        count=len(plan.scheduled))
 
-    # KV: after k steps a member holds blocks for ctx + k tokens (the first step's blocks are
-    # already allocated by the policy: the plan holds them). Cumulative new blocks beyond the
-    # plan grow with k; take the largest k whose total fits the free pool.
-    def extra_blocks(k: int) -> int:
-        return int(np.sum(-(-(ctx + k) // block_size) - have))
+    # KV: jump step j computes each row's token ctx + j; a row first needs a new block in
+    # step have x block_size - ctx + 1 (step 1's blocks are the plan's), then every
+    # block_size steps. Take the largest k whose new blocks fit the free pool.
+    first = have * block_size - ctx + 1
+    return _sized_jump(plan, first, block_size, durations_fn, k_max, start, horizon,
+                       free_blocks)
 
-    if extra_blocks(k_max) > free_blocks:
-        lo, hi = 1, k_max  # extra_blocks(1) == 0 <= free_blocks
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            if extra_blocks(mid) <= free_blocks:
-                lo = mid
-            else:
-                hi = mid
-        k_max = lo
-        if k_max < 2:
-            return None
-
-    durations = durations_fn(plan, k_max)
-    if durations is None:
-        return None
-    # Same sequential float additions as env.now += duration, step after step.
-    ends = np.cumsum(np.concatenate(([start], durations)))[1:]
-    # Step k (k >= 1) starts at ends[k-1]; it belongs to the jump only if that is strictly
-    # before the horizon (at or after it, an arrival may be seen first).
-    k = int(min(k_max, 1 + np.searchsorted(ends[:-1], horizon, side="left")))
-    if k < 2:
-        return None
-    steps = np.arange(1, k + 1, dtype=np.int64)
-    held = -(-(ctx[None, :] + steps[:, None]) // block_size)  # [k, rows]
-    total_new = np.maximum(held - have[None, :], 0).sum(axis=1)  # beyond the plan's blocks
-    new_blocks = np.diff(np.concatenate(([0], total_new)))
-    return Jump(k, durations[:k], ends[:k], new_blocks)

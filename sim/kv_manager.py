@@ -7,7 +7,7 @@ finished request are reused last.
 
 ::
 
-    GPU pool  [0 .. num_gpu_blocks)   free queue: deque of ids, ref_count[id] == 0
+    GPU pool  [0 .. num_gpu_blocks)   free queue: FIFO of ids, ref_count[id] == 0
     CPU pool  [0 .. num_cpu_blocks)   swap space, same discipline
     block_tables[request_id] -> [gpu block ids], logical order
     cpu_tables[request_id]   -> [cpu block ids] while swapped
@@ -15,7 +15,6 @@ finished request are reused last.
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Hashable
 
 
@@ -29,30 +28,52 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
 
 
 class _Pool:
-    """A pool of blocks with reference counts and a FIFO free queue."""
+    """A pool of blocks with reference counts and a FIFO free queue. The queue is a list read
+    from ``head`` (taking n blocks is one slice), compacted now and then."""
 
-    __slots__ = ("num_blocks", "ref_count", "free_queue")
+    __slots__ = ("num_blocks", "ref_count", "free_queue", "head")
 
     def __init__(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
         self.ref_count = [0] * num_blocks
-        self.free_queue: deque[int] = deque(range(num_blocks))
+        self.free_queue: list[int] = list(range(num_blocks))
+        self.head = 0
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free_queue) - self.head
+
+    def free_blocks(self) -> list[int]:
+        """The free queue, front first."""
+        return self.free_queue[self.head:]
 
     def take(self, n: int) -> list[int]:
-        queue, refs = self.free_queue, self.ref_count
-        out = [queue.popleft() for _ in range(n)]
+        h = self.head
+        out = self.free_queue[h:h + n]
+        h += n
+        if h > 1024 and 2 * h > len(self.free_queue):
+            del self.free_queue[:h]
+            h = 0
+        self.head = h
+        refs = self.ref_count
         for b in out:
             refs[b] = 1
         return out
 
     def release(self, blocks: list[int], owner: Hashable) -> None:
         refs = self.ref_count
-        for b in reversed(blocks):  # tail first: the prefix stays cached longest
-            if refs[b] <= 0:
+        shared = False
+        for b in reversed(blocks):
+            r = refs[b]
+            if r <= 0:
                 raise KVIntegrityError(f"double free of block {b} by request {owner}")
-            refs[b] -= 1
-            if refs[b] == 0:
-                self.free_queue.append(b)
+            refs[b] = r - 1
+            shared = shared or r > 1
+        # Tail first: the prefix stays cached longest. A block still shared stays out.
+        if shared:
+            self.free_queue.extend(b for b in reversed(blocks) if refs[b] == 0)
+        else:
+            self.free_queue.extend(reversed(blocks))
 
 
 class KVBlockManager:
@@ -81,11 +102,11 @@ class KVBlockManager:
     # ---- usage --------------------------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:
-        return len(self._gpu.free_queue)
+        return self._gpu.num_free
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_gpu_blocks - len(self._gpu.free_queue)
+        return self.num_gpu_blocks - self._gpu.num_free
 
     @property
     def usage(self) -> float:
@@ -94,7 +115,7 @@ class KVBlockManager:
 
     @property
     def num_free_cpu_blocks(self) -> int:
-        return len(self._cpu.free_queue)
+        return self._cpu.num_free
 
     def blocks_needed(self, request_id: Hashable, num_tokens: int) -> int:
         """New GPU blocks required so that ``request_id`` holds slots for ``num_tokens`` tokens."""
@@ -102,7 +123,7 @@ class KVBlockManager:
         return max(0, blocks_for(num_tokens, self.block_size) - have)
 
     def can_allocate(self, num_blocks: int, watermark_blocks: int = 0) -> bool:
-        return len(self._gpu.free_queue) - num_blocks >= watermark_blocks
+        return self._gpu.num_free - num_blocks >= watermark_blocks
 
     def block_table(self, request_id: Hashable) -> list[int]:
         """The request's GPU block table (the live list: do not mutate)."""
@@ -122,17 +143,32 @@ class KVBlockManager:
         need = -(-num_tokens // self.block_size) - have
         if need <= 0:
             return []
-        if need > len(self._gpu.free_queue):
+        if need > self._gpu.num_free:
             return None
         new = self._gpu.take(need)
         if table is None:
             self.block_tables[request_id] = new
         else:
             table.extend(new)
-        used = self.num_gpu_blocks - len(self._gpu.free_queue)
+        used = self.num_gpu_blocks - self._gpu.num_free
         if used > self.peak_used_blocks:
             self.peak_used_blocks = used
         return new
+
+    def grow(self, request_ids: list[Hashable]) -> bool:
+        """Append one new block to the table of each listed request, in list order (a request
+        listed twice gets two): the blocks, in the order, that ``allocate_slots`` calls for
+        them one by one would hand out. False (nothing changes) if the pool is too small."""
+        n = len(request_ids)
+        if n > self._gpu.num_free:
+            return False
+        tables = self.block_tables
+        for rid, b in zip(request_ids, self._gpu.take(n)):
+            tables[rid].append(b)
+        used = self.num_gpu_blocks - self._gpu.num_free
+        if used > self.peak_used_blocks:
+            self.peak_used_blocks = used
+        return True
 
     def fork(self, parent_id: Hashable, child_id: Hashable) -> list[int]:
         """Share all of the parent's blocks with a new request (ref counts +1), e.g. for
@@ -161,7 +197,7 @@ class KVBlockManager:
 
     # ---- swapping -----------------------------------------------------------------------
     def can_swap_out(self, request_id: Hashable) -> bool:
-        return len(self.block_tables.get(request_id, ())) <= len(self._cpu.free_queue)
+        return len(self.block_tables.get(request_id, ())) <= self._cpu.num_free
 
     def swap_out(self, request_id: Hashable) -> list[tuple[int, int]] | None:
         """Move the request's blocks to the CPU pool. Returns (gpu_id, cpu_id) copies to make,
@@ -171,7 +207,7 @@ class KVBlockManager:
         table = self.block_tables.get(request_id)
         if table is None:
             raise KVIntegrityError(f"swap_out of request {request_id}, which holds no blocks")
-        if len(table) > len(self._cpu.free_queue):
+        if len(table) > self._cpu.num_free:
             return None
         cpu = self._cpu.take(len(table))
         pairs = list(zip(table, cpu))
@@ -189,13 +225,13 @@ class KVBlockManager:
         cpu = self.cpu_tables.get(request_id)
         if cpu is None:
             raise KVIntegrityError(f"swap_in of request {request_id}, which is not swapped out")
-        if len(cpu) > len(self._gpu.free_queue):
+        if len(cpu) > self._gpu.num_free:
             return None
         gpu = self._gpu.take(len(cpu))
         del self.cpu_tables[request_id]
         self._cpu.release(cpu, request_id)
         self.block_tables[request_id] = gpu
-        used = self.num_gpu_blocks - len(self._gpu.free_queue)
+        used = self.num_gpu_blocks - self._gpu.num_free
         if used > self.peak_used_blocks:
             self.peak_used_blocks = used
         return list(zip(cpu, gpu))
@@ -216,7 +252,7 @@ class KVBlockManager:
                     if not 0 <= b < pool.num_blocks:
                         raise KVIntegrityError(f"{name}: request {rid} holds bad block id {b}")
                     refs[b] += 1
-            free = list(pool.free_queue)
+            free = pool.free_blocks()
             if len(set(free)) != len(free):
                 raise KVIntegrityError(f"{name}: a block is in the free queue twice")
             free_set = set(free)

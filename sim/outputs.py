@@ -4,6 +4,7 @@ long run holds no per-request or per-step history in memory."""
 from __future__ import annotations
 
 import csv
+from collections.abc import Iterable
 from pathlib import Path
 from typing import IO
 
@@ -39,14 +40,20 @@ class CsvSink:
         if path is None:
             self.rows = []
             self._write = self.rows.append
+            self._write_many = self.rows.extend
         else:
             self._file = path.open("w", newline="")
             w = csv.writer(self._file)
             w.writerow(columns)
             self._write = w.writerow
+            self._write_many = w.writerows
 
     def write(self, row: tuple) -> None:
         self._write(row)
+
+    def write_many(self, rows: Iterable[tuple]) -> None:
+        """Write many rows in one call (decode jumps write their steps this way)."""
+        self._write_many(rows)
 
     def close(self) -> None:
         if self._file is not None:
@@ -67,15 +74,20 @@ class NullSink(CsvSink):
     def write(self, row: tuple) -> None:
         pass
 
+    def write_many(self, rows: Iterable[tuple]) -> None:
+        pass
+
 
 def request_row(req: Request) -> tuple:
-    queue = (None if req.first_scheduled_time is None
-             else req.first_scheduled_time - req.arrival_time)
+    arrival, scheduled = req.arrival_time, req.first_scheduled_time
+    first, finish = req.first_token_time, req.finish_time
     tokens = "" if req.output_token_ids is None else " ".join(map(str, req.output_token_ids))
     return (
         req.request_id, req.replica_id, req.status.name.lower(), req.reject_reason or "",
-        req.priority, _fmt(req.arrival_time), req.prompt_len, req.max_output_len,
-        req.num_output_tokens, _fmt(req.first_scheduled_time), _fmt(req.first_token_time),
-        _fmt(req.finish_time), _fmt(queue), _fmt(req.ttft), _fmt(req.tpot),
-        _fmt(req.e2e_latency), req.num_preemptions, req.num_swaps, req.num_recomputes, tokens,
+        req.priority, repr(arrival), req.prompt_len, req.max_output_len,
+        req.num_output_tokens, _fmt(scheduled), _fmt(first), _fmt(finish),
+        "" if scheduled is None else repr(scheduled - arrival),
+        "" if first is None else repr(first - arrival), _fmt(req.tpot),
+        "" if finish is None else repr(finish - arrival), req.num_preemptions, req.num_swaps,
+        req.num_recomputes, tokens,
     )

@@ -13,17 +13,20 @@ decode side the cluster calls ``accept_transferred(req)``. See ``sim/cluster/dis
 from __future__ import annotations
 
 from collections.abc import Callable
+from itertools import repeat
+from operator import truediv
 
 import numpy as np
 import simpy
 
 from executors.base import Executor
 from policies.base import Policy
+from sim.decode_run import is_decoding
+from sim.fast_forward import Jump, is_steady_decode, plan_jump, plan_run_jump
 from sim.kv_manager import KVBlockManager, blocks_for
 from sim.metrics import MetricsCollector
 from sim.outputs import CsvSink, request_row
-from sim.plan import StepPlan, StepResult
-from sim.fast_forward import Jump, is_steady_decode, plan_jump
+from sim.plan import DecodeBlock, StepPlan, StepResult
 from sim.request import Request, RequestStatus
 from sim.step_builder import ReplicaQueues, StepBuilder
 
@@ -87,6 +90,9 @@ class Replica:
         cfg = policy.config
         self.queues = ReplicaQueues()
         self.builder = StepBuilder(self.queues, kv, cfg.preemption_mode, cfg.kv_watermark)
+        if self.fast_forward:
+            # Decoding requests as one persistent block (sim/decode_run.py).
+            self.builder.enable_decode_run()
         self.num_steps = 0
         self.num_unfinished = 0
         self.busy_time = 0.0
@@ -196,8 +202,13 @@ class Replica:
             requests = self.builder.scheduled_requests
             start = env.now
             if self.fast_forward and not self.check_integrity and is_steady_decode(plan):
-                jump = plan_jump(plan, requests, self.executor.decode_durations, start,
-                                 self.horizon(), self.kv.num_free_blocks, self.kv.block_size)
+                block = plan.decode_block
+                if block is not None:
+                    jump = plan_run_jump(plan, block, block.run, self.executor.decode_durations,
+                                         start, self.horizon(), self.kv.num_free_blocks)
+                else:
+                    jump = plan_jump(plan, requests, self.executor.decode_durations, start,
+                                     self.horizon(), self.kv.num_free_blocks, self.kv.block_size)
                 if jump is not None:
                     # Queue lengths as the intermediate steps saw them (arrivals during the
                     # final step are processed before this process resumes).
@@ -219,10 +230,25 @@ class Replica:
     def _apply(self, plan: StepPlan, requests: list[Request], result: StepResult) -> None:
         now = self.env.now
         sampled = result.sampled_token_ids
+        run = self.builder.run
+        if run is not None and run.members and not plan._num_blocks and (
+                run.scheduled_at == self.builder._step_index):
+            # Someone expanded the plan's block into rows: go row by row.
+            self.builder._dissolve_run()
         k = 0
-        for row, req in zip(plan.scheduled, requests):
-            req.num_computed_tokens += row.num_new_tokens
-            if not row.sample:
+        i = 0  # index into requests (parallel to the expanded rows)
+        joining: list[Request] = []
+        for part in plan.parts:
+            if isinstance(part, DecodeBlock):
+                self._apply_block(part, now)
+                i += len(part)
+                continue
+            req = requests[i]
+            i += 1
+            req.num_computed_tokens += part.num_new_tokens
+            if not part.sample:
+                if run is not None and run.complete and is_decoding(req):
+                    joining.append(req)
                 continue
             token = None
             if sampled is not None:
@@ -233,46 +259,76 @@ class Replica:
                 self._finish(req, now)
             elif self.handoff is not None:
                 self._handoff(req)
+            elif run is not None and run.complete and is_decoding(req):
+                joining.append(req)
+        for req in joining:  # after the run's own step: they decode from the next one
+            run.join(req, self.kv.block_tables[req.request_id])  # type: ignore[union-attr]
+
+    def _apply_block(self, block: DecodeBlock, now: float) -> None:
+        """The decode run took one step (the block is the whole run)."""
+        run = block.run
+        if run.steps != block.run_step:
+            raise AssertionError("a decode block applied out of step with its run")
+        done = run.advance([now])
+        if len(done):
+            for req in run.remove_at(done.tolist()):
+                self._finish(req, now)
 
     def _apply_jump(self, plan: StepPlan, requests: list[Request], jump: Jump,
                     start: float, queue_lengths: tuple[int, int, int]) -> None:
         """Apply ``jump.num_steps`` decode steps at once (see sim/fast_forward.py)."""
         k, ends = jump.num_steps, jump.ends
         last = float(ends[-1])
-        first = float(ends[0])
-        times = ends.tobytes()
         used0 = self.kv.num_used_blocks
         kv = self.kv
-        for req in requests:
-            req.num_computed_tokens += k
-            req.num_output_tokens += k
-            if req.first_token_time is None:
-                req.first_token_time = first
-            req.last_token_time = last
-            req.token_times.frombytes(times)
-            if kv.allocate_slots(req.request_id, req.num_computed_tokens) is None:
-                raise AssertionError("decode jump overran the KV pool")  # plan_jump checks
+        block = plan.decode_block
+        finished: list[Request]
+        if block is not None:
+            run = block.run
+            if run.steps != block.run_step:
+                raise AssertionError("a decode jump applied out of step with its run")
+            members = jump.block_members
+            if members is not None and len(members):
+                ids = run.ids
+                if not kv.grow([ids[m] for m in members.tolist()]):
+                    raise AssertionError("decode jump overran the KV pool")  # plan_run_jump checks
+                run.add_blocks(np.bincount(members, minlength=len(ids)))
+            done = run.advance(ends)
+            finished = run.remove_at(done.tolist()) if len(done) else []
+        else:
+            first = float(ends[0])
+            times = ends.tobytes()
+            members = jump.block_members
+            if members is not None and len(members):  # step by step, rows in order
+                if not kv.grow([requests[m].request_id for m in members.tolist()]):
+                    raise AssertionError("decode jump overran the KV pool")  # plan_jump checks
+            for req in requests:
+                req.num_computed_tokens += k
+                req.num_output_tokens += k
+                if req.first_token_time is None:
+                    req.first_token_time = first
+                req.last_token_time = last
+                req.token_times.frombytes(times)
+            finished = [r for r in requests if r.num_output_tokens >= r.max_output_len]
         self.busy_time += float(jump.durations.sum())
-        # Steps 1..k-1 as the step-by-step loop would have recorded them.
-        n = len(plan.scheduled)
-        waiting, running, swapped = queue_lengths
-        used = used0 + np.cumsum(jump.new_blocks)
-        nb = kv.num_gpu_blocks
-        starts = np.concatenate(([start], ends[:-1]))
-        write = self.steps_sink.write
-        if not self.steps_sink.enabled:
-            self.num_steps += k - 1
-            k = 1  # skip building rows nobody keeps
-        for i in range(k - 1):
-            self.num_steps += 1
-            u = int(used[i])
-            write((self.num_steps, self.replica_id, repr(float(starts[i])),
-                   repr(float(jump.durations[i])), n, 0, n, n, waiting, running, swapped, u,
-                   round(u / nb, 6), 0, 0, 0, 0))
-        for req in requests:
-            if req.num_output_tokens >= req.max_output_len:
-                self._finish(req, last)
-        self._record_step(float(starts[-1]), float(jump.durations[-1]), plan)
+        # Steps 1..k-1 as the step-by-step loop would have recorded them (one C-level pass).
+        m = k - 1
+        if self.steps_sink.enabled:
+            n = len(requests)
+            waiting, running, swapped = queue_lengths
+            used = (used0 + np.cumsum(jump.new_blocks[:m])).tolist()
+            first_id = self.num_steps + 1
+            self.steps_sink.write_many(zip(
+                range(first_id, first_id + m), repeat(self.replica_id),
+                map(repr, [start] + ends[:m - 1].tolist()),
+                map(repr, jump.durations[:m].tolist()), repeat(n), repeat(0), repeat(n),
+                repeat(n), repeat(waiting), repeat(running), repeat(swapped), used,
+                map(round, map(truediv, used, repeat(kv.num_gpu_blocks)), repeat(6)),
+                repeat(0), repeat(0), repeat(0), repeat(0)))
+        self.num_steps += m
+        for req in finished:
+            self._finish(req, last)
+        self._record_step(float(ends[-2]), float(jump.durations[-1]), plan)
         self.num_jumps += 1
 
     def _finish(self, req: Request, now: float) -> None:
@@ -289,9 +345,17 @@ class Replica:
 
     def _record_step(self, start: float, duration: float, plan: StepPlan) -> None:
         self.num_steps += 1
+        if not self.steps_sink.enabled:
+            return
         q, kv = self.queues, self.kv
-        prefill = decode = sampled = 0
-        for s in plan.scheduled:
+        prefill = decode = sampled = rows = 0
+        for s in plan.parts:
+            if isinstance(s, DecodeBlock):
+                decode += len(s)
+                sampled += len(s)
+                rows += len(s)
+                continue
+            rows += 1
             if s.num_new_tokens == 1 and s.start_position > 0:
                 decode += 1
             else:
@@ -299,7 +363,7 @@ class Replica:
             sampled += s.sample
         used = kv.num_used_blocks
         self.steps_sink.write((
-            self.num_steps, self.replica_id, repr(start), repr(duration), len(plan.scheduled),
+            self.num_steps, self.replica_id, repr(start), repr(duration), rows,
             prefill, decode, sampled, len(q.waiting), len(q.running), len(q.swapped), used,
             round(used / kv.num_gpu_blocks, 6), len(plan.recomputed), len(plan.swapped_out),
             len(plan.swap_out), len(plan.swap_in),

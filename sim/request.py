@@ -10,6 +10,10 @@ from __future__ import annotations
 
 import enum
 from array import array
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from sim.decode_run import DecodeRun
 
 
 class RequestStatus(enum.IntEnum):
@@ -56,13 +60,15 @@ class Request:
         "prompt_token_ids",
         "output_token_ids",
         "status",
-        "num_computed_tokens",
-        "num_output_tokens",
+        "_computed",
+        "_outputs",
         "first_scheduled_time",
-        "first_token_time",
-        "last_token_time",
+        "_first_token",
+        "_last_token",
         "finish_time",
-        "token_times",
+        "_times",
+        "_run",
+        "_joined",
         "num_preemptions",
         "num_swaps",
         "num_recomputes",
@@ -100,14 +106,19 @@ class Request:
         # Filled only by an executor that really samples (the real executor).
         self.output_token_ids: list[int] | None = None
         self.status = RequestStatus.WAITING
-        self.num_computed_tokens = 0
-        self.num_output_tokens = 0
+        # While the request is a member of a DecodeRun (sim/decode_run.py) its token counters
+        # are stored relative to the run's step count and its token times are the run's, so a
+        # decode jump advances every member at once; the properties below read through.
+        self._run: DecodeRun | None = None
+        self._joined = 0  # the run step up to which ``_times`` holds this request's tokens
+        self._computed = 0
+        self._outputs = 0
         self.first_scheduled_time: float | None = None
-        self.first_token_time: float | None = None
-        self.last_token_time: float | None = None
+        self._first_token: float | None = None
+        self._last_token: float | None = None
         self.finish_time: float | None = None
         # One C double per emitted token (not a Python object per token): ITL and TPOT source.
-        self.token_times = array("d")
+        self._times = array("d")
         self.num_preemptions = 0
         self.num_swaps = 0
         self.num_recomputes = 0
@@ -115,6 +126,70 @@ class Request:
         self.replica_id: int | None = None
         # Free slot for policies' per-request annotations (e.g. a predicted length).
         self.extra: dict | None = None
+
+    # ---- counters (read through a decode run; see sim/decode_run.py) ----------------------
+    @property
+    def num_computed_tokens(self) -> int:
+        """Tokens whose KV is in the cache."""
+        run = self._run
+        return self._computed if run is None else self._computed + run.steps
+
+    @num_computed_tokens.setter
+    def num_computed_tokens(self, value: int) -> None:
+        run = self._run
+        self._computed = value if run is None else value - run.steps
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Tokens sampled so far."""
+        run = self._run
+        return self._outputs if run is None else self._outputs + run.steps
+
+    @num_output_tokens.setter
+    def num_output_tokens(self, value: int) -> None:
+        run = self._run
+        self._outputs = value if run is None else value - run.steps
+
+    @property
+    def first_token_time(self) -> float | None:
+        first = self._first_token
+        if first is None and self._run is not None and self._run.steps > self._joined:
+            return self._run.time_at(self._joined)
+        return first
+
+    @first_token_time.setter
+    def first_token_time(self, value: float | None) -> None:
+        self._sync_times()
+        self._first_token = value
+
+    @property
+    def last_token_time(self) -> float | None:
+        run = self._run
+        if run is not None and run.steps > self._joined:
+            return run.time_at(run.steps - 1)
+        return self._last_token
+
+    @last_token_time.setter
+    def last_token_time(self, value: float | None) -> None:
+        self._sync_times()
+        self._last_token = value
+
+    @property
+    def token_times(self) -> array:
+        """One C double per sampled token (the time of the step that sampled it)."""
+        self._sync_times()
+        return self._times
+
+    def _sync_times(self) -> None:
+        """Copy the token times of the run steps taken since the last sync into ``_times``."""
+        run = self._run
+        if run is not None and run.steps > self._joined:
+            times = run.times_since(self._joined)
+            if self._first_token is None:
+                self._first_token = times[0]
+            self._last_token = times[-1]
+            self._times.extend(times)
+            self._joined = run.steps
 
     # ---- derived quantities -------------------------------------------------------------
     @property
@@ -145,11 +220,12 @@ class Request:
     # ---- events applied by the replica ----------------------------------------------------
     def record_token(self, now: float, token_id: int | None = None) -> None:
         """One sampled token at simulated time ``now``."""
+        self._sync_times()
         self.num_output_tokens += 1
-        if self.first_token_time is None:
-            self.first_token_time = now
-        self.last_token_time = now
-        self.token_times.append(now)
+        if self._first_token is None:
+            self._first_token = now
+        self._last_token = now
+        self._times.append(now)
         if token_id is not None:
             if self.output_token_ids is None:
                 self.output_token_ids = []

@@ -23,7 +23,10 @@ from collections.abc import Iterator, Sequence
 from enum import Enum
 from typing import TYPE_CHECKING, Generic, TypeVar
 
-from sim.plan import ScheduledRequest, StepPlan
+import numpy as np
+
+from sim.decode_run import DecodeRun
+from sim.plan import DecodeBlock, ScheduledRequest, StepPlan
 from sim.request import Request, RequestStatus
 
 if TYPE_CHECKING:
@@ -96,13 +99,24 @@ class StepBuilder:
         self.swapped: ReadOnly[Request] = ReadOnly(queues.swapped)
         self.now = 0.0
         self.num_swap_fallbacks = 0  # swap asked, CPU pool full, recomputed instead
+        # The decoding requests as one block (sim/decode_run.py); None: per-row only.
+        self.run: DecodeRun | None = None
+        self._run_view: ReadOnly[Request] | None = None
+        self._step_index = 0
         self.reset(0.0)
+
+    def enable_decode_run(self) -> None:
+        """Keep the decoding requests as a persistent decode run (step_mode=fast with a
+        closed-form executor). Plans then hold a ``DecodeBlock`` where the whole run decodes."""
+        self.run = DecodeRun(self.kv.block_size)
+        self._run_view = ReadOnly(self.run.members)
 
     def reset(self, now: float, in_flight: set[int] | None = None) -> None:
         """Start a new step at ``now``. ``in_flight``: ids of running requests that are part
         of a micro-batch still in the pipeline (pipeline parallelism); they count as already
         scheduled, so the shared loops skip them and never pick them as victims."""
         self.now = now
+        self._step_index += 1
         self._plan = StepPlan()
         self.scheduled_requests: list[Request] = []  # parallel to plan.scheduled
         self._granted: dict[int, int] = {}  # request id -> tokens granted this step
@@ -113,10 +127,14 @@ class StepBuilder:
     def is_scheduled(self, req: Request) -> bool:
         """True if ``req`` is in this step, or in a micro-batch still in the pipeline."""
         rid = req.request_id
+        if req._run is not None and req._run.scheduled_at == self._step_index:
+            return True
         return rid in self._granted or rid in self._in_flight
 
     def granted(self, req: Request) -> int:
         """Tokens granted to ``req`` in this step so far (0 if not scheduled)."""
+        if req._run is not None and req._run.scheduled_at == self._step_index:
+            return 1
         return self._granted.get(req.request_id, 0)
 
     @property
@@ -135,6 +153,8 @@ class StepBuilder:
         """Grant ``num_new_tokens`` to ``req`` this step. Returns False (and changes nothing)
         if the KV pool cannot hold them: the policy may preempt someone and retry."""
         rid = req.request_id
+        if req._run is not None:
+            self._dissolve_run()
         if rid in self._granted:
             raise ValueError(f"request {rid} is already scheduled in this step")
         if rid in self._in_flight:
@@ -154,7 +174,7 @@ class StepBuilder:
             self._q.add_running(req)
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = self.now
-        self._plan.scheduled.append(ScheduledRequest(
+        self._plan.add_row(ScheduledRequest(
             rid, req.num_computed_tokens, num_new_tokens, self.kv.block_table(rid),
             num_new_tokens == pending,
         ))
@@ -170,6 +190,8 @@ class StepBuilder:
         in this step may reserve, so a reservation can never leak on a waiting request.
         Returns False (and changes nothing) if the pool cannot hold them."""
         rid = req.request_id
+        if req._run is not None:
+            self._dissolve_run()
         if rid not in self._granted:
             raise ValueError(f"request {rid} must be scheduled in this step before it reserves")
         return self.kv.allocate_slots(rid, num_tokens) is not None
@@ -178,6 +200,8 @@ class StepBuilder:
         """Take a running request off the GPU. Swap falls back to recompute (and is counted)
         when the CPU pool cannot hold its blocks. Returns the mode actually used."""
         rid = req.request_id
+        if req._run is not None:
+            self._dissolve_run()
         if req.status is not RequestStatus.RUNNING:
             raise ValueError(f"request {rid} is {req.status.name}, only RUNNING can be preempted")
         if rid in self._in_flight:
@@ -227,10 +251,95 @@ class StepBuilder:
     def build(self) -> StepPlan:
         return self._plan
 
+    # ---- the decode run: every decoding request in one block ------------------------------
+    def split_running(self) -> tuple[Sequence[Request], list[Request]]:
+        """The running requests with exactly one pending token (decodes) and those with more
+        (prefills), each in arrival order. With a decode run, the decodes are the run's
+        members (a view ``schedule_decode_run`` schedules as one block)."""
+        running = self._q.running
+        run = self.run
+        if run is not None and not self._granted and not self._in_flight:
+            if not run.complete:
+                run.rebuild(running, self.kv.block_tables)
+            if len(run) == len(running):
+                return self._run_view, []  # type: ignore[return-value]
+            others = [r for r in running if r._run is None]
+            # A non-member with one pending token has an empty cache (a 1-token prompt).
+            if all(r.num_pending_tokens > 1 for r in others):
+                return self._run_view, others  # type: ignore[return-value]
+        return ([r for r in running if r.num_pending_tokens == 1],
+                [r for r in running if r.num_pending_tokens > 1])
+
+    def num_pending_after_step(self) -> int:
+        """Running requests that will still have tokens pending after this step (those not
+        scheduled, or granted less than they have pending)."""
+        granted = self._granted
+        n = 0
+        for r in self._q.running:
+            if r._run is None and r.num_pending_tokens > granted.get(r.request_id, 0):
+                n += 1
+        run = self.run
+        if run is not None and run.members and run.scheduled_at != self._step_index:
+            n += len(run)
+        return n
+
+    def schedule_decode_run(self, order: Sequence[Request], max_tokens: int) -> bool:
+        """Grant one token to every request of ``order`` as one ``DecodeBlock``, when
+        ``order`` is the decode run (``split_running``'s decodes, or ``running`` when every
+        running request decodes), nothing of it is scheduled yet, ``max_tokens`` holds them
+        and the pool holds their new blocks. Exactly what ``schedule(req, 1)`` in order would
+        do then (the same blocks, in the same order). False (nothing changes) otherwise: the
+        caller goes row by row."""
+        run = self.run
+        if run is None or self._in_flight:
+            return False
+        if order is not self._run_view and order is not self.running:
+            return False
+        if not run.complete:
+            if self._granted:
+                return False
+            run.rebuild(self._q.running, self.kv.block_tables)
+        n = len(run)
+        if order is self.running and n != len(self._q.running):
+            return False
+        if n == 0:
+            return True
+        if n > max_tokens or run.scheduled_at == self._step_index:
+            return False
+        need = run.members_needing_blocks()
+        if need is not None:
+            if len(need) > self.kv.num_free_blocks:
+                return False
+            ids = run.ids
+            self.kv.grow([ids[i] for i in need.tolist()])
+            counts = np.zeros(n, dtype=np.int64)
+            counts[need] = 1
+            run.add_blocks(counts)
+        s = run.steps
+        self._plan.add_block(DecodeBlock(list(run.ids), run.ctx0, s, list(run.tables),
+                                         run.ctx0_sum + n * s, run.ctx0_max + s, run, s))
+        self.scheduled_requests.extend(run.members)
+        run.scheduled_at = self._step_index  # its members count as granted one token each
+        self.num_scheduled_tokens += n
+        return True
+
+    def _dissolve_run(self) -> None:
+        """A single-row operation touches a member: turn the run back into plain requests
+        (and any block of it in this plan back into rows)."""
+        run = self.run
+        assert run is not None
+        if run.scheduled_at == self._step_index:  # its block is in this plan
+            self._plan.scheduled  # expands the blocks into rows  # noqa: B018
+            self._granted.update(dict.fromkeys(run.ids, 1))
+            run.scheduled_at = -1
+        run.dissolve()
+
     # ---- handoff between replicas (disaggregation), called between steps ------------------
     def release_for_handoff(self, req: Request) -> None:
         """Prefill side: take a RUNNING request out of the running set, keeping its blocks
         (they are the transfer's source until ``free_handed_off``)."""
+        if req._run is not None:
+            self._dissolve_run()
         if req.status is not RequestStatus.RUNNING:
             raise ValueError(f"request {req.request_id} is {req.status.name}, not RUNNING")
         self._q.remove_running(req)
@@ -268,6 +377,8 @@ class StepBuilder:
             w.remove(req)
 
     def _unschedule(self, req: Request) -> None:
+        if self._plan._num_blocks:
+            self._dissolve_run()
         i = next(i for i, r in enumerate(self.scheduled_requests) if r is req)
         row = self._plan.scheduled.pop(i)
         del self.scheduled_requests[i]

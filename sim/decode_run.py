@@ -1,0 +1,253 @@
+"""The decode run: a replica's decoding requests as one persistent block (step_mode=fast).
+
+A request is *decoding* when it is RUNNING, has exactly one pending token and a non-empty cache:
+scheduling it means computing that token and sampling the next, so its row is the same every
+step but for the context, which grows by one. Between the events that change a batch
+(arrivals, finishes, preemptions), the decoding requests form the same block of rows step after
+step, and per-step Python work over them is what made the simulator slow.
+
+The ``DecodeRun`` keeps them, in arrival order, with their counters stored *relative to the
+run's step count* (``Request.num_computed_tokens`` reads ``_computed + run.steps``; see
+``sim/request.py``) and their token times as slices of one array of run step end times. So a
+step, or a jump of k steps, that schedules the whole run advances every member in O(1) Python:
+``steps += k`` and k times appended. Per-member numbers a step needs (contexts, blocks held,
+when each member finishes) are numpy arrays over the members.
+
+Membership changes only through the StepBuilder and the replica (the single home of request
+transitions): a request joins when a step leaves it decoding, leaves when it finishes, and any
+single-row operation on a member (schedule, preempt...) first dissolves the run, turning every
+member back into a plain request, so the per-row code paths see exactly what they always saw.
+After a dissolve the run is *incomplete* (some decoding requests may be outside it) until it is
+rebuilt from the running set. The replica uses a run only in fast mode (cost model, no
+disaggregation handoff, no pipeline); exact mode and the real executor never see one.
+"""
+
+from __future__ import annotations
+
+import bisect
+from array import array
+
+import numpy as np
+
+from sim.request import Request, RequestStatus
+
+
+def _arrival_key(r: Request) -> tuple[float, int]:
+    return (r.arrival_time, r.request_id)
+
+
+def is_decoding(req: Request) -> bool:
+    """RUNNING with exactly one pending token over a non-empty cache (a decode row)."""
+    return (req.status is RequestStatus.RUNNING and req.num_computed_tokens > 0
+            and req.num_pending_tokens == 1)
+
+
+class DecodeRun:
+    """See the module docstring. ``members`` is in arrival order (the running set's order)."""
+
+    __slots__ = ("block_size", "steps", "_times", "_base", "members", "ids", "tables", "ctx0",
+                 "end", "bound", "next_bound", "ctx0_sum", "ctx0_max", "complete",
+                 "scheduled_at")
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self.steps = 0  # run steps taken so far
+        self._times = array("d")  # end times of run steps [_base, steps)
+        self._base = 0
+        self.members: list[Request] = []
+        self.ids: list[int] = []
+        self.tables: list[list[int]] = []  # the KV manager's live block tables
+        # Per member: num_computed_tokens - steps (context = ctx0 + steps), the run step after
+        # which it has sampled its last token (max_output_len - (num_output_tokens - steps)),
+        # and the first run step whose token no longer fits its KV blocks (blocks x
+        # block_size - ctx0: run step s computes token ctx0 + s + 1).
+        self.ctx0 = np.empty(0, dtype=np.int64)
+        self.end = np.empty(0, dtype=np.int64)
+        self.bound = np.empty(0, dtype=np.int64)
+        self.next_bound = 0  # min(bound) (no allocation needed before that run step)
+        self.ctx0_sum = 0  # sum and max of ctx0
+        self.ctx0_max = 0
+        # True when every decoding request of the running set is a member.
+        self.complete = True
+        # The builder's step (its reset count) in which the whole run was scheduled.
+        self.scheduled_at = -1
+
+    def __len__(self) -> int:
+        return len(self.members)
+
+    # ---- token times --------------------------------------------------------------------
+    def time_at(self, step: int) -> float:
+        """End time of run step ``step`` (0-based)."""
+        return self._times[step - self._base]
+
+    def times_since(self, step: int) -> array:
+        """End times of run steps ``step .. steps - 1``."""
+        return self._times[step - self._base:]
+
+    # ---- membership ---------------------------------------------------------------------
+    def join(self, req: Request, table: list[int]) -> None:
+        """Add a decoding request (its live block table ``table``) in arrival order."""
+        if req._run is not None:
+            raise ValueError(f"request {req.request_id} is already in a decode run")
+        s = self.steps
+        req._computed -= s
+        req._outputs -= s
+        req._joined = s
+        req._run = self
+        i = bisect.bisect_right(self.members, _arrival_key(req), key=_arrival_key)
+        self.members.insert(i, req)
+        self.ids.insert(i, req.request_id)
+        self.tables.insert(i, table)
+        self.ctx0 = _insert(self.ctx0, i, req._computed)
+        self.end = _insert(self.end, i, req.max_output_len - req._outputs)
+        b = len(table) * self.block_size - req._computed
+        self.bound = _insert(self.bound, i, b)
+        if len(self.members) == 1:
+            self.next_bound, self.ctx0_sum, self.ctx0_max = b, req._computed, req._computed
+        else:
+            self.next_bound = min(self.next_bound, b)
+            self.ctx0_sum += req._computed
+            self.ctx0_max = max(self.ctx0_max, req._computed)
+
+    def _release(self, req: Request) -> None:
+        req._sync_times()
+        s = self.steps
+        req._computed += s
+        req._outputs += s
+        req._run = None
+
+    def remove_at(self, indices: np.ndarray | list[int]) -> list[Request]:
+        """Take the members at ``indices`` (ascending) out of the run; returns them."""
+        out = [self.members[i] for i in indices]
+        for req in out:
+            self._release(req)
+        for i in reversed(indices):
+            del self.members[i], self.ids[i], self.tables[i]
+        if len(indices) == 1:
+            i = indices[0]
+            self.ctx0 = np.concatenate((self.ctx0[:i], self.ctx0[i + 1:]))
+            self.end = np.concatenate((self.end[:i], self.end[i + 1:]))
+            self.bound = np.concatenate((self.bound[:i], self.bound[i + 1:]))
+        else:
+            keep = np.ones(len(self.ctx0), dtype=bool)
+            keep[indices] = False
+            self.ctx0, self.end, self.bound = self.ctx0[keep], self.end[keep], self.bound[keep]
+        self._summarize()
+        self._trim()
+        return out
+
+    def dissolve(self) -> None:
+        """Every member becomes a plain request again; the run is incomplete until rebuilt."""
+        for req in self.members:
+            self._release(req)
+        self.members.clear()
+        self.ids.clear()
+        self.tables.clear()
+        self.ctx0 = self.end = self.bound = np.empty(0, dtype=np.int64)
+        self._summarize()
+        self.complete = False
+        self._trim()
+
+    def rebuild(self, running: list[Request], tables: dict[int, list[int]]) -> None:
+        """Make every decoding request of ``running`` (arrival order) a member."""
+        self.dissolve()
+        s = self.steps
+        for req in running:
+            if is_decoding(req):
+                req._computed -= s
+                req._outputs -= s
+                req._joined = s
+                req._run = self
+                self.members.append(req)
+                self.ids.append(req.request_id)
+                self.tables.append(tables[req.request_id])
+        n = len(self.members)
+        self.ctx0 = np.fromiter((r._computed for r in self.members), np.int64, n)
+        self.end = np.fromiter((r.max_output_len - r._outputs for r in self.members), np.int64, n)
+        nblk = np.fromiter((len(t) for t in self.tables), np.int64, n)
+        self.bound = nblk * self.block_size - self.ctx0
+        self._summarize()
+        self.complete = True
+
+    def _summarize(self) -> None:
+        if len(self.ctx0):
+            self.next_bound = int(self.bound.min())
+            self.ctx0_sum = int(self.ctx0.sum())
+            self.ctx0_max = int(self.ctx0.max())
+        else:
+            self.next_bound = self.ctx0_sum = self.ctx0_max = 0
+
+    # ---- steps --------------------------------------------------------------------------
+    def members_needing_blocks(self) -> np.ndarray | None:
+        """Indices of the members whose next token needs a new KV block (one each), or None
+        when none does (checked in O(1))."""
+        if self.steps < self.next_bound:
+            return None
+        return np.flatnonzero(self.bound <= self.steps)
+
+    def add_blocks(self, counts: np.ndarray) -> None:
+        """Members got ``counts`` new blocks each."""
+        self.bound = self.bound + counts * self.block_size
+        self.next_bound = int(self.bound.min())
+
+    def advance(self, end_times: array | list[float] | np.ndarray) -> np.ndarray:
+        """Take ``len(end_times)`` run steps ending at those times (every member computes and
+        samples one token per step). Returns the indices of members that sampled their last
+        token in the final step."""
+        if isinstance(end_times, np.ndarray):
+            self._times.frombytes(end_times.tobytes())
+            self.steps += len(end_times)
+        else:
+            self._times.extend(end_times)
+            self.steps += len(end_times)
+        return np.flatnonzero(self.end == self.steps)
+
+    def steps_left(self) -> int:
+        """Run steps until the first member samples its last token."""
+        return int(self.end.min()) - self.steps
+
+    def _trim(self) -> None:
+        """Drop end times no member needs any more (bounded memory on long runs)."""
+        if not self.members:
+            self._base = self.steps
+            del self._times[:]
+        elif len(self._times) > 1 << 16:
+            keep = min(r._joined for r in self.members)
+            if keep - self._base > len(self._times) // 2:
+                del self._times[:keep - self._base]
+                self._base = keep
+
+
+def _insert(a: np.ndarray, i: int, value: int) -> np.ndarray:
+    out = np.empty(len(a) + 1, dtype=a.dtype)
+    out[:i] = a[:i]
+    out[i] = value
+    out[i + 1:] = a[i:]
+    return out
+
+
+def jump_block_steps(first: np.ndarray, block_size: int,
+                     k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The new KV blocks of steps 2..k of a decode jump whose members first need a new block
+    in steps ``first`` (1-based): (step, member) pairs in the order the step-by-step loop
+    allocates them (step by step, members in order), as two arrays."""
+    if k <= block_size:  # each member needs at most one
+        member = np.flatnonzero(first <= k)
+        step = first[member]
+        order = np.argsort(step, kind="stable")
+        return step[order], member[order]
+    count = np.where(first <= k, (k - first) // block_size + 1, 0)
+    total = int(count.sum())
+    if total == 0:
+        empty = np.empty(0, dtype=np.int64)
+        return empty, empty
+    member = np.repeat(np.arange(len(first), dtype=np.int64), count)
+    offset = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(count) - count, count)
+    step = first[member] + block_size * offset
+    order = np.lexsort((member, step))
+    return step[order], member[order]
+
+
+def jump_new_blocks(first: np.ndarray, block_size: int, k: int) -> int:
+    """Total new KV blocks steps 2..k of that jump need."""
+    return int(np.where(first <= k, (k - first) // block_size + 1, 0).sum())

@@ -1,0 +1,209 @@
+"""The decode run (sim/decode_run.py) and the fast cost-model paths behind step_mode=fast:
+bulk decode scheduling equals row-by-row scheduling (the same rows, block ids and free queue),
+a decode block expands into the rows it stands for, the memoized cost model equals the
+term-by-term breakdown bit for bit, and co-located clusters give the same results in fast and
+exact mode, down to the block ids handed out."""
+
+from dataclasses import replace
+
+import numpy as np
+import pandas as pd
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from executors.cost_model import RooflineCostModel
+from executors.step_terms import Coefficients, step_shape
+from policies.budget import Budget, schedule_running
+from sim.kv_manager import KVBlockManager
+from sim.plan import DecodeBlock, ScheduledRequest, StepPlan
+from sim.request import Request, RequestStatus
+from sim.simulation import Simulation
+from sim.specs import load_hardware_spec, load_model_spec
+from sim.step_builder import ReplicaQueues, StepBuilder
+from tests.helpers import compose_cfg
+
+
+def _decoding_replica(contexts: list[int], outputs: list[int], num_blocks: int, bs: int,
+                      with_run: bool) -> tuple[StepBuilder, list[Request]]:
+    """Running requests that each computed ``contexts[i]`` tokens and sampled ``outputs[i]``
+    (so one token is pending), holding exactly the blocks for their context."""
+    kv = KVBlockManager(num_blocks, bs)
+    queues = ReplicaQueues()
+    builder = StepBuilder(queues, kv)
+    if with_run:
+        builder.enable_decode_run()
+    reqs = []
+    for i, (ctx, out) in enumerate(zip(contexts, outputs)):
+        r = Request(i, float(i), ctx + 1 - out, out + 50)
+        r.transition(RequestStatus.RUNNING)
+        r.num_computed_tokens = ctx
+        r.num_output_tokens = out
+        assert kv.allocate_slots(i, ctx) is not None
+        queues.add_running(r)
+        reqs.append(r)
+    if with_run:  # as the replica's steps would have made them members
+        builder.run.rebuild(queues.running, kv.block_tables)
+    return builder, reqs
+
+
+def _state(builder: StepBuilder, plan: StepPlan, preempted: list[Request]) -> tuple:
+    rows = [(s.request_id, s.start_position, s.num_new_tokens, list(s.block_table), s.sample)
+            for s in plan.scheduled]
+    kv = builder.kv
+    return (rows, {k: list(v) for k, v in kv.block_tables.items()}, kv._gpu.free_blocks(),
+            [r.request_id for r in preempted], [r.num_computed_tokens for r in builder.running])
+
+
+@settings(max_examples=60, deadline=None)
+@given(contexts=st.lists(st.integers(1, 70), min_size=1, max_size=12),
+       bs=st.sampled_from([1, 4, 16]), spare=st.integers(0, 6))
+def test_bulk_decode_scheduling_equals_row_by_row(contexts, bs, spare):
+    outputs = [min(c, 1 + c % 3) for c in contexts]
+    held = sum(-(-c // bs) for c in contexts)
+    states = []
+    for with_run in (True, False):
+        builder, _ = _decoding_replica(contexts, outputs, held + spare, bs, with_run)
+        builder.reset(0.0)
+        budget = Budget(builder, 4096, 256)
+        preempted = schedule_running(builder, budget)
+        plan = builder.build()
+        if with_run:  # the bulk path runs exactly when every new block fits
+            fits = sum(c % bs == 0 for c in contexts) <= spare
+            assert (plan.decode_block is not None) == fits
+        states.append(_state(builder, plan, preempted))
+    assert states[0] == states[1]
+
+
+def test_bulk_path_is_taken_and_a_single_row_operation_dissolves_the_run():
+    builder, reqs = _decoding_replica([15, 16, 17], [1, 1, 1], 12, 16, True)
+    builder.reset(0.0)
+    assert builder.schedule_decode_run(builder.running, 100)
+    plan = builder.build()
+    block = plan.decode_block
+    assert isinstance(block, DecodeBlock) and len(block) == 3
+    assert block.start_positions.tolist() == [15, 16, 17] and block.ctx_max == 17
+    assert all(builder.is_scheduled(r) and builder.granted(r) == 1 for r in reqs)
+    assert builder.kv.block_tables[1] == [1, 4]  # 16 tokens held: the 17th needs a block
+    # Preempting a member turns the block back into rows and the run into plain requests.
+    builder.preempt(reqs[2])
+    assert plan.decode_block is None and [s.request_id for s in plan.scheduled] == [0, 1]
+    assert builder.run is not None and len(builder.run) == 0 and not builder.run.complete
+    assert reqs[0].num_computed_tokens == 15 and reqs[0]._run is None
+
+
+def test_run_counters_read_through_and_survive_leaving():
+    builder, reqs = _decoding_replica([20, 30], [2, 5], 20, 16, True)
+    run = builder.run
+    assert len(run) == 2 and reqs[0]._run is run
+    done = run.advance(np.array([1.0, 2.0, 3.0]))
+    assert len(done) == 0
+    assert [r.num_computed_tokens for r in reqs] == [23, 33]
+    assert [r.num_output_tokens for r in reqs] == [5, 8]
+    assert reqs[1].last_token_time == 3.0 and reqs[1].first_token_time == 1.0
+    run.remove_at([0])
+    assert reqs[0]._run is None and reqs[0].num_computed_tokens == 23
+    assert list(reqs[0].token_times) == [1.0, 2.0, 3.0]
+    run.advance([4.0])
+    assert list(reqs[1].token_times) == [1.0, 2.0, 3.0, 4.0] and reqs[1].num_output_tokens == 9
+
+
+def test_decode_block_expands_into_the_rows_it_stands_for():
+    tables = [[0], [1, 2], [3]]
+    block = DecodeBlock.of_rows([7, 8, 9], [5, 20, 9], tables)
+    rows = [ScheduledRequest(7, 5, 1, tables[0], True), ScheduledRequest(8, 20, 1, tables[1], True),
+            ScheduledRequest(9, 9, 1, tables[2], True)]
+    prefill = ScheduledRequest(3, 0, 40, [4, 5, 6], True)
+    plan = StepPlan()
+    plan.add_row(prefill)
+    plan.add_block(block)
+    by_rows = StepPlan([prefill, *rows])
+    assert step_shape(plan) == step_shape(by_rows)
+    assert (plan.num_tokens, plan.num_decode_tokens, plan.num_sampled, plan.num_rows) == (
+        43, 3, 4, 4)
+    assert plan.scheduled == [prefill, *rows]  # expanded once, in order
+    assert plan.decode_block is None and step_shape(plan) == step_shape(by_rows)
+
+
+def _cost_models() -> list[RooflineCostModel]:
+    m8, a100 = load_model_spec("llama3_8b"), load_hardware_spec("a100_80gb")
+    fitted = Coefficients(s_per_step=2e-4, s_per_seq=1e-5, s_per_token=3e-7, s_per_flop=4e-15,
+                          s_per_weight_byte=5e-13, s_per_attn_flop=7e-15, s_per_diag_flop=9e-15,
+                          s_per_kv_byte=6e-13, s_per_cta_byte=1e-10, s_per_sm_byte=2e-11,
+                          s_per_attn_wave=2e-6, s_per_attn_kernel=5e-6, sharpness=3.0)
+    return [RooflineCostModel(m8, a100),
+            RooflineCostModel(load_model_spec("llama3_70b"), load_hardware_spec("h100_sxm"), 4,
+                              pipeline_parallel=2),
+            RooflineCostModel(load_model_spec("tiny"), a100, coefficients=fitted),
+            RooflineCostModel(m8, a100, num_sms=None)]
+
+
+MODELS = _cost_models()
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(which=st.integers(0, len(MODELS) - 1), nd=st.integers(0, 300), npf=st.integers(0, 3),
+       chunk=st.integers(1, 900), cached=st.integers(0, 5000), ctx=st.integers(1, 8000),
+       swap_out=st.sampled_from([0, 0, 4]), swap_in=st.sampled_from([0, 0, 3]))
+def test_memoized_duration_is_the_breakdown_total_bit_for_bit(which, nd, npf, chunk, cached,
+                                                                ctx, swap_out, swap_in):
+    ex = MODELS[which]
+    rows = [ScheduledRequest(i, cached, chunk, [], True) for i in range(npf)]
+    rows += [ScheduledRequest(100 + i, ctx + 7 * i, 1, [], i % 2 == 0) for i in range(nd)]
+    shape = replace(step_shape(StepPlan(rows)), swap_out_blocks=swap_out, swap_in_blocks=swap_in)
+    assert ex.duration(shape) == ex.breakdown_shape(shape).total
+    assert ex.execute(StepPlan(rows)).duration == ex.breakdown(StepPlan(rows)).total
+
+
+@pytest.mark.parametrize("which", range(len(MODELS)))
+def test_decode_durations_follow_the_breakdown_step_by_step(which):
+    ex = MODELS[which]
+    rng = np.random.default_rng(which)
+    for nd in (1, 3, 40, 129, 300):
+        ctx = rng.integers(1, 6000, nd)
+        plan = StepPlan([ScheduledRequest(i, int(c), 1, [], True) for i, c in enumerate(ctx)])
+        got = ex.decode_durations(plan, 40)
+        for j in (0, 1, 17, 39):
+            step = StepPlan([ScheduledRequest(i, int(c) + j, 1, [], True)
+                             for i, c in enumerate(ctx)])
+            assert got[j] == pytest.approx(ex.execute(step).duration, rel=1e-14)
+
+
+def _cluster_run(mode: str, overrides: tuple[str, ...]):
+    res = Simulation(compose_cfg(f"step_mode={mode}", *overrides)).run()
+    reqs = pd.DataFrame(res.requests_sink.rows, columns=res.requests_sink.columns)
+    steps = pd.DataFrame(res.steps_sink.rows, columns=res.steps_sink.columns)
+    # Replicas interleave their rows differently when one of them jumps: order per replica.
+    steps = steps.sort_values(["replica_id", "step"]).reset_index(drop=True)
+    free = [rep.kv._gpu.free_blocks() for rep in res.replicas]
+    return res.summary, reqs.sort_values("request_id").reset_index(drop=True), steps, free
+
+
+@pytest.mark.parametrize("policy,router,extra", [
+    ("fcfs", "least_outstanding", ()),
+    ("chunked_prefill", "least_kv", ("policy.max_num_batched_tokens=256",)),
+    ("sjf", "power_of_two", ("policy.preemptive=true",)),
+    ("fcfs", "round_robin", ("model=tiny", "kv.num_gpu_blocks=40", "workload.qps=60",
+                             "workload.prompt_len.max=200", "workload.output_len.max=120",
+                             "policy.preemption_mode=swap", "kv.num_cpu_blocks=64")),
+])
+def test_colocated_replicas_fast_equals_exact(policy, router, extra):
+    overrides = (f"policy={policy}", "cluster.num_replicas=3", f"cluster.router={router}",
+                 "workload.num_requests=150", "workload.qps=15", *extra)
+    fast, rf, sf, free_f = _cluster_run("fast", overrides)
+    exact, re_, se, free_e = _cluster_run("exact", overrides)
+    assert fast["num_decode_jumps"] > 0
+    cols = ["replica_id", "step", "batch_size", "prefill_tokens", "decode_tokens", "sampled",
+            "num_waiting", "num_running", "num_swapped", "kv_blocks_used", "recomputed",
+            "swapped_out"]
+    assert (sf[cols].to_numpy() == se[cols].to_numpy()).all()
+    for c in ("time", "duration"):
+        assert sf[c].astype(float).to_numpy() == pytest.approx(
+            se[c].astype(float).to_numpy(), rel=1e-9, abs=1e-12)
+    for c in ("replica_id", "output_len", "num_preemptions", "status"):
+        assert rf[c].equals(re_[c]), c
+    for c in ("first_token_time", "finish_time", "ttft", "tpot", "e2e_latency"):
+        assert pd.to_numeric(rf[c]).to_numpy(dtype=float) == pytest.approx(
+            pd.to_numeric(re_[c]).to_numpy(dtype=float), rel=1e-9, abs=1e-12, nan_ok=True), c
+    # The same block ids, handed out and freed in the same order.
+    assert free_f == free_e
