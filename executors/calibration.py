@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,6 +24,7 @@ import numpy as np
 import yaml
 
 from executors.step_terms import (
+    ATTENTION_TILE,
     Coefficients,
     StepDecomposer,
     StepDrivers,
@@ -46,6 +47,7 @@ KINDS = ("decode", "prefill", "mixed")
 
 SHRINK_TOLERANCE = 1e-3  # percentage points of fit MAPE a shrunk coefficient may cost
 SHARPNESS_GRID: tuple[float, ...] = (1.0, 1.5, 2.0, 3.0, 4.0, 8.0, math.inf)
+MAX_FIT_STEPS = 800  # serving steps fitted at most (calibrate(steps=...)): the fit's run time
 
 
 # ---- rows <-> plans ---------------------------------------------------------------------------
@@ -200,12 +202,17 @@ def _linear_design(X: np.ndarray) -> np.ndarray:
 
 def fit_coefficients(drivers: Sequence[StepDrivers], y: Sequence[float],
                      sharpness: float | Sequence[float] | None = None,
-                     active: Sequence[str] | None = None) -> Fit:
+                     active: Sequence[str] | None = None,
+                     scale: Sequence[float] | None = None, loss: str = "soft_l1") -> Fit:
     """Fit ``Coefficients`` to measured step seconds ``y`` (relative error is minimised).
 
     ``sharpness``: one knee p, or a grid to choose from (default ``SHARPNESS_GRID``).
     ``active``: coefficient names to fit (default: every one whose drivers are non-zero in the
     data); the others are 0.
+    ``scale``: each residual is ``(predicted - y) / scale`` (default ``y``: relative error).
+    With a fixed scale (e.g. an earlier prediction) and ``loss="linear"`` a shape measured
+    many times is fitted at the mean of its times, which skewed noise puts above the median
+    that a relative, robust (``soft_l1``) fit lands near.
     """
     from scipy.optimize import least_squares, nnls
 
@@ -220,7 +227,16 @@ def fit_coefficients(drivers: Sequence[StepDrivers], y: Sequence[float],
     present = np.any(A != 0, axis=0)
     on = present if active is None else np.array([n in active for n in names]) & present
     # Linear start: NNLS on relative errors of the additive (p = 1) model.
-    w = 1.0 / yv
+    sv = yv if scale is None else np.asarray(scale, dtype=float)
+    if sv.shape != yv.shape or np.any(~(sv > 0)):
+        raise ValueError("scale needs one value > 0 per time")
+    w = 1.0 / sv
+    if scale is None:
+        def objective(pred: np.ndarray) -> float:  # what the fit and its shrink judge by
+            return mape(pred, yv)
+    else:
+        def objective(pred: np.ndarray) -> float:  # RMS of the scaled residuals, in percent
+            return float(100.0 * np.sqrt(np.mean(((pred - yv) / sv) ** 2)))
     x_lin = np.zeros(len(names))
     x_lin[on], _ = nnls(A[:, on] * w[:, None], np.ones_like(yv))
     # Scales: each coefficient's "one-row" size, so the solver works on O(1) numbers.
@@ -237,12 +253,12 @@ def fit_coefficients(drivers: Sequence[StepDrivers], y: Sequence[float],
         for z0 in starts:
             def resid(z: np.ndarray) -> np.ndarray:
                 x = np.where(on, z * scale, 0.0)
-                return predict_array(x, X, p) / yv - 1.0
+                return (predict_array(x, X, p) - yv) / sv
 
-            r = least_squares(resid, z0, bounds=(0.0, np.inf), x_scale=1.0, loss="soft_l1",
+            r = least_squares(resid, z0, bounds=(0.0, np.inf), x_scale=1.0, loss=loss,
                               f_scale=0.05, max_nfev=2000)
             x = np.where(on, r.x * scale, 0.0)
-            err = mape(predict_array(x, X, p), yv)
+            err = objective(predict_array(x, X, p))
             if best_p is None or err < best_p[0]:
                 best_p = (err, x)
         assert best_p is not None
@@ -251,12 +267,13 @@ def fit_coefficients(drivers: Sequence[StepDrivers], y: Sequence[float],
             best = (best_p[0], p, best_p[1])
     assert best is not None
     err, p, x = best
-    x = _shrink(x, X, yv, p, on)
+    x = _shrink(x, X, p, on, objective)
     err = mape(predict_array(x, X, p), yv)
     return Fit(Coefficients(**dict(zip(names, map(float, x))), sharpness=p), err, per)
 
 
-def _shrink(x: np.ndarray, X: np.ndarray, y: np.ndarray, p: float, on: np.ndarray) -> np.ndarray:
+def _shrink(x: np.ndarray, X: np.ndarray, p: float, on: np.ndarray,
+            objective: Callable[[np.ndarray], float]) -> np.ndarray:
     """Lower each coefficient as far as the fit allows (``SHRINK_TOLERANCE``).
 
     A bound that never binds on the profiled shapes (e.g. one decode block's streaming rate
@@ -265,12 +282,12 @@ def _shrink(x: np.ndarray, X: np.ndarray, y: np.ndarray, p: float, on: np.ndarra
     profile. The smallest value that fits keeps it out of the way; an identified coefficient
     barely moves (lowering it costs fit error at once)."""
     x = x.copy()
-    limit = mape(predict_array(x, X, p), y) + SHRINK_TOLERANCE
+    limit = objective(predict_array(x, X, p)) + SHRINK_TOLERANCE
     for j in np.flatnonzero(on & (x > 0)):
         lo, hi = 0.0, x[j]
         for _ in range(40):
             x[j] = lo if lo == 0.0 and _ == 0 else 0.5 * (lo + hi)
-            if mape(predict_array(x, X, p), y) <= limit:
+            if objective(predict_array(x, X, p)) <= limit:
                 hi = x[j]
                 if hi == 0.0:
                     break
@@ -374,27 +391,73 @@ def load_profile_for(path: str | Path, model: ModelSpec, tensor_parallel: int) -
 def calibrate(rows: Sequence[dict[str, Any]], model: ModelSpec, tensor_parallel: int = 1,
               block_size: int = 16, source: str = "",
               sharpness: float | Sequence[float] | None = None,
-              num_sms: int | None = None) -> HardwareProfile:
+              num_sms: int | None = None,
+              steps: Sequence[tuple[StepShape, float]] = (),
+              statistic: str = "median_s",
+              attention_tile: int = ATTENTION_TILE) -> HardwareProfile:
     """Fit a profile to CSV rows (``read_profile_csv``), holding out half the shapes.
 
     ``num_sms``: the profiled GPU's SM count (decode attention waves); None (a CPU, or
     unknown) runs every decode thread block in one wave. It is saved with the profile so that
     the cost model decomposes steps exactly as the fit did.
+
+    ``attention_tile``: the query tile prefill attention runs in (``StepDecomposer``; 1 for
+    untiled attention, e.g. the real executor's torch kernels on a CPU); saved like ``num_sms``.
+
+    ``statistic``: the timing column fitted, ``median_s`` (robust to outliers) or ``mean_s``
+    (what a simulated clock that sums step times needs when step times are skewed by
+    interference: on a shared CPU host the mean runs 1 to 3% above the median).
+
+    ``steps``: (shape, measured seconds) of steps recorded in serving runs
+    (``executors.recording``), fitted alongside the rows: every other step in recorded order,
+    the rest held out (``mape_steps_heldout_pct``, ``busy_steps_heldout_pct``: the summed
+    time's error). A profile measures each shape in isolation; in a serving run the steps
+    follow the scheduler's host work, which on a CPU device evicts the step's working set from
+    the core's caches (docs/calibration.md, "CPU validation"), and only such steps show it.
     """
-    dec = StepDecomposer(model, tensor_parallel, block_size, num_sms)
+    try:
+        dec = StepDecomposer(model, tensor_parallel, block_size, num_sms,
+                             attention_tile=attention_tile)
+    except ValueError as e:
+        raise ConfigError("attention_tile", str(e)) from None
     drivers = [dec.drivers(shape_from_row(r, f"row {i}").shape()) for i, r in enumerate(rows)]
-    y = np.array([float(r["median_s"]) for r in rows])
+    if statistic not in ("median_s", "mean_s"):
+        raise ConfigError("statistic", f"must be median_s or mean_s, got {statistic!r}")
+    y = np.array([float(r[statistic]) for r in rows])
+    if np.any(~(y > 0)):
+        raise ConfigError(f"profile.{statistic}", "every row needs a time > 0")
     fit_idx, held_idx = split_rows(rows)
     if not held_idx:
         fit_idx = held_idx = list(range(len(rows)))  # a single shape: nothing to hold out
-    f = fit_coefficients([drivers[i] for i in fit_idx], y[fit_idx], sharpness)
+    step_drivers = [dec.drivers(shape) for shape, _ in steps]
+    step_y = np.array([float(t) for _, t in steps])
+    if np.any(~(step_y > 0)):
+        raise ValueError("recorded step times must be > 0")
+    step_fit = list(range(0, len(steps), 2))
+    step_fit = step_fit[::-(-len(step_fit) // MAX_FIT_STEPS)] if step_fit else step_fit
+    step_held = list(range(1, len(steps), 2)) or step_fit
+    rows_x = [drivers[i] for i in fit_idx]
+    f = fit_coefficients(rows_x, y[fit_idx], sharpness)
+    if steps:
+        # Steps are single noisy measurements, fitted at their mean (the simulated clock sums
+        # them): absolute residuals over the rows-only fit's prediction, least squares.
+        steps_x = [step_drivers[i] for i in step_fit]
+        guess = predict(f.coefficients, steps_x)
+        f = fit_coefficients(rows_x + steps_x, np.concatenate([y[fit_idx], step_y[step_fit]]),
+                             sharpness, scale=np.concatenate([y[fit_idx], guess]),
+                             loss="linear")
     pred = predict(f.coefficients, drivers)
     first = rows[0]
+    fit = {"rows_fit": len(fit_idx), "rows_heldout": len(held_idx),
+           "mape_fit_pct": round(mape(pred[fit_idx], y[fit_idx]), 3),
+           "mape_heldout_pct": round(mape(pred[held_idx], y[held_idx]), 3),
+           "num_sms": num_sms, "attention_tile": attention_tile, "statistic": statistic}
+    if steps:
+        sp = predict(f.coefficients, [step_drivers[i] for i in step_held])
+        sy = step_y[step_held]
+        fit.update({"steps_fit": len(step_fit), "steps_heldout": len(step_held),
+                    "mape_steps_heldout_pct": round(mape(sp, sy), 3),
+                    "busy_steps_heldout_pct": round(float(100.0 * (sp.sum() / sy.sum() - 1.0)), 3)})
     return HardwareProfile(
         model=model.name, device=str(first.get("device", "")), dtype=str(first.get("dtype", "")),
-        tensor_parallel=tensor_parallel, coefficients=f.coefficients,
-        fit={"rows_fit": len(fit_idx), "rows_heldout": len(held_idx),
-             "mape_fit_pct": round(mape(pred[fit_idx], y[fit_idx]), 3),
-             "mape_heldout_pct": round(mape(pred[held_idx], y[held_idx]), 3),
-             "num_sms": num_sms},
-        source=source)
+        tensor_parallel=tensor_parallel, coefficients=f.coefficients, fit=fit, source=source)

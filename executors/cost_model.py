@@ -35,6 +35,7 @@ import numpy as np
 from executors.base import EXECUTORS, Executor
 from executors.network import load_network
 from executors.step_terms import (
+    ATTENTION_TILE,
     Coefficients,
     StepBreakdown,
     StepDecomposer,
@@ -107,7 +108,7 @@ class RooflineCostModel(Executor):
     def __init__(self, model: ModelSpec, hardware: HardwareSpec, tensor_parallel: int = 1,
                  config: CostModelConfig | None = None, block_size: int = 16,
                  coefficients: Coefficients | None = None, num_sms: int | None = -1,
-                 pipeline_parallel: int = 1) -> None:
+                 pipeline_parallel: int = 1, attention_tile: int = ATTENTION_TILE) -> None:
         require(tensor_parallel >= 1, "cluster.tensor_parallel", f"must be >= 1, got {tensor_parallel}")
         require(pipeline_parallel >= 1, "cluster.pipeline_parallel",
                 f"must be >= 1, got {pipeline_parallel}")
@@ -125,7 +126,8 @@ class RooflineCostModel(Executor):
         # num_sms: the hardware's unless a fitted profile says what it was fitted with.
         sms = hardware.num_sms if num_sms == -1 else num_sms
         self.decomposer = StepDecomposer(model, tensor_parallel, block_size, sms,
-                                         c.attention_ctas_per_sm, pipeline_parallel)
+                                         c.attention_ctas_per_sm, pipeline_parallel,
+                                         attention_tile)
         ce = c.compute_efficiency or hardware.compute_efficiency
         me = c.memory_efficiency or hardware.memory_efficiency
         bw = hardware.memory_bandwidth_gbps * 1e9 * me  # achievable bytes/s
@@ -300,8 +302,12 @@ class RooflineCostModel(Executor):
                                         2 * dec._heads * m.head_dim * dec._ab, float(L))
         c_flops, L, c_kv, c_q, kernels = k
         c = self.coefficients
-        flops = c_flops * s.prefill_prefix_pairs
-        diag = c_flops * s.prefill_diag_pairs
+        if self.decomposer.attention_tile == 1:  # torch reference attention: no query tiles
+            prefix, diag_pairs = s.prefill_prefix_pairs_exact, s.prefill_diag_pairs_exact
+        else:
+            prefix, diag_pairs = s.prefill_prefix_pairs, s.prefill_diag_pairs
+        flops = c_flops * prefix
+        diag = c_flops * diag_pairs
         nbytes = L * (c_kv * s.prefill_kv_tokens + c_q * s.prefill_q_tokens)
         return knee(c.s_per_attn_flop * flops + c.s_per_diag_flop * diag,
                     c.s_per_kv_byte * nbytes, sharpness=c.sharpness) + (
@@ -378,6 +384,8 @@ def build_cost_model(model: ModelSpec, hardware: HardwareSpec, tensor_parallel: 
         return RooflineCostModel(model, hardware, tensor_parallel, cfg, block_size=block_size,
                                  coefficients=prof.coefficients,
                                  num_sms=prof.fit.get("num_sms", hardware.num_sms),
-                                 pipeline_parallel=pipeline_parallel)
+                                 pipeline_parallel=pipeline_parallel,
+                                 attention_tile=int(prof.fit.get("attention_tile",
+                                                                 ATTENTION_TILE)))
     return RooflineCostModel(model, hardware, tensor_parallel, cfg, block_size=block_size,
                              pipeline_parallel=pipeline_parallel)

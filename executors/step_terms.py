@@ -28,6 +28,10 @@ from sim.specs import ModelSpec
 #: 64 (or 128) query rows, so a prefill chunk costs whole tiles: Vidur's A100 prefill profile
 #: steps every 64 tokens (e.g. chunks of 160 and 192 tokens take the same time).
 ATTENTION_TILE = 64
+#: Query tiles a ``StepDecomposer`` can price prefill attention in: ``ATTENTION_TILE`` (GPU
+#: kernels) or 1 (no tiles: torch's reference attention on a CPU computes each row's exact
+#: chunk x context score matrix, so a 65-token prompt costs 65 x 65, not 128 x 128, pairs).
+ATTENTION_TILES = (ATTENTION_TILE, 1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +51,8 @@ class StepShape:
     num_decode: int = 0  # decode rows (one query over a non-empty cache)
     swap_out_blocks: int = 0
     swap_in_blocks: int = 0
+    prefill_prefix_pairs_exact: int = 0  # as prefill_prefix_pairs, chunk not padded (tile 1)
+    prefill_diag_pairs_exact: int = 0  # chunk x chunk, not padded (tile 1)
 
 
 def step_shape(plan: StepPlan) -> StepShape:
@@ -57,10 +63,12 @@ def step_shape(plan: StepPlan) -> StepShape:
     chunk squared (``prefill_diag_pairs``). Kernels work in whole tiles along the causal
     diagonal, torch's reference attention computes the masked score matrix in full, and Vidur's
     measured A100 profile tracks the square, not the triangle; the diagonal is kept apart
-    because masked tiles run at their own rate (docs/calibration.md).
+    because masked tiles run at their own rate (docs/calibration.md). The ``*_exact`` pairs
+    are the same without padding, for a decomposer with ``attention_tile=1``.
     """
     n_tokens = n_sampled = prefix = diag = pf_kv = pf_q = n_pf = dec_ctx = dec_max = n_dec = 0
     n_rows = 0
+    prefix_exact = diag_exact = 0
     tile = ATTENTION_TILE
     for s in plan.parts:
         if isinstance(s, DecodeBlock):  # decode rows as columns (sim/decode_run.py)
@@ -87,11 +95,14 @@ def step_shape(plan: StepPlan) -> StepShape:
             padded = -(-n // tile) * tile
             prefix += padded * s.start_position
             diag += padded * padded
+            prefix_exact += n * s.start_position
+            diag_exact += n * n
             pf_kv += s.start_position + n
             pf_q += n
             n_pf += 1
     return StepShape(n_tokens, n_sampled, n_rows, prefix, diag, pf_kv, pf_q, n_pf,
-                     dec_ctx, dec_max, n_dec, len(plan.swap_out), len(plan.swap_in))
+                     dec_ctx, dec_max, n_dec, len(plan.swap_out), len(plan.swap_in),
+                     prefix_exact, diag_exact)
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,11 +156,18 @@ class StepDecomposer:
     merges the pieces); otherwise a block reads one sequence's whole KV for its head. Blocks
     run in waves of ``slots``: a wave with few blocks is bound by one block's streaming rate, a
     full one by HBM. ``num_sms=None`` (e.g. a CPU) runs every block in one wave.
+
+    Prefill attention is priced over query tiles of ``attention_tile`` rows (one of
+    ``ATTENTION_TILES``): ``ATTENTION_TILE`` for GPU kernels, 1 where attention runs untiled.
     """
 
     def __init__(self, model: ModelSpec, tensor_parallel: int = 1, block_size: int = 16,
                  num_sms: int | None = None, ctas_per_sm: int = 2,
-                 pipeline_parallel: int = 1) -> None:
+                 pipeline_parallel: int = 1, attention_tile: int = ATTENTION_TILE) -> None:
+        if attention_tile not in ATTENTION_TILES:
+            raise ValueError(f"attention_tile must be one of {ATTENTION_TILES}, got "
+                             f"{attention_tile}")
+        self.attention_tile = attention_tile
         t, m = tensor_parallel, model
         # Layers a batch crosses: under pipeline parallelism every stage counts as its largest
         # (ceil) share, since stages run in lockstep.
@@ -218,8 +236,12 @@ class StepDecomposer:
             out["linear_bytes"] = L * (self._lin_weight_bytes + n * self._lin_act_bytes_per_token)
             if s.num_prefill:
                 out["prefill_kernels"] = float(L)
-                out["prefill_flops"] = L * 4.0 * hq * d * s.prefill_prefix_pairs
-                out["prefill_diag_flops"] = L * 4.0 * hq * d * s.prefill_diag_pairs
+                if self.attention_tile == 1:
+                    prefix, diag = s.prefill_prefix_pairs_exact, s.prefill_diag_pairs_exact
+                else:
+                    prefix, diag = s.prefill_prefix_pairs, s.prefill_diag_pairs
+                out["prefill_flops"] = L * 4.0 * hq * d * prefix
+                out["prefill_diag_flops"] = L * 4.0 * hq * d * diag
                 out["prefill_bytes"] = L * (2 * kvw * kvb * s.prefill_kv_tokens
                                             + 2 * hq * d * ab * s.prefill_q_tokens)
             if s.num_decode:

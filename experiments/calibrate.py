@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from executors.calibration import calibrate, read_profile_csv, save_profile
+from executors.step_terms import ATTENTION_TILE
 from sim.errors import ConfigError
 from sim.specs import CONF_DIR, load_hardware_spec, load_model_spec
 from workloads.base import resolve_path
@@ -36,10 +37,22 @@ def _num_sms(value: str, rows: list[dict]) -> int | None:
     return None
 
 
+def _attention_tile(value: str, rows: list[dict]) -> int:
+    """The query tile the fit prices prefill attention in (``StepDecomposer``)."""
+    if value:
+        try:
+            return int(value)
+        except ValueError:
+            raise ConfigError("attention_tile", f"must be an integer, got {value!r}") from None
+    return 1 if str(rows[0].get("device", "")) == "cpu" else ATTENTION_TILE
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``key=value`` overrides: ``profile_csv`` (required), ``out``, ``block_size``,
-    ``num_sms`` (default: the hardware config named by the rows' ``device``, else none)."""
-    cfg = {"profile_csv": "", "out": "", "block_size": "16", "num_sms": ""}
+    ``num_sms`` (default: the hardware config named by the rows' ``device``, else none),
+    ``attention_tile`` (default: 1 for rows measured on ``device`` cpu, whose torch attention
+    is untiled, else ``ATTENTION_TILE``)."""
+    cfg = {"profile_csv": "", "out": "", "block_size": "16", "num_sms": "", "attention_tile": ""}
     for arg in sys.argv[1:] if argv is None else argv:
         key, sep, value = arg.partition("=")
         if not sep or key not in cfg:
@@ -59,7 +72,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                               f"tensor_parallel {sorted(tps)}; fit one at a time")
         model = load_model_spec(names.pop())
         prof = calibrate(rows, model, tps.pop(), int(cfg["block_size"]), source=str(csv),
-                         num_sms=_num_sms(cfg["num_sms"], rows))
+                         num_sms=_num_sms(cfg["num_sms"], rows),
+                         attention_tile=_attention_tile(cfg["attention_tile"], rows))
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2

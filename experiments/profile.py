@@ -22,7 +22,7 @@ from __future__ import annotations
 import itertools
 import logging
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -203,7 +203,8 @@ def timing_row(shape: ShapeSpec, warmup: int, times: Sequence[float]) -> dict[st
 
 
 def profile_executor(executor: Executor, model: ModelSpec, grid: ProfileGrid, block_size: int,
-                     meta: dict[str, Any], seed: int = 0) -> list[dict[str, Any]]:
+                     meta: dict[str, Any], seed: int = 0,
+                     after_round: Callable[[int], None] | None = None) -> list[dict[str, Any]]:
     """Measure every shape of ``grid``; rows in ``PROFILE_COLUMNS`` order.
 
     ``grid.order="rounds"`` (the default) measures in rounds, each visiting every shape once
@@ -213,6 +214,10 @@ def profile_executor(executor: Executor, model: ModelSpec, grid: ProfileGrid, bl
     measured step follows steps like itself, as in a serving run (a small step right after a
     large one runs with cold caches: ~30% slower for the tiny model on a CPU). ``"grouped"``
     runs each shape's warm-ups then its repeats back to back.
+
+    ``after_round(r)`` (rounds only) is called after round r = 1..repeats: other measurements
+    interleaved with the rounds sample the same states of a shared host as the profile
+    (``experiments/validate.py`` runs the real executor's serving runs there).
     """
     shapes = grid.shapes(model.max_model_len)
     require(bool(shapes), "profile", "no shape of the grid fits model.max_model_len")
@@ -228,6 +233,8 @@ def profile_executor(executor: Executor, model: ModelSpec, grid: ProfileGrid, bl
             for i in rng.permutation(len(shapes)):
                 times[i] += prof.visit(shapes[i], grid.warmup, 1)
             log.info("round %d/%d", r + 1, grid.repeats)
+            if after_round is not None:
+                after_round(r + 1)
         timings = [timing_row(s, grid.warmup, t) for s, t in zip(shapes, times)]
     rows = []
     for i, (shape, timing) in enumerate(zip(shapes, timings)):

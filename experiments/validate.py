@@ -1,24 +1,41 @@
 """Validate the calibrated cost model against the real executor on one workload and policy.
 
     python -m experiments.validate                                  # fcfs, tiny model, CPU
-    python -m experiments.validate validate.profile=outputs/tiny_cpu.yaml
-    python -m experiments.validate -m policy=fcfs policy.chunked_prefill=true,false
-    python -m experiments.validate kv.num_gpu_blocks=48              # preemption-heavy
+    python -m experiments.validate -m policy=fcfs,chunked_prefill,sjf
+    python -m experiments.validate kv.num_gpu_blocks=64              # preemption-heavy
+    python -m experiments.validate validate.profile=outputs/tiny_cpu.yaml validate.interleave=false
 
-1. Runs the workload through the real executor (``executor=real``, ``conf/validate.yaml``),
-   recording every step (``executors/recording.py``).
-2. Fits a hardware profile on the fly (profiles the same real executor over ``profile``, the
-   grid, then ``executors.calibration.calibrate``), unless ``validate.profile`` names one.
-3. Runs the same workload through ``executor=cost_model executor.profile=<file>`` with the real
-   run's KV pool sizes: a free simulation, whose schedule may diverge from the real one.
-4. Replays the recorded steps through the same cost model with the schedule held fixed: per-step
-   error and the latencies of the real schedule under predicted step times.
+1. Profiles the real executor over ``profile`` (the grid, in shuffled rounds), unless
+   ``validate.profile`` names a fitted profile.
+2. Between the profile's rounds (``validate.interleave``, so that on a shared host the profile
+   and the runs sample the same machine states), runs the workload through the real executor
+   (``executor=real``, ``conf/validate.yaml``) ``validate.real_repeats`` times, recording every
+   step (``executors/recording.py``), alternating with ``validate.calibration_runs`` recorded
+   runs under other seeds. The comparison uses each statistic's median over the real runs and
+   reports their range: measured step times drive a real run's clock, so each run's schedule
+   and latencies differ, and near saturation the queue amplifies a few percent of step-time
+   noise into tens of percent of latency.
+3. Fits the profile rows (``executors.calibration.calibrate``), then refits them with the
+   calibration runs' steps (``calibrate(steps=...)``, fitted at their mean): a serving run's
+   steps carry what isolated shapes cannot (host work between steps, step history).
+4. Runs the workload through ``executor=cost_model executor.profile=<file>`` with the real
+   runs' KV pool sizes (a free simulation, whose schedule may diverge from the real ones), with
+   the refitted profile (``sim``) and the profile alone (``sim_profile``).
+5. Replays each real run's recorded steps through the cost model with the schedule held fixed:
+   per-step error and the latencies of the real schedule under predicted step times.
 
-Writes into the Hydra folder: ``validation.csv`` (metric, statistic, real, simulated, replayed,
-relative errors), ``validation.json`` (that plus the step-time figures), ``validation.html``
-(the CDFs overlaid, predicted vs measured step times), and ``real/``, ``sim/`` (each run's
-``requests.csv``, ``steps.csv``, ``summary.json``), plus ``profile.csv`` and
-``hardware_profile.yaml`` when profiled here. Prints the table.
+``validate.pin_cpu`` pins the process to one core while it profiles and runs the real executor
+(no migration between cores' private caches). ``validate.policy_overrides.<policy name>`` holds
+the policy settings the validation workload needs (a chunk budget that makes
+``chunked_prefill`` chunk these short prompts); they are merged into ``policy``.
+
+Writes into the Hydra folder: ``validation.csv`` (metric, statistic, real median and range,
+simulated, replayed, relative errors), ``validation.json`` (that plus each run's and the
+step-time figures), ``validation.html`` (the CDFs overlaid, predicted vs measured step times),
+``replay_steps.csv``, and ``real/``, ``real_2/``..., ``calibration/``..., ``sim/``,
+``sim_profile/`` (each run's ``requests.csv``, ``steps.csv``, ``summary.json``), plus
+``profile.csv``, ``hardware_profile.yaml`` and ``hardware_profile_serving.yaml``. Prints the
+table.
 """
 
 from __future__ import annotations
@@ -26,7 +43,10 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import os
 import sys
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,6 +55,7 @@ import numpy as np
 import yaml
 
 from executors.recording import RecordingExecutor, Replay, replay
+from executors.step_terms import ATTENTION_TILE
 from sim.errors import ConfigError, require
 from sim.metrics import latency_stats
 
@@ -44,18 +65,26 @@ ROOT = Path(__file__).resolve().parent.parent
 METRICS = (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2el", "E2E"))
 STATS = (("mean", "mean"), ("median", "p50"), ("p90", "p90"), ("p99", "p99"))
 THROUGHPUTS = ("request_throughput", "output_throughput")
-OPTIONS = {"profile", "replay", "cost_model", "seed_profile"}
+RUN_KEYS = ("num_steps", "num_preemptions", "simulated_duration_s", "wall_time_s",
+            "median_ttft_ms", "p90_ttft_ms", "median_tpot_ms", "p90_tpot_ms", "median_e2el_ms",
+            "p90_e2el_ms")
+OPTIONS = {"profile", "replay", "cost_model", "seed_profile", "real_repeats", "pin_cpu",
+           "policy_overrides", "calibration_runs", "interleave", "fit_statistic"}
+#: ``validate.calibration_runs``: the i-th runs the workload with seed ``seed + this + i``.
+CALIBRATION_SEED_OFFSET = 1000
 
 
 @dataclass
 class ValidationResult:
     rows: list[dict[str, Any]]  # one per (metric, statistic) and throughput
-    real: dict[str, Any]  # summaries
+    real: dict[str, Any]  # each numeric summary key's median over the real runs
     sim: dict[str, Any]
-    replayed: dict[str, Any] | None
-    replay: Replay | None
+    replayed: dict[str, Any] | None  # each key's median over the replayed runs
+    replay: Replay | None  # every run's steps pooled (step-time figures)
     profile_path: Path
     profile_fit: dict[str, Any] = field(default_factory=dict)
+    real_runs: list[dict[str, Any]] = field(default_factory=list)  # each real run's summary
+    replays: list[Replay] = field(default_factory=list)  # each real run's replay
 
     def error(self, metric: str, stat: str, kind: str = "sim") -> float:
         """Relative error in percent (``kind``: sim or replay) of one table row."""
@@ -98,35 +127,71 @@ def _rel(pred: float, ref: float) -> float:
     return 100.0 * (pred / ref - 1.0) if ref else float("nan")
 
 
-def error_table(real: dict[str, Any], sim: dict[str, Any],
-                replayed: dict[str, Any] | None) -> list[dict[str, Any]]:
-    """Rows (metric, stat, real, sim, sim_err_pct, replay, replay_err_pct); latencies in ms."""
+def median_summary(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One summary of several runs: every numeric key's median (others from the first run).
+    Each statistic is a median on its own: the result need not be any one run's summary."""
+    out = dict(runs[0])
+    for key, value in runs[0].items():
+        values = [r.get(key) for r in runs]
+        if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+            out[key] = float(np.median(values))
+    return out
+
+
+def error_table(real: dict[str, Any], sim: dict[str, Any], replayed: dict[str, Any] | None,
+                real_runs: Sequence[dict[str, Any]] = (),
+                replayed_runs: Sequence[dict[str, Any]] = ()) -> list[dict[str, Any]]:
+    """Rows (metric, stat, real, real_min, real_max, sim, sim_err_pct, replay, replay_err_pct);
+    latencies in ms. ``real`` is the reference (the runs' median, ``median_summary``);
+    ``real_min`` / ``real_max`` are the range over ``real_runs`` (``real`` itself without
+    them). ``replay_err_pct`` is the median over runs of each replay against its own run when
+    ``replayed_runs`` (one per real run) is given, else ``replayed`` against ``real``."""
+    if replayed_runs and len(replayed_runs) != len(real_runs):
+        raise ValueError(f"{len(replayed_runs)} replayed runs for {len(real_runs)} real runs")
     rows = []
     keys = [(label, s_label, f"{s}_{m}_ms") for m, label in METRICS for s, s_label in STATS]
     keys += [(t, "", t) for t in THROUGHPUTS]
     for metric, stat, key in keys:
-        row = {"metric": metric, "stat": stat, "real": real[key], "sim": sim[key],
-               "sim_err_pct": _rel(sim[key], real[key])}
+        values = [float(r[key]) for r in real_runs] or [float(real[key])]
+        row = {"metric": metric, "stat": stat, "real": real[key], "real_min": min(values),
+               "real_max": max(values), "sim": sim[key], "sim_err_pct": _rel(sim[key], real[key])}
         if replayed is not None:
             row["replay"] = replayed[key]
-            row["replay_err_pct"] = _rel(replayed[key], real[key])
+            if replayed_runs:
+                row["replay_err_pct"] = float(np.median(
+                    [_rel(p[key], r[key]) for p, r in zip(replayed_runs, real_runs)]))
+            else:
+                row["replay_err_pct"] = _rel(replayed[key], real[key])
         rows.append(row)
     return rows
 
 
+def spread_pct(row: dict[str, Any]) -> float:
+    """The real runs' range (max - min) relative to their median, in percent."""
+    return 100.0 * (row["real_max"] - row["real_min"]) / row["real"] if row["real"] else 0.0
+
+
 def format_table(result: ValidationResult) -> str:
     has_replay = result.replayed is not None
-    head = f"{'metric':<20} {'stat':<5} {'real':>10} {'sim':>10} {'err%':>7}"
+    n = max(1, len(result.real_runs))
+    head = f"{'metric':<20} {'stat':<5} {'real':>10} {'spread%':>7} {'sim':>10} {'err%':>7}"
     if has_replay:
         head += f" {'replay':>10} {'err%':>7}"
     lines = [head]
     for r in result.rows:
-        line = (f"{r['metric']:<20} {r['stat']:<5} {r['real']:>10.2f} {r['sim']:>10.2f} "
-                f"{r['sim_err_pct']:>+7.1f}")
+        line = (f"{r['metric']:<20} {r['stat']:<5} {r['real']:>10.2f} {spread_pct(r):>7.1f} "
+                f"{r['sim']:>10.2f} {r['sim_err_pct']:>+7.1f}")
         if has_replay:
             line += f" {r['replay']:>10.2f} {r['replay_err_pct']:>+7.1f}"
         lines.append(line)
     lines.append("(latencies in ms, throughputs per second; err% = simulated / real - 1)")
+    if "sim_profile" in result.rows[0]:
+        lines.append("profile only (before the refit with serving steps), err%: " + ", ".join(
+            f"{r['metric']} {r['stat']} {r['sim_profile_err_pct']:+.1f}" for r in result.rows
+            if r["stat"] in ("p50", "p90")))
+    if n > 1:
+        lines.append(f"real: median of {n} runs; spread% = (max - min) / median over the runs; "
+                     f"replay err%: median over the runs of each replay vs its own run")
     if result.replay is not None:
         rp = result.replay
         lines.append(f"replay: {len(rp.measured)} steps, step-time MAPE {rp.step_mape():.2f}%, "
@@ -136,6 +201,10 @@ def format_table(result: ValidationResult) -> str:
     if f:
         lines.append(f"profile {result.profile_path}: held-out step-time MAPE "
                      f"{f.get('mape_heldout_pct')}% ({f.get('rows_heldout')} shapes)")
+    if f and f.get("steps_heldout"):
+        lines.append(f"  refitted with serving steps: held-out steps MAPE "
+                     f"{f['mape_steps_heldout_pct']}%, busy {f['busy_steps_heldout_pct']:+}% "
+                     f"({f['steps_heldout']} steps)")
     return "\n".join(lines)
 
 
@@ -146,7 +215,67 @@ def _options(cfg: dict[str, Any]) -> dict[str, Any]:
     if unknown:
         raise ConfigError(f"validate.{unknown[0]}",
                           f"unknown option; known: {', '.join(sorted(OPTIONS))}")
+    for key, lo in (("real_repeats", 1), ("calibration_runs", 0)):
+        n = opts.get(key, lo)
+        require(isinstance(n, int) and not isinstance(n, bool) and n >= lo,
+                f"validate.{key}", f"must be an integer >= {lo}, got {n!r}")
+    require(opts.get("fit_statistic", "median") in ("median", "mean"), "validate.fit_statistic",
+            f"must be median or mean, got {opts.get('fit_statistic')!r}")
+    require(isinstance(opts.get("interleave", False), bool), "validate.interleave",
+            f"must be true or false, got {opts.get('interleave')!r}")
+    pin = opts.get("pin_cpu")
+    require(pin is None or (isinstance(pin, int) and not isinstance(pin, bool) and pin >= 0),
+            "validate.pin_cpu", f"must be a core number >= 0 or null, got {pin!r}")
     return opts
+
+
+def apply_policy_overrides(cfg: dict[str, Any], overrides: dict[str, Any] | None) -> None:
+    """Merge ``validate.policy_overrides[<policy name>]`` into ``cfg["policy"]``.
+
+    A key the command line also changed (its value differs from ``conf/policy/<name>.yaml``)
+    is an error, not silently replaced: set it through ``validate.policy_overrides`` instead.
+    """
+    from policies.base import POLICIES
+
+    for name, table in (overrides or {}).items():
+        try:
+            POLICIES.get(str(name))
+        except KeyError as e:
+            raise ConfigError(f"validate.policy_overrides.{name}", str(e.args[0])) from None
+        require(isinstance(table, dict), f"validate.policy_overrides.{name}",
+                f"must be a mapping of policy keys, got {table!r}")
+    policy = cfg["policy"]
+    name = str(policy.get("name"))
+    table = (overrides or {}).get(name) or {}
+    if not table:
+        return
+    path = ROOT / "conf" / "policy" / f"{name}.yaml"
+    defaults = yaml.safe_load(path.read_text()) if path.exists() else {}
+    for key, value in table.items():
+        field_name = f"validate.policy_overrides.{name}.{key}"
+        require(key in policy, field_name, f"policy {name} has no key {key!r}")
+        require(key not in defaults or policy[key] == defaults[key] or policy[key] == value,
+                f"policy.{key}", f"set to {policy[key]!r} on the command line, but "
+                f"{field_name}={value!r} would replace it: set {field_name} instead")
+        policy[key] = value
+
+
+@contextmanager
+def pinned_to(core: int | None) -> Iterator[None]:
+    """Run the body on one core only (``os.sched_setaffinity``), then restore the affinity."""
+    if core is None:
+        yield
+        return
+    if not hasattr(os, "sched_setaffinity"):
+        raise ConfigError("validate.pin_cpu", "this platform has no os.sched_setaffinity")
+    before = os.sched_getaffinity(0)
+    require(core in before, "validate.pin_cpu",
+            f"core {core} is not one this process may run on: {sorted(before)}")
+    os.sched_setaffinity(0, {core})
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
 
 
 def _sim_cfg(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -166,8 +295,12 @@ def cost_model_section(profile: Path, overrides: dict[str, Any] | None) -> dict[
     return section
 
 
-def fit_profile_here(cfg: dict[str, Any], out_dir: Path) -> tuple[Path, dict[str, Any]]:
-    """Profile the configured (real) executor over ``profile`` and fit; returns the profile."""
+def fit_profile_here(cfg: dict[str, Any], out_dir: Path, statistic: str = "median_s",
+                     after_round: Callable[[int, int], None] | None = None,
+                     ) -> tuple[Path, dict[str, Any]]:
+    """Profile the configured (real) executor over ``profile`` and fit ``statistic``; returns
+    the profile (its ``source`` is the profile CSV written beside it). ``after_round(r,
+    rounds)`` runs after each profile round (``validate.interleave``)."""
     from executors.calibration import calibrate, save_profile
     from experiments.profile import ProfileGrid, build_executor, profile_executor, write_csv
 
@@ -176,60 +309,198 @@ def fit_profile_here(cfg: dict[str, Any], out_dir: Path) -> tuple[Path, dict[str
     executor, model, meta = build_executor(sim_cfg)
     block_size = int(sim_cfg["kv"]["block_size"])
     seed = int((cfg.get("validate") or {}).get("seed_profile", 0))
-    rows = profile_executor(executor, model, grid, block_size, meta, seed)
+    hook = None
+    if after_round is not None:
+        require(grid.order == "rounds", "validate.interleave", "needs profile.order=rounds")
+
+        def hook(r: int) -> None:
+            after_round(r, grid.repeats)
+    rows = profile_executor(executor, model, grid, block_size, meta, seed, hook)
     csv = write_csv(rows, out_dir / "profile.csv")
     tp = int(sim_cfg.get("cluster", {}).get("tensor_parallel", 1))
-    prof = calibrate(rows, model, tp, block_size, source=str(csv))
+    prof = calibrate(rows, model, tp, block_size, source=str(csv), statistic=statistic,
+                     attention_tile=getattr(executor, "attention_tile", ATTENTION_TILE))
     path = save_profile(prof, out_dir / "hardware_profile.yaml")
     return path, prof.fit
 
 
-def validate(cfg: dict[str, Any], out_dir: Path) -> ValidationResult:
-    """Real run (recorded), profile (given or fitted here), simulated run, replay."""
-    from executors.calibration import load_profile
+def serving_steps(steps: Sequence[Any]) -> list[tuple[Any, float]]:
+    """(shape, seconds) of recorded steps the fit can use: steps that run rows and move no KV
+    between pools (swap copies are priced from the spec, not fitted)."""
+    return [(s.shape, s.duration) for s in steps
+            if s.shape.num_rows and not (s.shape.swap_out_blocks or s.shape.swap_in_blocks)]
+
+
+def refit_on_serving_steps(base: dict[str, Any], profile_path: Path, out_dir: Path,
+                           recorded: Sequence[tuple[Any, list]], statistic: str,
+                           ) -> tuple[Path, dict[str, Any]]:
+    """Refit the profile's rows together with the steps of ``recorded`` calibration runs
+    (``executors.calibration.calibrate(steps=...)``); returns
+    ``hardware_profile_serving.yaml``."""
+    from executors.calibration import calibrate, load_profile, read_profile_csv, save_profile
+    from sim.specs import model_spec_from
+
+    given = load_profile(profile_path)
+    source = Path(given.source or "")
+    if not source.is_file():
+        raise ConfigError("validate.calibration_runs", f"refitting needs the profile's rows, but "
+                          f"{profile_path} names no readable source CSV ({str(source)!r})")
+    rows = read_profile_csv(source)
+    steps = [st for _, rec in recorded for st in serving_steps(rec)]
+    model = model_spec_from(dict(base["model"]), "model config")
+    tp = int(base.get("cluster", {}).get("tensor_parallel", 1))
+    prof = calibrate(rows, model, tp, int(base["kv"]["block_size"]), source=str(source),
+                     steps=steps, statistic=statistic,
+                     # The knee the rows chose: the steps adjust prices, not the roofline shape.
+                     sharpness=given.coefficients.sharpness,
+                     attention_tile=int(given.fit.get("attention_tile", ATTENTION_TILE)))
+    path = save_profile(prof, out_dir / "hardware_profile_serving.yaml")
+    log.info("refitted on %d profile rows and %d serving steps: %s", len(rows), len(steps),
+             prof.fit)
+    return path, prof.fit
+
+
+def real_run(cfg: dict[str, Any], out_dir: Path) -> tuple[Any, list]:
+    """One recorded run of the real executor (a fresh one): the result (with its requests)
+    and the recorded steps; outputs in ``out_dir``."""
     from sim.simulation import Simulation
 
+    sim = Simulation(cfg, out_dir, keep_requests=True)
+    recorder = RecordingExecutor(sim.executor)
+    sim.replace_executor(recorder)
+    res = sim.run()
+    log.info("%s: %d steps in %.2f s simulated, E2E p50 %.1f ms", out_dir.name,
+             len(recorder.steps), res.summary["simulated_duration_s"],
+             res.summary["median_e2el_ms"])
+    return res, recorder.steps
+
+
+class RunSchedule:
+    """The recorded runs of one validation: ``calibration_runs`` under other seeds
+    (``seed + CALIBRATION_SEED_OFFSET + i``: other arrivals and prompts) and ``real_repeats``
+    of the validated workload, alternating, in ``calibration/``, ``calibration_2/``... and
+    ``real/``, ``real_2/``... ``run_after(r, rounds)`` runs those due after profile round r
+    of ``rounds`` (spread evenly over the rounds); ``run_rest()`` any left."""
+
+    def __init__(self, base: dict[str, Any], out_dir: Path, repeats: int,
+                 calibration: int) -> None:
+        seed = int(base.get("seed", 0))
+        cal = [("calibration", i, {**base, "seed": seed + CALIBRATION_SEED_OFFSET + i})
+               for i in range(calibration)]
+        real = [("real", i, base) for i in range(repeats)]
+        self.jobs = [job for pair in zip(cal, real) for job in pair]
+        self.jobs += cal[len(real):] + real[len(cal):]
+        self.out_dir = out_dir
+        self.done: dict[str, list[tuple[Any, list]]] = {"calibration": [], "real": []}
+
+    def _run(self, k: int) -> None:
+        name, i, cfg = self.jobs[k]
+        self.done[name].append(real_run(cfg, self.out_dir / (name if i == 0
+                                                             else f"{name}_{i + 1}")))
+
+    def run_after(self, r: int, rounds: int) -> None:
+        n = len(self.jobs)
+        for k in range(n):
+            due = -(-(k + 1) * rounds // (n + 1))  # ceil((k + 1) rounds / (n + 1)), 1..rounds
+            if due == r and not self._is_done(k):
+                self._run(k)
+
+    def run_rest(self) -> None:
+        for k in range(len(self.jobs)):
+            if not self._is_done(k):
+                self._run(k)
+
+    def _is_done(self, k: int) -> bool:
+        name, i, _ = self.jobs[k]
+        return len(self.done[name]) > i
+
+
+def validate(cfg: dict[str, Any], out_dir: Path) -> ValidationResult:
+    """Real runs (recorded), profile (given or fitted here), simulated run, replays."""
     opts = _options(cfg)
     base = _sim_cfg(cfg)
+    apply_policy_overrides(base, opts.get("policy_overrides"))
     require(str(base["executor"].get("name")) == "real", "executor",
             "validate runs the real executor first: use executor=real (conf/validate.yaml)")
     out_dir.mkdir(parents=True, exist_ok=True)
+    with pinned_to(opts.get("pin_cpu")):
+        return _validate(cfg, base, opts, out_dir)
 
-    # The profile first: a profiling pass after the real run would measure a warmer process.
+
+def _validate(cfg: dict[str, Any], base: dict[str, Any], opts: dict[str, Any],
+              out_dir: Path) -> ValidationResult:
+    from executors.calibration import load_profile
+    from sim.simulation import Simulation
+
+    statistic = f"{opts.get('fit_statistic', 'median')}_s"
+    schedule = RunSchedule(base, out_dir, int(opts.get("real_repeats", 1)),
+                           int(opts.get("calibration_runs", 0)))
+    interleave = bool(opts.get("interleave", False))
+    # The profile first (or interleaved): a profiling pass after the real runs would measure
+    # a warmer process.
     if opts.get("profile"):
         from workloads.base import resolve_path
 
+        require(not interleave, "validate.interleave", "needs the profile measured here "
+                                                       "(validate.profile=null)")
         profile_path = resolve_path(str(opts["profile"]), "validate.profile")
         fit = load_profile(profile_path).fit
     else:
-        profile_path, fit = fit_profile_here(cfg, out_dir)
+        profile_path, fit = fit_profile_here(cfg, out_dir, statistic,
+                                             schedule.run_after if interleave else None)
+    schedule.run_rest()
+    runs = schedule.done["real"]
+    real = runs[0][0]
+    summaries = [r.summary for r, _ in runs]
 
-    real_sim = Simulation(base, out_dir / "real", keep_requests=True)
-    recorder = RecordingExecutor(real_sim.executor)
-    real_sim.replace_executor(recorder)
-    real = real_sim.run()
-    log.info("real run: %d steps in %.1f s simulated", len(recorder.steps),
-             real.summary["simulated_duration_s"])
+    def simulate(profile: Path, name: str) -> Simulation:
+        sim_cfg = copy.deepcopy(base)
+        sim_cfg["executor"] = cost_model_section(profile, opts.get("cost_model"))
+        # The same KV pools as the real run (the cost model's memory planner would size them
+        # from the hardware spec, not from the real executor's device and dtype).
+        sim_cfg["kv"] = {**sim_cfg["kv"], "num_gpu_blocks": real.memory.num_gpu_blocks,
+                         "num_cpu_blocks": real.memory.num_cpu_blocks}
+        return Simulation(sim_cfg, out_dir / name, keep_requests=True)
 
-    sim_cfg = copy.deepcopy(base)
-    sim_cfg["executor"] = cost_model_section(profile_path, opts.get("cost_model"))
-    # The same KV pools as the real run (the cost model's memory planner would size them from
-    # the hardware spec, not from the real executor's device and dtype).
-    sim_cfg["kv"] = {**sim_cfg["kv"], "num_gpu_blocks": real.memory.num_gpu_blocks,
-                     "num_cpu_blocks": real.memory.num_cpu_blocks}
-    simulated = Simulation(sim_cfg, out_dir / "sim", keep_requests=True)
+    profile_only = None
+    if schedule.done["calibration"]:
+        # The profile's own simulation too: what the serving steps changed.
+        profile_only = simulate(profile_path, "sim_profile").run().summary
+        profile_path, fit = refit_on_serving_steps(base, profile_path, out_dir,
+                                                   schedule.done["calibration"], statistic)
+    simulated = simulate(profile_path, "sim")
     sim = simulated.run()
 
-    rep = replayed = None
+    reps: list[Replay] = []
+    replayed_runs: list[dict[str, Any]] = []
     if opts.get("replay", True):
-        arrivals = {r.request_id: r.arrival_time for r in real.requests}
-        done = {r.request_id for r in real.requests if r.status.name == "FINISHED"}
-        rep = replay(recorder.steps, simulated.executor, arrivals)
-        replayed = replay_summary(rep, {k: arrivals[k] for k in done}, done)
-    rows = error_table(real.summary, sim.summary, replayed)
-    result = ValidationResult(rows, real.summary, sim.summary, replayed, rep, profile_path, fit)
+        for res, steps in runs:
+            arrivals = {r.request_id: r.arrival_time for r in res.requests}
+            done = {r.request_id for r in res.requests if r.status.name == "FINISHED"}
+            reps.append(replay(steps, simulated.executor, arrivals))
+            replayed_runs.append(replay_summary(reps[-1], {k: arrivals[k] for k in done}, done))
+    real_median = median_summary(summaries)
+    replayed = median_summary(replayed_runs) if replayed_runs else None
+    rows = error_table(real_median, sim.summary, replayed, summaries, replayed_runs)
+    if profile_only is not None:
+        for row, base_row in zip(rows, error_table(real_median, profile_only, None)):
+            row["sim_profile"] = base_row["sim"]
+            row["sim_profile_err_pct"] = base_row["sim_err_pct"]
+    result = ValidationResult(rows, real_median, sim.summary, replayed, pooled(reps),
+                              profile_path, fit, summaries, reps)
     write_outputs(result, out_dir, base)
     return result
+
+
+def pooled(reps: Sequence[Replay]) -> Replay | None:
+    """Every run's steps in one ``Replay`` (step-time figures; token times are per run)."""
+    if not reps:
+        return None
+    if len(reps) == 1:
+        return reps[0]
+    return Replay([s for r in reps for s in r.steps],
+                  np.concatenate([r.measured for r in reps]),
+                  np.concatenate([r.predicted for r in reps]))
 
 
 # ---- outputs ----------------------------------------------------------------------------------
@@ -241,6 +512,8 @@ def write_outputs(result: ValidationResult, out_dir: Path, cfg: dict[str, Any]) 
         "policy": result.real.get("policy"), "model": result.real.get("model"),
         "profile": str(result.profile_path), "profile_fit": result.profile_fit,
         "rows": result.rows,
+        "real_repeats": max(1, len(result.real_runs)),
+        "real_runs": [{k: s.get(k) for k in RUN_KEYS} for s in result.real_runs],
         "real_num_preemptions": result.real.get("num_preemptions"),
         "sim_num_preemptions": result.sim.get("num_preemptions"),
         "real_num_steps": result.real.get("num_steps"),
@@ -248,6 +521,9 @@ def write_outputs(result: ValidationResult, out_dir: Path, cfg: dict[str, Any]) 
         "real_simulated_duration_s": result.real.get("simulated_duration_s"),
         "real_wall_time_s": result.real.get("wall_time_s"),
     }
+    if result.replays:
+        doc["replay_runs"] = [{"steps": len(r.measured), "step_mape_pct": r.step_mape(),
+                               "busy_error_pct": r.busy_error()} for r in result.replays]
     if result.replay is not None:
         rp = result.replay
         doc.update({"replay_steps": len(rp.measured), "replay_step_mape_pct": rp.step_mape(),
@@ -255,8 +531,9 @@ def write_outputs(result: ValidationResult, out_dir: Path, cfg: dict[str, Any]) 
                     "replay_busy_measured_s": float(rp.measured.sum()),
                     "replay_busy_predicted_s": float(rp.predicted.sum())})
     (out_dir / "validation.json").write_text(json.dumps(doc, indent=2, default=float) + "\n")
-    if result.replay is not None:
-        replay_frame(result.replay).to_csv(out_dir / "replay_steps.csv", index=False)
+    if result.replays:
+        frames = [replay_frame(r).assign(run=i + 1) for i, r in enumerate(result.replays)]
+        pd.concat(frames, ignore_index=True).to_csv(out_dir / "replay_steps.csv", index=False)
     (out_dir / "validation.html").write_text(_page(result, out_dir))
 
 
@@ -281,10 +558,12 @@ def _page(result: ValidationResult, out_dir: Path) -> str:
 
     from sim.report import latency_cdf_figure, html_page
 
-    frames = {"real": pd.read_csv(out_dir / "real" / "requests.csv"),
-              "simulated": pd.read_csv(out_dir / "sim" / "requests.csv")}
-    if result.replay is not None:
-        frames["replayed"] = _replayed_requests(result.replay, frames["real"])
+    frames = {"real": pd.read_csv(out_dir / "real" / "requests.csv")}
+    for i in range(2, len(result.real_runs) + 1):
+        frames[f"real {i}"] = pd.read_csv(out_dir / f"real_{i}" / "requests.csv")
+    frames["simulated"] = pd.read_csv(out_dir / "sim" / "requests.csv")
+    if result.replays:
+        frames["replayed"] = _replayed_requests(result.replays[0], frames["real"])
     figures = [latency_cdf_figure(frames, "Latency CDFs: real executor vs calibrated simulator")]
     if result.replay is not None:
         rp = result.replay
@@ -331,8 +610,9 @@ def main() -> None:
             print(f"config error: {e}", file=sys.stderr)
             raise SystemExit(2) from None
         print(f"{result.real.get('policy')} (chunked_prefill="
-              f"{cfg.policy.get('chunked_prefill')}), {result.real.get('completed')} requests, "
-              f"preemptions real {result.real.get('num_preemptions')} sim "
+              f"{cfg.policy.get('chunked_prefill')}), {result.real.get('completed'):.0f} "
+              f"requests, preemptions real "
+              f"{[r.get('num_preemptions') for r in result.real_runs]} sim "
               f"{result.sim.get('num_preemptions')}")
         print(format_table(result))
         print(f"outputs: {out_dir}")

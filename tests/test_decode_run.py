@@ -135,7 +135,10 @@ def _cost_models() -> list[RooflineCostModel]:
             RooflineCostModel(load_model_spec("llama3_70b"), load_hardware_spec("h100_sxm"), 4,
                               pipeline_parallel=2),
             RooflineCostModel(load_model_spec("tiny"), a100, coefficients=fitted),
-            RooflineCostModel(m8, a100, num_sms=None)]
+            RooflineCostModel(m8, a100, num_sms=None),
+            # A CPU-fitted profile: no query tiles (torch's reference attention).
+            RooflineCostModel(load_model_spec("tiny"), a100, coefficients=fitted, num_sms=None,
+                              attention_tile=1)]
 
 
 MODELS = _cost_models()

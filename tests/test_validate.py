@@ -12,7 +12,16 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from executors.recording import RecordingExecutor, replay
-from experiments.validate import error_table, replay_summary, validate
+import experiments.validate as validate_mod
+from experiments.validate import (
+    RunSchedule,
+    apply_policy_overrides,
+    error_table,
+    median_summary,
+    pinned_to,
+    replay_summary,
+    validate,
+)
 from sim.errors import ConfigError
 from sim.simulation import Simulation
 from tests.helpers import CONF, compose_cfg
@@ -82,6 +91,80 @@ def test_error_table_rows_and_signs():
     assert rows[-2]["sim_err_pct"] == pytest.approx(-20.0) and "replay" not in rows[0]
 
 
+def test_several_real_runs_compare_by_their_median():
+    keys = {f"{s}_{m}_ms": 0.0 for m in ("ttft", "tpot", "itl", "e2el")
+            for s in ("mean", "median", "p90", "p99")}
+    runs = [{**keys, "median_e2el_ms": v, "request_throughput": 5.0, "output_throughput": 50.0,
+             "policy": "fcfs"} for v in (100.0, 130.0, 90.0)]
+    med = median_summary(runs)
+    assert med["median_e2el_ms"] == 100.0 and med["policy"] == "fcfs"
+    sim = {**med, "median_e2el_ms": 110.0}
+    replayed = [{**r, "median_e2el_ms": r["median_e2el_ms"] * f} for r, f in
+                zip(runs, (1.10, 0.90, 1.02))]
+    rows = error_table(med, sim, median_summary(replayed), runs, replayed)
+    row = next(r for r in rows if (r["metric"], r["stat"]) == ("E2E", "p50"))
+    assert (row["real"], row["real_min"], row["real_max"]) == (100.0, 90.0, 130.0)
+    assert row["sim_err_pct"] == pytest.approx(10.0)
+    assert row["replay_err_pct"] == pytest.approx(2.0)  # the median of +10, -10 and +2
+    assert validate_mod.spread_pct(row) == pytest.approx(40.0)
+    with pytest.raises(ValueError, match="2 replayed runs for 3 real runs"):
+        error_table(med, sim, None, runs, replayed[:2])
+
+
+def test_run_schedule_alternates_and_spreads_runs_over_the_rounds(monkeypatch, tmp_path):
+    """Calibration and real runs alternate, evenly spread over the profile's rounds, each
+    in its own folder; calibration runs use other seeds."""
+    calls = []
+    monkeypatch.setattr(validate_mod, "real_run",
+                        lambda cfg, out: calls.append((out.name, cfg["seed"])) or (None, []))
+    schedule = RunSchedule({"seed": 7}, tmp_path, repeats=5, calibration=2)
+    rounds = []
+    for r in range(1, 10):
+        before = len(calls)
+        schedule.run_after(r, 9)
+        rounds.append(len(calls) - before)
+    schedule.run_rest()
+    assert [name for name, _ in calls] == ["calibration", "real", "calibration_2", "real_2",
+                                           "real_3", "real_4", "real_5"]
+    assert [seed for _, seed in calls] == [1007, 7, 1008, 7, 7, 7, 7]
+    assert rounds == [0, 1, 1, 1, 1, 1, 1, 1, 0]  # after round ceil(k * 9 / 8), k = 1..7
+    assert len(schedule.done["real"]) == 5 and len(schedule.done["calibration"]) == 2
+
+
+def test_policy_overrides_merge_for_their_policy_only():
+    cfg = _validate_cfg("policy=chunked_prefill")
+    base = validate_mod._sim_cfg(cfg)
+    apply_policy_overrides(base, cfg["validate"]["policy_overrides"])
+    assert (base["policy"]["max_num_batched_tokens"], base["policy"]["max_num_seqs"]) == (256, 256)
+    fcfs = validate_mod._sim_cfg(_validate_cfg())
+    apply_policy_overrides(fcfs, cfg["validate"]["policy_overrides"])
+    assert fcfs["policy"]["max_num_batched_tokens"] == 8192
+    # A command-line value the table would replace is an error, not silently dropped.
+    cli = validate_mod._sim_cfg(_validate_cfg("policy=chunked_prefill",
+                                              "policy.max_num_batched_tokens=384"))
+    with pytest.raises(ConfigError, match="policy.max_num_batched_tokens: set to 384"):
+        apply_policy_overrides(cli, cfg["validate"]["policy_overrides"])
+    with pytest.raises(ConfigError, match="validate.policy_overrides.bogus"):
+        apply_policy_overrides(base, {"bogus": {}})
+    with pytest.raises(ConfigError, match="policy chunked_prefill has no key 'nope'"):
+        apply_policy_overrides(base, {"chunked_prefill": {"nope": 1}})
+
+
+def test_pinning_restores_the_affinity():
+    import os
+
+    if not hasattr(os, "sched_getaffinity"):
+        pytest.skip("no sched_setaffinity here")
+    before = os.sched_getaffinity(0)
+    core = min(before)
+    with pinned_to(core):
+        assert os.sched_getaffinity(0) == {core}
+    assert os.sched_getaffinity(0) == before
+    with pytest.raises(ConfigError, match="validate.pin_cpu"):
+        with pinned_to(max(before) + 1000):
+            pass
+
+
 def _validate_cfg(*overrides: str) -> dict:
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         cfg = compose(config_name="validate", overrides=list(overrides))
@@ -95,6 +178,14 @@ def test_validate_config_errors_name_the_field(tmp_path):
         validate(_validate_cfg("+validate.bogus=1"), tmp_path)
     with pytest.raises(ConfigError, match="executor: validate runs the real executor"):
         validate(_validate_cfg("executor=cost_model"), tmp_path)
+    for bad, field in (("validate.real_repeats=0", "validate.real_repeats"),
+                       ("validate.calibration_runs=-1", "validate.calibration_runs"),
+                       ("validate.fit_statistic=p90", "validate.fit_statistic"),
+                       ("validate.pin_cpu=-1", "validate.pin_cpu")):
+        with pytest.raises(ConfigError, match=field):
+            validate(_validate_cfg(bad), tmp_path)
+    with pytest.raises(ConfigError, match="validate.interleave: needs the profile measured"):
+        validate(_validate_cfg("validate.profile=conf/validate.yaml"), tmp_path)
 
 
 # A grid covering the loop workload's steps, small enough for CI (~10 s of profiling).
@@ -111,9 +202,13 @@ def test_whole_loop_on_the_real_cpu_executor(tmp_path):
     from the benchmark in docs/calibration.md."""
     pytest.importorskip("torch")
     cfg = _validate_cfg(*SMALL_GRID, "workload.num_requests=60", "workload.qps=30",
-                        "policy.max_num_batched_tokens=1024")
+                        "policy.max_num_batched_tokens=1024", "validate.real_repeats=2",
+                        "validate.calibration_runs=1")
     res = validate(cfg, tmp_path)
     assert res.real["completed"] == res.sim["completed"] == 60
+    assert len(res.real_runs) == len(res.replays) == 2
+    assert res.profile_fit["attention_tile"] == 1  # torch attention on a CPU: no query tiles
+    assert res.profile_fit["steps_fit"] > 0 and res.profile_fit["steps_heldout"] > 0
     assert res.profile_fit["mape_heldout_pct"] < 30.0
     assert abs(res.replay.busy_error()) < 40.0
     assert res.replay.step_mape() < 60.0
@@ -122,18 +217,24 @@ def test_whole_loop_on_the_real_cpu_executor(tmp_path):
         assert abs(res.error(metric, "p50", "replay")) < 50.0, metric
     assert abs(res.error("request_throughput", "")) < 15.0
     table = pd.read_csv(tmp_path / "validation.csv")
-    assert list(table.columns) == ["metric", "stat", "real", "sim", "sim_err_pct", "replay",
-                                   "replay_err_pct"]
+    assert list(table.columns) == ["metric", "stat", "real", "real_min", "real_max", "sim",
+                                   "sim_err_pct", "replay", "replay_err_pct", "sim_profile",
+                                   "sim_profile_err_pct"]
     assert len(table) == 18
+    assert (table.real_min <= table.real).all() and (table.real <= table.real_max).all()
     doc = json.loads((tmp_path / "validation.json").read_text())
-    assert doc["replay_steps"] == res.real["num_steps"]
+    steps_per_run = [r["num_steps"] for r in res.real_runs]
+    assert doc["real_repeats"] == 2 and doc["replay_steps"] == sum(steps_per_run)
+    assert [r["num_steps"] for r in doc["real_runs"]] == steps_per_run
     steps = pd.read_csv(tmp_path / "replay_steps.csv")
-    assert len(steps) == res.real["num_steps"] and (steps.measured_s > 0).all()
+    assert steps.groupby("run").size().tolist() == steps_per_run
+    assert (steps.measured_s > 0).all()
     page = (tmp_path / "validation.html").read_text()
     assert "Latency CDFs" in page and "replayed" in page
-    for sub in ("real", "sim"):
-        assert (tmp_path / sub / "requests.csv").exists()
-    assert (tmp_path / "profile.csv").exists() and (tmp_path / "hardware_profile.yaml").exists()
+    for sub in ("real", "real_2", "calibration", "sim", "sim_profile"):
+        assert (tmp_path / sub / "requests.csv").exists(), sub
+    for name in ("profile.csv", "hardware_profile.yaml", "hardware_profile_serving.yaml"):
+        assert (tmp_path / name).exists(), name
 
 
 def test_real_executor_measurement_options():

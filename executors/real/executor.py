@@ -11,6 +11,7 @@ from collections.abc import Sequence
 import torch
 
 from executors.base import Executor
+from executors.step_terms import ATTENTION_TILE
 from executors.real.config import DTYPE_NAMES, DTYPES, LlamaArgs, RealExecutorConfig
 from executors.real.host_memory import keep_freed_host_memory
 from executors.real.kernels import AttentionMetadata, get_kernels
@@ -120,6 +121,12 @@ class RealExecutor(Executor):
         logits = 2 * max_num_seqs * a.vocab_size * 4
         workspace = CUDA_WORKSPACE_BYTES if self.device.type == "cuda" else 0
         return float(max_num_batched_tokens * per_token + logits + workspace)
+
+    @property
+    def attention_tile(self) -> int:
+        """Query rows per prefill attention tile, as ``StepDecomposer`` prices them: torch's
+        reference attention computes each row's exact chunk x context scores (1)."""
+        return 1 if self.kernels_name == "torch" else ATTENTION_TILE
 
     def kv_cache_dtype(self) -> str:
         return DTYPE_NAMES[self.dtype]
