@@ -4,8 +4,16 @@ overrides, and score requests against latency SLOs."""
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable
+import csv
+import sys
+from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any
+
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+
+from sim.errors import ConfigError
 
 from sim.request import Request, RequestStatus
 from sim.simulation import Simulation, SimulationResult
@@ -40,3 +48,37 @@ def slo_attainment(requests: Iterable[Request], total: int, ttft_s: float, tpot_
         if r.ttft <= ttft_s and (tpot is None or tpot <= tpot_s):
             ok += 1
     return ok / total
+
+
+def write_tables(out_dir: Path, runs: list[dict[str, Any]], rows: list[dict[str, Any]]) -> None:
+    """``runs.csv`` (one row per simulation), ``results.csv`` and ``results.md``."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for name, table in (("runs.csv", runs), ("results.csv", rows)):
+        with (out_dir / name).open("w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(table[0]))
+            w.writeheader()
+            w.writerows(table)
+    (out_dir / "results.md").write_text(markdown_table(rows) + "\n")
+
+
+def markdown_table(rows: list[dict[str, Any]]) -> str:
+    cols = list(rows[0])
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(str(r[c]) for c in cols) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def run_hydra_experiment(cfg: DictConfig,
+                         run: Callable[[dict[str, Any], Path], list[dict[str, Any]]]) -> None:
+    """The body of an experiment's Hydra main: run it into Hydra's output folder, print the
+    table, and turn a config error into a one-line message and exit code 2."""
+    container = OmegaConf.to_container(cfg, resolve=True)
+    container.pop("hydra", None)
+    out = Path(HydraConfig.get().runtime.output_dir)
+    try:
+        rows = run(container, out)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    print(markdown_table(rows))
+    print(f"outputs: {out}")

@@ -18,19 +18,16 @@ seeds) into the Hydra run folder and prints the table.
 
 from __future__ import annotations
 
-import csv
 import math
-import sys
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import hydra
-from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from experiments.common import merge, simulate, slo_attainment
+from experiments.common import merge, simulate, slo_attainment, run_hydra_experiment, write_tables
 from sim.errors import ConfigError
 
 
@@ -216,13 +213,6 @@ def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
-def _write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
-    with path.open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
-
-
 def run_experiment(cfg: dict[str, Any], out_dir: Path | None) -> list[dict[str, Any]]:
     """Goodput of every deployment on every workload for every seed in ``experiment.seeds``
     (default: the run's ``seed``); returns the per-(workload, deployment) summary rows and
@@ -240,32 +230,13 @@ def run_experiment(cfg: dict[str, Any], out_dir: Path | None) -> list[dict[str, 
         runs = [_job(j) for j in jobs]
     rows = summarize(runs)
     if out_dir is not None:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        _write_csv(out_dir / "runs.csv", runs)
-        _write_csv(out_dir / "results.csv", rows)
-        (out_dir / "results.md").write_text(markdown_table(rows) + "\n")
+        write_tables(out_dir, runs, rows)
     return rows
-
-
-def markdown_table(rows: list[dict[str, Any]]) -> str:
-    cols = list(rows[0])
-    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    lines += ["| " + " | ".join(str(r[c]) for c in cols) + " |" for r in rows]
-    return "\n".join(lines)
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="disaggregation")
 def main(cfg: DictConfig) -> None:
-    container = OmegaConf.to_container(cfg, resolve=True)
-    container.pop("hydra", None)
-    out = Path(HydraConfig.get().runtime.output_dir)
-    try:
-        rows = run_experiment(container, out)
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
-    print(markdown_table(rows))
-    print(f"outputs: {out}")
+    run_hydra_experiment(cfg, run_experiment)
 
 
 if __name__ == "__main__":

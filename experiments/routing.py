@@ -11,19 +11,15 @@ and writes ``results.csv`` / ``results.md`` into the Hydra run folder.
 
 from __future__ import annotations
 
-import csv
-import sys
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import hydra
 import numpy as np
-from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from experiments.common import merge, simulate
-from sim.errors import ConfigError
+from experiments.common import merge, simulate, run_hydra_experiment, write_tables
 
 METRICS = ("p99_ttft_ms", "mean_ttft_ms", "p99_tpot_ms", "p99_e2el_ms", "request_throughput")
 
@@ -56,38 +52,13 @@ def run_experiment(cfg: dict[str, Any], out_dir: Path | None) -> list[dict[str, 
         row["p99_ttft_ms_per_seed"] = " / ".join(f"{r['p99_ttft_ms']:.0f}" for r in mine)
         rows.append(row)
     if out_dir is not None:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        with (out_dir / "runs.csv").open("w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=list(runs[0]))
-            w.writeheader()
-            w.writerows(runs)
-        with (out_dir / "results.csv").open("w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=list(rows[0]))
-            w.writeheader()
-            w.writerows(rows)
-        (out_dir / "results.md").write_text(markdown_table(rows) + "\n")
+        write_tables(out_dir, runs, rows)
     return rows
-
-
-def markdown_table(rows: list[dict[str, Any]]) -> str:
-    cols = list(rows[0])
-    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    lines += ["| " + " | ".join(str(r[c]) for c in cols) + " |" for r in rows]
-    return "\n".join(lines)
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="routing")
 def main(cfg: DictConfig) -> None:
-    container = OmegaConf.to_container(cfg, resolve=True)
-    container.pop("hydra", None)
-    out = Path(HydraConfig.get().runtime.output_dir)
-    try:
-        rows = run_experiment(container, out)
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
-    print(markdown_table(rows))
-    print(f"outputs: {out}")
+    run_hydra_experiment(cfg, run_experiment)
 
 
 if __name__ == "__main__":

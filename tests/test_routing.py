@@ -87,6 +87,7 @@ def test_least_outstanding_avoids_the_replica_busy_with_a_long_request():
     rr = run_colocated([Request(r.request_id, r.arrival_time, 8, r.max_output_len)
                         for r in reqs], num_replicas=2, router="round_robin")
     lo = run_colocated(reqs, num_replicas=2, router="least_outstanding")
+    assert lo.deployment.routed == [2, 2]
     # Round robin sends r2 to replica 0, busy with r0. least_outstanding sends it to
     # replica 1, idle again since r1 finished at 2.5; at 3.6 both replicas hold one request
     # (r0, r2), a tie broken by index, so r3 goes to 0.
