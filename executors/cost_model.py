@@ -345,20 +345,12 @@ class RooflineCostModel(Executor):
         dec = self.decomposer
         m, L = dec.model, dec.layers
         d, hq, kvw, kvb, ab = m.head_dim, dec._heads, dec._kv_width, dec._kvb, dec._ab
-        units = nd * dec._kv_heads
-        if dec.num_sms is None:
-            splits, slots, sms = 1, units, units
-            full, rem = 0, units
-        else:
-            sms = dec.num_sms
-            slots = sms * dec.ctas_per_sm
-            splits = max(1, slots // units) if units < sms else 1
-            full, rem = divmod(units * splits, slots)
+        splits, slots, sms, full, rem, ctas = dec.decode_wave_geometry(nd)
         kernels = float(L)
         if splits > 1:
             kernels += L
         return (L * 4.0 * hq * d, 2 * kvw * kvb, 2 * hq * d * ab * nd, L, L * 2 * d * kvb,
-                splits, full, rem, slots, units * splits, sms, kernels,
+                splits, full, rem, slots, ctas, sms, kernels,
                 float(L * (full + (rem > 0))))
 
 

@@ -193,11 +193,11 @@ class StepDecomposer:
         self._ew_bytes_per_token = a * (2 * 4 * h + 2 * (q + kv) + 3 * inter) + 2 * kv * self._kvb
         self._kv_block_bytes = m.kv_bytes_per_token_per_rank(t, pipeline_parallel) * block_size
 
-    def _decode_waves(self, s: StepShape, out: dict[str, float]) -> None:
-        """Decode attention as waves of thread blocks. ``decode_ctx`` and ``decode_max_ctx``
-        may be arrays (decode jumps); the batch size is the same for every step of a jump."""
-        L, d, kvb = self.layers, self.model.head_dim, self._kvb
-        units = s.num_decode * self._kv_heads
+    def decode_wave_geometry(self, num_decode: int) -> tuple[int, int, int, int, int, int]:
+        """(splits, slots, sms, full waves, blocks in the tail wave, thread blocks) for a
+        decode batch of ``num_decode`` rows: one thread block per (sequence, KV head), split
+        along the KV when there are fewer blocks than SMs."""
+        units = num_decode * self._kv_heads
         if self.num_sms is None:  # every block in one (tail) wave, one per SM
             splits, slots, sms = 1, units, units
             full, rem = 0, units
@@ -206,7 +206,13 @@ class StepDecomposer:
             slots = sms * self.ctas_per_sm
             splits = max(1, slots // units) if units < sms else 1
             full, rem = divmod(units * splits, slots)
-        ctas = units * splits
+        return splits, slots, sms, full, rem, units * splits
+
+    def _decode_waves(self, s: StepShape, out: dict[str, float]) -> None:
+        """Decode attention as waves of thread blocks. ``decode_ctx`` and ``decode_max_ctx``
+        may be arrays (decode jumps); the batch size is the same for every step of a jump."""
+        L, d, kvb = self.layers, self.model.head_dim, self._kvb
+        splits, slots, sms, full, rem, ctas = self.decode_wave_geometry(s.num_decode)
         total_flops, total_bytes = out["decode_flops"], out["decode_bytes"]
         out["decode_waves"] = float(full)
         out["decode_tail"] = float(rem > 0)

@@ -7,6 +7,7 @@ import copy
 import csv
 import sys
 from collections.abc import Callable, Iterable
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -82,3 +83,12 @@ def run_hydra_experiment(cfg: DictConfig,
         raise SystemExit(2) from None
     print(markdown_table(rows))
     print(f"outputs: {out}")
+
+
+def run_jobs(fn: Callable[[Any], dict[str, Any]], jobs: list[Any],
+             workers: int) -> list[dict[str, Any]]:
+    """``fn`` over ``jobs`` in order, in ``workers`` processes when more than one."""
+    if workers > 1:
+        with ProcessPoolExecutor(workers) as pool:
+            return list(pool.map(fn, jobs))
+    return [fn(j) for j in jobs]

@@ -19,7 +19,6 @@ seeds) into the Hydra run folder and prints the table.
 from __future__ import annotations
 
 import math
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,7 +26,7 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig
 
-from experiments.common import merge, simulate, slo_attainment, run_hydra_experiment, write_tables
+from experiments.common import merge, simulate, slo_attainment, run_hydra_experiment, run_jobs, write_tables
 from sim.errors import ConfigError
 
 
@@ -222,12 +221,7 @@ def run_experiment(cfg: dict[str, Any], out_dir: Path | None) -> list[dict[str, 
     for dep in exp["deployments"]:
         deployment_config(cfg, dep)  # bad deployments fail before any simulation
     jobs = [(cfg, d, w, s) for w in exp["workloads"] for d in exp["deployments"] for s in seeds]
-    workers = int(exp.get("workers", 1))
-    if workers > 1:
-        with ProcessPoolExecutor(workers) as pool:
-            runs = list(pool.map(_job, jobs))
-    else:
-        runs = [_job(j) for j in jobs]
+    runs = run_jobs(_job, jobs, int(exp.get("workers", 1)))
     rows = summarize(runs)
     if out_dir is not None:
         write_tables(out_dir, runs, rows)

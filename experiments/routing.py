@@ -11,7 +11,6 @@ and writes ``results.csv`` / ``results.md`` into the Hydra run folder.
 
 from __future__ import annotations
 
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +18,7 @@ import hydra
 import numpy as np
 from omegaconf import DictConfig
 
-from experiments.common import merge, simulate, run_hydra_experiment, write_tables
+from experiments.common import merge, simulate, run_hydra_experiment, run_jobs, write_tables
 
 METRICS = ("p99_ttft_ms", "mean_ttft_ms", "p99_tpot_ms", "p99_e2el_ms", "request_throughput")
 
@@ -37,12 +36,7 @@ def _job(args: tuple[dict[str, Any], str, int]) -> dict[str, Any]:
 def run_experiment(cfg: dict[str, Any], out_dir: Path | None) -> list[dict[str, Any]]:
     exp = cfg["experiment"]
     jobs = [(cfg, r, int(s)) for r in exp["routers"] for s in exp["seeds"]]
-    workers = int(exp.get("workers", 1))
-    if workers > 1:
-        with ProcessPoolExecutor(workers) as pool:
-            runs = list(pool.map(_job, jobs))
-    else:
-        runs = [_job(j) for j in jobs]
+    runs = run_jobs(_job, jobs, int(exp.get("workers", 1)))
     rows = []
     for router in exp["routers"]:
         mine = [r for r in runs if r["router"] == router]
