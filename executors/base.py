@@ -42,6 +42,14 @@ class Executor(ABC):
         executor always does). Lets the replica take many decode steps in one event."""
         return None
 
+    def decode_run_durations(self, num_decode: int, ctx: int, max_ctx: int,
+                             num_steps: int) -> "np.ndarray | None":
+        """``decode_durations`` for a decode-only batch given by its numbers: ``num_decode``
+        rows whose contexts (new token included) total ``ctx`` in the first step, the longest
+        ``max_ctx``. The replica prices a decode run whose members finish one after another
+        this way, one stretch of equal membership at a time. None: step by step."""
+        return None
+
     # Optional hooks for executors that run on a real device (the real executor does).
     def kv_cache_dtype(self) -> str | None:
         """The dtype (a ``sim.specs`` name) of the KV cache this executor allocates, or None

@@ -218,22 +218,31 @@ class RooflineCostModel(Executor):
             return self.duration(replace(
                 shape, decode_ctx=shape.decode_ctx + nd * steps,
                 decode_max_ctx=shape.decode_max_ctx + steps))
-        # A decode-only batch: everything but decode attention is the same every step, and
-        # decode attention is affine in the steps inside each roofline bound; evaluated with
-        # its constants folded (equal to the term-by-term sum to rounding, ~1e-16 relative).
+        return self.decode_run_durations(nd, shape.decode_ctx, shape.decode_max_ctx, num_steps)
+
+    def decode_run_durations(self, num_decode: int, ctx: int, max_ctx: int,
+                             num_steps: int) -> np.ndarray:
+        """Durations of ``num_steps`` decode-only steps of ``num_decode`` rows (each computes
+        and samples one token) whose contexts, new token included, total ``ctx`` in the first
+        step (the longest ``max_ctx``) and grow by one per row per step.
+
+        Everything but decode attention is the same every step, and decode attention is
+        affine in the steps inside each roofline bound; evaluated with its constants folded
+        (equal to the term-by-term sum to rounding, ~1e-16 relative)."""
+        nd = num_decode
         curve = self._decode_curves.get(nd)
         if curve is None:
             fixed = self.duration(StepShape(num_tokens=nd, num_sampled=nd, num_rows=nd))
-            curve = self._decode_curves[nd] = (fixed + self._decode_curve(nd)[0],
-                                               self._decode_curve(nd)[1])
+            const, waves = self._decode_curve(nd)
+            curve = self._decode_curves[nd] = (fixed + const, waves)
         steps = np.arange(num_steps, dtype=np.float64)
-        ctx = shape.decode_ctx + nd * steps
-        mx = shape.decode_max_ctx + steps
+        ctx_steps = ctx + nd * steps
+        mx = max_ctx + steps
         out = curve[0]
         p = self.coefficients.sharpness
         for count, a_flop, a_byte, b_byte, a_max in curve[1]:
-            out = out + count * _knee2(a_flop * ctx, np.maximum(a_byte * ctx + b_byte,
-                                                                 a_max * mx), p)
+            out = out + count * _knee2(a_flop * ctx_steps, np.maximum(a_byte * ctx_steps + b_byte,
+                                                                       a_max * mx), p)
         return out
 
     def _decode_curve(self, nd: int) -> tuple[float, list[tuple[float, ...]]]:

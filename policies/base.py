@@ -66,6 +66,10 @@ class Policy(ABC):
     #: planned again unchanged (one more token each): the replica may then take many such
     #: steps at once (sim/fast_forward.py). Policies opt in after the fast-vs-exact test.
     supports_decode_jumps: ClassVar[bool] = False
+    #: True if, while nothing waits or is swapped out and every running request decodes, a
+    #: request finishing changes the next decode-only plan only by leaving it (nobody can take
+    #: its seat or blocks): decode jumps may then run past finishes (sim/fast_forward.py).
+    decode_jumps_past_finishes: ClassVar[bool] = False
 
     def __init__(self, config: PolicyConfig, seed: int = 0) -> None:
         self.config = config

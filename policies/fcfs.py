@@ -35,6 +35,7 @@ class FCFSPolicy(Policy):
     # Admission can only get harder while a decode batch grows (free blocks shrink, seats and
     # budget stay), so a decode-only step repeats until an arrival, finish or KV shortage.
     supports_decode_jumps = True
+    decode_jumps_past_finishes = True
 
     def schedule(self, step: StepBuilder) -> StepPlan:
         cfg = self.config

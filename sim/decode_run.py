@@ -226,17 +226,25 @@ def _insert(a: np.ndarray, i: int, value: int) -> np.ndarray:
     return out
 
 
-def jump_block_steps(first: np.ndarray, block_size: int,
-                     k: int) -> tuple[np.ndarray, np.ndarray]:
+def _limits(first: np.ndarray, k: int, last: np.ndarray | None) -> np.ndarray | int:
+    """The last jump step in which each member computes a token: ``k``, or its own last
+    step (``last``) when it finishes inside the jump."""
+    return k if last is None else np.minimum(last, k)
+
+
+def jump_block_steps(first: np.ndarray, block_size: int, k: int,
+                     last: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """The new KV blocks of steps 2..k of a decode jump whose members first need a new block
-    in steps ``first`` (1-based): (step, member) pairs in the order the step-by-step loop
+    in steps ``first`` (1-based) and compute their last token in steps ``last`` (default:
+    all of them in every step): (step, member) pairs in the order the step-by-step loop
     allocates them (step by step, members in order), as two arrays."""
+    lim = _limits(first, k, last)
     if k <= block_size:  # each member needs at most one
-        member = np.flatnonzero(first <= k)
+        member = np.flatnonzero(first <= lim)
         step = first[member]
         order = np.argsort(step, kind="stable")
         return step[order], member[order]
-    count = np.where(first <= k, (k - first) // block_size + 1, 0)
+    count = np.where(first <= lim, (lim - first) // block_size + 1, 0)
     total = int(count.sum())
     if total == 0:
         empty = np.empty(0, dtype=np.int64)
@@ -248,6 +256,8 @@ def jump_block_steps(first: np.ndarray, block_size: int,
     return step[order], member[order]
 
 
-def jump_new_blocks(first: np.ndarray, block_size: int, k: int) -> int:
+def jump_new_blocks(first: np.ndarray, block_size: int, k: int,
+                    last: np.ndarray | None = None) -> int:
     """Total new KV blocks steps 2..k of that jump need."""
-    return int(np.where(first <= k, (k - first) // block_size + 1, 0).sum())
+    lim = _limits(first, k, last)
+    return int(np.where(first <= lim, (lim - first) // block_size + 1, 0).sum())

@@ -8,16 +8,26 @@ policy. Timestamps inside the jump are the same cumulative sums the step-by-step
 compute, so results match ``step_mode=exact`` (tests assert it for every policy).
 
 The jump ends at the first of:
-- the step in which some member produces its last token (it finishes after that step);
+- the step in which some member produces its last token (it finishes after that step), unless
+  the jump may run past finishes (below);
 - the last step whose new KV blocks still fit the free pool (the next would need a preemption);
 - the last step that starts before the next external event (``horizon``): an arrival, which
   may change what the policy schedules or what a router sees.
+
+**Past finishes.** When the plan is the whole decode run, every running request is a member
+and nothing waits or is swapped out, a policy that declares
+``Policy.decode_jumps_past_finishes`` would plan the same run minus the finished members
+after a finish (no one can take the freed seat or blocks). The jump then goes on through
+finishes: it is priced as stretches of equal membership (``Executor.decode_run_durations``),
+and the replica stops at the end of each step in which members finish, to finish them at
+their exact time (so routers, callbacks and ``requests.csv`` see what step-by-step
+simulation shows), without planning or pricing anything there.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -49,6 +59,16 @@ class Jump:
     # of steps 2..k, in the order the step-by-step loop allocates them (step by step, rows in
     # order), so a jump hands out exactly the block ids single steps would.
     block_members: np.ndarray | None = None
+    # A decode-run jump past finishes: the jump steps (1-based, ascending, before the last)
+    # at whose end some members finish while the others go on; the batch size of each step;
+    # and (filled in while applying) the blocks freed at each of those stops.
+    stops: list[int] = field(default_factory=list)
+    batch_sizes: np.ndarray | None = None
+    freed: list[int] = field(default_factory=list)
+    # The step of each of ``block_members``' new blocks (ascending), to allocate them stretch
+    # by stretch, and the members' request ids when the jump was planned.
+    block_steps: np.ndarray | None = None
+    member_ids: list[int] | None = None
 
 
 def _jump_length(durations_fn, plan: StepPlan, k_max: int, start: float,
@@ -79,35 +99,118 @@ def _jump_length(durations_fn, plan: StepPlan, k_max: int, start: float,
 
 def plan_run_jump(plan: StepPlan, block: DecodeBlock, run: DecodeRun, durations_fn,
                   start: float, horizon: float, free_blocks: int,
-                  max_steps: int = 1 << 16) -> Jump | None:
+                  max_steps: int = 1 << 16, run_durations_fn=None) -> Jump | None:
     """``plan_jump`` for a plan that is one decode block scheduling the whole decode run:
-    the same jump, from the run's arrays (no per-row work)."""
-    k_max = min(run.steps_left(), max_steps)
-    if k_max < 2:
-        return None
+    the same jump, from the run's arrays (no per-row work). With ``run_durations_fn``
+    (``Executor.decode_run_durations``) the jump may run past finishes (module docstring);
+    the caller passes it only when that is safe."""
     # Run step s computes each member's token ctx0 + s + 1; this plan is run step
     # block.run_step, so jump step j (1-based) first needs a new block when
     # block.run_step + j - 1 >= bound.
     first = run.bound - (block.run_step - 1)
+    if run_durations_fn is not None:
+        return _run_jump_past_finishes(block, run, first, run_durations_fn, start, horizon,
+                                       free_blocks, max_steps)
+    k_max = min(run.steps_left(), max_steps)
+    if k_max < 2:
+        return None
     return _sized_jump(plan, first, run.block_size, durations_fn, k_max, start, horizon,
                        free_blocks)
+
+
+def _kv_cap(first: np.ndarray, bs: int, k_max: int, free_blocks: int,
+            last: np.ndarray | None = None) -> int:
+    """The largest k <= k_max whose steps 2..k get their new blocks from the free pool."""
+    if len(first) * (k_max // bs + 1) <= free_blocks or (
+            jump_new_blocks(first, bs, k_max, last) <= free_blocks):
+        return k_max
+    lo, hi = 1, k_max  # step 1's blocks are the plan's
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if jump_new_blocks(first, bs, mid, last) <= free_blocks:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def _run_jump_past_finishes(block: DecodeBlock, run: DecodeRun, first: np.ndarray,
+                            run_durations_fn, start: float, horizon: float,
+                            free_blocks: int, max_steps: int) -> Jump | None:
+    s0 = block.run_step
+    last = run.end - s0  # the jump step in which each member samples its last token (>= 1)
+    bs = run.block_size
+    # Blocks freed by finishing members go to the back of the free queue and the jump's
+    # blocks come from its front, so as long as they fit the blocks free now, the jump hands
+    # out exactly the blocks step-by-step allocation would (stretch by stretch, so the pool's
+    # peak use is the same too).
+    k_max = _kv_cap(first, bs, min(int(last.max()), max_steps), free_blocks, last)
+    if k_max < 2:
+        return None
+    order = np.argsort(last, kind="stable")
+    last_sorted = last[order].tolist()
+    ctx_sorted = run.ctx0[order]
+    n = len(last_sorted)
+    # Members finishing at or after a step are a suffix of the sorted order.
+    ctx_suffix = np.cumsum(ctx_sorted[::-1])[::-1].tolist()
+    max_suffix = np.maximum.accumulate(ctx_sorted[::-1])[::-1].tolist()
+    parts: list[np.ndarray] = []
+    t = start
+    i, j0 = 0, 1  # active members: sorted[i:]; the stretch starts at jump step j0
+    d_last = 0.0
+    while j0 <= k_max:
+        f = min(last_sorted[i], k_max)  # the stretch ends with step f
+        nd = n - i
+        # Context (new token included) in step j0: ctx0 + s0 + j0 per member.
+        ctx = ctx_suffix[i] + nd * (s0 + j0)
+        mx = max_suffix[i] + s0 + j0
+        length = f - j0 + 1
+        # A few steps first, or as many as the last stretch's step time says reach the
+        # horizon (this stretch has fewer rows, so a quarter more).
+        m = min(length, 8 if d_last <= 0 or math.isinf(horizon) else
+                int((horizon - t) / d_last * 1.25) + 2)
+        durations = run_durations_fn(nd, ctx, mx, m)
+        if durations is None:
+            return None
+        ends = np.cumsum(np.concatenate(([t], durations)))[1:]
+        if m < length and ends[-1] < horizon:
+            d1 = float(durations[0])
+            m = length if d1 <= 0 or math.isinf(horizon) else (
+                min(length, int((horizon - t) / d1) + 2))
+            if m > len(durations):
+                durations = run_durations_fn(nd, ctx, mx, m)
+                ends = np.cumsum(np.concatenate(([t], durations)))[1:]
+        parts.append(durations)
+        parts.append(ends)
+        d_last = float(durations[-1])
+        if ends[-1] >= horizon or len(durations) < length or f >= k_max:
+            break
+        t = float(ends[-1])
+        j0 = f + 1
+        while i < n and last_sorted[i] <= f:
+            i += 1
+        if i >= n:
+            break
+    durations = np.concatenate(parts[0::2])
+    ends = np.concatenate(parts[1::2])
+    k = int(min(len(ends), 1 + np.searchsorted(ends[:-1], horizon, side="left")))
+    if k < 2:
+        return None
+    steps, members = jump_block_steps(first, bs, k, last)
+    new_blocks = np.bincount(steps - 1, minlength=k)[:k]
+    # Batch size of step j: the members whose last step is j or later.
+    gone = np.searchsorted(np.asarray(last_sorted), np.arange(1, k + 1), side="left")
+    stops = sorted({f for f in last_sorted if f < k})
+    return Jump(k, durations[:k], ends[:k], new_blocks, members, stops, n - gone,
+                block_steps=steps, member_ids=list(run.ids))
 
 
 def _sized_jump(plan: StepPlan, first: np.ndarray, bs: int, durations_fn, k_max: int,
                 start: float, horizon: float, free_blocks: int) -> Jump | None:
     """The jump for rows that first need a new KV block in steps ``first`` (1-based)."""
-    if len(first) * (k_max // bs + 1) > free_blocks and (
-            jump_new_blocks(first, bs, k_max) > free_blocks):
-        lo, hi = 1, k_max  # step 1's blocks are the plan's
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            if jump_new_blocks(first, bs, mid) <= free_blocks:
-                lo = mid
-            else:
-                hi = mid
-        k_max = lo
-        if k_max < 2:
-            return None
+    k_max = _kv_cap(first, bs, k_max, free_blocks)
+    if k_max < 2:
+        return None
     sized = _jump_length(durations_fn, plan, k_max, start, horizon)
     if sized is None:
         return None

@@ -86,7 +86,11 @@ class Replica:
         self.fast_forward = (fast_forward and horizon is not None and handoff is None
                              and executor.closed_form_decode
                              and getattr(policy, "supports_decode_jumps", False))
+        # ... and may run past finishes while nothing waits (sim/fast_forward.py).
+        self.jump_past_finishes = self.fast_forward and getattr(
+            policy, "decode_jumps_past_finishes", False)
         self.num_jumps = 0
+        self.num_jump_stops = 0  # finishes inside jumps past finishes
         cfg = policy.config
         self.queues = ReplicaQueues()
         self.builder = StepBuilder(self.queues, kv, cfg.preemption_mode, cfg.kv_watermark)
@@ -203,19 +207,31 @@ class Replica:
             start = env.now
             if self.fast_forward and not self.check_integrity and is_steady_decode(plan):
                 block = plan.decode_block
+                q = self.queues
                 if block is not None:
-                    jump = plan_run_jump(plan, block, block.run, self.executor.decode_durations,
-                                         start, self.horizon(), self.kv.num_free_blocks)
+                    past = self.jump_past_finishes and not q.waiting and not q.swapped and (
+                        len(block.run) == len(q.running))
+                    jump = plan_run_jump(
+                        plan, block, block.run, self.executor.decode_durations, start,
+                        self.horizon(), self.kv.num_free_blocks,
+                        run_durations_fn=self.executor.decode_run_durations if past else None)
                 else:
                     jump = plan_jump(plan, requests, self.executor.decode_durations, start,
                                      self.horizon(), self.kv.num_free_blocks, self.kv.block_size)
                 if jump is not None:
-                    # Queue lengths as the intermediate steps saw them (arrivals during the
-                    # final step are processed before this process resumes).
-                    q = self.queues
+                    # Queue lengths and blocks in use as the intermediate steps saw them
+                    # (arrivals during the final step are processed before this process
+                    # resumes).
                     seen = (len(q.waiting), len(q.running), len(q.swapped))
-                    yield env.timeout(_exact_delay(start, float(jump.ends[-1])))
-                    self._apply_jump(plan, requests, jump, start, seen)
+                    used0 = self.kv.num_used_blocks
+                    done = 0
+                    for stop in jump.stops:  # members finish, the others go on
+                        yield env.timeout(_exact_delay(env.now, float(jump.ends[stop - 1])))
+                        self._advance_run_jump(block.run, jump, done, stop)
+                        self.num_jump_stops += 1
+                        done = stop
+                    yield env.timeout(_exact_delay(env.now, float(jump.ends[-1])))
+                    self._apply_jump(plan, requests, jump, start, seen, used0, done)
                     continue
             result = self.executor.execute(plan)
             if result.duration < 0:
@@ -274,27 +290,49 @@ class Replica:
             for req in run.remove_at(done.tolist()):
                 self._finish(req, now)
 
+    def _advance_run_jump(self, run, jump: Jump, done: int, stop: int) -> list[Request]:
+        """Take jump steps ``done + 1 .. stop`` of a decode-run jump, with their new KV
+        blocks; finish the members whose last token was sampled in step ``stop``, at its
+        end."""
+        members = jump.block_members
+        if members is not None and len(members):
+            if done == 0:  # the members' block counts (bounds) for the whole jump
+                run.add_blocks(np.bincount(members, minlength=len(run.ids)))
+            ids = run.ids if jump.member_ids is None else jump.member_ids
+            if not jump.stops:
+                grow = members.tolist()
+            else:
+                lo, hi = np.searchsorted(jump.block_steps, (done + 1, stop + 1)).tolist()
+                grow = members[lo:hi].tolist()
+            if grow and not self.kv.grow([ids[m] for m in grow]):
+                raise AssertionError("decode jump overran the KV pool")  # planned so
+        finished = run.advance(jump.ends[done:stop])
+        if not len(finished):
+            return []
+        out = run.remove_at(finished.tolist())
+        if stop < jump.num_steps:
+            tables = self.kv.block_tables
+            jump.freed.append(sum(len(tables[r.request_id]) for r in out))
+        now = float(jump.ends[stop - 1])
+        for req in out:
+            self._finish(req, now)
+        return out
+
     def _apply_jump(self, plan: StepPlan, requests: list[Request], jump: Jump,
-                    start: float, queue_lengths: tuple[int, int, int]) -> None:
-        """Apply ``jump.num_steps`` decode steps at once (see sim/fast_forward.py)."""
+                    start: float, queue_lengths: tuple[int, int, int], used0: int,
+                    done: int = 0) -> None:
+        """Apply decode steps ``done + 1 .. jump.num_steps`` of a jump at once (see
+        sim/fast_forward.py; the earlier ones were applied at the jump's stops) and record
+        them all."""
         k, ends = jump.num_steps, jump.ends
         last = float(ends[-1])
-        used0 = self.kv.num_used_blocks
         kv = self.kv
         block = plan.decode_block
-        finished: list[Request]
         if block is not None:
             run = block.run
-            if run.steps != block.run_step:
+            if run.steps != block.run_step + done:
                 raise AssertionError("a decode jump applied out of step with its run")
-            members = jump.block_members
-            if members is not None and len(members):
-                ids = run.ids
-                if not kv.grow([ids[m] for m in members.tolist()]):
-                    raise AssertionError("decode jump overran the KV pool")  # plan_run_jump checks
-                run.add_blocks(np.bincount(members, minlength=len(ids)))
-            done = run.advance(ends)
-            finished = run.remove_at(done.tolist()) if len(done) else []
+            self._advance_run_jump(run, jump, done, k)
         else:
             first = float(ends[0])
             times = ends.tobytes()
@@ -309,26 +347,37 @@ class Replica:
                     req.first_token_time = first
                 req.last_token_time = last
                 req.token_times.frombytes(times)
-            finished = [r for r in requests if r.num_output_tokens >= r.max_output_len]
+            for req in [r for r in requests if r.num_output_tokens >= r.max_output_len]:
+                self._finish(req, last)
         self.busy_time += float(jump.durations.sum())
         # Steps 1..k-1 as the step-by-step loop would have recorded them (one C-level pass).
         m = k - 1
+        sizes = jump.batch_sizes
         if self.steps_sink.enabled:
-            n = len(requests)
             waiting, running, swapped = queue_lengths
-            used = (used0 + np.cumsum(jump.new_blocks[:m])).tolist()
+            change = jump.new_blocks[:m]
+            if jump.stops:  # blocks freed at the stops, after their step's new ones
+                change = change.copy()
+                np.subtract.at(change, np.asarray(jump.stops) - 1, jump.freed)
+            used = (used0 + np.cumsum(change)).tolist()
             first_id = self.num_steps + 1
+            if sizes is None:
+                n = len(requests)
+                rows, runs = repeat(n), repeat(running)
+            else:  # the batch shrinks after each stop, and the running set with it
+                rows = sizes[:m].tolist()
+                runs = [running - (n0 - s) for n0 in (int(sizes[0]),) for s in
+                        sizes[1:k].tolist()]
             self.steps_sink.write_many(zip(
                 range(first_id, first_id + m), repeat(self.replica_id),
                 map(repr, [start] + ends[:m - 1].tolist()),
-                map(repr, jump.durations[:m].tolist()), repeat(n), repeat(0), repeat(n),
-                repeat(n), repeat(waiting), repeat(running), repeat(swapped), used,
+                map(repr, jump.durations[:m].tolist()), rows, repeat(0), rows,
+                rows, repeat(waiting), runs, repeat(swapped), used,
                 map(round, map(truediv, used, repeat(kv.num_gpu_blocks)), repeat(6)),
                 repeat(0), repeat(0), repeat(0), repeat(0)))
         self.num_steps += m
-        for req in finished:
-            self._finish(req, last)
-        self._record_step(float(ends[-2]), float(jump.durations[-1]), plan)
+        self._record_step(float(ends[-2]), float(jump.durations[-1]), plan,
+                          None if sizes is None else int(sizes[-1]))
         self.num_jumps += 1
 
     def _finish(self, req: Request, now: float) -> None:
@@ -343,13 +392,19 @@ class Replica:
         if self.on_finished is not None:
             self.on_finished(req)
 
-    def _record_step(self, start: float, duration: float, plan: StepPlan) -> None:
+    def _record_step(self, start: float, duration: float, plan: StepPlan,
+                     decode_rows: int | None = None) -> None:
+        """Write the step's row. ``decode_rows``: the plan is one decode block of which only
+        that many rows were left in this step (the last step of a jump past finishes)."""
         self.num_steps += 1
         if not self.steps_sink.enabled:
             return
         q, kv = self.queues, self.kv
         prefill = decode = sampled = rows = 0
-        for s in plan.parts:
+        parts = plan.parts if decode_rows is None else ()
+        if decode_rows is not None:
+            decode = sampled = rows = decode_rows
+        for s in parts:
             if isinstance(s, DecodeBlock):
                 decode += len(s)
                 sampled += len(s)

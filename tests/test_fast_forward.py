@@ -77,3 +77,22 @@ def test_random_small_workloads_under_kv_pressure(policy, seed, blocks, qps, swa
         f"policy.preemption_mode={'swap' if swap else 'recompute'}",
         *EXTRA.get(policy, ()),
     ])
+
+
+@pytest.mark.parametrize("policy,load", [
+    ("fcfs", ("workload.qps=3", "workload.num_requests=60", "kv.num_gpu_blocks=120")),
+    ("chunked_prefill", ("workload.qps=3", "workload.num_requests=60",
+                         "kv.num_gpu_blocks=120")),
+    # One batch of all requests at once: nothing waits while its members finish.
+    ("static", ("workload.qps=1000", "workload.num_requests=12", "kv.num_gpu_blocks=2000")),
+])
+def test_jumps_past_finishes_equal_exact_with_the_same_blocks(policy, load):
+    """Nothing waits, so decode jumps run past finishes (members leave at the end of their
+    last step); the schedule, timestamps, free block queue and peak KV use are exact."""
+    overrides = [f"policy={policy}", "model=tiny", "workload.output_len.max=120", *load]
+    fast = Simulation(compose_cfg("step_mode=fast", *overrides)).run()
+    exact = Simulation(compose_cfg("step_mode=exact", *overrides)).run()
+    assert fast.replicas[0].num_jump_stops > 0
+    assert fast.replicas[0].kv._gpu.free_blocks() == exact.replicas[0].kv._gpu.free_blocks()
+    assert fast.summary["kv_peak_usage"] == exact.summary["kv_peak_usage"]
+    _assert_same(overrides)
