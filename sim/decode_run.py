@@ -123,16 +123,23 @@ class DecodeRun:
             self._release(req)
         for i in reversed(indices):
             del self.members[i], self.ids[i], self.tables[i]
-        if len(indices) == 1:
+        if len(indices) == 1 and len(self.members):
             i = indices[0]
+            c, b = int(self.ctx0[i]), int(self.bound[i])
             self.ctx0 = np.concatenate((self.ctx0[:i], self.ctx0[i + 1:]))
             self.end = np.concatenate((self.end[:i], self.end[i + 1:]))
             self.bound = np.concatenate((self.bound[:i], self.bound[i + 1:]))
+            # The sums move by one member; a minimum or maximum only if it was that member.
+            self.ctx0_sum -= c
+            if c == self.ctx0_max:
+                self.ctx0_max = int(self.ctx0.max())
+            if b == self.next_bound:
+                self.next_bound = int(self.bound.min())
         else:
             keep = np.ones(len(self.ctx0), dtype=bool)
             keep[indices] = False
             self.ctx0, self.end, self.bound = self.ctx0[keep], self.end[keep], self.bound[keep]
-        self._summarize()
+            self._summarize()
         self._trim()
         return out
 

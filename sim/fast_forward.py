@@ -147,19 +147,19 @@ def _run_jump_past_finishes(block: DecodeBlock, run: DecodeRun, first: np.ndarra
     k_max = _kv_cap(first, bs, min(int(last.max()), max_steps), free_blocks, last)
     if k_max < 2:
         return None
-    order = np.argsort(last, kind="stable")
-    last_sorted = last[order].tolist()
-    ctx_sorted = run.ctx0[order]
-    n = len(last_sorted)
-    # Members finishing at or after a step are a suffix of the sorted order.
-    ctx_suffix = np.cumsum(ctx_sorted[::-1])[::-1].tolist()
-    max_suffix = np.maximum.accumulate(ctx_sorted[::-1])[::-1].tolist()
+    n = len(last)
+    # Members finishing at or after a step are a suffix of them sorted by last step; sorted
+    # only when the jump gets past its first stretch (all members, the run's own sums).
+    last_sorted: list[int] = []
+    ctx_suffix = [run.ctx0_sum]
+    max_suffix = [run.ctx0_max]
+    first_finish = int(last.min())
     parts: list[np.ndarray] = []
     t = start
     i, j0 = 0, 1  # active members: sorted[i:]; the stretch starts at jump step j0
     d_last = 0.0
     while j0 <= k_max:
-        f = min(last_sorted[i], k_max)  # the stretch ends with step f
+        f = min(last_sorted[i] if i else first_finish, k_max)  # the stretch ends with step f
         nd = n - i
         # Context (new token included) in step j0: ctx0 + s0 + j0 per member.
         ctx = ctx_suffix[i] + nd * (s0 + j0)
@@ -187,6 +187,12 @@ def _run_jump_past_finishes(block: DecodeBlock, run: DecodeRun, first: np.ndarra
             break
         t = float(ends[-1])
         j0 = f + 1
+        if not last_sorted:
+            order = np.argsort(last, kind="stable")
+            last_sorted = last[order].tolist()
+            ctx_sorted = run.ctx0[order]
+            ctx_suffix = np.cumsum(ctx_sorted[::-1])[::-1].tolist()
+            max_suffix = np.maximum.accumulate(ctx_sorted[::-1])[::-1].tolist()
         while i < n and last_sorted[i] <= f:
             i += 1
         if i >= n:
@@ -198,6 +204,8 @@ def _run_jump_past_finishes(block: DecodeBlock, run: DecodeRun, first: np.ndarra
         return None
     steps, members = jump_block_steps(first, bs, k, last)
     new_blocks = np.bincount(steps - 1, minlength=k)[:k]
+    if k <= first_finish:  # nobody finishes before the last step: a plain jump
+        return Jump(k, durations[:k], ends[:k], new_blocks, members)
     # Batch size of step j: the members whose last step is j or later.
     gone = np.searchsorted(np.asarray(last_sorted), np.arange(1, k + 1), side="left")
     stops = sorted({f for f in last_sorted if f < k})
