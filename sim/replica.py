@@ -25,7 +25,7 @@ from sim.decode_run import is_decoding
 from sim.fast_forward import Jump, is_steady_decode, plan_jump, plan_run_jump
 from sim.kv_manager import KVBlockManager, blocks_for
 from sim.metrics import MetricsCollector
-from sim.outputs import CsvSink, request_row
+from sim.outputs import STEP_ROW_FORMAT, CsvSink, request_row
 from sim.plan import DecodeBlock, StepPlan, StepResult
 from sim.request import Request, RequestStatus
 from sim.step_builder import ReplicaQueues, StepBuilder
@@ -374,7 +374,7 @@ class Replica:
                 map(repr, jump.durations[:m].tolist()), rows, repeat(0), rows,
                 rows, repeat(waiting), runs, repeat(swapped), used,
                 map(round, map(truediv, used, repeat(kv.num_gpu_blocks)), repeat(6)),
-                repeat(0), repeat(0), repeat(0), repeat(0)))
+                repeat(0), repeat(0), repeat(0), repeat(0)), STEP_ROW_FORMAT)
         self.num_steps += m
         self._record_step(float(ends[-2]), float(jump.durations[-1]), plan,
                           None if sizes is None else int(sizes[-1]))

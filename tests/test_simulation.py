@@ -132,3 +132,22 @@ def test_prompts_beyond_the_context_are_rejected_not_refused(tmp_path):
     s = res.summary
     assert s["completed"] == 2 and s["rejected"] == 1 and s["reject_reasons"] == {"too_long": 1}
     assert [r.request_id for r in res.requests if r.reject_reason] == [1]
+
+
+def test_step_rows_formatted_in_bulk_are_the_csv_writers_text(tmp_path):
+    """Decode jumps write their steps.csv rows with one %-format; the file must read the same
+    as csv.writer's, byte for byte."""
+    from sim.outputs import STEP_COLUMNS, STEP_ROW_FORMAT, CsvSink
+
+    rows = [(7, 0, repr(1.5), repr(0.025), 45, 0, 45, 45, 3, 45, 0, 5000,
+             round(5000 / 28183, 6), 0, 0, 0, 0),
+            (8, 2, repr(1e-05), repr(123456.78901234567), 1, 0, 1, 1, 0, 1, 0, 0, 0.0,
+             0, 0, 0, 0),
+            (9, 1, repr(2.0 ** 70), repr(3e-300), 128, 0, 128, 128, 17, 128, 2, 28183, 1.0,
+             0, 0, 0, 0)]
+    for name, fmt in (("bulk", STEP_ROW_FORMAT), ("writer", None)):
+        sink = CsvSink(tmp_path / f"{name}.csv", STEP_COLUMNS)
+        sink.write(rows[0])
+        sink.write_many(iter(rows[1:]), fmt)
+        sink.close()
+    assert (tmp_path / "bulk.csv").read_bytes() == (tmp_path / "writer.csv").read_bytes()
