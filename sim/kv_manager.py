@@ -15,7 +15,9 @@ finished request are reused last.
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections import deque
+from collections.abc import Hashable, Iterator
+from itertools import repeat
 
 
 class KVIntegrityError(AssertionError):
@@ -25,6 +27,14 @@ class KVIntegrityError(AssertionError):
 def blocks_for(num_tokens: int, block_size: int) -> int:
     """Blocks needed to hold ``num_tokens`` tokens."""
     return -(-num_tokens // block_size)
+
+
+_ONCE = {1}
+
+
+def _consume(it: Iterator[object]) -> None:
+    """Run an iterator for its side effects at C speed."""
+    deque(it, maxlen=0)
 
 
 class _Pool:
@@ -55,13 +65,16 @@ class _Pool:
             del self.free_queue[:h]
             h = 0
         self.head = h
-        refs = self.ref_count
-        for b in out:
-            refs[b] = 1
+        _consume(map(self.ref_count.__setitem__, out, repeat(1)))
         return out
 
     def release(self, blocks: list[int], owner: Hashable) -> None:
         refs = self.ref_count
+        # The common case in C-level passes: every block held by this request alone.
+        if set(map(refs.__getitem__, blocks)) == _ONCE:
+            _consume(map(refs.__setitem__, blocks, repeat(0)))
+            self.free_queue.extend(reversed(blocks))
+            return
         shared = False
         for b in reversed(blocks):
             r = refs[b]
