@@ -394,7 +394,8 @@ def calibrate(rows: Sequence[dict[str, Any]], model: ModelSpec, tensor_parallel:
               num_sms: int | None = None,
               steps: Sequence[tuple[StepShape, float]] = (),
               statistic: str = "median_s",
-              attention_tile: int = ATTENTION_TILE) -> HardwareProfile:
+              attention_tile: int = ATTENTION_TILE, split_rule: str = "fill",
+              split_kv_len: int | None = None) -> HardwareProfile:
     """Fit a profile to CSV rows (``read_profile_csv``), holding out half the shapes.
 
     ``num_sms``: the profiled GPU's SM count (decode attention waves); None (a CPU, or
@@ -403,6 +404,11 @@ def calibrate(rows: Sequence[dict[str, Any]], model: ModelSpec, tensor_parallel:
 
     ``attention_tile``: the query tile prefill attention runs in (``StepDecomposer``; 1 for
     untiled attention, e.g. the real executor's torch kernels on a CPU); saved like ``num_sms``.
+
+    ``split_rule``, ``split_kv_len``: how the profiled decode kernel splits the KV
+    (``StepDecomposer``: ``fill``, the generic rule, or ``flash``, FlashAttention's heuristic,
+    over a block table of ``split_kv_len`` tokens); saved like ``num_sms``. Profiles saved
+    without them were fitted with ``fill`` and load that way.
 
     ``statistic``: the timing column fitted, ``median_s`` (robust to outliers) or ``mean_s``
     (what a simulated clock that sums step times needs when step times are skewed by
@@ -417,9 +423,10 @@ def calibrate(rows: Sequence[dict[str, Any]], model: ModelSpec, tensor_parallel:
     """
     try:
         dec = StepDecomposer(model, tensor_parallel, block_size, num_sms,
-                             attention_tile=attention_tile)
+                             attention_tile=attention_tile, split_rule=split_rule,
+                             split_kv_len=split_kv_len)
     except ValueError as e:
-        raise ConfigError("attention_tile", str(e)) from None
+        raise ConfigError(str(e).split(" ", 1)[0], str(e)) from None
     drivers = [dec.drivers(shape_from_row(r, f"row {i}").shape()) for i, r in enumerate(rows)]
     if statistic not in ("median_s", "mean_s"):
         raise ConfigError("statistic", f"must be median_s or mean_s, got {statistic!r}")
@@ -451,7 +458,8 @@ def calibrate(rows: Sequence[dict[str, Any]], model: ModelSpec, tensor_parallel:
     fit = {"rows_fit": len(fit_idx), "rows_heldout": len(held_idx),
            "mape_fit_pct": round(mape(pred[fit_idx], y[fit_idx]), 3),
            "mape_heldout_pct": round(mape(pred[held_idx], y[held_idx]), 3),
-           "num_sms": num_sms, "attention_tile": attention_tile, "statistic": statistic}
+           "num_sms": num_sms, "attention_tile": attention_tile, "statistic": statistic,
+           "attention_split_rule": split_rule, "attention_split_kv_len": split_kv_len}
     if steps:
         sp = predict(f.coefficients, [step_drivers[i] for i in step_held])
         sy = step_y[step_held]

@@ -36,7 +36,9 @@ from executors.base import EXECUTORS, Executor
 from executors.network import load_network
 from executors.step_terms import (
     ATTENTION_TILE,
+    SPLIT_RULES,
     Coefficients,
+    DecodeGeometry,
     StepBreakdown,
     StepDecomposer,
     StepShape,
@@ -67,6 +69,12 @@ class CostModelConfig:
     attention_kernel_us: float = 7.0  # launch + ramp-up + tail of one attention kernel
     attention_wave_us: float = 3.0  # start-up + write-back of one wave of decode thread blocks
     attention_ctas_per_sm: int = 2  # decode thread blocks resident per SM (one wave's slots)
+    # How decode attention splits each sequence's KV (executors/step_terms.SPLIT_RULES):
+    # "flash" (FlashAttention's heuristic, the kernel Vidur profiled) or "fill" (fill the SMs).
+    attention_split_rule: str = "fill"
+    # Width of the block table FlashAttention's heuristic sees, in tokens (CUDA graphs pad
+    # tables to a fixed width); None: the batch's longest context in whole KV blocks.
+    attention_split_kv_len: int | None = None
     # p of the knee (FLOP time^p + byte time^p)^(1/p); None: the sharp roofline max().
     roofline_sharpness: float | None = 2.0
     profile: str | None = None  # a fitted hardware profile (YAML/JSON; executors/calibration.py)
@@ -79,6 +87,11 @@ class CostModelConfig:
         require(self.attention_wave_us >= 0, "executor.attention_wave_us", "must be >= 0")
         require(self.attention_ctas_per_sm >= 1, "executor.attention_ctas_per_sm",
                 f"must be >= 1, got {self.attention_ctas_per_sm}")
+        require(self.attention_split_rule in SPLIT_RULES, "executor.attention_split_rule",
+                f"must be one of {', '.join(SPLIT_RULES)}, got {self.attention_split_rule!r}")
+        require(self.attention_split_kv_len is None or self.attention_split_kv_len >= 1,
+                "executor.attention_split_kv_len",
+                f"must be >= 1 or null, got {self.attention_split_kv_len}")
         for f in ("compute_efficiency", "memory_efficiency"):
             v = getattr(self, f)
             require(v is None or 0 < v <= 1, f"executor.{f}", f"must be in (0, 1], got {v}")
@@ -108,7 +121,11 @@ class RooflineCostModel(Executor):
     def __init__(self, model: ModelSpec, hardware: HardwareSpec, tensor_parallel: int = 1,
                  config: CostModelConfig | None = None, block_size: int = 16,
                  coefficients: Coefficients | None = None, num_sms: int | None = -1,
-                 pipeline_parallel: int = 1, attention_tile: int = ATTENTION_TILE) -> None:
+                 pipeline_parallel: int = 1, attention_tile: int = ATTENTION_TILE,
+                 split_rule: str | None = None, split_kv_len: int | None = -1) -> None:
+        """``num_sms``, ``attention_tile``, ``split_rule`` and ``split_kv_len`` describe the
+        kernels a fitted profile was measured with (-1 / None: the hardware's and the
+        config's)."""
         require(tensor_parallel >= 1, "cluster.tensor_parallel", f"must be >= 1, got {tensor_parallel}")
         require(pipeline_parallel >= 1, "cluster.pipeline_parallel",
                 f"must be >= 1, got {pipeline_parallel}")
@@ -125,9 +142,10 @@ class RooflineCostModel(Executor):
         self.block_size = block_size
         # num_sms: the hardware's unless a fitted profile says what it was fitted with.
         sms = hardware.num_sms if num_sms == -1 else num_sms
-        self.decomposer = StepDecomposer(model, tensor_parallel, block_size, sms,
-                                         c.attention_ctas_per_sm, pipeline_parallel,
-                                         attention_tile)
+        self.decomposer = StepDecomposer(
+            model, tensor_parallel, block_size, sms, c.attention_ctas_per_sm, pipeline_parallel,
+            attention_tile, split_rule or c.attention_split_rule,
+            c.attention_split_kv_len if split_kv_len == -1 else split_kv_len)
         ce = c.compute_efficiency or hardware.compute_efficiency
         me = c.memory_efficiency or hardware.memory_efficiency
         bw = hardware.memory_bandwidth_gbps * 1e9 * me  # achievable bytes/s
@@ -159,7 +177,8 @@ class RooflineCostModel(Executor):
         self._lm_head: dict[int, float] = {}
         self._overhead: dict[tuple[int, bool], float] = {}
         self._decode_consts: dict[int, tuple] = {}
-        self._decode_curves: dict[int, tuple] = {}
+        self._decode_split_consts: dict[tuple[int, int, int], tuple] = {}
+        self._decode_curves: dict[tuple, tuple] = {}
 
     @property
     def coefficients(self) -> Coefficients:
@@ -176,6 +195,7 @@ class RooflineCostModel(Executor):
         self._lm_head.clear()
         self._overhead.clear()
         self._decode_consts.clear()
+        self._decode_split_consts.clear()
         self._decode_curves.clear()
 
     # ---- Executor interface -------------------------------------------------------------
@@ -209,15 +229,20 @@ class RooflineCostModel(Executor):
     def decode_durations(self, plan: StepPlan, num_steps: int) -> np.ndarray:
         """Durations of ``num_steps`` consecutive steps in which every row of this decode-only
         plan advances by one token (each context grows by one per step), evaluated with the
-        same terms as ``execute`` (the decode context enters as an array)."""
+        same terms as ``execute`` (the decode context enters as an array). Where the decode
+        geometry depends on the longest context (a FlashAttention split below 0.8 x the SM
+        count), the steps are priced in runs of one geometry."""
         shape = step_shape(plan)
         nd = shape.num_decode
         if not (nd == shape.num_tokens == shape.num_rows == shape.num_sampled) or (
                 shape.swap_out_blocks or shape.swap_in_blocks):
+            runs = self._geometry_runs(nd, shape.decode_max_ctx, num_steps)
             steps = np.arange(num_steps, dtype=np.int64)
-            return self.duration(replace(
-                shape, decode_ctx=shape.decode_ctx + nd * steps,
-                decode_max_ctx=shape.decode_max_ctx + steps))
+            ctx, mx = shape.decode_ctx + nd * steps, shape.decode_max_ctx + steps
+            if runs is None:
+                return self.duration(replace(shape, decode_ctx=ctx, decode_max_ctx=mx))
+            return np.concatenate([self.duration(replace(
+                shape, decode_ctx=ctx[i:j], decode_max_ctx=mx[i:j])) for i, j, _ in runs])
         return self.decode_run_durations(nd, shape.decode_ctx, shape.decode_max_ctx, num_steps)
 
     def decode_run_durations(self, num_decode: int, ctx: int, max_ctx: int,
@@ -227,43 +252,66 @@ class RooflineCostModel(Executor):
         step (the longest ``max_ctx``) and grow by one per row per step.
 
         Everything but decode attention is the same every step, and decode attention is
-        affine in the steps inside each roofline bound; evaluated with its constants folded
-        (equal to the term-by-term sum to rounding, ~1e-16 relative)."""
+        affine in the steps inside each roofline bound (and each run of one decode geometry);
+        evaluated with its constants folded (equal to the term-by-term sum to rounding,
+        ~1e-16 relative)."""
         nd = num_decode
-        curve = self._decode_curves.get(nd)
+        runs = self._geometry_runs(nd, max_ctx, num_steps)
+        steps = np.arange(num_steps, dtype=np.float64)
+        ctx = ctx + nd * steps
+        mx = max_ctx + steps
+        if runs is None:
+            return self._decode_run(nd, None, ctx, mx)
+        return np.concatenate([self._decode_run(nd, key, ctx[i:j], mx[i:j])
+                               for i, j, key in runs])
+
+    def _geometry_runs(self, nd: int, max_ctx: int, num_steps: int,
+                       ) -> list[tuple[int, int, tuple[int, int]]] | None:
+        """(start, stop, geometry key) of the runs of steps that share a decode geometry when
+        the longest context grows by one per step from ``max_ctx``; None if it never varies."""
+        dec = self.decomposer
+        if not (nd and dec.decode_splits_vary(nd)):
+            return None
+        tiles, table = dec.decode_geometry_key(nd, max_ctx + np.arange(num_steps, dtype=np.int64))
+        cut = np.flatnonzero((np.diff(tiles) != 0) | (np.diff(table) != 0)) + 1
+        bounds = [0, *cut.tolist(), num_steps]
+        return [(i, j, (int(tiles[i]), int(table[i]))) for i, j in zip(bounds, bounds[1:])]
+
+    def _decode_run(self, nd: int, key: tuple[int, int] | None, ctx: np.ndarray,
+                    mx: np.ndarray) -> np.ndarray:
+        """Durations of decode-only steps of ``nd`` rows with one decode geometry (``key``)."""
+        curve = self._decode_curves.get((nd, key))
         if curve is None:
             fixed = self.duration(StepShape(num_tokens=nd, num_sampled=nd, num_rows=nd))
-            const, waves = self._decode_curve(nd)
-            curve = self._decode_curves[nd] = (fixed + const, waves)
-        steps = np.arange(num_steps, dtype=np.float64)
-        ctx_steps = ctx + nd * steps
-        mx = max_ctx + steps
-        out = curve[0]
+            const, waves, g = self._decode_curve(nd, key)
+            curve = self._decode_curves[(nd, key)] = (fixed + const, waves, g)
+        out, waves, g = curve
+        keys = self.decomposer.decode_cta_keys(g, mx)
         p = self.coefficients.sharpness
-        for count, a_flop, a_byte, b_byte, a_max in curve[1]:
-            out = out + count * _knee2(a_flop * ctx_steps, np.maximum(a_byte * ctx_steps + b_byte,
-                                                                       a_max * mx), p)
+        for count, a_flop, a_byte, b_byte, a_max in waves:
+            out = out + count * _knee2(a_flop * ctx, np.maximum(a_byte * ctx + b_byte,
+                                                                 a_max * keys), p)
         return out
 
-    def _decode_curve(self, nd: int) -> tuple[float, list[tuple[float, ...]]]:
-        """Decode attention for ``nd`` rows as (constant seconds, [(wave count, s per context
-        token of FLOPs, s per context token of bytes, s of Q/O bytes, s per token of the
-        longest context)] for the full waves and the tail wave)."""
-        (c_flops, c_kv, c_q, L, c_cta, splits, full, rem, slots, ctas, sms, kernels,
-         wave_count) = self._decode_constants(nd)
+    def _decode_curve(self, nd: int, key: tuple[int, int] | None,
+                      ) -> tuple[float, list[tuple[float, ...]], DecodeGeometry]:
+        """Decode attention for ``nd`` rows of one geometry as (constant seconds, [(wave
+        count, s per context token of FLOPs, s per context token of bytes, s of Q/O bytes,
+        s per key of the longest block)] for the full waves and the tail wave, geometry)."""
+        c_flops, c_kv, c_q, L, c_cta, g, kernels, wave_count = self._decode_constants(nd, key)
         c = self.coefficients
         const = c.s_per_attn_kernel * kernels + c.s_per_attn_wave * wave_count
         waves = []
-        cta = c.s_per_cta_byte * c_cta / splits
-        for count, share, per_sm in ((full, slots, self.decomposer.ctas_per_sm),
-                                     (1 if rem else 0, rem, -(-rem // sms) if rem else 0)):
+        cta = c.s_per_cta_byte * c_cta
+        for count, share, per_sm in ((g.full, g.slots, self.decomposer.ctas_per_sm),
+                                     (1 if g.rem else 0, g.rem, -(-g.rem // g.sms) if g.rem else 0)):
             if not count:
                 continue
-            f = share / ctas
+            f = share / g.ctas
             waves.append((float(count), c.s_per_attn_flop * c_flops * f,
                           c.s_per_kv_byte * L * c_kv * f, c.s_per_kv_byte * L * c_q * f,
-                          max(cta, c.s_per_sm_byte * per_sm * c_cta / splits)))
-        return const, waves
+                          max(cta, c.s_per_sm_byte * per_sm * c_cta)))
+        return const, waves, g
 
     # ---- the same total, term by term with memoized terms (the simulator's hot path) --------
     def duration(self, shape: StepShape) -> float | np.ndarray:
@@ -325,42 +373,51 @@ class RooflineCostModel(Executor):
     def _decode_attention(self, nd: int, ctx, max_ctx):
         """``breakdown_shape(...).attention_decode`` for ``nd`` decode rows of total context
         ``ctx`` and longest context ``max_ctx`` (StepDecomposer.drivers and
-        Coefficients.breakdown, the same operations in the same order)."""
+        Coefficients.breakdown, the same operations in the same order). Arrays of steps
+        must share one decode geometry (``decode_durations`` cuts them into such runs)."""
         k = self._decode_consts.get(nd)
         if k is None:
-            k = self._decode_consts[nd] = self._decode_constants(nd)
-        (c_flops, c_kv, c_q, L, c_cta, splits, full, rem, slots, ctas, sms, kernels,
-         wave_count) = k
+            dec = self.decomposer
+            if dec.decode_splits_vary(nd):  # memoized per (rows, tiles, table tiles)
+                m = max_ctx if not isinstance(max_ctx, np.ndarray) else int(max_ctx[0])
+                key = (nd, *dec.decode_geometry_key(nd, m))
+                k = self._decode_split_consts.get(key)
+                if k is None:
+                    k = self._decode_split_consts[key] = self._decode_constants(nd, key[1:])
+            else:
+                k = self._decode_consts[nd] = self._decode_constants(nd, None)
+        c_flops, c_kv, c_q, L, c_cta, g, kernels, wave_count = k
         c = self.coefficients
         p = c.sharpness
         total_flops = c_flops * ctx
         total_bytes = L * (c_kv * ctx + c_q)
-        cta_bytes = c_cta * max_ctx / splits
+        cta_bytes = c_cta * self.decomposer.decode_cta_keys(g, max_ctx)
         decode = c.s_per_attn_kernel * kernels
         cta = c.s_per_cta_byte * cta_bytes
-        if full:
-            decode = decode + float(full) * knee(
-                c.s_per_attn_flop * (total_flops * slots / ctas),
-                _max(c.s_per_kv_byte * (total_bytes * slots / ctas), cta,
+        if g.full:
+            decode = decode + float(g.full) * knee(
+                c.s_per_attn_flop * (total_flops * g.slots / g.ctas),
+                _max(c.s_per_kv_byte * (total_bytes * g.slots / g.ctas), cta,
                      c.s_per_sm_byte * (self.decomposer.ctas_per_sm * cta_bytes)), sharpness=p)
-        if rem:
+        if g.rem:
             decode = decode + knee(
-                c.s_per_attn_flop * (total_flops * rem / ctas),
-                _max(c.s_per_kv_byte * (total_bytes * rem / ctas), cta,
-                     c.s_per_sm_byte * (-(-rem // sms) * cta_bytes)), sharpness=p)
+                c.s_per_attn_flop * (total_flops * g.rem / g.ctas),
+                _max(c.s_per_kv_byte * (total_bytes * g.rem / g.ctas), cta,
+                     c.s_per_sm_byte * (-(-g.rem // g.sms) * cta_bytes)), sharpness=p)
         return decode + c.s_per_attn_wave * wave_count
 
-    def _decode_constants(self, nd: int) -> tuple:
+    def _decode_constants(self, nd: int, key: tuple[int, int] | None) -> tuple:
+        """Constants of decode attention for ``nd`` rows; ``key``: the geometry key
+        (``StepDecomposer.decode_geometry_key``), None where the geometry does not vary."""
         dec = self.decomposer
         m, L = dec.model, dec.layers
         d, hq, kvw, kvb, ab = m.head_dim, dec._heads, dec._kv_width, dec._kvb, dec._ab
-        splits, slots, sms, full, rem, ctas = dec.decode_wave_geometry(nd)
+        g = dec.decode_wave_geometry(nd, key=key)
         kernels = float(L)
-        if splits > 1:
+        if g.splits > 1:
             kernels += L
         return (L * 4.0 * hq * d, 2 * kvw * kvb, 2 * hq * d * ab * nd, L, L * 2 * d * kvb,
-                splits, full, rem, slots, ctas, sms, kernels,
-                float(L * (full + (rem > 0))))
+                g, kernels, float(L * (g.full + (g.rem > 0))))
 
 
 def _knee2(x: np.ndarray, y: np.ndarray, p: float) -> np.ndarray:
@@ -387,6 +444,9 @@ def build_cost_model(model: ModelSpec, hardware: HardwareSpec, tensor_parallel: 
                                  num_sms=prof.fit.get("num_sms", hardware.num_sms),
                                  pipeline_parallel=pipeline_parallel,
                                  attention_tile=int(prof.fit.get("attention_tile",
-                                                                 ATTENTION_TILE)))
+                                                                 ATTENTION_TILE)),
+                                 # Profiles saved before the split rules: fitted with "fill".
+                                 split_rule=str(prof.fit.get("attention_split_rule", "fill")),
+                                 split_kv_len=prof.fit.get("attention_split_kv_len"))
     return RooflineCostModel(model, hardware, tensor_parallel, cfg, block_size=block_size,
                              pipeline_parallel=pipeline_parallel)

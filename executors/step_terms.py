@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, fields
+from typing import NamedTuple
 
 import numpy as np
 
@@ -32,6 +33,57 @@ ATTENTION_TILE = 64
 #: kernels) or 1 (no tiles: torch's reference attention on a CPU computes each row's exact
 #: chunk x context score matrix, so a 65-token prompt costs 65 x 65, not 128 x 128, pairs).
 ATTENTION_TILES = (ATTENTION_TILE, 1)
+
+
+#: How a decode kernel splits each sequence's KV across thread blocks (``StepDecomposer``):
+#: ``flash``: FlashAttention's split-KV heuristic (``flash_num_splits``), which Vidur's A100
+#: profile was measured with; ``fill``: enough pieces to fill the GPU's block slots.
+SPLIT_RULES = ("flash", "fill")
+#: FlashAttention splits no KV once the (sequence, KV head) blocks reach this share of the SMs.
+FLASH_NO_SPLIT_FILL = 0.8
+#: FlashAttention's limit on the pieces of one sequence's KV.
+FLASH_MAX_SPLITS = 128
+
+
+def flash_num_splits(units: int, num_sms: int, num_kv_tiles: int,
+                     max_splits: int = FLASH_MAX_SPLITS) -> int:
+    """FlashAttention-2's split count for ``units`` (sequence, KV head) thread blocks over
+    ``num_kv_tiles`` KV tiles on ``num_sms`` SMs (``num_splits_heuristic`` in its
+    ``flash_api.cpp``, written out here): no split once the blocks nearly fill the SMs; else
+    the smallest split count whose wave efficiency (blocks / SMs over whole waves) is within
+    85% of the best one, among counts that change the tiles per split. Float32 arithmetic,
+    as the kernel's host code computes it, so ties fall the same way."""
+    f32 = np.float32
+    if f32(units) >= f32(FLASH_NO_SPLIT_FILL) * f32(num_sms):
+        return 1
+    top = min(max_splits, num_sms, num_kv_tiles)
+
+    def eligible(s: int) -> bool:  # 64 tiles in 11 or 12 splits are 6 per split either way
+        return s == 1 or -(-num_kv_tiles // s) != -(-num_kv_tiles // (s - 1))
+
+    eff: dict[int, float] = {}
+    for s in range(1, top + 1):
+        if eligible(s):
+            waves = f32(units * s) / f32(num_sms)
+            eff[s] = float(waves / f32(math.ceil(waves)))
+    best = max(eff.values(), default=0.0)
+    for s in range(1, top + 1):
+        if s in eff and eff[s] >= 0.85 * best:
+            return s
+    return 1
+
+
+class DecodeGeometry(NamedTuple):
+    """How one decode batch runs (``StepDecomposer.decode_wave_geometry``)."""
+
+    splits: int  # pieces each (sequence, KV head) KV is split into (1: no split)
+    slots: int  # thread blocks resident at once (one wave)
+    sms: int  # SMs the blocks spread over
+    full: int  # full waves
+    rem: int  # blocks in the tail wave
+    ctas: int  # thread blocks with work (splits past a short context exit at once)
+    tile_keys: int  # keys per KV tile (0: blocks read an exact share of the context)
+    cta_tiles: int  # KV tiles of the longest block under a split (0: the whole context)
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,11 +203,21 @@ class StepDecomposer:
     """Turns a ``StepShape`` into ``StepDrivers`` for one model on ``tensor_parallel`` ranks.
 
     Decode attention: a paged decode kernel gives each (sequence, KV head) pair a thread block
-    (``units``). When there are fewer units than SMs it splits each sequence's KV into ``splits``
-    pieces so the blocks fill the GPU's ``num_sms x ctas_per_sm`` slots (and a combine kernel
-    merges the pieces); otherwise a block reads one sequence's whole KV for its head. Blocks
-    run in waves of ``slots``: a wave with few blocks is bound by one block's streaming rate, a
-    full one by HBM. ``num_sms=None`` (e.g. a CPU) runs every block in one wave.
+    (``units``) and may split each sequence's KV into ``splits`` pieces (a combine kernel then
+    merges them). ``split_rule`` picks how many (``SPLIT_RULES``):
+
+    * ``fill``: with fewer units than SMs, enough pieces to fill the ``num_sms x ctas_per_sm``
+      slots; a block reads its exact share of the context.
+    * ``flash``: FlashAttention's heuristic (``flash_num_splits``) over the KV tiles of
+      ``decode_tile_keys`` keys the kernel sees: the block table's width, ``split_kv_len``
+      tokens when tables are padded to a fixed width (CUDA graphs; Vidur's profile: its
+      ``max_model_len``), else the longest context in whole KV blocks. Blocks read whole
+      tiles, each split a run of them; splits past the end of a shorter context do no work.
+      Below 0.8 x the SM count the split count then depends on the longest context's tiles
+      (``decode_geometry_key``).
+
+    Blocks run in waves of ``slots``: a wave with few blocks is bound by one block's streaming
+    rate, a full one by HBM. ``num_sms=None`` (e.g. a CPU) runs every block in one wave.
 
     Prefill attention is priced over query tiles of ``attention_tile`` rows (one of
     ``ATTENTION_TILES``): ``ATTENTION_TILE`` for GPU kernels, 1 where attention runs untiled.
@@ -163,7 +225,13 @@ class StepDecomposer:
 
     def __init__(self, model: ModelSpec, tensor_parallel: int = 1, block_size: int = 16,
                  num_sms: int | None = None, ctas_per_sm: int = 2,
-                 pipeline_parallel: int = 1, attention_tile: int = ATTENTION_TILE) -> None:
+                 pipeline_parallel: int = 1, attention_tile: int = ATTENTION_TILE,
+                 split_rule: str = "fill", split_kv_len: int | None = None) -> None:
+        if split_rule not in SPLIT_RULES:
+            raise ValueError(f"split_rule must be one of {SPLIT_RULES}, got {split_rule!r}")
+        if split_kv_len is not None and split_kv_len < 1:
+            raise ValueError(f"split_kv_len must be >= 1 or None, got {split_kv_len}")
+        self.split_rule, self.split_kv_len, self.block_size = split_rule, split_kv_len, block_size
         if attention_tile not in ATTENTION_TILES:
             raise ValueError(f"attention_tile must be one of {ATTENTION_TILES}, got "
                              f"{attention_tile}")
@@ -193,42 +261,102 @@ class StepDecomposer:
         self._ew_bytes_per_token = a * (2 * 4 * h + 2 * (q + kv) + 3 * inter) + 2 * kv * self._kvb
         self._kv_block_bytes = m.kv_bytes_per_token_per_rank(t, pipeline_parallel) * block_size
 
-    def decode_wave_geometry(self, num_decode: int) -> tuple[int, int, int, int, int, int]:
-        """(splits, slots, sms, full waves, blocks in the tail wave, thread blocks) for a
-        decode batch of ``num_decode`` rows: one thread block per (sequence, KV head), split
-        along the KV when there are fewer blocks than SMs."""
+    def decode_tile_keys(self) -> int:
+        """Keys per KV tile of the split-KV decode kernel (FlashAttention's ``block_n``: 256
+        for head dim <= 64, 128 up to 128, 64 above)."""
+        d = self.model.head_dim
+        return 256 if d <= 64 else 128 if d <= 128 else 64
+
+    def decode_splits_vary(self, num_decode: int) -> bool:
+        """True when the decode geometry of ``num_decode`` rows depends on the longest
+        context (the ``flash`` rule below 0.8 x the SM count): callers pricing many steps at
+        once group them by ``decode_geometry_key`` first."""
+        return (self.split_rule == "flash" and self.num_sms is not None
+                and num_decode * self._kv_heads < FLASH_NO_SPLIT_FILL * self.num_sms)
+
+    def decode_geometry_key(self, num_decode: int, max_ctx: int) -> tuple[int, int] | None:
+        """What the decode geometry depends on besides the batch size: (KV tiles of the
+        longest context, KV tiles of the block table the kernel sees) under a split that
+        varies with them (``decode_splits_vary``), else None. ``max_ctx`` may be an array:
+        then a pair of arrays (callers cut a run of steps where either changes)."""
+        if not self.decode_splits_vary(num_decode):
+            return None
+        bn, bs = self.decode_tile_keys(), self.block_size
+        if isinstance(max_ctx, np.ndarray):
+            m = max_ctx.astype(np.int64)
+            table = np.maximum(self.split_kv_len or 0, -(-m // bs) * bs)
+            return -(-m // bn), -(-table // bn)
+        m = int(max_ctx)
+        return -(-m // bn), -(-max(self.split_kv_len or 0, -(-m // bs) * bs) // bn)
+
+    def decode_wave_geometry(self, num_decode: int, max_ctx: int = 0,
+                             key: tuple[int, int] | None = None) -> DecodeGeometry:
+        """How a decode batch of ``num_decode`` rows whose longest context is ``max_ctx``
+        runs: one thread block per (sequence, KV head) ``unit``, split along the KV by
+        ``split_rule``, in waves of ``num_sms x ctas_per_sm`` slots (see the class doc).
+        ``key``: ``decode_geometry_key(num_decode, max_ctx)`` when known (then ``max_ctx``
+        is not read)."""
         units = num_decode * self._kv_heads
         if self.num_sms is None:  # every block in one (tail) wave, one per SM
-            splits, slots, sms = 1, units, units
-            full, rem = 0, units
-        else:
-            sms = self.num_sms
-            slots = sms * self.ctas_per_sm
+            return DecodeGeometry(1, units, units, 0, units, units, 0, 0)
+        sms = self.num_sms
+        slots = sms * self.ctas_per_sm
+        if self.split_rule == "fill":
             splits = max(1, slots // units) if units < sms else 1
             full, rem = divmod(units * splits, slots)
-        return splits, slots, sms, full, rem, units * splits
+            return DecodeGeometry(splits, slots, sms, full, rem, units * splits, 0, 0)
+        bn = self.decode_tile_keys()
+        if not self.decode_splits_vary(num_decode):  # no split: a block reads whole tiles
+            full, rem = divmod(units, slots)
+            return DecodeGeometry(1, slots, sms, full, rem, units, bn, 0)
+        if key is None:
+            if isinstance(max_ctx, np.ndarray):
+                raise ValueError("decode geometry varies with the context: group the steps "
+                                 "by decode_geometry_key first")
+            key = self.decode_geometry_key(num_decode, max_ctx)
+        # Tiles of the longest context, and of the block table the kernel sees (its width in
+        # whole KV blocks, at least split_kv_len tokens when tables are padded to that).
+        tiles, n_blocks = key
+        splits = flash_num_splits(units, sms, n_blocks)
+        per_split = -(-n_blocks // splits)  # tiles each split owns
+        working = -(-tiles // per_split)  # splits past the context exit at once
+        full, rem = divmod(units * working, slots)
+        return DecodeGeometry(splits, slots, sms, full, rem, units * working, bn,
+                              min(per_split, tiles))
+
+    def decode_cta_keys(self, g: DecodeGeometry, max_ctx):
+        """Keys the longest thread block reads: its share of the longest context (``fill``,
+        or no SMs known), or its whole KV tiles (``flash``). ``max_ctx`` may be an array."""
+        if not g.tile_keys:
+            return max_ctx / g.splits
+        if g.cta_tiles:
+            return float(g.tile_keys * g.cta_tiles)
+        if isinstance(max_ctx, np.ndarray):
+            return g.tile_keys * np.ceil(max_ctx / g.tile_keys)
+        return float(g.tile_keys * -(-int(max_ctx) // g.tile_keys))
 
     def _decode_waves(self, s: StepShape, out: dict[str, float]) -> None:
         """Decode attention as waves of thread blocks. ``decode_ctx`` and ``decode_max_ctx``
-        may be arrays (decode jumps); the batch size is the same for every step of a jump."""
+        may be arrays (decode jumps) of steps with one geometry (``decode_geometry_key``);
+        the batch size is the same for every step of a jump."""
         L, d, kvb = self.layers, self.model.head_dim, self._kvb
-        splits, slots, sms, full, rem, ctas = self.decode_wave_geometry(s.num_decode)
+        g = self.decode_wave_geometry(s.num_decode, s.decode_max_ctx)
         total_flops, total_bytes = out["decode_flops"], out["decode_bytes"]
-        out["decode_waves"] = float(full)
-        out["decode_tail"] = float(rem > 0)
-        out["decode_wave_count"] = float(L * (full + (rem > 0)))
+        out["decode_waves"] = float(g.full)
+        out["decode_tail"] = float(g.rem > 0)
+        out["decode_wave_count"] = float(L * (g.full + (g.rem > 0)))
         # One block's KV (K and V of one head over its share of the longest context).
-        cta = L * 2 * d * kvb * s.decode_max_ctx / splits
+        cta = L * 2 * d * kvb * self.decode_cta_keys(g, s.decode_max_ctx)
         out["decode_cta_bytes"] = cta
-        if full:
-            out["decode_wave_flops"] = total_flops * slots / ctas
-            out["decode_wave_bytes"] = total_bytes * slots / ctas
+        if g.full:
+            out["decode_wave_flops"] = total_flops * g.slots / g.ctas
+            out["decode_wave_bytes"] = total_bytes * g.slots / g.ctas
             out["decode_sm_bytes"] = self.ctas_per_sm * cta
-        if rem:
-            out["decode_tail_flops"] = total_flops * rem / ctas
-            out["decode_tail_bytes"] = total_bytes * rem / ctas
-            out["decode_tail_sm_bytes"] = -(-rem // sms) * cta
-        if splits > 1:
+        if g.rem:
+            out["decode_tail_flops"] = total_flops * g.rem / g.ctas
+            out["decode_tail_bytes"] = total_bytes * g.rem / g.ctas
+            out["decode_tail_sm_bytes"] = -(-g.rem // g.sms) * cta
+        if g.splits > 1:
             out["decode_kernels"] += L  # the combine kernel that merges the split pieces
 
     def drivers(self, s: StepShape) -> StepDrivers:

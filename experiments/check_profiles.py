@@ -108,7 +108,11 @@ def check_attention(root: Path) -> list[CheckResult]:
     tp = int(r.num_tensor_parallel_workers)
     model = _geometry("Llama-2-70B", int(r.n_embd), int(r.n_q_head), int(r.n_kv_head), 28672,
                       32000)
-    cm = RooflineCostModel(model, load_hardware_spec("a100_80gb"), tp, CostModelConfig(),
+    # The profiled kernel: FlashAttention's split-KV heuristic over block tables as wide as
+    # the profile's max_model_len (its split counts follow from 4096 tokens at every context).
+    cfg = CostModelConfig(attention_split_rule="flash",
+                          attention_split_kv_len=int(r.max_model_len))
+    cm = RooflineCostModel(model, load_hardware_spec("a100_80gb"), tp, cfg,
                            block_size=int(r.block_size))
     out = []
     dec = df[~df.is_prefill].groupby(["batch_size", "kv_cache_size"])[
