@@ -224,13 +224,16 @@ class Replica:
                     # resumes).
                     seen = (len(q.waiting), len(q.running), len(q.swapped))
                     used0 = self.kv.num_used_blocks
-                    done = 0
-                    for stop in jump.stops:  # members finish, the others go on
+                    done, k = 0, jump.num_steps
+                    for stop in (*jump.stops, k):  # at each stop members finish
+                        # A stretch's new blocks are in use while it runs (a router reading
+                        # KV use during the last step sees them, as step by step).
+                        self._take_jump_blocks(plan, requests, jump, done, stop)
                         yield env.timeout(_exact_delay(env.now, float(jump.ends[stop - 1])))
-                        self._advance_run_jump(block.run, jump, done, stop)
-                        self.num_jump_stops += 1
-                        done = stop
-                    yield env.timeout(_exact_delay(env.now, float(jump.ends[-1])))
+                        if stop < k:
+                            self._advance_run_jump(block.run, jump, done, stop)
+                            self.num_jump_stops += 1
+                            done = stop
                     self._apply_jump(plan, requests, jump, start, seen, used0, done)
                     continue
             result = self.executor.execute(plan)
@@ -290,22 +293,33 @@ class Replica:
             for req in run.remove_at(done.tolist()):
                 self._finish(req, now)
 
-    def _advance_run_jump(self, run, jump: Jump, done: int, stop: int) -> list[Request]:
-        """Take jump steps ``done + 1 .. stop`` of a decode-run jump, with their new KV
-        blocks; finish the members whose last token was sampled in step ``stop``, at its
-        end."""
+    def _take_jump_blocks(self, plan: StepPlan, requests: list[Request], jump: Jump,
+                          done: int, stop: int) -> None:
+        """Allocate the new KV blocks of jump steps ``done + 1 .. stop``, step by step and
+        rows in order, as single steps would."""
         members = jump.block_members
-        if members is not None and len(members):
+        if members is None or not len(members):
+            return
+        block = plan.decode_block
+        if block is not None:
+            run = block.run
             if done == 0:  # the members' block counts (bounds) for the whole jump
                 run.add_blocks(np.bincount(members, minlength=len(run.ids)))
             ids = run.ids if jump.member_ids is None else jump.member_ids
-            if not jump.stops:
-                grow = members.tolist()
-            else:
-                lo, hi = np.searchsorted(jump.block_steps, (done + 1, stop + 1)).tolist()
-                grow = members[lo:hi].tolist()
-            if grow and not self.kv.grow([ids[m] for m in grow]):
-                raise AssertionError("decode jump overran the KV pool")  # planned so
+        else:
+            ids = [r.request_id for r in requests]
+        if not jump.stops:
+            grow = members.tolist()
+        else:
+            lo, hi = np.searchsorted(jump.block_steps, (done + 1, stop + 1)).tolist()
+            grow = members[lo:hi].tolist()
+        if grow and not self.kv.grow([ids[m] for m in grow]):
+            raise AssertionError("decode jump overran the KV pool")  # planned so
+
+    def _advance_run_jump(self, run, jump: Jump, done: int, stop: int) -> list[Request]:
+        """Take jump steps ``done + 1 .. stop`` of a decode-run jump (their blocks already
+        taken); finish the members whose last token was sampled in step ``stop``, at its
+        end."""
         finished = run.advance(jump.ends[done:stop])
         if not len(finished):
             return []
@@ -336,10 +350,6 @@ class Replica:
         else:
             first = float(ends[0])
             times = ends.tobytes()
-            members = jump.block_members
-            if members is not None and len(members):  # step by step, rows in order
-                if not kv.grow([requests[m].request_id for m in members.tolist()]):
-                    raise AssertionError("decode jump overran the KV pool")  # plan_jump checks
             for req in requests:
                 req.num_computed_tokens += k
                 req.num_output_tokens += k

@@ -184,6 +184,11 @@ def _cluster_run(mode: str, overrides: tuple[str, ...]):
 
 @pytest.mark.parametrize("policy,router,extra", [
     ("fcfs", "least_outstanding", ()),
+    # A request arriving during a jump's last step sees that step's new KV blocks in use
+    # (least_kv routes on them), as step-by-step simulation shows.
+    *[("chunked_prefill", "least_kv", ("policy.max_num_batched_tokens=256", f"seed={seed}",
+                                       f"workload.qps={qps}"))
+      for seed, qps in ((0, 13), (1, 16), (2, 18))],
     ("chunked_prefill", "least_kv", ("policy.max_num_batched_tokens=256",)),
     ("sjf", "power_of_two", ("policy.preemptive=true",)),
     ("fcfs", "round_robin", ("model=tiny", "kv.num_gpu_blocks=40", "workload.qps=60",
@@ -191,8 +196,9 @@ def _cluster_run(mode: str, overrides: tuple[str, ...]):
                              "policy.preemption_mode=swap", "kv.num_cpu_blocks=64")),
 ])
 def test_colocated_replicas_fast_equals_exact(policy, router, extra):
+    qps = () if any(e.startswith("workload.qps=") for e in extra) else ("workload.qps=15",)
     overrides = (f"policy={policy}", "cluster.num_replicas=3", f"cluster.router={router}",
-                 "workload.num_requests=150", "workload.qps=15", *extra)
+                 "workload.num_requests=150", *qps, *extra)
     fast, rf, sf, free_f = _cluster_run("fast", overrides)
     exact, re_, se, free_e = _cluster_run("exact", overrides)
     assert fast["num_decode_jumps"] > 0
