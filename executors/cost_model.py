@@ -71,7 +71,7 @@ class CostModelConfig:
     attention_ctas_per_sm: int = 2  # decode thread blocks resident per SM (one wave's slots)
     # How decode attention splits each sequence's KV (executors/step_terms.SPLIT_RULES):
     # "flash" (FlashAttention's heuristic, the kernel Vidur profiled) or "fill" (fill the SMs).
-    attention_split_rule: str = "fill"
+    attention_split_rule: str = "flash"
     # Width of the block table FlashAttention's heuristic sees, in tokens (CUDA graphs pad
     # tables to a fixed width); None: the batch's longest context in whole KV blocks.
     attention_split_kv_len: int | None = None
