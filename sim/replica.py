@@ -316,13 +316,13 @@ class Replica:
         if grow and not self.kv.grow([ids[m] for m in grow]):
             raise AssertionError("decode jump overran the KV pool")  # planned so
 
-    def _advance_run_jump(self, run, jump: Jump, done: int, stop: int) -> list[Request]:
+    def _advance_run_jump(self, run, jump: Jump, done: int, stop: int) -> None:
         """Take jump steps ``done + 1 .. stop`` of a decode-run jump (their blocks already
         taken); finish the members whose last token was sampled in step ``stop``, at its
         end."""
         finished = run.advance(jump.ends[done:stop])
         if not len(finished):
-            return []
+            return
         out = run.remove_at(finished.tolist())
         if stop < jump.num_steps:
             tables = self.kv.block_tables
@@ -330,7 +330,6 @@ class Replica:
         now = float(jump.ends[stop - 1])
         for req in out:
             self._finish(req, now)
-        return out
 
     def _apply_jump(self, plan: StepPlan, requests: list[Request], jump: Jump,
                     start: float, queue_lengths: tuple[int, int, int], used0: int,
@@ -376,8 +375,8 @@ class Replica:
                 rows, runs = repeat(n), repeat(running)
             else:  # the batch shrinks after each stop, and the running set with it
                 rows = sizes[:m].tolist()
-                runs = [running - (n0 - s) for n0 in (int(sizes[0]),) for s in
-                        sizes[1:k].tolist()]
+                gone = int(sizes[0]) - running  # members leave the running set as they finish
+                runs = [s - gone for s in sizes[1:k].tolist()]
             self.steps_sink.write_many(zip(
                 range(first_id, first_id + m), repeat(self.replica_id),
                 map(repr, [start] + ends[:m - 1].tolist()),
