@@ -71,27 +71,45 @@ class Jump:
     member_ids: list[int] | None = None
 
 
-def _jump_length(durations_fn, plan: StepPlan, k_max: int, start: float,
-                 horizon: float) -> tuple[int, np.ndarray, np.ndarray] | None:
-    # Most jumps end at the next arrival, a few steps away: price a few steps first, then (if
-    # the horizon is further) as many as can start before it. Step durations never shrink as
-    # contexts grow, so at most (horizon - start) / first duration + 1 steps start before it.
-    k_eval = min(k_max, 8)
-    durations = durations_fn(plan, k_eval)
+def _price_until(price, start: float, length: int, horizon: float,
+                 d_est: float = 0.0) -> tuple[np.ndarray, np.ndarray] | None:
+    """Durations and end times of up to ``length`` steps from ``start``, priced by
+    ``price(m)`` only as far as the horizon needs. Most jumps end at the next arrival, a few
+    steps away: price a few steps first (or as many as ``d_est``, a recent step time, says
+    reach the horizon, with a quarter to spare), then, if the horizon is further, as many as
+    can start before it. Step durations rarely shrink as contexts grow, so about
+    (horizon - start) / first duration + 1 steps start before it; a jump that falls short
+    only ends earlier (the next one goes on)."""
+    m = min(length, 8 if d_est <= 0 or math.isinf(horizon) else
+            int((horizon - start) / d_est * 1.25) + 2)
+    durations = price(m)
     if durations is None:
         return None
     # Same sequential float additions as env.now += duration, step after step.
     ends = np.cumsum(np.concatenate(([start], durations)))[1:]
-    if k_eval < k_max and ends[-1] < horizon:
+    if m < length and ends[-1] < horizon:
         d1 = float(durations[0])
-        k_eval = k_max if d1 <= 0 or math.isinf(horizon) else (
-            min(k_max, int((horizon - start) / d1) + 2))
-        if k_eval > len(durations):
-            durations = durations_fn(plan, k_eval)
+        m = length if d1 <= 0 or math.isinf(horizon) else (
+            min(length, int((horizon - start) / d1) + 2))
+        if m > len(durations):
+            durations = price(m)
             ends = np.cumsum(np.concatenate(([start], durations)))[1:]
-    # Step k (k >= 1) starts at ends[k-1]; it belongs to the jump only if that is strictly
-    # before the horizon (at or after it, an arrival may be seen first).
-    k = int(min(k_eval, 1 + np.searchsorted(ends[:-1], horizon, side="left")))
+    return durations, ends
+
+
+def _steps_before(ends: np.ndarray, horizon: float) -> int:
+    """How many steps of a jump with these end times start strictly before the horizon (a
+    step starting at or after it may see an arrival first). Step 1 always belongs."""
+    return int(min(len(ends), 1 + np.searchsorted(ends[:-1], horizon, side="left")))
+
+
+def _jump_length(durations_fn, plan: StepPlan, k_max: int, start: float,
+                 horizon: float) -> tuple[int, np.ndarray, np.ndarray] | None:
+    priced = _price_until(lambda m: durations_fn(plan, m), start, k_max, horizon)
+    if priced is None:
+        return None
+    durations, ends = priced
+    k = _steps_before(ends, horizon)
     if k < 2:
         return None
     return k, durations[:k], ends[:k]
@@ -165,21 +183,12 @@ def _run_jump_past_finishes(block: DecodeBlock, run: DecodeRun, first: np.ndarra
         ctx = ctx_suffix[i] + nd * (s0 + j0)
         mx = max_suffix[i] + s0 + j0
         length = f - j0 + 1
-        # A few steps first, or as many as the last stretch's step time says reach the
-        # horizon (this stretch has fewer rows, so a quarter more).
-        m = min(length, 8 if d_last <= 0 or math.isinf(horizon) else
-                int((horizon - t) / d_last * 1.25) + 2)
-        durations = run_durations_fn(nd, ctx, mx, m)
-        if durations is None:
+        # The last stretch's step time estimates this one's (it has fewer rows).
+        priced = _price_until(lambda m: run_durations_fn(nd, ctx, mx, m), t, length,
+                              horizon, d_last)
+        if priced is None:
             return None
-        ends = np.cumsum(np.concatenate(([t], durations)))[1:]
-        if m < length and ends[-1] < horizon:
-            d1 = float(durations[0])
-            m = length if d1 <= 0 or math.isinf(horizon) else (
-                min(length, int((horizon - t) / d1) + 2))
-            if m > len(durations):
-                durations = run_durations_fn(nd, ctx, mx, m)
-                ends = np.cumsum(np.concatenate(([t], durations)))[1:]
+        durations, ends = priced
         parts.append(durations)
         parts.append(ends)
         d_last = float(durations[-1])
@@ -199,7 +208,7 @@ def _run_jump_past_finishes(block: DecodeBlock, run: DecodeRun, first: np.ndarra
             break
     durations = np.concatenate(parts[0::2])
     ends = np.concatenate(parts[1::2])
-    k = int(min(len(ends), 1 + np.searchsorted(ends[:-1], horizon, side="left")))
+    k = _steps_before(ends, horizon)
     if k < 2:
         return None
     steps, members = jump_block_steps(first, bs, k, last)
