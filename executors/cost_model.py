@@ -164,6 +164,14 @@ class RooflineCostModel(Executor):
             s_per_sm_byte=hardware.num_sms / (bw * c.kv_read_efficiency * c.attention_ctas_per_sm),
             s_per_attn_wave=c.attention_wave_us * 1e-6,
             s_per_attn_kernel=c.attention_kernel_us * 1e-6,
+            # A split-KV partial is ~8 KB written once and read once (decode_partial_bytes):
+            # nanoseconds at HBM bandwidth, inside the combine kernel's own floor
+            # (attention_kernel_us, charged per combine kernel), so the roofline adds nothing.
+            s_per_split_partial=0.0,
+            # The streaming bounds above already price each tile at its bytes, load latency
+            # included at steady state; the per-iteration latency on top is what only a fit
+            # to a measured profile can separate, so the roofline leaves it at 0.
+            s_per_kv_tile=0.0,
             sharpness=math.inf if c.roofline_sharpness is None else c.roofline_sharpness,
         )
         self._coefficients = coefficients or self.roofline
@@ -283,24 +291,30 @@ class RooflineCostModel(Executor):
         curve = self._decode_curves.get((nd, key))
         if curve is None:
             fixed = self.duration(StepShape(num_tokens=nd, num_sampled=nd, num_rows=nd))
-            const, waves, g = self._decode_curve(nd, key)
-            curve = self._decode_curves[(nd, key)] = (fixed + const, waves, g)
-        out, waves, g = curve
+            const, waves, g, a_tile = self._decode_curve(nd, key)
+            curve = self._decode_curves[(nd, key)] = (fixed + const, waves, g, a_tile)
+        out, waves, g, a_tile = curve
         keys = self.decomposer.decode_cta_keys(g, mx)
         p = self.coefficients.sharpness
         for count, a_flop, a_byte, b_byte, a_max in waves:
             out = out + count * _knee2(a_flop * ctx, np.maximum(a_byte * ctx + b_byte,
                                                                  a_max * keys), p)
+        if a_tile:
+            out = out + a_tile * keys
         return out
 
     def _decode_curve(self, nd: int, key: tuple[int, int] | None,
-                      ) -> tuple[float, list[tuple[float, ...]], DecodeGeometry]:
+                      ) -> tuple[float, list[tuple[float, ...]], DecodeGeometry, float]:
         """Decode attention for ``nd`` rows of one geometry as (constant seconds, [(wave
         count, s per context token of FLOPs, s per context token of bytes, s of Q/O bytes,
-        s per key of the longest block)] for the full waves and the tail wave, geometry)."""
-        c_flops, c_kv, c_q, L, c_cta, g, kernels, wave_count = self._decode_constants(nd, key)
+        s per key of the longest block)] for the full waves and the tail wave, geometry,
+        s per key of the longest block along the busiest SM's tile loops)."""
+        (c_flops, c_kv, c_q, L, c_cta, g, kernels, wave_count, partials,
+         chain) = self._decode_constants(nd, key)
         c = self.coefficients
-        const = c.s_per_attn_kernel * kernels + c.s_per_attn_wave * wave_count
+        const = (c.s_per_attn_kernel * kernels + c.s_per_attn_wave * wave_count
+                 + c.s_per_split_partial * partials)
+        a_tile = c.s_per_kv_tile * chain
         waves = []
         cta = c.s_per_cta_byte * c_cta
         for count, share, per_sm in ((g.full, g.slots, self.decomposer.ctas_per_sm),
@@ -311,7 +325,7 @@ class RooflineCostModel(Executor):
             waves.append((float(count), c.s_per_attn_flop * c_flops * f,
                           c.s_per_kv_byte * L * c_kv * f, c.s_per_kv_byte * L * c_q * f,
                           max(cta, c.s_per_sm_byte * per_sm * c_cta)))
-        return const, waves, g
+        return const, waves, g, a_tile
 
     # ---- the same total, term by term with memoized terms (the simulator's hot path) --------
     def duration(self, shape: StepShape) -> float | np.ndarray:
@@ -386,7 +400,7 @@ class RooflineCostModel(Executor):
                     k = self._decode_split_consts[key] = self._decode_constants(nd, key[1:])
             else:
                 k = self._decode_consts[nd] = self._decode_constants(nd, None)
-        c_flops, c_kv, c_q, L, c_cta, g, kernels, wave_count = k
+        c_flops, c_kv, c_q, L, c_cta, g, kernels, wave_count, partials, chain = k
         c = self.coefficients
         p = c.sharpness
         total_flops = c_flops * ctx
@@ -404,7 +418,10 @@ class RooflineCostModel(Executor):
                 c.s_per_attn_flop * (total_flops * g.rem / g.ctas),
                 _max(c.s_per_kv_byte * (total_bytes * g.rem / g.ctas), cta,
                      c.s_per_sm_byte * (-(-g.rem // g.sms) * cta_bytes)), sharpness=p)
-        return decode + c.s_per_attn_wave * wave_count
+        decode = decode + c.s_per_attn_wave * wave_count
+        keys = self.decomposer.decode_cta_keys(g, max_ctx)
+        return (decode + c.s_per_split_partial * partials
+                + c.s_per_kv_tile * (chain * keys))
 
     def _decode_constants(self, nd: int, key: tuple[int, int] | None) -> tuple:
         """Constants of decode attention for ``nd`` rows; ``key``: the geometry key
@@ -414,10 +431,14 @@ class RooflineCostModel(Executor):
         d, hq, kvw, kvb, ab = m.head_dim, dec._heads, dec._kv_width, dec._kvb, dec._ab
         g = dec.decode_wave_geometry(nd, key=key)
         kernels = float(L)
+        partials = 0.0
         if g.splits > 1:
             kernels += L
+            partials = float(L * nd * dec._kv_heads * g.splits)
+        # Tile iterations along the busiest SM per key of its longest block (flash tiles).
+        chain = L * dec.decode_chain_blocks(g) / g.tile_keys if g.tile_keys else 0.0
         return (L * 4.0 * hq * d, 2 * kvw * kvb, 2 * hq * d * ab * nd, L, L * 2 * d * kvb,
-                g, kernels, float(L * (g.full + (g.rem > 0))))
+                g, kernels, float(L * (g.full + (g.rem > 0))), partials, chain)
 
 
 def _knee2(x: np.ndarray, y: np.ndarray, p: float) -> np.ndarray:

@@ -166,6 +166,10 @@ class StepDrivers:
     partial wave of ``decode_tail_*`` work. Every wave is bounded by its HBM traffic and FLOPs,
     by one block streaming its KV alone (``decode_cta_bytes``) and by the busiest SM streaming
     the KV of all its resident blocks (``decode_sm_bytes`` / ``decode_tail_sm_bytes``).
+    Two costs add to the waves: one per split-KV partial output (``decode_partials``: each
+    (sequence, KV head, split) block writes one, the combine kernel reads them all back) and one
+    per KV tile iteration along the busiest SM's blocks (``decode_chain_tiles``: a block's
+    loop over its tiles waits for each tile's loads in turn).
     """
 
     nonempty: float = 0.0  # 1 if the step runs anything (fixed per-step overhead)
@@ -192,6 +196,8 @@ class StepDrivers:
     decode_wave_count: float = 0.0  # waves run, all layers (fixed cost per wave)
     prefill_kernels: float = 0.0  # attention kernel launches (one per layer)
     decode_kernels: float = 0.0  # one per layer, plus the split-KV combine kernel
+    decode_partials: float = 0.0  # split-KV partial outputs written and merged, all layers
+    decode_chain_tiles: float = 0.0  # KV tiles the busiest SM's blocks loop over, all layers
     elementwise_bytes: float = 0.0  # norms, RoPE, SiLU, residual adds, KV store
     comm_calls: float = 0.0  # all-reduces (TP only)
     comm_bytes: float = 0.0  # ring traffic per rank
@@ -335,6 +341,19 @@ class StepDecomposer:
             return g.tile_keys * np.ceil(max_ctx / g.tile_keys)
         return float(g.tile_keys * -(-int(max_ctx) // g.tile_keys))
 
+    def decode_chain_blocks(self, g: DecodeGeometry) -> int:
+        """Thread blocks the busiest SM runs over all waves: ``ctas_per_sm`` per full wave,
+        ``ceil(rem / sms)`` in the tail wave. Their tile loops run one tile at a time, each
+        waiting for its K and V loads, so the step pays a latency per tile along them."""
+        return g.full * self.ctas_per_sm + (-(-g.rem // g.sms) if g.rem else 0)
+
+    def decode_partial_bytes(self) -> int:
+        """Bytes of one split-KV partial output: the query rows of one KV head (grouped
+        heads share a block) x (head dim + 1 log-sum-exp) in fp32, written once and read
+        once by the combine kernel."""
+        rows = max(1, self._heads // max(1, self._kv_heads))
+        return 2 * rows * (self.model.head_dim + 1) * 4
+
     def _decode_waves(self, s: StepShape, out: dict[str, float]) -> None:
         """Decode attention as waves of thread blocks. ``decode_ctx`` and ``decode_max_ctx``
         may be arrays (decode jumps) of steps with one geometry (``decode_geometry_key``);
@@ -358,6 +377,12 @@ class StepDecomposer:
             out["decode_tail_sm_bytes"] = -(-g.rem // g.sms) * cta
         if g.splits > 1:
             out["decode_kernels"] += L  # the combine kernel that merges the split pieces
+            # Every launched split writes a partial (splits past a short context write an
+            # empty one) and the combine kernel reads them all: units x splits per layer.
+            out["decode_partials"] = float(L * s.num_decode * self._kv_heads * g.splits)
+        if g.tile_keys:  # tiled kernels (flash): the busiest SM runs its blocks' tile loops
+            out["decode_chain_tiles"] = (L * self.decode_chain_blocks(g) / g.tile_keys
+                                         * self.decode_cta_keys(g, s.decode_max_ctx))
 
     def drivers(self, s: StepShape) -> StepDrivers:
         L, m = self.layers, self.model
@@ -458,6 +483,8 @@ COEFFICIENT_DOCS: dict[str, str] = {
     "s_per_sm_byte": "per KV byte the busiest SM streams for its resident decode blocks",
     "s_per_attn_wave": "per wave of decode thread blocks (block start-up and write-back)",
     "s_per_attn_kernel": "per attention kernel launch (launch, ramp-up and tail floor)",
+    "s_per_split_partial": "per split-KV partial output (written by a split, merged by combine)",
+    "s_per_kv_tile": "per KV tile iteration along the busiest SM's decode blocks (load latency)",
 }
 
 
@@ -477,6 +504,8 @@ class Coefficients:
     s_per_sm_byte: float = 0.0
     s_per_attn_wave: float = 0.0
     s_per_attn_kernel: float = 0.0
+    s_per_split_partial: float = 0.0
+    s_per_kv_tile: float = 0.0
     sharpness: float = math.inf
 
     def __post_init__(self) -> None:
@@ -526,6 +555,8 @@ class Coefficients:
                     _max(self.s_per_kv_byte * d.decode_tail_bytes, cta,
                          self.s_per_sm_byte * d.decode_tail_sm_bytes), sharpness=p)
             decode = decode + self.s_per_attn_wave * d.decode_wave_count
+            decode = (decode + self.s_per_split_partial * d.decode_partials
+                      + self.s_per_kv_tile * d.decode_chain_tiles)
         b.attention_decode = decode
         if tokens_priced_by_bytes is None:
             b.elementwise = self.s_per_token * d.tokens
@@ -552,7 +583,7 @@ DRIVER_COLUMNS = ("nonempty", "rows", "tokens", "linear_flops", "linear_bytes", 
                   "prefill_kernels", "decode_waves", "decode_wave_flops", "decode_wave_bytes",
                   "decode_sm_bytes", "decode_tail", "decode_tail_flops", "decode_tail_bytes",
                   "decode_tail_sm_bytes", "decode_cta_bytes", "decode_wave_count",
-                  "decode_kernels")
+                  "decode_kernels", "decode_partials", "decode_chain_tiles")
 
 
 def driver_matrix(drivers: list[StepDrivers]) -> np.ndarray:
@@ -566,7 +597,7 @@ def predict_array(x: np.ndarray, X: np.ndarray, sharpness: float) -> np.ndarray:
     ``x`` is in ``Coefficients.names()`` order; ``X`` from ``driver_matrix``. With
     ``sharpness`` 1 every knee is a sum, so the model is linear in ``x`` (the fit's start).
     """
-    step, seq, tok, flop, wbyte, aflop, dflop, kvbyte, ctab, smb, wave, kern = x
+    step, seq, tok, flop, wbyte, aflop, dflop, kvbyte, ctab, smb, wave, kern, part, tile = x
     c = {name: X[:, i] for i, name in enumerate(DRIVER_COLUMNS)}
     p = sharpness
     cta = ctab * c["decode_cta_bytes"]
@@ -580,4 +611,5 @@ def predict_array(x: np.ndarray, X: np.ndarray, sharpness: float) -> np.ndarray:
             + c["decode_tail"] * knee_array([aflop * c["decode_tail_flops"], np.maximum(np.maximum(
                 kvbyte * c["decode_tail_bytes"], cta), smb * c["decode_tail_sm_bytes"])], p)
             + wave * c["decode_wave_count"]
-            + kern * (c["prefill_kernels"] + c["decode_kernels"]))
+            + kern * (c["prefill_kernels"] + c["decode_kernels"])
+            + part * c["decode_partials"] + tile * c["decode_chain_tiles"])

@@ -41,7 +41,8 @@ MAX_TOKENS = 4096
 # Coefficients each check may fit: the terms that price that operator (and its fixed cost).
 LINEAR_TERMS = ("s_per_step", "s_per_token", "s_per_flop", "s_per_weight_byte")
 DECODE_TERMS = ("s_per_seq", "s_per_attn_flop", "s_per_kv_byte", "s_per_cta_byte",
-                "s_per_sm_byte", "s_per_attn_wave", "s_per_attn_kernel")
+                "s_per_sm_byte", "s_per_attn_wave", "s_per_attn_kernel", "s_per_split_partial",
+                "s_per_kv_tile")
 PREFILL_TERMS = ("s_per_token", "s_per_attn_flop", "s_per_diag_flop", "s_per_kv_byte",
                  "s_per_attn_kernel")
 

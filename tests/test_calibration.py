@@ -406,9 +406,9 @@ def test_check_profiles_meets_targets():
         assert c.roofline_mape <= 25.0, c  # target: uncalibrated roofline 25% or less
     for c in results[:3] + results[4:]:  # linear ops and prefill: calibrated 5% or less
         assert c.calibrated_mape <= 5.0, c
-    # Decode 6.0% with FlashAttention's split rule (6.9% with the generic one): block
-    # placement and the combine kernel at <= 21 sequences (docs/calibration.md).
-    assert results[3].calibrated_mape <= 6.5
+    # Decode 5.5% with FlashAttention's split rule, split partials and tile latency (6.0%
+    # without the last two); what remains is in docs/calibration.md.
+    assert results[3].calibrated_mape <= 5.7
     assert np.mean([c.calibrated_mape for c in results]) <= 5.0  # the headline target
 
 

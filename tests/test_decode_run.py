@@ -130,12 +130,15 @@ def _cost_models() -> list[RooflineCostModel]:
     fitted = Coefficients(s_per_step=2e-4, s_per_seq=1e-5, s_per_token=3e-7, s_per_flop=4e-15,
                           s_per_weight_byte=5e-13, s_per_attn_flop=7e-15, s_per_diag_flop=9e-15,
                           s_per_kv_byte=6e-13, s_per_cta_byte=1e-10, s_per_sm_byte=2e-11,
-                          s_per_attn_wave=2e-6, s_per_attn_kernel=5e-6, sharpness=3.0)
+                          s_per_attn_wave=2e-6, s_per_attn_kernel=5e-6, s_per_split_partial=3e-8,
+                          s_per_kv_tile=1e-6, sharpness=3.0)
     return [RooflineCostModel(m8, a100),
             RooflineCostModel(load_model_spec("llama3_70b"), load_hardware_spec("h100_sxm"), 4,
                               pipeline_parallel=2),
             RooflineCostModel(load_model_spec("tiny"), a100, coefficients=fitted),
             RooflineCostModel(m8, a100, num_sms=None),
+            # A fitted GPU profile: split partials and per-tile latency priced (flash tiles).
+            RooflineCostModel(m8, a100, coefficients=fitted),
             # A CPU-fitted profile: no query tiles (torch's reference attention).
             RooflineCostModel(load_model_spec("tiny"), a100, coefficients=fitted, num_sms=None,
                               attention_tile=1)]

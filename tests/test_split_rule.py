@@ -1,6 +1,7 @@
 """Decode attention's split-KV rules: FlashAttention's heuristic (``flash``) and ``fill``."""
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -71,12 +72,30 @@ def test_fill_rule_is_the_generic_rule():
     assert dec.decode_cta_keys(g, 33) == 33 / 2  # an exact share, no tiles
 
 
+def test_split_partials_and_tile_chain_drivers():
+    """16 sequences x 4 KV heads = 64 units, split 3 ways over a 4096-token table: 192
+    partials per layer; at 300 cached tokens (301 keys, 3 tiles, all in split 0) the 64
+    working blocks fit one wave's tail, one per SM, each looping over 3 tiles. 55 sequences
+    (220 blocks, no split) at 1000 tokens: one full wave (2 blocks per SM) and a 4-block tail
+    (1 per SM) of 8-tile blocks: 3 x 8 tiles along the busiest SM."""
+    dec = _flash()
+    d = dec.drivers(ShapeSpec("decode", num_decode_seqs=16, decode_context=300).shape())
+    assert (d.decode_partials, d.decode_chain_tiles) == (16 * 4 * 3, 3.0)
+    d = dec.drivers(ShapeSpec("decode", num_decode_seqs=55, decode_context=1000).shape())
+    assert (d.decode_partials, d.decode_chain_tiles) == (0.0, 3 * 8.0)
+    fill = StepDecomposer(L70, 2, 16, 108, 2, split_rule="fill")  # no tiles: no tile chain
+    d = fill.drivers(ShapeSpec("decode", num_decode_seqs=16, decode_context=300).shape())
+    assert d.decode_chain_tiles == 0.0 and d.decode_partials == 16 * 4 * (216 // 64)
+
+
 @pytest.mark.parametrize("kv_len", [None, 4096])
 @pytest.mark.parametrize("nd,ctx0", [(1, 120), (5, 250), (10, 380), (21, 1020), (40, 120)])
 def test_decode_jump_equals_per_step_pricing_across_tile_boundaries(kv_len, nd, ctx0):
     cfg = CostModelConfig(attention_split_rule="flash", attention_split_kv_len=kv_len)
     for model, hw, tp in ((load_model_spec("llama3_8b"), "a100_80gb", 1), (L70, "a100_80gb", 2)):
         cm = RooflineCostModel(model, load_hardware_spec(hw), tp, cfg)
+        # Price the split partials and the per-tile latency too (the roofline leaves them 0).
+        cm.coefficients = replace(cm.roofline, s_per_split_partial=2e-8, s_per_kv_tile=1e-6)
         ctx = [ctx0 + 3 * i for i in range(nd)]
         plan = StepPlan([ScheduledRequest(i, c, 1, [], True) for i, c in enumerate(ctx)])
         got = cm.decode_durations(plan, 300)  # crosses at least two 128-key tile boundaries
@@ -144,3 +163,12 @@ def test_batch1_decode_stays_near_the_weight_read_floor(rule):
     for ctx in (128, 512, 1000):
         t = cm.execute(StepPlan([ScheduledRequest(0, ctx, 1, [], True)])).duration
         assert floor < t < 1.15 * floor, (ctx, t / floor)
+
+
+def test_profiles_without_the_partial_and_tile_coefficients_load_at_zero(tmp_path):
+    """Profiles saved before s_per_split_partial / s_per_kv_tile existed price as before."""
+    old = tmp_path / "old.yaml"
+    old.write_text("model: m\ndevice: d\ntensor_parallel: 1\n"
+                   "coefficients: {s_per_seq: 1.0e-6, s_per_attn_kernel: 5.0e-6}\n")
+    c = load_profile(old).coefficients
+    assert (c.s_per_split_partial, c.s_per_kv_tile, c.s_per_attn_kernel) == (0.0, 0.0, 5e-6)
