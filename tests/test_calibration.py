@@ -374,7 +374,9 @@ def test_profile_fit_simulate_compare_loop(tmp_path):
     meta = {"model": "tiny", "device": "cpu", "dtype": "fp32", "tensor_parallel": 1,
             "executor": "fake"}
     rows = profile_executor(NoisyExecutor(model, truth), model, SMALL_GRID, 16, meta)
-    prof = calibrate(rows, model, num_sms=load_hardware_spec("a100_80gb").num_sms)  # as the stand-in
+    # The stand-in's decode geometry: its SMs and the default flash split rule.
+    prof = calibrate(rows, model, num_sms=load_hardware_spec("a100_80gb").num_sms,
+                     split_rule="flash")
     assert prof.fit["num_sms"] == 108
     assert prof.fit["mape_heldout_pct"] < 5.0
     path = save_profile(prof, tmp_path / "tiny.yaml")
