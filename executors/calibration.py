@@ -395,7 +395,8 @@ def calibrate(rows: Sequence[dict[str, Any]], model: ModelSpec, tensor_parallel:
               steps: Sequence[tuple[StepShape, float]] = (),
               statistic: str = "median_s",
               attention_tile: int = ATTENTION_TILE, split_rule: str = "fill",
-              split_kv_len: int | None = None) -> HardwareProfile:
+              split_kv_len: int | None = None,
+              decode_placement: str = "launch") -> HardwareProfile:
     """Fit a profile to CSV rows (``read_profile_csv``), holding out half the shapes.
 
     ``num_sms``: the profiled GPU's SM count (decode attention waves); None (a CPU, or
@@ -408,7 +409,9 @@ def calibrate(rows: Sequence[dict[str, Any]], model: ModelSpec, tensor_parallel:
     ``split_rule``, ``split_kv_len``: how the profiled decode kernel splits the KV
     (``StepDecomposer``: ``fill``, the generic rule, or ``flash``, FlashAttention's heuristic,
     over a block table of ``split_kv_len`` tokens); saved like ``num_sms``. Profiles saved
-    without them were fitted with ``fill`` and load that way.
+    without them were fitted with ``fill`` and load that way. ``decode_placement``: where the
+    ``flash`` rule's blocks run (``StepDecomposer``); saved too, and profiles saved without it
+    load with ``waves``, the geometry they were fitted with.
 
     ``statistic``: the timing column fitted, ``median_s`` (robust to outliers) or ``mean_s``
     (what a simulated clock that sums step times needs when step times are skewed by
@@ -424,7 +427,7 @@ def calibrate(rows: Sequence[dict[str, Any]], model: ModelSpec, tensor_parallel:
     try:
         dec = StepDecomposer(model, tensor_parallel, block_size, num_sms,
                              attention_tile=attention_tile, split_rule=split_rule,
-                             split_kv_len=split_kv_len)
+                             split_kv_len=split_kv_len, decode_placement=decode_placement)
     except ValueError as e:
         raise ConfigError(str(e).split(" ", 1)[0], str(e)) from None
     drivers = [dec.drivers(shape_from_row(r, f"row {i}").shape()) for i, r in enumerate(rows)]
@@ -459,7 +462,8 @@ def calibrate(rows: Sequence[dict[str, Any]], model: ModelSpec, tensor_parallel:
            "mape_fit_pct": round(mape(pred[fit_idx], y[fit_idx]), 3),
            "mape_heldout_pct": round(mape(pred[held_idx], y[held_idx]), 3),
            "num_sms": num_sms, "attention_tile": attention_tile, "statistic": statistic,
-           "attention_split_rule": split_rule, "attention_split_kv_len": split_kv_len}
+           "attention_split_rule": split_rule, "attention_split_kv_len": split_kv_len,
+           "attention_decode_placement": decode_placement}
     if steps:
         sp = predict(f.coefficients, [step_drivers[i] for i in step_held])
         sy = step_y[step_held]

@@ -36,6 +36,7 @@ from executors.base import EXECUTORS, Executor
 from executors.network import load_network
 from executors.step_terms import (
     ATTENTION_TILE,
+    DECODE_PLACEMENTS,
     SPLIT_RULES,
     Coefficients,
     DecodeGeometry,
@@ -75,6 +76,9 @@ class CostModelConfig:
     # Width of the block table FlashAttention's heuristic sees, in tokens (CUDA graphs pad
     # tables to a fixed width); None: the batch's longest context in whole KV blocks.
     attention_split_kv_len: int | None = None
+    # Where the flash rule's decode thread blocks run (executors/step_terms.DECODE_PLACEMENTS):
+    # "launch" (launch order, docs/calibration.md) or "waves" (the geometry before it).
+    attention_decode_placement: str = "launch"
     # p of the knee (FLOP time^p + byte time^p)^(1/p); None: the sharp roofline max().
     roofline_sharpness: float | None = 2.0
     profile: str | None = None  # a fitted hardware profile (YAML/JSON; executors/calibration.py)
@@ -92,6 +96,10 @@ class CostModelConfig:
         require(self.attention_split_kv_len is None or self.attention_split_kv_len >= 1,
                 "executor.attention_split_kv_len",
                 f"must be >= 1 or null, got {self.attention_split_kv_len}")
+        require(self.attention_decode_placement in DECODE_PLACEMENTS,
+                "executor.attention_decode_placement",
+                f"must be one of {', '.join(DECODE_PLACEMENTS)}, got "
+                f"{self.attention_decode_placement!r}")
         for f in ("compute_efficiency", "memory_efficiency"):
             v = getattr(self, f)
             require(v is None or 0 < v <= 1, f"executor.{f}", f"must be in (0, 1], got {v}")
@@ -122,10 +130,11 @@ class RooflineCostModel(Executor):
                  config: CostModelConfig | None = None, block_size: int = 16,
                  coefficients: Coefficients | None = None, num_sms: int | None = -1,
                  pipeline_parallel: int = 1, attention_tile: int = ATTENTION_TILE,
-                 split_rule: str | None = None, split_kv_len: int | None = -1) -> None:
-        """``num_sms``, ``attention_tile``, ``split_rule`` and ``split_kv_len`` describe the
-        kernels a fitted profile was measured with (-1 / None: the hardware's and the
-        config's)."""
+                 split_rule: str | None = None, split_kv_len: int | None = -1,
+                 decode_placement: str | None = None) -> None:
+        """``num_sms``, ``attention_tile``, ``split_rule``, ``split_kv_len`` and
+        ``decode_placement`` describe the kernels a fitted profile was measured with (-1 /
+        None: the hardware's and the config's)."""
         require(tensor_parallel >= 1, "cluster.tensor_parallel", f"must be >= 1, got {tensor_parallel}")
         require(pipeline_parallel >= 1, "cluster.pipeline_parallel",
                 f"must be >= 1, got {pipeline_parallel}")
@@ -145,7 +154,8 @@ class RooflineCostModel(Executor):
         self.decomposer = StepDecomposer(
             model, tensor_parallel, block_size, sms, c.attention_ctas_per_sm, pipeline_parallel,
             attention_tile, split_rule or c.attention_split_rule,
-            c.attention_split_kv_len if split_kv_len == -1 else split_kv_len)
+            c.attention_split_kv_len if split_kv_len == -1 else split_kv_len,
+            decode_placement or c.attention_decode_placement)
         ce = c.compute_efficiency or hardware.compute_efficiency
         me = c.memory_efficiency or hardware.memory_efficiency
         bw = hardware.memory_bandwidth_gbps * 1e9 * me  # achievable bytes/s
@@ -294,13 +304,13 @@ class RooflineCostModel(Executor):
             const, waves, g, a_tile = self._decode_curve(nd, key)
             curve = self._decode_curves[(nd, key)] = (fixed + const, waves, g, a_tile)
         out, waves, g, a_tile = curve
-        keys = self.decomposer.decode_cta_keys(g, mx)
+        keys = self.decomposer.decode_stream_keys(g, mx)
         p = self.coefficients.sharpness
         for count, a_flop, a_byte, b_byte, a_max in waves:
             out = out + count * _knee2(a_flop * ctx, np.maximum(a_byte * ctx + b_byte,
                                                                  a_max * keys), p)
         if a_tile:
-            out = out + a_tile * keys
+            out = out + a_tile * self.decomposer.decode_cta_keys(g, mx)
         return out
 
     def _decode_curve(self, nd: int, key: tuple[int, int] | None,
@@ -318,7 +328,7 @@ class RooflineCostModel(Executor):
         waves = []
         cta = c.s_per_cta_byte * c_cta
         for count, share, per_sm in ((g.full, g.slots, self.decomposer.ctas_per_sm),
-                                     (1 if g.rem else 0, g.rem, -(-g.rem // g.sms) if g.rem else 0)):
+                                     (1 if g.rem else 0, g.rem, g.tail_sm)):
             if not count:
                 continue
             f = share / g.ctas
@@ -405,7 +415,7 @@ class RooflineCostModel(Executor):
         p = c.sharpness
         total_flops = c_flops * ctx
         total_bytes = L * (c_kv * ctx + c_q)
-        cta_bytes = c_cta * self.decomposer.decode_cta_keys(g, max_ctx)
+        cta_bytes = c_cta * self.decomposer.decode_stream_keys(g, max_ctx)
         decode = c.s_per_attn_kernel * kernels
         cta = c.s_per_cta_byte * cta_bytes
         if g.full:
@@ -417,7 +427,7 @@ class RooflineCostModel(Executor):
             decode = decode + knee(
                 c.s_per_attn_flop * (total_flops * g.rem / g.ctas),
                 _max(c.s_per_kv_byte * (total_bytes * g.rem / g.ctas), cta,
-                     c.s_per_sm_byte * (-(-g.rem // g.sms) * cta_bytes)), sharpness=p)
+                     c.s_per_sm_byte * (g.tail_sm * cta_bytes)), sharpness=p)
         decode = decode + c.s_per_attn_wave * wave_count
         keys = self.decomposer.decode_cta_keys(g, max_ctx)
         return (decode + c.s_per_split_partial * partials
@@ -468,6 +478,9 @@ def build_cost_model(model: ModelSpec, hardware: HardwareSpec, tensor_parallel: 
                                                                  ATTENTION_TILE)),
                                  # Profiles saved before the split rules: fitted with "fill".
                                  split_rule=str(prof.fit.get("attention_split_rule", "fill")),
-                                 split_kv_len=prof.fit.get("attention_split_kv_len"))
+                                 split_kv_len=prof.fit.get("attention_split_kv_len"),
+                                 # Profiles saved before launch-order placement: "waves".
+                                 decode_placement=str(prof.fit.get(
+                                     "attention_decode_placement", "waves")))
     return RooflineCostModel(model, hardware, tensor_parallel, cfg, block_size=block_size,
                              pipeline_parallel=pipeline_parallel)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, fields
+from functools import lru_cache
 from typing import NamedTuple
 
 import numpy as np
@@ -43,6 +44,12 @@ SPLIT_RULES = ("flash", "fill")
 FLASH_NO_SPLIT_FILL = 0.8
 #: FlashAttention's limit on the pieces of one sequence's KV.
 FLASH_MAX_SPLITS = 128
+#: Where the ``flash`` rule's decode thread blocks run (``StepDecomposer``): ``launch``: in
+#: launch order (a split grid's blocks land next to each other and later blocks take the slots
+#: that empty splits free; a tail wave after full waves runs one block per SM; the streaming
+#: bounds read the exact keys); ``waves``: the geometry fitted profiles were saved with before
+#: (blocks / SMs per wave, whole tiles). Profiles record theirs (``attention_decode_placement``).
+DECODE_PLACEMENTS = ("launch", "waves")
 
 
 def flash_num_splits(units: int, num_sms: int, num_kv_tiles: int,
@@ -73,6 +80,37 @@ def flash_num_splits(units: int, num_sms: int, num_kv_tiles: int,
     return 1
 
 
+@lru_cache(maxsize=4096)
+def busiest_sm_blocks(units: int, splits: int, working: int, num_sms: int,
+                      ctas_per_sm: int) -> int:
+    """Working thread blocks on the busiest SM when a split-KV grid of ``units`` x ``splits``
+    blocks (a unit's splits next to each other in launch order) runs on ``num_sms`` SMs of
+    ``ctas_per_sm`` slots and only the first ``working`` splits of each unit have KV.
+
+    The first ``num_sms x ctas_per_sm`` blocks fill the slots round-robin (block i and
+    i + num_sms share an SM); an empty split exits at once and frees its slot, which the next
+    block in launch order takes; with no free slot a block waits for the least loaded SM. So
+    at 14 sequences x 4 KV heads in 4 splits with only split 0 working, blocks 0 and 112 (both
+    split 0) meet on SM 0: two working blocks on one SM, where blocks / SMs says one."""
+    n = units * splits
+    first = min(n, num_sms * ctas_per_sm)
+    count = [0] * num_sms
+    free: list[int] = []  # SMs of freed slots, in the order they free
+    for i in range(n):
+        works = i % splits < working
+        if i < first:
+            sm = i % num_sms
+        elif free:
+            sm = free.pop(0)
+        else:
+            sm = min(range(num_sms), key=count.__getitem__)
+        if works:
+            count[sm] += 1
+        else:
+            free.append(sm)
+    return max(count)
+
+
 class DecodeGeometry(NamedTuple):
     """How one decode batch runs (``StepDecomposer.decode_wave_geometry``)."""
 
@@ -84,6 +122,8 @@ class DecodeGeometry(NamedTuple):
     ctas: int  # thread blocks with work (splits past a short context exit at once)
     tile_keys: int  # keys per KV tile (0: blocks read an exact share of the context)
     cta_tiles: int  # KV tiles of the longest block under a split (0: the whole context)
+    tail_sm: int  # working blocks the tail wave puts on its busiest SM (0: no tail)
+    exact_keys: bool  # streaming bounds over the exact keys (whole tiles: the tile chain only)
 
 
 @dataclass(frozen=True, slots=True)
@@ -232,9 +272,14 @@ class StepDecomposer:
     def __init__(self, model: ModelSpec, tensor_parallel: int = 1, block_size: int = 16,
                  num_sms: int | None = None, ctas_per_sm: int = 2,
                  pipeline_parallel: int = 1, attention_tile: int = ATTENTION_TILE,
-                 split_rule: str = "fill", split_kv_len: int | None = None) -> None:
+                 split_rule: str = "fill", split_kv_len: int | None = None,
+                 decode_placement: str = "launch") -> None:
         if split_rule not in SPLIT_RULES:
             raise ValueError(f"split_rule must be one of {SPLIT_RULES}, got {split_rule!r}")
+        if decode_placement not in DECODE_PLACEMENTS:
+            raise ValueError(f"decode_placement must be one of {DECODE_PLACEMENTS}, got "
+                             f"{decode_placement!r}")
+        self.decode_placement = decode_placement
         if split_kv_len is not None and split_kv_len < 1:
             raise ValueError(f"split_kv_len must be >= 1 or None, got {split_kv_len}")
         self.split_rule, self.split_kv_len, self.block_size = split_rule, split_kv_len, block_size
@@ -304,17 +349,23 @@ class StepDecomposer:
         is not read)."""
         units = num_decode * self._kv_heads
         if self.num_sms is None:  # every block in one (tail) wave, one per SM
-            return DecodeGeometry(1, units, units, 0, units, units, 0, 0)
+            return DecodeGeometry(1, units, units, 0, units, units, 0, 0, 1 if units else 0,
+                                  False)
         sms = self.num_sms
         slots = sms * self.ctas_per_sm
         if self.split_rule == "fill":
             splits = max(1, slots // units) if units < sms else 1
             full, rem = divmod(units * splits, slots)
-            return DecodeGeometry(splits, slots, sms, full, rem, units * splits, 0, 0)
+            return DecodeGeometry(splits, slots, sms, full, rem, units * splits, 0, 0,
+                                  -(-rem // sms), False)
         bn = self.decode_tile_keys()
+        launch = self.decode_placement == "launch"
         if not self.decode_splits_vary(num_decode):  # no split: a block reads whole tiles
             full, rem = divmod(units, slots)
-            return DecodeGeometry(1, slots, sms, full, rem, units, bn, 0)
+            # After full waves the tail's blocks take slots as they free, one per SM, instead
+            # of waiting for a whole wave (the profile has no jump at 82 sequences).
+            tail_sm = 1 if launch and full and rem else -(-rem // sms)
+            return DecodeGeometry(1, slots, sms, full, rem, units, bn, 0, tail_sm, launch)
         if key is None:
             if isinstance(max_ctx, np.ndarray):
                 raise ValueError("decode geometry varies with the context: group the steps "
@@ -326,9 +377,14 @@ class StepDecomposer:
         splits = flash_num_splits(units, sms, n_blocks)
         per_split = -(-n_blocks // splits)  # tiles each split owns
         working = -(-tiles // per_split)  # splits past the context exit at once
-        full, rem = divmod(units * working, slots)
-        return DecodeGeometry(splits, slots, sms, full, rem, units * working, bn,
-                              min(per_split, tiles))
+        ctas = units * working
+        if launch:  # one pass in launch order; the busiest SM by where the blocks land
+            return DecodeGeometry(splits, slots, sms, 0, ctas, ctas, bn, min(per_split, tiles),
+                                  busiest_sm_blocks(units, splits, working, sms,
+                                                    self.ctas_per_sm), True)
+        full, rem = divmod(ctas, slots)
+        return DecodeGeometry(splits, slots, sms, full, rem, ctas, bn, min(per_split, tiles),
+                              -(-rem // sms), False)
 
     def decode_cta_keys(self, g: DecodeGeometry, max_ctx):
         """Keys the longest thread block reads: its share of the longest context (``fill``,
@@ -341,11 +397,25 @@ class StepDecomposer:
             return g.tile_keys * np.ceil(max_ctx / g.tile_keys)
         return float(g.tile_keys * -(-int(max_ctx) // g.tile_keys))
 
+    def decode_stream_keys(self, g: DecodeGeometry, max_ctx):
+        """Keys the longest thread block streams, as the streaming bounds price them: its
+        exact keys (``g.exact_keys``: the longest context, or its split's share of whole
+        tiles), else ``decode_cta_keys``. The whole-tile padding is priced by the tile chain
+        alone. ``max_ctx`` may be an array."""
+        if not g.exact_keys:
+            return self.decode_cta_keys(g, max_ctx)
+        if isinstance(max_ctx, np.ndarray):
+            mx = max_ctx.astype(np.float64)
+            return np.minimum(float(g.tile_keys * g.cta_tiles), mx) if g.cta_tiles else mx
+        if g.cta_tiles:
+            return float(min(g.tile_keys * g.cta_tiles, max_ctx))
+        return float(max_ctx)
+
     def decode_chain_blocks(self, g: DecodeGeometry) -> int:
         """Thread blocks the busiest SM runs over all waves: ``ctas_per_sm`` per full wave,
-        ``ceil(rem / sms)`` in the tail wave. Their tile loops run one tile at a time, each
+        ``g.tail_sm`` in the tail wave. Their tile loops run one tile at a time, each
         waiting for its K and V loads, so the step pays a latency per tile along them."""
-        return g.full * self.ctas_per_sm + (-(-g.rem // g.sms) if g.rem else 0)
+        return g.full * self.ctas_per_sm + (g.tail_sm if g.rem else 0)
 
     def decode_partial_bytes(self) -> int:
         """Bytes of one split-KV partial output: the query rows of one KV head (grouped
@@ -365,7 +435,7 @@ class StepDecomposer:
         out["decode_tail"] = float(g.rem > 0)
         out["decode_wave_count"] = float(L * (g.full + (g.rem > 0)))
         # One block's KV (K and V of one head over its share of the longest context).
-        cta = L * 2 * d * kvb * self.decode_cta_keys(g, s.decode_max_ctx)
+        cta = L * 2 * d * kvb * self.decode_stream_keys(g, s.decode_max_ctx)
         out["decode_cta_bytes"] = cta
         if g.full:
             out["decode_wave_flops"] = total_flops * g.slots / g.ctas
@@ -374,7 +444,7 @@ class StepDecomposer:
         if g.rem:
             out["decode_tail_flops"] = total_flops * g.rem / g.ctas
             out["decode_tail_bytes"] = total_bytes * g.rem / g.ctas
-            out["decode_tail_sm_bytes"] = -(-g.rem // g.sms) * cta
+            out["decode_tail_sm_bytes"] = g.tail_sm * cta
         if g.splits > 1:
             out["decode_kernels"] += L  # the combine kernel that merges the split pieces
             # Every launched split writes a partial (splits past a short context write an

@@ -8,7 +8,7 @@ import pytest
 
 from executors.calibration import ShapeSpec, calibrate, load_profile, save_profile
 from executors.cost_model import CostModelConfig, RooflineCostModel, build_cost_model
-from executors.step_terms import StepDecomposer, flash_num_splits
+from executors.step_terms import StepDecomposer, busiest_sm_blocks, flash_num_splits
 from sim.errors import ConfigError
 from sim.plan import ScheduledRequest, StepPlan
 from sim.specs import ModelSpec, load_hardware_spec, load_model_spec
@@ -46,7 +46,16 @@ def test_21_sequences_split_and_22_do_not_at_32_tokens():
     d22 = dec.drivers(ShapeSpec("decode", num_decode_seqs=22, decode_context=32).shape())
     kv_bytes = 2 * 128 * 2  # K and V of one head, per key
     assert d21.decode_kernels == 2 and d22.decode_kernels == 1  # the combine kernel
-    assert d21.decode_cta_bytes == d22.decode_cta_bytes == kv_bytes * 128  # one whole tile
+    # The streaming bounds read the exact 33 keys; the tile chain prices the whole tile.
+    assert d21.decode_cta_bytes == d22.decode_cta_bytes == kv_bytes * 33
+    # 84 units x 5 splits in launch order: blocks past the first 216 take the slots empty
+    # splits free, so two working blocks meet on one SM (blocks / SMs says one).
+    assert dec.decode_wave_geometry(21, 33).tail_sm == 2 and d22.decode_chain_tiles == 1.0
+    assert d21.decode_chain_tiles == 2.0
+    waves = StepDecomposer(L70, 2, 16, 108, 2, split_rule="flash", split_kv_len=4096,
+                           decode_placement="waves")  # the geometry of older profiles
+    d21 = waves.drivers(ShapeSpec("decode", num_decode_seqs=21, decode_context=32).shape())
+    assert d21.decode_cta_bytes == kv_bytes * 128  # one whole tile
 
 
 def test_flash_split_pieces_read_whole_tiles_of_the_longest_context():
@@ -65,6 +74,29 @@ def test_flash_split_pieces_read_whole_tiles_of_the_longest_context():
     assert eager.decode_geometry_key(22, 1025) is None  # no split at 88 units
 
 
+def test_launch_order_placement_of_split_blocks():
+    # 13 sequences (52 units) in 2 splits: 104 blocks, one wave, working blocks 0, 2, ..., 102
+    # on distinct SMs. 14 (56 units) in 5 splits: 280 blocks; past the first 216 they take the
+    # slots that empty splits free, and a split 0 lands next to another: 2 per SM (the
+    # profile: at 512 cached tokens 13 sequences take 24 us, 14 take 35).
+    assert busiest_sm_blocks(52, 2, 1, 108, 2) == 1
+    assert busiest_sm_blocks(56, 5, 1, 108, 2) == 2
+    assert busiest_sm_blocks(4, 16, 16, 108, 2) == 1  # 64 working blocks, one per SM
+    dec = _flash()
+    g = dec.decode_wave_geometry(14, 513)
+    assert (g.splits, g.full, g.rem, g.tail_sm) == (5, 0, 56, 2)
+    # A tail after full waves runs one block per SM (55 sequences: 220 blocks, 216 + 4).
+    g = dec.decode_wave_geometry(55, 1000)
+    assert (g.full, g.rem, g.tail_sm) == (1, 4, 1)
+    g = dec.decode_wave_geometry(82, 1000)  # 328 blocks: 216 + 112, still one per SM
+    assert (g.full, g.rem, g.tail_sm) == (1, 112, 1)
+    waves = StepDecomposer(L70, 2, 16, 108, 2, split_rule="flash", split_kv_len=4096,
+                           decode_placement="waves")
+    assert waves.decode_wave_geometry(82, 1000).tail_sm == 2
+    with pytest.raises(ConfigError, match="executor.attention_decode_placement"):
+        CostModelConfig(attention_decode_placement="grid")
+
+
 def test_fill_rule_is_the_generic_rule():
     dec = StepDecomposer(L70, 2, 16, 108, 2, split_rule="fill")
     g = dec.decode_wave_geometry(21, 33)
@@ -75,12 +107,13 @@ def test_fill_rule_is_the_generic_rule():
 def test_split_partials_and_tile_chain_drivers():
     """16 sequences x 4 KV heads = 64 units, split 3 ways over a 4096-token table: 192
     partials per layer; at 300 cached tokens (301 keys, 3 tiles, all in split 0) the 64
-    working blocks fit one wave's tail, one per SM, each looping over 3 tiles. 55 sequences
+    working blocks are every third of 192 launched round-robin over 108 SMs, so blocks 0 and
+    108 (split 0 of units 0 and 36) share SM 0: 2 x 3 tiles along it. 55 sequences
     (220 blocks, no split) at 1000 tokens: one full wave (2 blocks per SM) and a 4-block tail
     (1 per SM) of 8-tile blocks: 3 x 8 tiles along the busiest SM."""
     dec = _flash()
     d = dec.drivers(ShapeSpec("decode", num_decode_seqs=16, decode_context=300).shape())
-    assert (d.decode_partials, d.decode_chain_tiles) == (16 * 4 * 3, 3.0)
+    assert (d.decode_partials, d.decode_chain_tiles) == (16 * 4 * 3, 2 * 3.0)
     d = dec.drivers(ShapeSpec("decode", num_decode_seqs=55, decode_context=1000).shape())
     assert (d.decode_partials, d.decode_chain_tiles) == (0.0, 3 * 8.0)
     fill = StepDecomposer(L70, 2, 16, 108, 2, split_rule="fill")  # no tiles: no tile chain
@@ -140,6 +173,19 @@ def test_profiles_record_the_split_rule_and_old_ones_load_as_fill(tmp_path):
     path = save_profile(prof, tmp_path / "p.json")
     cm = build_cost_model(model, load_hardware_spec("a100_80gb"), 1, {"profile": str(path)})
     assert (cm.decomposer.split_rule, cm.decomposer.split_kv_len) == ("flash", 1024)
+    assert cm.decomposer.decode_placement == "launch" == prof.fit["attention_decode_placement"]
+    # A flash profile saved before launch-order placement loads with the old geometry and
+    # prices as it was fitted.
+    data = json.loads(path.read_text())
+    del data["fit"]["attention_decode_placement"]
+    older = tmp_path / "older.json"
+    older.write_text(json.dumps(data))
+    cm = build_cost_model(model, load_hardware_spec("a100_80gb"), 1, {"profile": str(older)})
+    assert cm.decomposer.decode_placement == "waves"
+    ref = StepDecomposer(model, 1, 16, 108, 2, split_rule="flash", split_kv_len=1024,
+                         decode_placement="waves")
+    shape = ShapeSpec("decode", num_decode_seqs=82, decode_context=700).shape()
+    assert cm.breakdown_shape(shape).total == prof.coefficients.breakdown(ref.drivers(shape)).total
     # A profile saved before the rule existed: fitted with the generic rule, loads with it.
     data = json.loads(path.read_text())
     for k in ("attention_split_rule", "attention_split_kv_len"):
