@@ -174,7 +174,8 @@ class RooflineCostModel(Executor):
             s_per_sm_byte=hardware.num_sms / (bw * c.kv_read_efficiency * c.attention_ctas_per_sm),
             s_per_attn_wave=c.attention_wave_us * 1e-6,
             s_per_attn_kernel=c.attention_kernel_us * 1e-6,
-            # A split-KV partial is ~8 KB written once and read once (decode_partial_bytes):
+            # A split-KV partial (the query rows of one KV head x (head dim + 1 log-sum-exp)
+            # in fp32, ~4 KB at 8 query heads per KV head) is written once and read once:
             # nanoseconds at HBM bandwidth, inside the combine kernel's own floor
             # (attention_kernel_us, charged per combine kernel), so the roofline adds nothing.
             s_per_split_partial=0.0,

@@ -417,13 +417,6 @@ class StepDecomposer:
         waiting for its K and V loads, so the step pays a latency per tile along them."""
         return g.full * self.ctas_per_sm + (g.tail_sm if g.rem else 0)
 
-    def decode_partial_bytes(self) -> int:
-        """Bytes of one split-KV partial output: the query rows of one KV head (grouped
-        heads share a block) x (head dim + 1 log-sum-exp) in fp32, written once and read
-        once by the combine kernel."""
-        rows = max(1, self._heads // max(1, self._kv_heads))
-        return 2 * rows * (self.model.head_dim + 1) * 4
-
     def _decode_waves(self, s: StepShape, out: dict[str, float]) -> None:
         """Decode attention as waves of thread blocks. ``decode_ctx`` and ``decode_max_ctx``
         may be arrays (decode jumps) of steps with one geometry (``decode_geometry_key``);
