@@ -430,9 +430,11 @@ class RooflineCostModel(Executor):
                 _max(c.s_per_kv_byte * (total_bytes * g.rem / g.ctas), cta,
                      c.s_per_sm_byte * (g.tail_sm * cta_bytes)), sharpness=p)
         decode = decode + c.s_per_attn_wave * wave_count
-        keys = self.decomposer.decode_cta_keys(g, max_ctx)
-        return (decode + c.s_per_split_partial * partials
-                + c.s_per_kv_tile * (chain * keys))
+        decode = decode + c.s_per_split_partial * partials
+        if chain and c.s_per_kv_tile:  # adding a zero term would give the same float
+            decode = decode + c.s_per_kv_tile * (chain * self.decomposer.decode_cta_keys(
+                g, max_ctx))
+        return decode
 
     def _decode_constants(self, nd: int, key: tuple[int, int] | None) -> tuple:
         """Constants of decode attention for ``nd`` rows; ``key``: the geometry key
@@ -441,13 +443,9 @@ class RooflineCostModel(Executor):
         m, L = dec.model, dec.layers
         d, hq, kvw, kvb, ab = m.head_dim, dec._heads, dec._kv_width, dec._kvb, dec._ab
         g = dec.decode_wave_geometry(nd, key=key)
-        kernels = float(L)
-        partials = 0.0
-        if g.splits > 1:
-            kernels += L
-            partials = float(L * nd * dec._kv_heads * g.splits)
-        # Tile iterations along the busiest SM per key of its longest block (flash tiles).
-        chain = L * dec.decode_chain_blocks(g) / g.tile_keys if g.tile_keys else 0.0
+        kernels = float(L) * (2 if g.splits > 1 else 1)  # the split-KV combine kernel
+        partials = dec.decode_partials(nd, g)
+        chain = dec.decode_chain_per_key(g)
         return (L * 4.0 * hq * d, 2 * kvw * kvb, 2 * hq * d * ab * nd, L, L * 2 * d * kvb,
                 g, kernels, float(L * (g.full + (g.rem > 0))), partials, chain)
 

@@ -411,11 +411,24 @@ class StepDecomposer:
             return float(min(g.tile_keys * g.cta_tiles, max_ctx))
         return float(max_ctx)
 
-    def decode_chain_blocks(self, g: DecodeGeometry) -> int:
-        """Thread blocks the busiest SM runs over all waves: ``ctas_per_sm`` per full wave,
-        ``g.tail_sm`` in the tail wave. Their tile loops run one tile at a time, each
-        waiting for its K and V loads, so the step pays a latency per tile along them."""
-        return g.full * self.ctas_per_sm + (g.tail_sm if g.rem else 0)
+    def decode_partials(self, num_decode: int, g: DecodeGeometry) -> float:
+        """Split-KV partial outputs of a step, all layers: every launched split writes one
+        (splits past a short context write an empty one) and the combine kernel reads them
+        all back; 0 without a split."""
+        if g.splits <= 1:
+            return 0.0
+        return float(self.layers * num_decode * self._kv_heads * g.splits)
+
+    def decode_chain_per_key(self, g: DecodeGeometry) -> float:
+        """KV tile iterations along the busiest SM, all layers, per key of the longest block
+        (times ``decode_cta_keys``: the tiles the busiest SM's blocks loop over). The busiest SM
+        runs ``ctas_per_sm`` blocks per full wave and ``g.tail_sm`` in the tail wave; their tile
+        loops run one tile at a time, each waiting for its K and V loads, so the step pays a
+        latency per tile along them. 0 for untiled kernels."""
+        if not g.tile_keys:
+            return 0.0
+        blocks = g.full * self.ctas_per_sm + (g.tail_sm if g.rem else 0)
+        return self.layers * blocks / g.tile_keys
 
     def _decode_waves(self, s: StepShape, out: dict[str, float]) -> None:
         """Decode attention as waves of thread blocks. ``decode_ctx`` and ``decode_max_ctx``
@@ -440,11 +453,9 @@ class StepDecomposer:
             out["decode_tail_sm_bytes"] = g.tail_sm * cta
         if g.splits > 1:
             out["decode_kernels"] += L  # the combine kernel that merges the split pieces
-            # Every launched split writes a partial (splits past a short context write an
-            # empty one) and the combine kernel reads them all: units x splits per layer.
-            out["decode_partials"] = float(L * s.num_decode * self._kv_heads * g.splits)
+            out["decode_partials"] = self.decode_partials(s.num_decode, g)
         if g.tile_keys:  # tiled kernels (flash): the busiest SM runs its blocks' tile loops
-            out["decode_chain_tiles"] = (L * self.decode_chain_blocks(g) / g.tile_keys
+            out["decode_chain_tiles"] = (self.decode_chain_per_key(g)
                                          * self.decode_cta_keys(g, s.decode_max_ctx))
 
     def drivers(self, s: StepShape) -> StepDrivers:
