@@ -13,8 +13,6 @@ decode side the cluster calls ``accept_transferred(req)``. See ``sim/cluster/dis
 from __future__ import annotations
 
 from collections.abc import Callable
-from itertools import repeat
-from operator import truediv
 
 import numpy as np
 import simpy
@@ -25,7 +23,7 @@ from sim.decode_run import is_decoding
 from sim.fast_forward import Jump, is_steady_decode, plan_jump, plan_run_jump
 from sim.kv_manager import KVBlockManager, blocks_for
 from sim.metrics import MetricsCollector
-from sim.outputs import STEP_ROW_FORMAT, CsvSink, request_row
+from sim.outputs import CsvSink, DecodeStepRows, request_row
 from sim.plan import DecodeBlock, StepPlan, StepResult
 from sim.request import Request, RequestStatus
 from sim.step_builder import ReplicaQueues, StepBuilder
@@ -74,6 +72,7 @@ class Replica:
         self.metrics = metrics
         self.requests_sink = requests_sink
         self.steps_sink = steps_sink
+        self.step_rows = DecodeStepRows(steps_sink, replica_id, kv.num_gpu_blocks)
         self.max_model_len = max_model_len
         self.check_integrity = check_integrity
         self.on_finished = on_finished
@@ -339,7 +338,6 @@ class Replica:
         them all."""
         k, ends = jump.num_steps, jump.ends
         last = float(ends[-1])
-        kv = self.kv
         block = plan.decode_block
         if block is not None:
             run = block.run
@@ -369,21 +367,16 @@ class Replica:
                 change = change.copy()
                 np.subtract.at(change, np.asarray(jump.stops) - 1, jump.freed)
             used = (used0 + np.cumsum(change)).tolist()
-            first_id = self.num_steps + 1
             if sizes is None:
-                n = len(requests)
-                rows, runs = repeat(n), repeat(running)
+                rows: int | list[int] = len(requests)
+                runs: int | list[int] = running
             else:  # the batch shrinks after each stop, and the running set with it
                 rows = sizes[:m].tolist()
                 gone = int(sizes[0]) - running  # members leave the running set as they finish
                 runs = [s - gone for s in sizes[1:k].tolist()]
-            self.steps_sink.write_many(zip(
-                range(first_id, first_id + m), repeat(self.replica_id),
-                map(repr, [start] + ends[:m - 1].tolist()),
-                map(repr, jump.durations[:m].tolist()), rows, repeat(0), rows,
-                rows, repeat(waiting), runs, repeat(swapped), used,
-                map(round, map(truediv, used, repeat(kv.num_gpu_blocks)), repeat(6)),
-                repeat(0), repeat(0), repeat(0), repeat(0)), STEP_ROW_FORMAT)
+            self.step_rows.write(self.num_steps + 1, [start] + ends[:m - 1].tolist(),
+                                 jump.durations[:m].tolist(), rows, waiting, runs, swapped,
+                                 used)
         self.num_steps += m
         self._record_step(float(ends[-2]), float(jump.durations[-1]), plan,
                           None if sizes is None else int(sizes[-1]))

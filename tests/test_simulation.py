@@ -151,3 +151,29 @@ def test_step_rows_formatted_in_bulk_are_the_csv_writers_text(tmp_path):
         sink.write_many(iter(rows[1:]), fmt)
         sink.close()
     assert (tmp_path / "bulk.csv").read_bytes() == (tmp_path / "writer.csv").read_bytes()
+
+
+@pytest.mark.parametrize("batch, running", [(45, 47), ([45, 45, 44, 41], [47, 47, 46, 43])])
+def test_decode_step_rows_in_a_file_are_the_csv_writers_text_of_its_tuples(tmp_path, batch,
+                                                                           running):
+    """A jump's steps.csv rows: the file text (constant columns baked into the format,
+    kv_usage memoized per block count) must be byte for byte what csv.writer writes for the
+    tuples an in-memory sink receives."""
+    from sim.outputs import STEP_COLUMNS, CsvSink, DecodeStepRows
+
+    args = (12, [1.5, 1.525, 1.5500000000000003, 2.0 ** 70], [0.025, 0.025000000000000001,
+            1e-05, 3e-300], batch, 3, running, 1, [5000, 5000, 5003, 28183])
+    memory = CsvSink(None, STEP_COLUMNS)
+    DecodeStepRows(memory, 2, 28183).write(*args)
+    assert len(memory.rows) == 4 and memory.rows[2][:5] == (14, 2, "1.5500000000000003",
+                                                            "1e-05", 45 if batch == 45 else 44)
+    writer = CsvSink(tmp_path / "writer.csv", STEP_COLUMNS)
+    writer.write_many(memory.rows)
+    writer.close()
+    text = CsvSink(tmp_path / "text.csv", STEP_COLUMNS)
+    rows = DecodeStepRows(text, 2, 28183)
+    rows.write(*args)
+    rows.write(*args)  # the memoized kv_usage texts again
+    text.close()
+    header, body = (tmp_path / "writer.csv").read_bytes().split(b"\r\n", 1)
+    assert (tmp_path / "text.csv").read_bytes() == header + b"\r\n" + body + body
