@@ -275,13 +275,21 @@ class RooflineCostModel(Executor):
         evaluated with its constants folded (equal to the term-by-term sum to rounding,
         ~1e-16 relative)."""
         nd = num_decode
+        curve = self._decode_curves.get((nd, None))
+        if curve is None and not (nd and self.decomposer.decode_splits_vary(nd)):
+            curve = self._run_curve(nd, None)
+        if curve is not None:  # one geometry for every step (the common case: one call)
+            # A float arange of integers holds them exactly (start + i x step, < 2^53): the
+            # same contexts as ctx + nd x arange in one call.
+            ctxs = (np.arange(float(ctx), float(ctx + nd * num_steps), float(nd)) if nd
+                    else np.full(num_steps, float(ctx)))
+            return self._decode_run(curve, ctxs,
+                                    np.arange(float(max_ctx), float(max_ctx + num_steps)))
         runs = self._geometry_runs(nd, max_ctx, num_steps)
         steps = np.arange(num_steps, dtype=np.float64)
         ctx = ctx + nd * steps
         mx = max_ctx + steps
-        if runs is None:
-            return self._decode_run(nd, None, ctx, mx)
-        return np.concatenate([self._decode_run(nd, key, ctx[i:j], mx[i:j])
+        return np.concatenate([self._decode_run(self._run_curve(nd, key), ctx[i:j], mx[i:j])
                                for i, j, key in runs])
 
     def _geometry_runs(self, nd: int, max_ctx: int, num_steps: int,
@@ -296,20 +304,38 @@ class RooflineCostModel(Executor):
         bounds = [0, *cut.tolist(), num_steps]
         return [(i, j, (int(tiles[i]), int(table[i]))) for i, j in zip(bounds, bounds[1:])]
 
-    def _decode_run(self, nd: int, key: tuple[int, int] | None, ctx: np.ndarray,
-                    mx: np.ndarray) -> np.ndarray:
-        """Durations of decode-only steps of ``nd`` rows with one decode geometry (``key``)."""
+    def _run_curve(self, nd: int, key: tuple[int, int] | None) -> tuple:
+        """The folded decode-step curve of ``nd`` rows of one decode geometry (``key``),
+        memoized: (constant seconds, waves W, [s per context token of FLOPs of each wave, then
+        of bytes of each wave] as a (2W, 1) column, s of Q/O bytes per wave (W, 1), s per key
+        of the longest block per wave (W, 1), wave counts (None: all 1), geometry, s per key
+        along the tile chain, keys are the longest context itself)."""
         curve = self._decode_curves.get((nd, key))
         if curve is None:
             fixed = self.duration(StepShape(num_tokens=nd, num_sampled=nd, num_rows=nd))
             const, waves, g, a_tile = self._decode_curve(nd, key)
-            curve = self._decode_curves[(nd, key)] = (fixed + const, waves, g, a_tile)
-        out, waves, g, a_tile = curve
-        keys = self.decomposer.decode_stream_keys(g, mx)
-        p = self.coefficients.sharpness
-        for count, a_flop, a_byte, b_byte, a_max in waves:
-            out = out + count * _knee2(a_flop * ctx, np.maximum(a_byte * ctx + b_byte,
-                                                                 a_max * keys), p)
+            counts = [w[0] for w in waves]
+            col = lambda xs: np.array(xs, dtype=np.float64).reshape(-1, 1)  # noqa: E731
+            curve = self._decode_curves[(nd, key)] = (
+                fixed + const, len(waves), col([w[1] for w in waves] + [w[2] for w in waves]),
+                col([w[3] for w in waves]), col([w[4] for w in waves]),
+                None if all(c == 1.0 for c in counts) else counts, g, a_tile,
+                g.exact_keys and not g.cta_tiles)
+        return curve
+
+    def _decode_run(self, curve: tuple, ctx: np.ndarray, mx: np.ndarray) -> np.ndarray:
+        """Durations of decode-only steps of one ``_run_curve`` at total contexts ``ctx`` and
+        longest contexts ``mx``. All waves in one pass of (waves x steps) arrays: the same
+        products, sums, maxima and knees per element as one wave at a time, so the same
+        floats, in a third of the numpy calls (most jumps price a few steps)."""
+        out, nw, a_lin, b_byte, a_max, counts, g, a_tile, keys_are_mx = curve
+        keys = mx if keys_are_mx else self.decomposer.decode_stream_keys(g, mx)
+        lin = a_lin * ctx  # rows: each wave's FLOP seconds, then each wave's byte seconds
+        flop, byte = lin[:nw], lin[nw:]
+        byte += b_byte
+        knees = _knee2(flop, np.maximum(byte, a_max * keys, out=byte), self.coefficients.sharpness)
+        for w in range(nw):  # wave by wave, in order: the sum's rounding is the same
+            out = out + (knees[w] if counts is None else counts[w] * knees[w])
         if a_tile:
             out = out + a_tile * self.decomposer.decode_cta_keys(g, mx)
         return out
