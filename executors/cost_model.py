@@ -45,6 +45,7 @@ from executors.step_terms import (
     StepShape,
     _max,
     knee,
+    knee2,
     step_shape,
 )
 from sim.errors import ConfigError, require
@@ -407,19 +408,19 @@ class RooflineCostModel(Executor):
             m, L = dec.model, dec.layers
             k = self._prefill_consts = (L * 4.0 * dec._heads * m.head_dim, L,
                                         2 * dec._kv_width * dec._kvb,
-                                        2 * dec._heads * m.head_dim * dec._ab, float(L))
-        c_flops, L, c_kv, c_q, kernels = k
-        c = self.coefficients
-        if self.decomposer.attention_tile == 1:  # torch reference attention: no query tiles
+                                        2 * dec._heads * m.head_dim * dec._ab, float(L),
+                                        dec.attention_tile == 1)
+        c_flops, L, c_kv, c_q, kernels, untiled = k
+        c = self._coefficients
+        if untiled:  # torch reference attention: no query tiles
             prefix, diag_pairs = s.prefill_prefix_pairs_exact, s.prefill_diag_pairs_exact
         else:
             prefix, diag_pairs = s.prefill_prefix_pairs, s.prefill_diag_pairs
         flops = c_flops * prefix
         diag = c_flops * diag_pairs
         nbytes = L * (c_kv * s.prefill_kv_tokens + c_q * s.prefill_q_tokens)
-        return knee(c.s_per_attn_flop * flops + c.s_per_diag_flop * diag,
-                    c.s_per_kv_byte * nbytes, sharpness=c.sharpness) + (
-                        c.s_per_attn_kernel * kernels)
+        return knee2(c.s_per_attn_flop * flops + c.s_per_diag_flop * diag,
+                     c.s_per_kv_byte * nbytes, c.sharpness) + c.s_per_attn_kernel * kernels
 
     def _decode_attention(self, nd: int, ctx, max_ctx):
         """``breakdown_shape(...).attention_decode`` for ``nd`` decode rows of total context
@@ -438,23 +439,28 @@ class RooflineCostModel(Executor):
             else:
                 k = self._decode_consts[nd] = self._decode_constants(nd, None)
         c_flops, c_kv, c_q, L, c_cta, g, kernels, wave_count, partials, chain = k
-        c = self.coefficients
+        c = self._coefficients
         p = c.sharpness
         total_flops = c_flops * ctx
         total_bytes = L * (c_kv * ctx + c_q)
         cta_bytes = c_cta * self.decomposer.decode_stream_keys(g, max_ctx)
         decode = c.s_per_attn_kernel * kernels
         cta = c.s_per_cta_byte * cta_bytes
+        # One step (plain numbers, the per-step hot path) or an array of steps (knee, _max).
+        scalar = not isinstance(ctx, np.ndarray) and not isinstance(max_ctx, np.ndarray)
         if g.full:
-            decode = decode + float(g.full) * knee(
-                c.s_per_attn_flop * (total_flops * g.slots / g.ctas),
-                _max(c.s_per_kv_byte * (total_bytes * g.slots / g.ctas), cta,
-                     c.s_per_sm_byte * (self.decomposer.ctas_per_sm * cta_bytes)), sharpness=p)
+            flop = c.s_per_attn_flop * (total_flops * g.slots / g.ctas)
+            hbm = c.s_per_kv_byte * (total_bytes * g.slots / g.ctas)
+            sm = c.s_per_sm_byte * (self.decomposer.ctas_per_sm * cta_bytes)
+            decode = decode + float(g.full) * (
+                knee2(flop, max(hbm, cta, sm), p) if scalar
+                else knee(flop, _max(hbm, cta, sm), sharpness=p))
         if g.rem:
-            decode = decode + knee(
-                c.s_per_attn_flop * (total_flops * g.rem / g.ctas),
-                _max(c.s_per_kv_byte * (total_bytes * g.rem / g.ctas), cta,
-                     c.s_per_sm_byte * (g.tail_sm * cta_bytes)), sharpness=p)
+            flop = c.s_per_attn_flop * (total_flops * g.rem / g.ctas)
+            hbm = c.s_per_kv_byte * (total_bytes * g.rem / g.ctas)
+            sm = c.s_per_sm_byte * (g.tail_sm * cta_bytes)
+            decode = decode + (knee2(flop, max(hbm, cta, sm), p) if scalar
+                               else knee(flop, _max(hbm, cta, sm), sharpness=p))
         decode = decode + c.s_per_attn_wave * wave_count
         decode = decode + c.s_per_split_partial * partials
         if chain and c.s_per_kv_tile:  # adding a zero term would give the same float
