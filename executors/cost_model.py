@@ -375,8 +375,7 @@ class RooflineCostModel(Executor):
         n = shape.num_tokens
         per_n = self._per_tokens.get(n)
         if per_n is None:
-            b = self.breakdown_shape(StepShape(num_tokens=n))
-            per_n = self._per_tokens[n] = (b.linear, b.elementwise, b.communication, b.pipeline)
+            per_n = self._per_tokens[n] = self._token_terms(n)
         linear, elementwise, communication, pipeline = per_n
         prefill = self._prefill_attention(shape) if shape.num_prefill else 0.0
         decode = (self._decode_attention(shape.num_decode, shape.decode_ctx,
@@ -398,6 +397,27 @@ class RooflineCostModel(Executor):
         # StepBreakdown.total's order, so the sum is the same float.
         return (linear + prefill + decode + elementwise + lm_head + communication + pipeline
                 + overhead + swap)
+
+    def _token_terms(self, n: int) -> tuple[float, float, float, float]:
+        """(linear, elementwise, communication, pipeline) seconds of a step of ``n`` tokens:
+        ``breakdown_shape(StepShape(num_tokens=n))``'s terms. On one GPU (no communication)
+        with the same operations in the same order (StepDecomposer.drivers and
+        Coefficients.breakdown) without building the whole breakdown: a prefill step's token
+        count is new to the memo about once per 5 prefill steps in a 10k-request run."""
+        if not n or self.tp > 1 or self.pp > 1:
+            b = self.breakdown_shape(StepShape(num_tokens=n))
+            return b.linear, b.elementwise, b.communication, b.pipeline
+        dec, c = self.decomposer, self._coefficients
+        L = dec.layers
+        linear = knee2(c.s_per_flop * (L * n * dec._lin_flops_per_token),
+                       c.s_per_weight_byte * (L * (dec._lin_weight_bytes
+                                                   + n * dec._lin_act_bytes_per_token)),
+                       c.sharpness)
+        if self._ew_s_per_byte is None:
+            elementwise = c.s_per_token * float(n)
+        else:
+            elementwise = self._ew_s_per_byte * (L * n * dec._ew_bytes_per_token)
+        return linear, elementwise, 0.0, 0.0
 
     def _prefill_attention(self, s: StepShape) -> float:
         """``breakdown_shape(s).attention_prefill`` (StepDecomposer.drivers and

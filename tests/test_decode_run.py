@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from executors.cost_model import RooflineCostModel
-from executors.step_terms import Coefficients, step_shape
+from executors.step_terms import Coefficients, StepShape, step_shape
 from policies.budget import Budget, schedule_running
 from sim.kv_manager import KVBlockManager
 from sim.plan import DecodeBlock, ScheduledRequest, StepPlan
@@ -159,6 +159,16 @@ def test_memoized_duration_is_the_breakdown_total_bit_for_bit(which, nd, npf, ch
     shape = replace(step_shape(StepPlan(rows)), swap_out_blocks=swap_out, swap_in_blocks=swap_in)
     assert ex.duration(shape) == ex.breakdown_shape(shape).total
     assert ex.execute(StepPlan(rows)).duration == ex.breakdown(StepPlan(rows)).total
+
+
+@pytest.mark.parametrize("which", range(len(MODELS)))
+def test_token_terms_are_the_breakdown_terms_bit_for_bit(which):
+    # duration's per-token memo is filled without a whole breakdown on one GPU: every token
+    # count a step can have (up to a large batch) must give breakdown_shape's floats.
+    ex = MODELS[which]
+    for n in range(0, 8193):
+        b = ex.breakdown_shape(StepShape(num_tokens=n))
+        assert ex._token_terms(n) == (b.linear, b.elementwise, b.communication, b.pipeline), n
 
 
 @pytest.mark.parametrize("which", range(len(MODELS)))
