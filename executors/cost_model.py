@@ -280,6 +280,8 @@ class RooflineCostModel(Executor):
         if curve is None and not (nd and self.decomposer.decode_splits_vary(nd)):
             curve = self._run_curve(nd, None)
         if curve is not None:  # one geometry for every step (the common case: one call)
+            if num_steps == 1 and curve[8] and not curve[7]:
+                return self._decode_step(curve, float(ctx), float(max_ctx))
             # A float arange of integers holds them exactly (start + i x step, < 2^53): the
             # same contexts as ctx + nd x arange in one call.
             ctxs = (np.arange(float(ctx), float(ctx + nd * num_steps), float(nd)) if nd
@@ -310,7 +312,8 @@ class RooflineCostModel(Executor):
         memoized: (constant seconds, waves W, [s per context token of FLOPs of each wave, then
         of bytes of each wave] as a (2W, 1) column, s of Q/O bytes per wave (W, 1), s per key
         of the longest block per wave (W, 1), wave counts (None: all 1), geometry, s per key
-        along the tile chain, keys are the longest context itself)."""
+        along the tile chain, keys are the longest context itself, the waves as plain floats
+        (``_decode_curve``))."""
         curve = self._decode_curves.get((nd, key))
         if curve is None:
             fixed = self.duration(StepShape(num_tokens=nd, num_sampled=nd, num_rows=nd))
@@ -321,15 +324,36 @@ class RooflineCostModel(Executor):
                 fixed + const, len(waves), col([w[1] for w in waves] + [w[2] for w in waves]),
                 col([w[3] for w in waves]), col([w[4] for w in waves]),
                 None if all(c == 1.0 for c in counts) else counts, g, a_tile,
-                g.exact_keys and not g.cta_tiles)
+                g.exact_keys and not g.cta_tiles, waves)
         return curve
+
+    def _decode_step(self, curve: tuple, ctx: float, mx: float) -> np.ndarray:
+        """``_decode_run`` of one step (a seventh of stretches) in plain floats: the same
+        products, sums and maxima, and numpy's own hypot on two floats (Python's math.hypot
+        rounds differently), so the same float. Curves whose keys are the longest context
+        and with no tile term."""
+        out = curve[0]
+        p = self._coefficients.sharpness
+        for count, a_flop, a_byte, b_byte, a_max in curve[9]:
+            flop = a_flop * ctx
+            byte = a_byte * ctx + b_byte
+            keys = a_max * mx
+            hbm = keys if keys > byte else byte  # np.maximum: the larger one
+            if p == 2.0:
+                knee = float(np.hypot(flop, hbm))
+            elif p == math.inf:
+                knee = hbm if hbm > flop else flop
+            else:  # the generic p-norm: leave it to the array path
+                return self._decode_run(curve, np.array([ctx]), np.array([mx]))
+            out = out + (knee if count == 1.0 else count * knee)
+        return np.array([out])
 
     def _decode_run(self, curve: tuple, ctx: np.ndarray, mx: np.ndarray) -> np.ndarray:
         """Durations of decode-only steps of one ``_run_curve`` at total contexts ``ctx`` and
         longest contexts ``mx``. All waves in one pass of (waves x steps) arrays: the same
         products, sums, maxima and knees per element as one wave at a time, so the same
         floats, in a third of the numpy calls (most jumps price a few steps)."""
-        out, nw, a_lin, b_byte, a_max, counts, g, a_tile, keys_are_mx = curve
+        out, nw, a_lin, b_byte, a_max, counts, g, a_tile, keys_are_mx, _ = curve
         keys = mx if keys_are_mx else self.decomposer.decode_stream_keys(g, mx)
         lin = a_lin * ctx  # rows: each wave's FLOP seconds, then each wave's byte seconds
         flop, byte = lin[:nw], lin[nw:]

@@ -172,6 +172,20 @@ def test_token_terms_are_the_breakdown_terms_bit_for_bit(which):
 
 
 @pytest.mark.parametrize("which", range(len(MODELS)))
+def test_one_step_stretches_price_as_longer_ones_bit_for_bit(which):
+    # A one-step stretch is priced in plain floats (numpy's hypot): the same float as the
+    # first step of the array path, for every batch size (geometry) and context.
+    ex = MODELS[which]
+    rng = np.random.default_rng(100 + which)
+    for nd in (1, 2, 5, 10, 11, 27, 54, 55, 128, 300):
+        for _ in range(20):
+            mx = int(rng.integers(1, 9000))
+            ctx = nd * mx - int(rng.integers(0, nd))
+            one = ex.decode_run_durations(nd, ctx, mx, 1)
+            assert one.shape == (1,) and one[0] == ex.decode_run_durations(nd, ctx, mx, 4)[0]
+
+
+@pytest.mark.parametrize("which", range(len(MODELS)))
 def test_decode_durations_follow_the_breakdown_step_by_step(which):
     ex = MODELS[which]
     rng = np.random.default_rng(which)
