@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -280,7 +280,7 @@ class RooflineCostModel(Executor):
         if curve is None and not (nd and self.decomposer.decode_splits_vary(nd)):
             curve = self._run_curve(nd, None)
         if curve is not None:  # one geometry for every step (the common case: one call)
-            if num_steps == 1 and curve[8] and not curve[7]:
+            if num_steps == 1 and curve.keys_are_mx and not curve.a_tile:
                 return self._decode_step(curve, float(ctx), float(max_ctx))
             # A float arange of integers holds them exactly (start + i x step, < 2^53): the
             # same contexts as ctx + nd x arange in one call.
@@ -307,48 +307,44 @@ class RooflineCostModel(Executor):
         bounds = [0, *cut.tolist(), num_steps]
         return [(i, j, (int(tiles[i]), int(table[i]))) for i, j in zip(bounds, bounds[1:])]
 
-    def _run_curve(self, nd: int, key: tuple[int, int] | None) -> tuple:
+    def _run_curve(self, nd: int, key: tuple[int, int] | None) -> _RunCurve:
         """The folded decode-step curve of ``nd`` rows of one decode geometry (``key``),
-        memoized: (constant seconds, waves W, [s per context token of FLOPs of each wave, then
-        of bytes of each wave] as a (2W, 1) column, s of Q/O bytes per wave (W, 1), s per key
-        of the longest block per wave (W, 1), wave counts (None: all 1), geometry, s per key
-        along the tile chain, keys are the longest context itself, the waves as plain floats
-        (``_decode_curve``))."""
+        memoized."""
         curve = self._decode_curves.get((nd, key))
         if curve is None:
             fixed = self.duration(StepShape(num_tokens=nd, num_sampled=nd, num_rows=nd))
             const, waves, g, a_tile = self._decode_curve(nd, key)
             counts = [w[0] for w in waves]
-            col = lambda xs: np.array(xs, dtype=np.float64).reshape(-1, 1)  # noqa: E731
-            curve = self._decode_curves[(nd, key)] = (
+            col = lambda xs: np.array(xs, dtype=np.float64).reshape(-1, 1)
+            curve = self._decode_curves[(nd, key)] = _RunCurve(
                 fixed + const, len(waves), col([w[1] for w in waves] + [w[2] for w in waves]),
                 col([w[3] for w in waves]), col([w[4] for w in waves]),
                 None if all(c == 1.0 for c in counts) else counts, g, a_tile,
                 g.exact_keys and not g.cta_tiles, waves)
         return curve
 
-    def _decode_step(self, curve: tuple, ctx: float, mx: float) -> np.ndarray:
-        """``_decode_run`` of one step (a seventh of stretches) in plain floats: the same
+    def _decode_step(self, curve: _RunCurve, ctx: float, mx: float) -> np.ndarray:
+        """``_decode_run`` of one step (one stretch in eight) in plain floats: the same
         products, sums and maxima, and numpy's own hypot on two floats (Python's math.hypot
         rounds differently), so the same float. Curves whose keys are the longest context
         and with no tile term."""
-        out = curve[0]
+        out = curve.const
         p = self._coefficients.sharpness
-        for count, a_flop, a_byte, b_byte, a_max in curve[9]:
+        for count, a_flop, a_byte, b_byte, a_max in curve.waves:
             flop = a_flop * ctx
             byte = a_byte * ctx + b_byte
             keys = a_max * mx
-            hbm = keys if keys > byte else byte  # np.maximum: the larger one
+            hbm = max(byte, keys)  # np.maximum's value
             if p == 2.0:
                 knee = float(np.hypot(flop, hbm))
             elif p == math.inf:
-                knee = hbm if hbm > flop else flop
+                knee = max(flop, hbm)
             else:  # the generic p-norm: leave it to the array path
                 return self._decode_run(curve, np.array([ctx]), np.array([mx]))
             out = out + (knee if count == 1.0 else count * knee)
         return np.array([out])
 
-    def _decode_run(self, curve: tuple, ctx: np.ndarray, mx: np.ndarray) -> np.ndarray:
+    def _decode_run(self, curve: _RunCurve, ctx: np.ndarray, mx: np.ndarray) -> np.ndarray:
         """Durations of decode-only steps of one ``_run_curve`` at total contexts ``ctx`` and
         longest contexts ``mx``. All waves in one pass of (waves x steps) arrays: the same
         products, sums, maxima and knees per element as one wave at a time, so the same
@@ -358,7 +354,8 @@ class RooflineCostModel(Executor):
         lin = a_lin * ctx  # rows: each wave's FLOP seconds, then each wave's byte seconds
         flop, byte = lin[:nw], lin[nw:]
         byte += b_byte
-        knees = _knee2(flop, np.maximum(byte, a_max * keys, out=byte), self.coefficients.sharpness)
+        knees = _knee2(flop, np.maximum(byte, a_max * keys, out=byte),
+                       self._coefficients.sharpness)
         for w in range(nw):  # wave by wave, in order: the sum's rounding is the same
             out = out + (knees[w] if counts is None else counts[w] * knees[w])
         if a_tile:
@@ -524,6 +521,22 @@ class RooflineCostModel(Executor):
         chain = dec.decode_chain_per_key(g)
         return (L * 4.0 * hq * d, 2 * kvw * kvb, 2 * hq * d * ab * nd, L, L * 2 * d * kvb,
                 g, kernels, float(L * (g.full + (g.rem > 0))), partials, chain)
+
+
+class _RunCurve(NamedTuple):
+    """Decode-only steps of one batch size and decode geometry as a function of the total
+    and the longest context (``RooflineCostModel._run_curve``); W waves of thread blocks."""
+
+    const: float  # seconds that do not depend on the contexts (all but the waves' knees)
+    num_waves: int  # W
+    a_lin: np.ndarray  # (2W, 1): s per context token of each wave's FLOPs, then of its bytes
+    b_byte: np.ndarray  # (W, 1): s of each wave's Q/O bytes
+    a_max: np.ndarray  # (W, 1): s per key of the longest block (one block or busiest SM)
+    counts: list[float] | None  # wave counts (None: all 1)
+    geometry: DecodeGeometry
+    a_tile: float  # s per key of the longest block along the tile chain
+    keys_are_mx: bool  # the streaming keys are the longest context itself
+    waves: list[tuple[float, ...]]  # (count, the four above) per wave, as plain floats
 
 
 def _knee2(x: np.ndarray, y: np.ndarray, p: float) -> np.ndarray:

@@ -539,8 +539,8 @@ def knee(*terms: float | np.ndarray, sharpness: float) -> float | np.ndarray:
 
 def knee2(x: float, y: float, p: float) -> float:
     """``knee(x, y, sharpness=p)`` for two floats, the same float (the per-step pricing hot
-    path): ``max`` picks ``x`` unless ``y`` is larger, as ``max(terms)`` does."""
-    hi = y if y > x else x
+    path)."""
+    hi = max(x, y)
     if hi == 0.0 or p == math.inf:
         return hi
     return hi * ((x / hi) ** p + (y / hi) ** p) ** (1.0 / p)

@@ -166,7 +166,7 @@ def test_token_terms_are_the_breakdown_terms_bit_for_bit(which):
     # duration's per-token memo is filled without a whole breakdown on one GPU: every token
     # count a step can have (up to a large batch) must give breakdown_shape's floats.
     ex = MODELS[which]
-    for n in range(0, 8193):
+    for n in range(8193):
         b = ex.breakdown_shape(StepShape(num_tokens=n))
         assert ex._token_terms(n) == (b.linear, b.elementwise, b.communication, b.pipeline), n
 
