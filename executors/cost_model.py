@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -45,6 +45,7 @@ from executors.step_terms import (
     StepShape,
     _max,
     knee,
+    knee2,
     step_shape,
 )
 from sim.errors import ConfigError, require
@@ -275,13 +276,23 @@ class RooflineCostModel(Executor):
         evaluated with its constants folded (equal to the term-by-term sum to rounding,
         ~1e-16 relative)."""
         nd = num_decode
+        curve = self._decode_curves.get((nd, None))
+        if curve is None and not (nd and self.decomposer.decode_splits_vary(nd)):
+            curve = self._run_curve(nd, None)
+        if curve is not None:  # one geometry for every step (the common case: one call)
+            if num_steps == 1 and curve.keys_are_mx and not curve.a_tile:
+                return self._decode_step(curve, float(ctx), float(max_ctx))
+            # A float arange of integers holds them exactly (start + i x step, < 2^53): the
+            # same contexts as ctx + nd x arange in one call.
+            ctxs = (np.arange(float(ctx), float(ctx + nd * num_steps), float(nd)) if nd
+                    else np.full(num_steps, float(ctx)))
+            return self._decode_run(curve, ctxs,
+                                    np.arange(float(max_ctx), float(max_ctx + num_steps)))
         runs = self._geometry_runs(nd, max_ctx, num_steps)
         steps = np.arange(num_steps, dtype=np.float64)
         ctx = ctx + nd * steps
         mx = max_ctx + steps
-        if runs is None:
-            return self._decode_run(nd, None, ctx, mx)
-        return np.concatenate([self._decode_run(nd, key, ctx[i:j], mx[i:j])
+        return np.concatenate([self._decode_run(self._run_curve(nd, key), ctx[i:j], mx[i:j])
                                for i, j, key in runs])
 
     def _geometry_runs(self, nd: int, max_ctx: int, num_steps: int,
@@ -296,20 +307,57 @@ class RooflineCostModel(Executor):
         bounds = [0, *cut.tolist(), num_steps]
         return [(i, j, (int(tiles[i]), int(table[i]))) for i, j in zip(bounds, bounds[1:])]
 
-    def _decode_run(self, nd: int, key: tuple[int, int] | None, ctx: np.ndarray,
-                    mx: np.ndarray) -> np.ndarray:
-        """Durations of decode-only steps of ``nd`` rows with one decode geometry (``key``)."""
+    def _run_curve(self, nd: int, key: tuple[int, int] | None) -> _RunCurve:
+        """The folded decode-step curve of ``nd`` rows of one decode geometry (``key``),
+        memoized."""
         curve = self._decode_curves.get((nd, key))
         if curve is None:
             fixed = self.duration(StepShape(num_tokens=nd, num_sampled=nd, num_rows=nd))
             const, waves, g, a_tile = self._decode_curve(nd, key)
-            curve = self._decode_curves[(nd, key)] = (fixed + const, waves, g, a_tile)
-        out, waves, g, a_tile = curve
-        keys = self.decomposer.decode_stream_keys(g, mx)
-        p = self.coefficients.sharpness
-        for count, a_flop, a_byte, b_byte, a_max in waves:
-            out = out + count * _knee2(a_flop * ctx, np.maximum(a_byte * ctx + b_byte,
-                                                                 a_max * keys), p)
+            counts = [w[0] for w in waves]
+            col = lambda xs: np.array(xs, dtype=np.float64).reshape(-1, 1)
+            curve = self._decode_curves[(nd, key)] = _RunCurve(
+                fixed + const, len(waves), col([w[1] for w in waves] + [w[2] for w in waves]),
+                col([w[3] for w in waves]), col([w[4] for w in waves]),
+                None if all(c == 1.0 for c in counts) else counts, g, a_tile,
+                g.exact_keys and not g.cta_tiles, waves)
+        return curve
+
+    def _decode_step(self, curve: _RunCurve, ctx: float, mx: float) -> np.ndarray:
+        """``_decode_run`` of one step (one stretch in eight) in plain floats: the same
+        products, sums and maxima, and numpy's own hypot on two floats (Python's math.hypot
+        rounds differently), so the same float. Curves whose keys are the longest context
+        and with no tile term."""
+        out = curve.const
+        p = self._coefficients.sharpness
+        for count, a_flop, a_byte, b_byte, a_max in curve.waves:
+            flop = a_flop * ctx
+            byte = a_byte * ctx + b_byte
+            keys = a_max * mx
+            hbm = max(byte, keys)  # np.maximum's value
+            if p == 2.0:
+                knee = float(np.hypot(flop, hbm))
+            elif p == math.inf:
+                knee = max(flop, hbm)
+            else:  # the generic p-norm: leave it to the array path
+                return self._decode_run(curve, np.array([ctx]), np.array([mx]))
+            out = out + (knee if count == 1.0 else count * knee)
+        return np.array([out])
+
+    def _decode_run(self, curve: _RunCurve, ctx: np.ndarray, mx: np.ndarray) -> np.ndarray:
+        """Durations of decode-only steps of one ``_run_curve`` at total contexts ``ctx`` and
+        longest contexts ``mx``. All waves in one pass of (waves x steps) arrays: the same
+        products, sums, maxima and knees per element as one wave at a time, so the same
+        floats, in a third of the numpy calls (most jumps price a few steps)."""
+        out, nw, a_lin, b_byte, a_max, counts, g, a_tile, keys_are_mx, _ = curve
+        keys = mx if keys_are_mx else self.decomposer.decode_stream_keys(g, mx)
+        lin = a_lin * ctx  # rows: each wave's FLOP seconds, then each wave's byte seconds
+        flop, byte = lin[:nw], lin[nw:]
+        byte += b_byte
+        knees = _knee2(flop, np.maximum(byte, a_max * keys, out=byte),
+                       self._coefficients.sharpness)
+        for w in range(nw):  # wave by wave, in order: the sum's rounding is the same
+            out = out + (knees[w] if counts is None else counts[w] * knees[w])
         if a_tile:
             out = out + a_tile * self.decomposer.decode_cta_keys(g, mx)
         return out
@@ -348,8 +396,7 @@ class RooflineCostModel(Executor):
         n = shape.num_tokens
         per_n = self._per_tokens.get(n)
         if per_n is None:
-            b = self.breakdown_shape(StepShape(num_tokens=n))
-            per_n = self._per_tokens[n] = (b.linear, b.elementwise, b.communication, b.pipeline)
+            per_n = self._per_tokens[n] = self._token_terms(n)
         linear, elementwise, communication, pipeline = per_n
         prefill = self._prefill_attention(shape) if shape.num_prefill else 0.0
         decode = (self._decode_attention(shape.num_decode, shape.decode_ctx,
@@ -372,6 +419,27 @@ class RooflineCostModel(Executor):
         return (linear + prefill + decode + elementwise + lm_head + communication + pipeline
                 + overhead + swap)
 
+    def _token_terms(self, n: int) -> tuple[float, float, float, float]:
+        """(linear, elementwise, communication, pipeline) seconds of a step of ``n`` tokens:
+        ``breakdown_shape(StepShape(num_tokens=n))``'s terms. On one GPU (no communication)
+        with the same operations in the same order (StepDecomposer.drivers and
+        Coefficients.breakdown) without building the whole breakdown: a prefill step's token
+        count is new to the memo about once per 5 prefill steps in a 10k-request run."""
+        if not n or self.tp > 1 or self.pp > 1:
+            b = self.breakdown_shape(StepShape(num_tokens=n))
+            return b.linear, b.elementwise, b.communication, b.pipeline
+        dec, c = self.decomposer, self._coefficients
+        L = dec.layers
+        linear = knee2(c.s_per_flop * (L * n * dec._lin_flops_per_token),
+                       c.s_per_weight_byte * (L * (dec._lin_weight_bytes
+                                                   + n * dec._lin_act_bytes_per_token)),
+                       c.sharpness)
+        if self._ew_s_per_byte is None:
+            elementwise = c.s_per_token * float(n)
+        else:
+            elementwise = self._ew_s_per_byte * (L * n * dec._ew_bytes_per_token)
+        return linear, elementwise, 0.0, 0.0
+
     def _prefill_attention(self, s: StepShape) -> float:
         """``breakdown_shape(s).attention_prefill`` (StepDecomposer.drivers and
         Coefficients.breakdown, the same operations in the same order)."""
@@ -381,19 +449,19 @@ class RooflineCostModel(Executor):
             m, L = dec.model, dec.layers
             k = self._prefill_consts = (L * 4.0 * dec._heads * m.head_dim, L,
                                         2 * dec._kv_width * dec._kvb,
-                                        2 * dec._heads * m.head_dim * dec._ab, float(L))
-        c_flops, L, c_kv, c_q, kernels = k
-        c = self.coefficients
-        if self.decomposer.attention_tile == 1:  # torch reference attention: no query tiles
+                                        2 * dec._heads * m.head_dim * dec._ab, float(L),
+                                        dec.attention_tile == 1)
+        c_flops, L, c_kv, c_q, kernels, untiled = k
+        c = self._coefficients
+        if untiled:  # torch reference attention: no query tiles
             prefix, diag_pairs = s.prefill_prefix_pairs_exact, s.prefill_diag_pairs_exact
         else:
             prefix, diag_pairs = s.prefill_prefix_pairs, s.prefill_diag_pairs
         flops = c_flops * prefix
         diag = c_flops * diag_pairs
         nbytes = L * (c_kv * s.prefill_kv_tokens + c_q * s.prefill_q_tokens)
-        return knee(c.s_per_attn_flop * flops + c.s_per_diag_flop * diag,
-                    c.s_per_kv_byte * nbytes, sharpness=c.sharpness) + (
-                        c.s_per_attn_kernel * kernels)
+        return knee2(c.s_per_attn_flop * flops + c.s_per_diag_flop * diag,
+                     c.s_per_kv_byte * nbytes, c.sharpness) + c.s_per_attn_kernel * kernels
 
     def _decode_attention(self, nd: int, ctx, max_ctx):
         """``breakdown_shape(...).attention_decode`` for ``nd`` decode rows of total context
@@ -412,23 +480,28 @@ class RooflineCostModel(Executor):
             else:
                 k = self._decode_consts[nd] = self._decode_constants(nd, None)
         c_flops, c_kv, c_q, L, c_cta, g, kernels, wave_count, partials, chain = k
-        c = self.coefficients
+        c = self._coefficients
         p = c.sharpness
         total_flops = c_flops * ctx
         total_bytes = L * (c_kv * ctx + c_q)
         cta_bytes = c_cta * self.decomposer.decode_stream_keys(g, max_ctx)
         decode = c.s_per_attn_kernel * kernels
         cta = c.s_per_cta_byte * cta_bytes
+        # One step (plain numbers, the per-step hot path) or an array of steps (knee, _max).
+        scalar = not isinstance(ctx, np.ndarray) and not isinstance(max_ctx, np.ndarray)
         if g.full:
-            decode = decode + float(g.full) * knee(
-                c.s_per_attn_flop * (total_flops * g.slots / g.ctas),
-                _max(c.s_per_kv_byte * (total_bytes * g.slots / g.ctas), cta,
-                     c.s_per_sm_byte * (self.decomposer.ctas_per_sm * cta_bytes)), sharpness=p)
+            flop = c.s_per_attn_flop * (total_flops * g.slots / g.ctas)
+            hbm = c.s_per_kv_byte * (total_bytes * g.slots / g.ctas)
+            sm = c.s_per_sm_byte * (self.decomposer.ctas_per_sm * cta_bytes)
+            decode = decode + float(g.full) * (
+                knee2(flop, max(hbm, cta, sm), p) if scalar
+                else knee(flop, _max(hbm, cta, sm), sharpness=p))
         if g.rem:
-            decode = decode + knee(
-                c.s_per_attn_flop * (total_flops * g.rem / g.ctas),
-                _max(c.s_per_kv_byte * (total_bytes * g.rem / g.ctas), cta,
-                     c.s_per_sm_byte * (g.tail_sm * cta_bytes)), sharpness=p)
+            flop = c.s_per_attn_flop * (total_flops * g.rem / g.ctas)
+            hbm = c.s_per_kv_byte * (total_bytes * g.rem / g.ctas)
+            sm = c.s_per_sm_byte * (g.tail_sm * cta_bytes)
+            decode = decode + (knee2(flop, max(hbm, cta, sm), p) if scalar
+                               else knee(flop, _max(hbm, cta, sm), sharpness=p))
         decode = decode + c.s_per_attn_wave * wave_count
         decode = decode + c.s_per_split_partial * partials
         if chain and c.s_per_kv_tile:  # adding a zero term would give the same float
@@ -448,6 +521,22 @@ class RooflineCostModel(Executor):
         chain = dec.decode_chain_per_key(g)
         return (L * 4.0 * hq * d, 2 * kvw * kvb, 2 * hq * d * ab * nd, L, L * 2 * d * kvb,
                 g, kernels, float(L * (g.full + (g.rem > 0))), partials, chain)
+
+
+class _RunCurve(NamedTuple):
+    """Decode-only steps of one batch size and decode geometry as a function of the total
+    and the longest context (``RooflineCostModel._run_curve``); W waves of thread blocks."""
+
+    const: float  # seconds that do not depend on the contexts (all but the waves' knees)
+    num_waves: int  # W
+    a_lin: np.ndarray  # (2W, 1): s per context token of each wave's FLOPs, then of its bytes
+    b_byte: np.ndarray  # (W, 1): s of each wave's Q/O bytes
+    a_max: np.ndarray  # (W, 1): s per key of the longest block (one block or busiest SM)
+    counts: list[float] | None  # wave counts (None: all 1)
+    geometry: DecodeGeometry
+    a_tile: float  # s per key of the longest block along the tile chain
+    keys_are_mx: bool  # the streaming keys are the longest context itself
+    waves: list[tuple[float, ...]]  # (count, the four above) per wave, as plain floats
 
 
 def _knee2(x: np.ndarray, y: np.ndarray, p: float) -> np.ndarray:

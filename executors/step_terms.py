@@ -524,13 +524,26 @@ def knee(*terms: float | np.ndarray, sharpness: float) -> float | np.ndarray:
     """Roofline of one term over its bounds (compute, memory, latency...): ``max`` when
     ``sharpness`` is inf, else their p-norm, which rounds the ridge where several bounds are
     significant and overlap imperfectly. Element-wise over arrays (decode jumps, fitting)."""
-    if any(isinstance(t, np.ndarray) for t in terms):
-        return knee_array([np.asarray(t, dtype=float) for t in terms], sharpness)
+    for t in terms:  # a plain loop: the pricing hot path calls this with two floats
+        if isinstance(t, np.ndarray):
+            return knee_array([np.asarray(t, dtype=float) for t in terms], sharpness)
     hi = max(terms)
     if math.isinf(sharpness) or hi == 0.0:
         return hi
     p = sharpness  # scale first: the p-th powers of tiny seconds underflow
+    if len(terms) == 2:  # the sum below, unrolled (0 + a + b: the same float)
+        x, y = terms
+        return hi * ((x / hi) ** p + (y / hi) ** p) ** (1.0 / p)
     return hi * sum((t / hi) ** p for t in terms) ** (1.0 / p)
+
+
+def knee2(x: float, y: float, p: float) -> float:
+    """``knee(x, y, sharpness=p)`` for two floats, the same float (the per-step pricing hot
+    path)."""
+    hi = max(x, y)
+    if hi == 0.0 or p == math.inf:
+        return hi
+    return hi * ((x / hi) ** p + (y / hi) ** p) ** (1.0 / p)
 
 
 def knee_array(terms: list[np.ndarray], sharpness: float) -> np.ndarray:
@@ -642,8 +655,9 @@ class Coefficients:
 
 def _max(*terms: float | np.ndarray) -> float | np.ndarray:
     """The binding one of a wave's memory-side bounds (HBM, one block, the busiest SM)."""
-    if any(isinstance(t, np.ndarray) for t in terms):
-        return np.maximum(np.maximum(terms[0], terms[1]), terms[2])
+    a, b, c = terms
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray) or isinstance(c, np.ndarray):
+        return np.maximum(np.maximum(a, b), c)
     return max(terms)
 
 

@@ -77,7 +77,7 @@ def schedule_running(step: StepBuilder, budget: Budget,
     if step.schedule_decode_run(order, budget.remaining_tokens):
         return preempted
     for req in list(order):
-        if req.status.name != "RUNNING" or step.is_scheduled(req):
+        if req.status is not RequestStatus.RUNNING or step.is_scheduled(req):
             continue  # preempted earlier in this loop, or already granted
         n = min(req.num_pending_tokens, budget.remaining_tokens)
         if n <= 0:

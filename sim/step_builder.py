@@ -75,7 +75,13 @@ class ReplicaQueues:
         self.swapped: deque[Request] = deque()
 
     def add_running(self, req: Request) -> None:
-        bisect.insort(self.running, req, key=_arrival_key)
+        running = self.running
+        # Most admissions are the latest arrival: append (where insort would put it) without
+        # a binary search of key tuples.
+        if not running or _arrival_key(running[-1]) < _arrival_key(req):
+            running.append(req)
+        else:
+            bisect.insort(running, req, key=_arrival_key)
 
     def remove_running(self, req: Request) -> None:
         i = bisect.bisect_left(self.running, _arrival_key(req), key=_arrival_key)
@@ -164,19 +170,22 @@ class StepBuilder:
             raise ValueError(
                 f"request {rid}: cannot grant {num_new_tokens} tokens, {pending} pending"
             )
-        if req.status is RequestStatus.SWAPPED:
+        status = req.status
+        if status is RequestStatus.SWAPPED:
             raise ValueError(f"request {rid} is swapped out; swap_in first")
-        if self.kv.allocate_slots(rid, req.num_computed_tokens + num_new_tokens) is None:
+        computed = req.num_computed_tokens  # not a run member (any run was dissolved above)
+        kv = self.kv
+        if kv.allocate_slots(rid, computed + num_new_tokens) is None:
             return False
-        if req.status is not RequestStatus.RUNNING:  # admitted from the waiting queue
+        if status is not RequestStatus.RUNNING:  # admitted from the waiting queue
             self._remove_waiting(req)
             req.transition(RequestStatus.RUNNING)
             self._q.add_running(req)
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = self.now
+        # allocate_slots made sure the table exists (it holds at least one token now).
         self._plan.add_row(ScheduledRequest(
-            rid, req.num_computed_tokens, num_new_tokens, self.kv.block_table(rid),
-            num_new_tokens == pending,
+            rid, computed, num_new_tokens, kv.block_tables[rid], num_new_tokens == pending,
         ))
         self.scheduled_requests.append(req)
         self._granted[rid] = num_new_tokens
@@ -312,9 +321,7 @@ class StepBuilder:
                 return False
             ids = run.ids
             self.kv.grow([ids[i] for i in need.tolist()])
-            counts = np.zeros(n, dtype=np.int64)
-            counts[need] = 1
-            run.add_blocks(counts)
+            run.add_blocks(np.bincount(need, minlength=n))  # one block each
         s = run.steps
         self._plan.add_block(DecodeBlock(list(run.ids), run.ctx0, s, list(run.tables),
                                          run.ctx0_sum + n * s, run.ctx0_max + s, run, s))

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from executors.cost_model import RooflineCostModel
-from executors.step_terms import Coefficients, step_shape
+from executors.step_terms import Coefficients, StepShape, step_shape
 from policies.budget import Budget, schedule_running
 from sim.kv_manager import KVBlockManager
 from sim.plan import DecodeBlock, ScheduledRequest, StepPlan
@@ -159,6 +159,30 @@ def test_memoized_duration_is_the_breakdown_total_bit_for_bit(which, nd, npf, ch
     shape = replace(step_shape(StepPlan(rows)), swap_out_blocks=swap_out, swap_in_blocks=swap_in)
     assert ex.duration(shape) == ex.breakdown_shape(shape).total
     assert ex.execute(StepPlan(rows)).duration == ex.breakdown(StepPlan(rows)).total
+
+
+@pytest.mark.parametrize("which", range(len(MODELS)))
+def test_token_terms_are_the_breakdown_terms_bit_for_bit(which):
+    # duration's per-token memo is filled without a whole breakdown on one GPU: every token
+    # count a step can have (up to a large batch) must give breakdown_shape's floats.
+    ex = MODELS[which]
+    for n in range(8193):
+        b = ex.breakdown_shape(StepShape(num_tokens=n))
+        assert ex._token_terms(n) == (b.linear, b.elementwise, b.communication, b.pipeline), n
+
+
+@pytest.mark.parametrize("which", range(len(MODELS)))
+def test_one_step_stretches_price_as_longer_ones_bit_for_bit(which):
+    # A one-step stretch is priced in plain floats (numpy's hypot): the same float as the
+    # first step of the array path, for every batch size (geometry) and context.
+    ex = MODELS[which]
+    rng = np.random.default_rng(100 + which)
+    for nd in (1, 2, 5, 10, 11, 27, 54, 55, 128, 300):
+        for _ in range(20):
+            mx = int(rng.integers(1, 9000))
+            ctx = nd * mx - int(rng.integers(0, nd))
+            one = ex.decode_run_durations(nd, ctx, mx, 1)
+            assert one.shape == (1,) and one[0] == ex.decode_run_durations(nd, ctx, mx, 4)[0]
 
 
 @pytest.mark.parametrize("which", range(len(MODELS)))

@@ -67,12 +67,17 @@ class SyntheticWorkload(Workload):
         pri_p = None
         if self.priorities:
             pri_p = np.asarray(self.priorities, dtype=float) / sum(self.priorities)
+        # (prompt, output) of each total length: a pure function of one small integer, so
+        # split each distinct total once (a dict hit is a tenth of the float arithmetic).
+        splits: dict[int, tuple[int, int]] = {}
+        tok = self.token_ids
         while rid < self._n:
             n = min(_CHUNK, self._n - rid)
             times = t + np.cumsum(self.arrival.gaps(g_arr, n))
             t = float(times[-1])
             if self.total_len is not None:
-                split = [self._split(t) for t in self.total_len.sample(g_in, n).tolist()]
+                split = [splits.get(total) or splits.setdefault(total, self._split(total))
+                         for total in self.total_len.sample(g_in, n).tolist()]
                 ins = [p for p, _ in split]
                 outs = [o for _, o in split]
             else:
@@ -80,10 +85,13 @@ class SyntheticWorkload(Workload):
                 outs = self.output_len.sample(g_out, n).tolist()
             pris = (g_pri.choice(len(pri_p), size=n, p=pri_p).tolist() if pri_p is not None
                     else [0] * n)
-            tok = self.token_ids
+            if tok is None:  # lengths only (a cost model): no token ids to draw
+                for at, i, o, p in zip(times.tolist(), ins, outs, pris):
+                    yield Request(rid, at, i, o, priority=p)
+                    rid += 1
+                continue
             for at, i, o, p in zip(times.tolist(), ins, outs, pris):
-                ids = tok.synthetic(rid, i) if tok is not None else None
-                yield Request(rid, at, i, o, priority=p, prompt_token_ids=ids)
+                yield Request(rid, at, i, o, priority=p, prompt_token_ids=tok.synthetic(rid, i))
                 rid += 1
 
     def describe(self) -> str:
