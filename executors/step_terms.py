@@ -527,19 +527,18 @@ def knee(*terms: float | np.ndarray, sharpness: float) -> float | np.ndarray:
     for t in terms:  # a plain loop: the pricing hot path calls this with two floats
         if isinstance(t, np.ndarray):
             return knee_array([np.asarray(t, dtype=float) for t in terms], sharpness)
+    if len(terms) == 2:
+        return knee2(terms[0], terms[1], sharpness)
     hi = max(terms)
     if math.isinf(sharpness) or hi == 0.0:
         return hi
     p = sharpness  # scale first: the p-th powers of tiny seconds underflow
-    if len(terms) == 2:  # the sum below, unrolled (0 + a + b: the same float)
-        x, y = terms
-        return hi * ((x / hi) ** p + (y / hi) ** p) ** (1.0 / p)
     return hi * sum((t / hi) ** p for t in terms) ** (1.0 / p)
 
 
 def knee2(x: float, y: float, p: float) -> float:
-    """``knee(x, y, sharpness=p)`` for two floats, the same float (the per-step pricing hot
-    path)."""
+    """``knee(x, y, sharpness=p)`` for two floats (the per-step pricing hot path): the
+    p-norm's sum unrolled, 0 + a + b being a + b, so the same float as ``sum``."""
     hi = max(x, y)
     if hi == 0.0 or p == math.inf:
         return hi
