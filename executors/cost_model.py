@@ -27,7 +27,7 @@ With ``executor.profile=<file>`` the prices come from a fitted hardware profile 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -48,7 +48,7 @@ from executors.step_terms import (
     knee2,
     step_shape,
 )
-from sim.errors import ConfigError, require
+from sim.errors import require, require_known_fields
 from sim.memory import activation_reserve_bytes
 from sim.plan import StepPlan, StepResult
 from sim.specs import HardwareSpec, ModelSpec
@@ -113,11 +113,7 @@ class CostModelConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> CostModelConfig:
-        names = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - names)
-        if unknown:
-            raise ConfigError(f"executor.{unknown[0]}",
-                              f"unknown option for the cost model; known: {', '.join(sorted(names))}")
+        require_known_fields(data, cls, "executor", "option for the cost model")
         return cls(**data)
 
 

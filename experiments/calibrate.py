@@ -16,7 +16,7 @@ from pathlib import Path
 
 from executors.calibration import calibrate, read_profile_csv, save_profile
 from executors.step_terms import ATTENTION_TILE
-from sim.errors import ConfigError
+from sim.errors import ConfigError, apply_cli_overrides
 from sim.specs import CONF_DIR, load_hardware_spec, load_model_spec
 from workloads.base import resolve_path
 
@@ -53,13 +53,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ``attention_tile`` (default: 1 for rows measured on ``device`` cpu, whose torch attention
     is untiled, else ``ATTENTION_TILE``)."""
     cfg = {"profile_csv": "", "out": "", "block_size": "16", "num_sms": "", "attention_tile": ""}
-    for arg in sys.argv[1:] if argv is None else argv:
-        key, sep, value = arg.partition("=")
-        if not sep or key not in cfg:
-            print(f"config error: unknown override {arg!r}; known: {', '.join(cfg)}",
-                  file=sys.stderr)
-            return 2
-        cfg[key] = value
+    if not apply_cli_overrides(sys.argv[1:] if argv is None else argv, cfg, ", ".join(cfg)):
+        return 2
     try:
         if not cfg["profile_csv"]:
             raise ConfigError("profile_csv", "required: the CSV experiments/profile.py wrote")

@@ -27,7 +27,7 @@ import numpy as np
 from executors.calibration import ShapeSpec, fit_coefficients, mape, predict
 from executors.cost_model import CostModelConfig, RooflineCostModel
 from executors.step_terms import StepDecomposer, StepShape
-from sim.errors import ConfigError
+from sim.errors import ConfigError, apply_cli_overrides
 from sim.specs import ModelSpec, load_hardware_spec
 
 LINEAR_OPS = ("attn_pre_proj", "attn_post_proj", "mlp_up_proj", "mlp_down_proj")
@@ -160,13 +160,9 @@ def format_results(results: Sequence[CheckResult]) -> list[str]:
 def main(argv: Sequence[str] | None = None) -> int:
     """``key=value`` overrides; the only key is ``profiles_dir``."""
     cfg = {"profiles_dir": "../shared/profiles/vidur"}
-    for arg in sys.argv[1:] if argv is None else argv:
-        key, sep, value = arg.partition("=")
-        if not sep or key not in cfg:
-            print(f"config error: unknown override {arg!r}; known: profiles_dir=<folder>",
-                  file=sys.stderr)
-            return 2
-        cfg[key] = value
+    if not apply_cli_overrides(sys.argv[1:] if argv is None else argv, cfg,
+                               "profiles_dir=<folder>"):
+        return 2
     try:
         results = check_profiles(cfg["profiles_dir"])
     except ConfigError as e:

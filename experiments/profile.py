@@ -32,7 +32,7 @@ import numpy as np
 import executors
 from executors.base import Executor
 from executors.calibration import PROFILE_COLUMNS, ShapeSpec
-from sim.errors import ConfigError, require
+from sim.errors import ConfigError, require, require_known_fields
 from sim.kv_manager import KVBlockManager, blocks_for
 from sim.specs import ModelSpec, hardware_spec_from, model_spec_from
 
@@ -69,11 +69,7 @@ class ProfileGrid:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ProfileGrid:
-        names = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - names)
-        if unknown:
-            raise ConfigError(f"profile.{unknown[0]}",
-                              f"unknown option; known: {', '.join(sorted(names))}")
+        require_known_fields(data, cls, "profile", "option")
         return cls(**{k: tuple(int(x) for x in v) if isinstance(v, (list, tuple)) else v
                       for k, v in data.items()})
 

@@ -14,10 +14,10 @@ random numbers (one ``numpy.random.Generator`` per policy, derived from it).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from sim.errors import ConfigError, require
+from sim.errors import ConfigError, require, require_known_fields
 from sim.plan import StepPlan
 from sim.registry import Registry
 from sim.request import Request
@@ -49,12 +49,7 @@ class PolicyConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> PolicyConfig:
-        names = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - names)
-        if unknown:
-            raise ConfigError(f"policy.{unknown[0]}",
-                              f"unknown option for policy {data.get('name')!r}; known: "
-                              f"{', '.join(sorted(names))}")
+        require_known_fields(data, cls, "policy", f"option for policy {data.get('name')!r}")
         return cls(**data)
 
 

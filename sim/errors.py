@@ -1,5 +1,12 @@
 """Errors raised for bad input, naming the field (and file/line where there is one)."""
 
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import fields
+from typing import Any
+
 
 class ConfigError(ValueError):
     """A configuration value is invalid. The message starts with the dotted field name."""
@@ -12,3 +19,26 @@ class ConfigError(ValueError):
 def require(cond: bool, field: str, message: str) -> None:
     if not cond:
         raise ConfigError(field, message)
+
+
+def apply_cli_overrides(argv: Sequence[str], cfg: dict[str, str], known: str) -> bool:
+    """Apply ``key=value`` command-line arguments to ``cfg`` (its keys only). On any other
+    argument print a config error naming it and ``known``, and return False (exit 2)."""
+    for arg in argv:
+        key, sep, value = arg.partition("=")
+        if not sep or key not in cfg:
+            print(f"config error: unknown override {arg!r}; known: {known}", file=sys.stderr)
+            return False
+        cfg[key] = value
+    return True
+
+
+def require_known_fields(data: Mapping[str, Any], cls: type, section: str, what: str) -> None:
+    """Refuse a key of ``data`` that is not a field of the dataclass ``cls`` (nothing is
+    silently ignored): the error names ``section.<key>``, the kind of key (``what``, e.g.
+    "option for the cost model") and the known names."""
+    names = {f.name for f in fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ConfigError(f"{section}.{unknown[0]}",
+                          f"unknown {what}; known: {', '.join(sorted(names))}")

@@ -13,7 +13,7 @@ from typing import Any
 
 import yaml
 
-from sim.errors import ConfigError, require
+from sim.errors import ConfigError, require, require_known_fields
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 
@@ -197,11 +197,7 @@ def _known(kind: str) -> list[str]:
 
 
 def _from_mapping(cls: type, data: dict[str, Any], kind: str, where: str) -> Any:
-    names = {f.name for f in fields(cls)}
-    unknown = sorted(set(data) - names)
-    if unknown:
-        raise ConfigError(f"{kind}.{unknown[0]}", f"unknown field in {where}; known: "
-                          f"{', '.join(sorted(names))}")
+    require_known_fields(data, cls, kind, f"field in {where}")
     missing = [f.name for f in fields(cls) if f.name not in data
                and f.default is MISSING and f.default_factory is MISSING]
     if missing:

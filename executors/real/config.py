@@ -7,12 +7,12 @@ prices, so ``model=llama3_8b`` means the same network in both executors.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from sim.errors import ConfigError, require
+from sim.errors import ConfigError, require, require_known_fields
 from sim.specs import ModelSpec
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -149,9 +149,5 @@ class RealExecutorConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RealExecutorConfig:
-        names = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - names)
-        if unknown:
-            raise ConfigError(f"executor.{unknown[0]}", f"unknown option for the real executor; "
-                              f"known: {', '.join(sorted(names))}")
+        require_known_fields(data, cls, "executor", "option for the real executor")
         return cls(**data)
