@@ -80,9 +80,9 @@ class DecodeRun:
         """End time of run step ``step`` (0-based)."""
         return self._times[step - self._base]
 
-    def times_since(self, step: int) -> array:
-        """End times of run steps ``step .. steps - 1``."""
-        return self._times[step - self._base:]
+    def times_between(self, first: int, stop: int) -> array:
+        """End times of run steps ``first .. stop - 1``."""
+        return self._times[first - self._base:stop - self._base]
 
     # ---- membership ---------------------------------------------------------------------
     def join(self, req: Request, table: list[int]) -> None:
@@ -109,9 +109,11 @@ class DecodeRun:
             self.ctx0_sum += req._computed
             self.ctx0_max = max(self.ctx0_max, req._computed)
 
-    def _release(self, req: Request) -> None:
-        req._sync_times()
-        s = self.steps
+    def _release(self, req: Request, steps: int | None = None) -> None:
+        """``req`` stops being a member: its counters and token times become its own again,
+        as of run step count ``steps`` (default: now)."""
+        s = self.steps if steps is None else steps
+        req._sync_times(s)
         req._computed += s
         req._outputs += s
         req._run = None
@@ -121,6 +123,31 @@ class DecodeRun:
         out = [self.members[i] for i in indices]
         for req in out:
             self._release(req)
+        self._drop(indices)
+        return out
+
+    def release_finished(self, indices: list[int]) -> list[Request]:
+        """Release the members at ``indices`` (ascending), which have sampled their last
+        token, each as of its own last run step (a jump may have taken the run past it).
+        They stay in the arrays until ``drop_finished``."""
+        out = [self.members[i] for i in indices]
+        end = self.end
+        for i, req in zip(indices, out):
+            self._release(req, int(end[i]))
+        return out
+
+    def finished_members(self) -> list[int]:
+        """Indices of the members that sampled their last token in the latest run step."""
+        return np.flatnonzero(self.end == self.steps).tolist()
+
+    def drop_finished(self) -> None:
+        """Take every member that has sampled its last token (released by
+        ``release_finished``) out of the arrays."""
+        gone = np.flatnonzero(self.end <= self.steps)
+        if len(gone):
+            self._drop(gone.tolist())
+
+    def _drop(self, indices: list[int]) -> None:
         for i in reversed(indices):
             del self.members[i], self.ids[i], self.tables[i]
         if len(indices) == 1 and len(self.members):
@@ -141,7 +168,6 @@ class DecodeRun:
             self.ctx0, self.end, self.bound = self.ctx0[keep], self.end[keep], self.bound[keep]
             self._summarize()
         self._trim()
-        return out
 
     def dissolve(self) -> None:
         """Every member becomes a plain request again; the run is incomplete until rebuilt."""

@@ -65,10 +65,6 @@ class Jump:
     stops: list[int] = field(default_factory=list)
     batch_sizes: np.ndarray | None = None
     freed: list[int] = field(default_factory=list)
-    # The step of each of ``block_members``' new blocks (ascending), to allocate them stretch
-    # by stretch, and the members' request ids when the jump was planned.
-    block_steps: np.ndarray | None = None
-    member_ids: list[int] | None = None
 
 
 def _price_until(price, start: float, length: int, horizon: float,
@@ -218,8 +214,7 @@ def _run_jump_past_finishes(block: DecodeBlock, run: DecodeRun, first: np.ndarra
     # Batch size of step j: the members whose last step is j or later.
     gone = np.searchsorted(np.asarray(last_sorted), np.arange(1, k + 1), side="left")
     stops = sorted({f for f in last_sorted if f < k})
-    return Jump(k, durations[:k], ends[:k], new_blocks, members, stops, n - gone,
-                block_steps=steps, member_ids=list(run.ids))
+    return Jump(k, durations[:k], ends[:k], new_blocks, members, stops, n - gone)
 
 
 def _sized_jump(plan: StepPlan, first: np.ndarray, bs: int, durations_fn, k_max: int,

@@ -223,17 +223,15 @@ class Replica:
                     # resumes).
                     seen = (len(q.waiting), len(q.running), len(q.swapped))
                     used0 = self.kv.num_used_blocks
-                    done, k = 0, jump.num_steps
-                    for stop in (*jump.stops, k):  # at each stop members finish
-                        # A stretch's new blocks are in use while it runs (a router reading
-                        # KV use during the last step sees them, as step by step).
-                        self._take_jump_blocks(plan, requests, jump, done, stop)
+                    peak0 = self.kv.peak_used_blocks
+                    self._take_jump_blocks(plan, requests, jump)
+                    stops = self._start_run_jump(block, jump) if block is not None else ()
+                    for stop, members in stops:  # members finish at the end of these steps
                         yield env.timeout(_exact_delay(env.now, float(jump.ends[stop - 1])))
-                        if stop < k:
-                            self._advance_run_jump(block.run, jump, done, stop)
-                            self.num_jump_stops += 1
-                            done = stop
-                    self._apply_jump(plan, requests, jump, start, seen, used0, done)
+                        self._finish_jump_members(block.run, jump, stop, members)
+                        self.num_jump_stops += 1
+                    yield env.timeout(_exact_delay(env.now, float(jump.ends[-1])))
+                    self._apply_jump(plan, requests, jump, start, seen, used0, peak0)
                     continue
             result = self.executor.execute(plan)
             if result.duration < 0:
@@ -292,58 +290,69 @@ class Replica:
             for req in run.remove_at(done.tolist()):
                 self._finish(req, now)
 
-    def _take_jump_blocks(self, plan: StepPlan, requests: list[Request], jump: Jump,
-                          done: int, stop: int) -> None:
-        """Allocate the new KV blocks of jump steps ``done + 1 .. stop``, step by step and
-        rows in order, as single steps would."""
+    def _take_jump_blocks(self, plan: StepPlan, requests: list[Request], jump: Jump) -> None:
+        """Allocate the new KV blocks of jump steps 2..k at once, in the order single steps
+        would (step by step, rows in order). Blocks that members finishing inside the jump
+        free go to the back of the free queue and these come from its front (the jump fits
+        the blocks free now), so the same ids go to the same rows; the peak of use, which
+        single steps would reach before those frees, is set when the jump is applied."""
         members = jump.block_members
         if members is None or not len(members):
             return
         block = plan.decode_block
         if block is not None:
             run = block.run
-            if done == 0:  # the members' block counts (bounds) for the whole jump
-                run.add_blocks(np.bincount(members, minlength=len(run.ids)))
-            ids = run.ids if jump.member_ids is None else jump.member_ids
+            run.add_blocks(np.bincount(members, minlength=len(run.ids)))
+            ids = run.ids
         else:
             ids = [r.request_id for r in requests]
-        if not jump.stops:
-            grow = members.tolist()
-        else:
-            lo, hi = np.searchsorted(jump.block_steps, (done + 1, stop + 1)).tolist()
-            grow = members[lo:hi].tolist()
-        if grow and not self.kv.grow([ids[m] for m in grow]):
+        if not self.kv.grow([ids[m] for m in members.tolist()]):
             raise AssertionError("decode jump overran the KV pool")  # planned so
 
-    def _advance_run_jump(self, run, jump: Jump, done: int, stop: int) -> None:
-        """Take jump steps ``done + 1 .. stop`` of a decode-run jump (their blocks already
-        taken); finish the members whose last token was sampled in step ``stop``, at its
-        end."""
-        finished = run.advance(jump.ends[done:stop])
-        if not len(finished):
-            return
-        out = run.remove_at(finished.tolist())
-        if stop < jump.num_steps:
-            tables = self.kv.block_tables
-            jump.freed.append(sum(len(tables[r.request_id]) for r in out))
+    def _start_run_jump(self, block: DecodeBlock, jump: Jump) -> list[tuple[int, list[int]]]:
+        """Take all steps of a decode-run jump in the run at once (its members' token times
+        are the run's); returns the stops before the last step: (jump step, indices of the
+        members that sample their last token in it), in step order."""
+        run = block.run
+        s0 = run.steps
+        if s0 != block.run_step:
+            raise AssertionError("a decode jump applied out of step with its run")
+        run.advance(jump.ends)
+        if not jump.stops:
+            return []
+        end = run.end
+        done = np.flatnonzero(end < run.steps)  # finishing before the last step
+        last = (end[done] - s0).tolist()
+        groups: dict[int, list[int]] = {}
+        for step, i in sorted(zip(last, done.tolist())):
+            groups.setdefault(step, []).append(i)
+        return list(groups.items())
+
+    def _finish_jump_members(self, run, jump: Jump, stop: int, members: list[int]) -> None:
+        """Finish the members that sampled their last token in jump step ``stop``, at its
+        end (they leave the run's arrays when the jump is applied)."""
+        out = run.release_finished(members)
+        tables = self.kv.block_tables
+        jump.freed.append(sum(len(tables[r.request_id]) for r in out))
         now = float(jump.ends[stop - 1])
         for req in out:
             self._finish(req, now)
 
     def _apply_jump(self, plan: StepPlan, requests: list[Request], jump: Jump,
                     start: float, queue_lengths: tuple[int, int, int], used0: int,
-                    done: int = 0) -> None:
-        """Apply decode steps ``done + 1 .. jump.num_steps`` of a jump at once (see
-        sim/fast_forward.py; the earlier ones were applied at the jump's stops) and record
-        them all."""
+                    peak0: int) -> None:
+        """Finish the jump (see sim/fast_forward.py; a decode run's members that finished at
+        its stops are already finished) and record all its steps."""
         k, ends = jump.num_steps, jump.ends
         last = float(ends[-1])
         block = plan.decode_block
         if block is not None:
             run = block.run
-            if run.steps != block.run_step + done:
-                raise AssertionError("a decode jump applied out of step with its run")
-            self._advance_run_jump(run, jump, done, k)
+            done = run.finished_members()
+            if done:
+                for req in run.release_finished(done):
+                    self._finish(req, last)
+            run.drop_finished()
         else:
             first = float(ends[0])
             times = ends.tobytes()
@@ -356,6 +365,13 @@ class Replica:
                 req.token_times.frombytes(times)
             for req in [r for r in requests if r.num_output_tokens >= r.max_output_len]:
                 self._finish(req, last)
+        if jump.stops:
+            # Single steps reach their peak of KV use before a stop's frees: new blocks up to
+            # each step minus those freed at the stops before it.
+            freed = np.zeros(k, dtype=np.int64)
+            freed[jump.stops] = jump.freed
+            peak = used0 + int((np.cumsum(jump.new_blocks) - np.cumsum(freed)).max())
+            self.kv.peak_used_blocks = max(peak0, peak)
         self.busy_time += float(jump.durations.sum())
         # Steps 1..k-1 as the step-by-step loop would have recorded them (one C-level pass).
         m = k - 1
