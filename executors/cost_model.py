@@ -350,7 +350,7 @@ class RooflineCostModel(Executor):
         lin = a_lin * ctx  # rows: each wave's FLOP seconds, then each wave's byte seconds
         flop, byte = lin[:nw], lin[nw:]
         byte += b_byte
-        knees = _knee2(flop, np.maximum(byte, a_max * keys, out=byte),
+        knees = _knee2_arrays(flop, np.maximum(byte, a_max * keys, out=byte),
                        self._coefficients.sharpness)
         for w in range(nw):  # wave by wave, in order: the sum's rounding is the same
             out = out + (knees[w] if counts is None else counts[w] * knees[w])
@@ -535,8 +535,9 @@ class _RunCurve(NamedTuple):
     waves: list[tuple[float, ...]]  # (count, the four above) per wave, as plain floats
 
 
-def _knee2(x: np.ndarray, y: np.ndarray, p: float) -> np.ndarray:
-    """``knee(x, y, sharpness=p)`` on arrays, in as few array operations as possible."""
+def _knee2_arrays(x: np.ndarray, y: np.ndarray, p: float) -> np.ndarray:
+    """``knee(x, y, sharpness=p)`` on two arrays, in as few array operations as possible
+    (``step_terms.knee2`` is the same on two floats)."""
     if math.isinf(p):
         return np.maximum(x, y)
     if p == 2.0:
