@@ -386,11 +386,16 @@ class Replica:
         req.finish_time = now
         req.transition(RequestStatus.FINISHED)
         self.queues.remove_running(req)
-        self.kv.free(req.request_id)
-        self.executor.free_request(req.request_id)
+        rid = req.request_id
+        self.kv.free(rid)
+        self.executor.free_request(rid)
         self.num_unfinished -= 1
         self.metrics.on_finished(req)
-        self.requests_sink.write(request_row(req))
+        sink = self.requests_sink
+        if type(sink) is CsvSink:  # formats the line itself; a wrapper (cluster) takes rows
+            sink.write_request(req)
+        else:
+            sink.write(request_row(req))
         if self.on_finished is not None:
             self.on_finished(req)
 
