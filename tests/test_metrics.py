@@ -82,3 +82,12 @@ def test_itl_gaps_are_each_requests_own_diff_in_finishing_order(monkeypatch, itl
         assert m.summary()["mean_itl_ms"] == ref.stats("itl")["mean_itl_ms"]
         assert len(m.itl) == len(gaps)
     assert m.summary()["completed"] == 11
+
+
+@settings(max_examples=100, deadline=None)
+@given(values=st.lists(st.floats(1e-6, 10.0), min_size=1, max_size=300))
+def test_latency_stats_percentiles_are_numpys_one_by_one(values):
+    arr = np.array(values)
+    got = latency_stats("x", arr)
+    for key, q in (("median", 50), ("p90", 90), ("p99", 99)):
+        assert got[f"{key}_x_ms"] == float(np.percentile(arr * 1000.0, q)), key
