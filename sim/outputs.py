@@ -122,6 +122,14 @@ class CsvSink:
                 return
         self._write(request_row(req))
 
+    def write_formatted(self, row: tuple, fmt: str) -> None:
+        """Write one row; ``fmt`` as for ``write_many`` (to a file: one %-format, no
+        per-field writer calls)."""
+        if self._file is not None:
+            self._file.write(fmt % row)
+        else:
+            self._write(row)
+
     def write_many(self, rows: Iterable[tuple], fmt: str | None = None) -> None:
         """Write many rows in one call (decode jumps write their steps this way). ``fmt``: a
         %-format of one whole row, ``\r\n`` included, giving the text ``csv.writer`` writes
@@ -160,6 +168,9 @@ class NullSink(CsvSink):
         self._file = None
 
     def write(self, row: tuple) -> None:
+        pass
+
+    def write_formatted(self, row: tuple, fmt: str) -> None:
         pass
 
     def write_many(self, rows: Iterable[tuple], fmt: str | None = None) -> None:

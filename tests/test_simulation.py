@@ -230,3 +230,26 @@ def test_finished_request_line_leaves_other_requests_to_the_writer():
     odd.finish_time = 1.0
     odd.transition(RequestStatus.FINISHED)
     assert finished_request_line(odd) is None
+
+
+@pytest.mark.parametrize("overrides", [(), ("kv.num_gpu_blocks=300", "policy.preemption_mode=swap"),
+                                       ("workload.num_requests=30", "model.max_model_len=1500")])
+def test_csv_files_are_the_csv_writers_text_of_the_in_memory_rows(tmp_path, overrides):
+    """The files' text (finished requests' lines and step rows formatted in one pass, jump
+    rows in bulk) must be what csv.writer writes for the rows an in-memory run keeps."""
+    import csv
+
+    from sim.outputs import REQUEST_COLUMNS, STEP_COLUMNS
+
+    cfg = small_cfg("record_steps=true", *overrides)
+    run_simulation(cfg, tmp_path / "files")
+    memory = run_simulation(cfg)
+    assert memory.summary["completed"] > 0
+    for name, columns, sink in (("requests", REQUEST_COLUMNS, memory.requests_sink),
+                                ("steps", STEP_COLUMNS, memory.steps_sink)):
+        with (tmp_path / f"{name}.csv").open("w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(columns)
+            w.writerows(sink.rows)
+        want = (tmp_path / f"{name}.csv").read_bytes()
+        assert (tmp_path / "files" / f"{name}.csv").read_bytes() == want, name
