@@ -7,7 +7,7 @@ finished request are reused last.
 
 ::
 
-    GPU pool  [0 .. num_gpu_blocks)   free queue: FIFO of ids, ref_count[id] == 0
+    GPU pool  [0 .. num_gpu_blocks)   free queue: FIFO of ids (no references)
     CPU pool  [0 .. num_cpu_blocks)   swap space, same discipline
     block_tables[request_id] -> [gpu block ids], logical order
     cpu_tables[request_id]   -> [cpu block ids] while swapped
@@ -15,9 +15,7 @@ finished request are reused last.
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Hashable, Iterator
-from itertools import repeat
+from collections.abc import Hashable
 
 
 class KVIntegrityError(AssertionError):
@@ -29,25 +27,23 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
-_ONCE = {1}
-
-
-def _consume(it: Iterator[object]) -> None:
-    """Run an iterator for its side effects at C speed."""
-    deque(it, maxlen=0)
-
-
 class _Pool:
     """A pool of blocks with reference counts and a FIFO free queue. The queue is a list read
-    from ``head`` (taking n blocks is one slice), compacted now and then."""
+    from ``head`` (taking n blocks is one slice), compacted now and then.
 
-    __slots__ = ("num_blocks", "ref_count", "free_queue", "head")
+    Reference counts are implicit where they can be: a block in the free queue has none, a
+    block taken from it has one, and only blocks shared by several tables (``share``, from
+    ``fork``) have an entry in ``shared``: their references beyond the first. So taking and
+    releasing blocks nobody shares (nearly all of them) is a slice and an ``extend``, with no
+    per-block Python work."""
+
+    __slots__ = ("num_blocks", "free_queue", "head", "shared")
 
     def __init__(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
-        self.ref_count = [0] * num_blocks
         self.free_queue: list[int] = list(range(num_blocks))
         self.head = 0
+        self.shared: dict[int, int] = {}
 
     @property
     def num_free(self) -> int:
@@ -57,6 +53,15 @@ class _Pool:
         """The free queue, front first."""
         return self.free_queue[self.head:]
 
+    def ref_counts(self) -> list[int]:
+        """Every block's reference count (0 for a free block), for integrity checks."""
+        refs = [1] * self.num_blocks
+        for b in self.free_blocks():
+            refs[b] = 0
+        for b, extra in self.shared.items():
+            refs[b] += extra
+        return refs
+
     def take(self, n: int) -> list[int]:
         h = self.head
         out = self.free_queue[h:h + n]
@@ -65,28 +70,31 @@ class _Pool:
             del self.free_queue[:h]
             h = 0
         self.head = h
-        _consume(map(self.ref_count.__setitem__, out, repeat(1)))
         return out
 
-    def release(self, blocks: list[int], owner: Hashable) -> None:
-        refs = self.ref_count
-        # The common case in C-level passes: every block held by this request alone.
-        if set(map(refs.__getitem__, blocks)) == _ONCE:
-            _consume(map(refs.__setitem__, blocks, repeat(0)))
+    def share(self, blocks: list[int]) -> None:
+        """One more reference to each of ``blocks`` (held blocks)."""
+        shared = self.shared
+        for b in blocks:
+            shared[b] = shared.get(b, 0) + 1
+
+    def release(self, blocks: list[int]) -> None:
+        """Drop one reference to each of ``blocks``; those left with none go to the back of
+        the free queue, tail first (the prefix stays cached longest)."""
+        shared = self.shared
+        if not shared:  # nothing is shared: every block was this table's alone
             self.free_queue.extend(reversed(blocks))
             return
-        shared = False
+        freed = []
         for b in reversed(blocks):
-            r = refs[b]
-            if r <= 0:
-                raise KVIntegrityError(f"double free of block {b} by request {owner}")
-            refs[b] = r - 1
-            shared = shared or r > 1
-        # Tail first: the prefix stays cached longest. A block still shared stays out.
-        if shared:
-            self.free_queue.extend(b for b in reversed(blocks) if refs[b] == 0)
-        else:
-            self.free_queue.extend(reversed(blocks))
+            extra = shared.get(b)
+            if extra is None:
+                freed.append(b)
+            elif extra == 1:
+                del shared[b]
+            else:
+                shared[b] = extra - 1
+        self.free_queue.extend(freed)
 
 
 class KVBlockManager:
@@ -189,8 +197,7 @@ class KVBlockManager:
         if child_id in self.block_tables:
             raise KVIntegrityError(f"request {child_id} already has blocks")
         table = list(self.block_tables[parent_id])
-        for b in table:
-            self._gpu.ref_count[b] += 1
+        self._gpu.share(table)
         self.block_tables[child_id] = table
         return table
 
@@ -201,9 +208,9 @@ class KVBlockManager:
         if table is None and cpu is None:
             raise KVIntegrityError(f"free of request {request_id}, which holds no blocks")
         if table is not None:
-            self._gpu.release(table, request_id)
+            self._gpu.release(table)
         if cpu is not None:
-            self._cpu.release(cpu, request_id)
+            self._cpu.release(cpu)
 
     def has_blocks(self, request_id: Hashable) -> bool:
         return request_id in self.block_tables or request_id in self.cpu_tables
@@ -225,7 +232,7 @@ class KVBlockManager:
         cpu = self._cpu.take(len(table))
         pairs = list(zip(table, cpu))
         del self.block_tables[request_id]
-        self._gpu.release(table, request_id)
+        self._gpu.release(table)
         self.cpu_tables[request_id] = cpu
         return pairs
 
@@ -242,7 +249,7 @@ class KVBlockManager:
             return None
         gpu = self._gpu.take(len(cpu))
         del self.cpu_tables[request_id]
-        self._cpu.release(cpu, request_id)
+        self._cpu.release(cpu)
         self.block_tables[request_id] = gpu
         used = self.num_gpu_blocks - self._gpu.num_free
         if used > self.peak_used_blocks:
@@ -258,6 +265,7 @@ class KVBlockManager:
             ("cpu", self._cpu, self.cpu_tables),
         ):
             refs = [0] * pool.num_blocks
+            counts = pool.ref_counts()
             for rid, table in tables.items():
                 if not table:
                     raise KVIntegrityError(f"{name}: request {rid} has an empty block table")
@@ -270,9 +278,9 @@ class KVBlockManager:
                 raise KVIntegrityError(f"{name}: a block is in the free queue twice")
             free_set = set(free)
             for b in range(pool.num_blocks):
-                if refs[b] != pool.ref_count[b]:
+                if refs[b] != counts[b]:
                     raise KVIntegrityError(
-                        f"{name}: block {b} ref_count {pool.ref_count[b]} but {refs[b]} tables"
+                        f"{name}: block {b} ref_count {counts[b]} but {refs[b]} tables"
                     )
                 if (refs[b] == 0) != (b in free_set):
                     state = "free" if b in free_set else "not free"

@@ -10,7 +10,7 @@ from operator import truediv
 from pathlib import Path
 from typing import IO
 
-from sim.request import Request
+from sim.request import Request, RequestStatus
 
 REQUEST_COLUMNS = (
     "request_id", "replica_id", "status", "reject_reason", "priority", "arrival_time",
@@ -112,6 +112,24 @@ class CsvSink:
     def write(self, row: tuple) -> None:
         self._write(row)
 
+    def write_request(self, req: Request) -> None:
+        """Write ``req``'s ``requests.csv`` row: to a file, a finished request's line is
+        formatted in one pass (``finished_request_line``); otherwise ``request_row``."""
+        if self._file is not None:
+            line = finished_request_line(req)
+            if line is not None:
+                self._file.write(line)
+                return
+        self._write(request_row(req))
+
+    def write_formatted(self, row: tuple, fmt: str) -> None:
+        """Write one row; ``fmt`` as for ``write_many`` (to a file: one %-format, no
+        per-field writer calls)."""
+        if self._file is not None:
+            self._file.write(fmt % row)
+        else:
+            self._write(row)
+
     def write_many(self, rows: Iterable[tuple], fmt: str | None = None) -> None:
         """Write many rows in one call (decode jumps write their steps this way). ``fmt``: a
         %-format of one whole row, ``\r\n`` included, giving the text ``csv.writer`` writes
@@ -152,6 +170,9 @@ class NullSink(CsvSink):
     def write(self, row: tuple) -> None:
         pass
 
+    def write_formatted(self, row: tuple, fmt: str) -> None:
+        pass
+
     def write_many(self, rows: Iterable[tuple], fmt: str | None = None) -> None:
         pass
 
@@ -168,4 +189,37 @@ def request_row(req: Request) -> tuple:
         "" if first is None else repr(first - arrival), _fmt(req.tpot),
         "" if finish is None else repr(finish - arrival), req.num_preemptions, req.num_swaps,
         req.num_recomputes, tokens,
+    )
+
+
+# The requests.csv line of a finished request as csv.writer writes ``request_row``'s tuple:
+# ``%d`` and ``%s`` write what the writer's str() does for the integer columns, ``%r`` the
+# same repr() request_row applies to the time columns, and no field needs quoting (integer
+# ids, no reject reason, times and space-separated token ids only).
+_FINISHED_LINE = "%d,%d,finished,,%d,%r,%s,%s,%s,%r,%r,%r,%r,%r,%s,%r,%s,%s,%s,%s\r\n"
+_FINISHED = RequestStatus.FINISHED
+
+
+def finished_request_line(req: Request) -> str | None:
+    """The text ``csv.writer`` writes for ``request_row(req)``, ``\r\n`` included, made
+    without the row tuple and the writer's per-field calls. None (use ``request_row``) unless
+    ``req`` is a finished request outside a decode run, with plain int request id, replica id
+    and priority and no reject reason."""
+    if (req.status is not _FINISHED or req._run is not None or req.reject_reason is not None
+            or type(req.request_id) is not int or type(req.replica_id) is not int
+            or type(req.priority) is not int):
+        return None
+    # Outside a run the counters and token times are the plain fields (see sim/request.py).
+    arrival, scheduled = req.arrival_time, req.first_scheduled_time
+    first, finish, n = req._first_token, req.finish_time, req._outputs
+    if scheduled is None or first is None or finish is None:
+        return None
+    ids = req.output_token_ids
+    return _FINISHED_LINE % (
+        req.request_id, req.replica_id, req.priority, arrival, req.prompt_len,
+        req.max_output_len, n, float(scheduled), float(first), float(finish),
+        scheduled - arrival, first - arrival,
+        repr(float((req._last_token - first) / (n - 1))) if n >= 2 else "",
+        finish - arrival, req.num_preemptions, req.num_swaps, req.num_recomputes,
+        "" if ids is None else " ".join(map(str, ids)),
     )

@@ -23,7 +23,7 @@ from sim.decode_run import is_decoding
 from sim.fast_forward import Jump, is_steady_decode, plan_jump, plan_run_jump
 from sim.kv_manager import KVBlockManager, blocks_for
 from sim.metrics import MetricsCollector
-from sim.outputs import CsvSink, DecodeStepRows, request_row
+from sim.outputs import STEP_ROW_FORMAT, CsvSink, DecodeStepRows, request_row
 from sim.plan import DecodeBlock, StepPlan, StepResult
 from sim.request import Request, RequestStatus
 from sim.step_builder import ReplicaQueues, StepBuilder
@@ -402,11 +402,16 @@ class Replica:
         req.finish_time = now
         req.transition(RequestStatus.FINISHED)
         self.queues.remove_running(req)
-        self.kv.free(req.request_id)
-        self.executor.free_request(req.request_id)
+        rid = req.request_id
+        self.kv.free(rid)
+        self.executor.free_request(rid)
         self.num_unfinished -= 1
         self.metrics.on_finished(req)
-        self.requests_sink.write(request_row(req))
+        sink = self.requests_sink
+        if type(sink) is CsvSink:  # formats the line itself; a wrapper (cluster) takes rows
+            sink.write_request(req)
+        else:
+            sink.write(request_row(req))
         if self.on_finished is not None:
             self.on_finished(req)
 
@@ -435,12 +440,12 @@ class Replica:
                 prefill += s.num_new_tokens
             sampled += s.sample
         used = kv.num_used_blocks
-        self.steps_sink.write((
+        self.steps_sink.write_formatted((
             self.num_steps, self.replica_id, repr(start), repr(duration), rows,
             prefill, decode, sampled, len(q.waiting), len(q.running), len(q.swapped), used,
             round(used / kv.num_gpu_blocks, 6), len(plan.recomputed), len(plan.swapped_out),
             len(plan.swap_out), len(plan.swap_in),
-        ))
+        ), STEP_ROW_FORMAT)
 
     def _stall_message(self) -> str:
         q = self.queues

@@ -21,6 +21,7 @@ import bisect
 from collections import deque
 from collections.abc import Iterator, Sequence
 from enum import Enum
+from operator import attrgetter
 from typing import TYPE_CHECKING, Generic, TypeVar
 
 import numpy as np
@@ -65,6 +66,9 @@ def _arrival_key(r: Request) -> tuple[float, int]:
     return (r.arrival_time, r.request_id)
 
 
+_arrival_time = attrgetter("arrival_time")
+
+
 class ReplicaQueues:
     """The replica's request sets. ``running`` is kept in arrival order, so its last element
     is the latest arrival: vLLM's default preemption victim."""
@@ -78,16 +82,27 @@ class ReplicaQueues:
         running = self.running
         # Most admissions are the latest arrival: append (where insort would put it) without
         # a binary search of key tuples.
-        if not running or _arrival_key(running[-1]) < _arrival_key(req):
+        if not running:
+            running.append(req)
+            return
+        last, t = running[-1], req.arrival_time
+        if last.arrival_time < t or (last.arrival_time == t and last.request_id < req.request_id):
             running.append(req)
         else:
             bisect.insort(running, req, key=_arrival_key)
 
     def remove_running(self, req: Request) -> None:
-        i = bisect.bisect_left(self.running, _arrival_key(req), key=_arrival_key)
-        if i == len(self.running) or self.running[i] is not req:
+        running = self.running
+        # Search on the arrival time alone (a C-level key, no tuple per probe), then step
+        # over requests that arrived at the same time.
+        t = req.arrival_time
+        i = bisect.bisect_left(running, t, key=_arrival_time)
+        n = len(running)
+        while i < n and running[i] is not req and running[i].arrival_time == t:
+            i += 1
+        if i == n or running[i] is not req:
             raise ValueError(f"request {req.request_id} is not running")
-        del self.running[i]
+        del running[i]
 
 
 class StepBuilder:

@@ -58,6 +58,38 @@ def test_fork_shares_blocks_with_reference_counts():
     kv.check_integrity()
 
 
+def test_shared_blocks_return_tail_first_once_the_last_holder_frees():
+    kv = KVBlockManager(num_gpu_blocks=8, block_size=4)
+    kv.allocate_slots("a", 8)  # 0 1
+    kv.fork("a", "b")
+    kv.fork("b", "c")  # blocks 0 and 1 held three times
+    assert kv.allocate_slots("b", 9) == [2]
+    kv.free("a")
+    kv.free("c")
+    assert kv.num_free_blocks == 5 and kv._gpu.free_blocks() == [3, 4, 5, 6, 7]
+    kv.check_integrity()
+    kv.free("b")  # the last holder: its whole table, tail first
+    assert kv._gpu.free_blocks() == [3, 4, 5, 6, 7, 2, 1, 0]
+    kv.check_integrity()
+    # Nothing is shared any more: the next fork starts from one reference again.
+    kv.allocate_slots("d", 4)
+    kv.fork("d", "e")
+    kv.free("d")
+    assert kv.num_free_blocks == 7
+    kv.free("e")
+    assert kv.num_free_blocks == 8
+    kv.check_integrity()
+
+
+def test_integrity_check_catches_a_block_in_two_tables_without_a_fork():
+    kv = KVBlockManager(num_gpu_blocks=4, block_size=4)
+    kv.allocate_slots("a", 4)
+    kv.allocate_slots("b", 4)
+    kv.block_tables["b"].append(0)  # held by a, never shared with b
+    with pytest.raises(KVIntegrityError, match="block 0 ref_count 1 but 2 tables"):
+        kv.check_integrity()
+
+
 def test_swap_round_trip_returns_copy_pairs():
     kv = KVBlockManager(num_gpu_blocks=8, block_size=4, num_cpu_blocks=4)
     kv.allocate_slots("x", 4)  # 0

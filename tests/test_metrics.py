@@ -2,8 +2,12 @@
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from sim.metrics import StreamingQuantiles, latency_stats
+import sim.metrics as metrics_module
+from sim.metrics import MetricsCollector, StreamingQuantiles, latency_stats
+from sim.request import Request
 from sim.simulation import run_simulation
 from tests.helpers import small_cfg
 
@@ -33,3 +37,57 @@ def test_streaming_itl_summary_matches_exact_run():
         assert lo * (1 - 2e-3) <= stream[f"{k}_itl_ms"] <= hi * (1 + 2e-3), k
     assert stream["median_ttft_ms"] == exact["median_ttft_ms"]
     assert stream["num_steps"] == exact["num_steps"]
+
+
+@settings(max_examples=60, deadline=None)
+@given(sizes=st.lists(st.integers(1, 40), min_size=1, max_size=30),
+       flush_every=st.integers(1, 64), seed=st.integers(0, 2**16))
+def test_extend_groups_bins_exactly_like_one_extend_per_group(sizes, flush_every, seed):
+    values = np.random.default_rng(seed).lognormal(-4, 1.0, sum(sizes))
+    ends = np.cumsum(sizes)
+    one, bulk = (StreamingQuantiles(flush_every=flush_every) for _ in range(2))
+    one.extend(values[:3])  # a partly filled buffer to start from
+    bulk.extend(values[:3])
+    for group in np.split(values, ends[:-1]):
+        one.extend(group)
+    bulk.extend_groups(values, ends)
+    # The same batches: the same float sums, bit for bit.
+    assert (one.count, one._sum, one._sumsq) == (bulk.count, bulk._sum, bulk._sumsq)
+    assert np.array_equal(one._counts, bulk._counts)
+    assert one._buffer == bulk._buffer
+    assert one.stats("itl") == bulk.stats("itl")
+
+
+@pytest.mark.parametrize("itl", ["exact", "streaming"])
+def test_itl_gaps_are_each_requests_own_diff_in_finishing_order(monkeypatch, itl):
+    # Small batches so that the gaps are taken in several passes, one boundary on a batch end.
+    monkeypatch.setattr(metrics_module, "_ITL_BATCH", 7)
+    rng = np.random.default_rng(3)
+    m, expected = MetricsCollector(itl), []
+    for i, n in enumerate([1, 5, 2, 1, 9, 3, 7, 1, 4, 12, 2]):
+        req = Request(i, float(i), 4, n)
+        for t in np.cumsum(rng.uniform(0.01, 0.05, n)) + i:
+            req.record_token(float(t))
+        req.finish_time = req.last_token_time
+        m.on_finished(req)
+        expected.append(np.diff(np.frombuffer(req.token_times, dtype=np.float64)))
+    gaps = np.concatenate(expected)
+    if itl == "exact":
+        assert np.frombuffer(m.itl, dtype=np.float64).tobytes() == gaps.tobytes()
+    else:
+        ref = StreamingQuantiles()
+        for g in expected:
+            if len(g):
+                ref.extend(g)
+        assert m.summary()["mean_itl_ms"] == ref.stats("itl")["mean_itl_ms"]
+        assert len(m.itl) == len(gaps)
+    assert m.summary()["completed"] == 11
+
+
+@settings(max_examples=100, deadline=None)
+@given(values=st.lists(st.floats(1e-6, 10.0), min_size=1, max_size=300))
+def test_latency_stats_percentiles_are_numpys_one_by_one(values):
+    arr = np.array(values)
+    got = latency_stats("x", arr)
+    for key, q in (("median", 50), ("p90", 90), ("p99", 99)):
+        assert got[f"{key}_x_ms"] == float(np.percentile(arr * 1000.0, q)), key

@@ -4,8 +4,11 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import pandas as pd
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from sim.errors import ConfigError
 from sim.simulation import Simulation, run_simulation
@@ -177,3 +180,76 @@ def test_decode_step_rows_in_a_file_are_the_csv_writers_text_of_its_tuples(tmp_p
     text.close()
     header, body = (tmp_path / "writer.csv").read_bytes().split(b"\r\n", 1)
     assert (tmp_path / "text.csv").read_bytes() == header + b"\r\n" + body + body
+
+
+@settings(max_examples=200, deadline=None)
+@given(rid=st.integers(0, 10**12), replica=st.integers(0, 64), priority=st.integers(-3, 9),
+       arrival=st.floats(0, 1e6, allow_subnormal=False), n=st.integers(1, 6),
+       gaps=st.lists(st.floats(1e-9, 50.0), min_size=8, max_size=8),
+       np_times=st.booleans(), token_ids=st.booleans(), preempted=st.integers(0, 3))
+def test_finished_request_line_is_the_csv_writers_text_of_its_row(
+        rid, replica, priority, arrival, n, gaps, np_times, token_ids, preempted):
+    """A finished request's requests.csv line is formatted in one pass; it must be what
+    csv.writer writes for request_row's tuple, byte for byte (numpy times included)."""
+    import csv
+    import io
+
+    from sim.outputs import finished_request_line, request_row
+    from sim.request import Request, RequestStatus
+
+    req = Request(rid, arrival, 5, n, priority=priority)
+    req.replica_id = replica
+    t = np.cumsum([arrival] + gaps)
+    as_time = np.float64 if np_times else float
+    req.transition(RequestStatus.RUNNING)
+    req.first_scheduled_time = as_time(t[1])
+    for i in range(n):
+        req.record_token(as_time(t[2 + i]), 1000 + 7 * i if token_ids else None)
+    req.num_preemptions = req.num_recomputes = preempted
+    req.finish_time = as_time(t[1 + n])
+    req.transition(RequestStatus.FINISHED)
+    out = io.StringIO(newline="")
+    csv.writer(out).writerow(request_row(req))
+    assert finished_request_line(req) == out.getvalue()
+
+
+def test_finished_request_line_leaves_other_requests_to_the_writer():
+    from sim.outputs import finished_request_line
+    from sim.request import Request, RequestStatus
+
+    waiting = Request(1, 0.0, 4, 2)
+    waiting.replica_id = 0
+    assert finished_request_line(waiting) is None
+    waiting.reject("too_long: prompt 4 + output 2 > model.max_model_len 5")
+    assert finished_request_line(waiting) is None
+    odd = Request("a,b", 0.0, 4, 1)  # type: ignore[arg-type]  # would need quoting
+    odd.replica_id = 0
+    odd.transition(RequestStatus.RUNNING)
+    odd.first_scheduled_time = 0.5
+    odd.record_token(1.0)
+    odd.finish_time = 1.0
+    odd.transition(RequestStatus.FINISHED)
+    assert finished_request_line(odd) is None
+
+
+@pytest.mark.parametrize("overrides", [(), ("kv.num_gpu_blocks=300", "policy.preemption_mode=swap"),
+                                       ("workload.num_requests=30", "model.max_model_len=1500")])
+def test_csv_files_are_the_csv_writers_text_of_the_in_memory_rows(tmp_path, overrides):
+    """The files' text (finished requests' lines and step rows formatted in one pass, jump
+    rows in bulk) must be what csv.writer writes for the rows an in-memory run keeps."""
+    import csv
+
+    from sim.outputs import REQUEST_COLUMNS, STEP_COLUMNS
+
+    cfg = small_cfg("record_steps=true", *overrides)
+    run_simulation(cfg, tmp_path / "files")
+    memory = run_simulation(cfg)
+    assert memory.summary["completed"] > 0
+    for name, columns, sink in (("requests", REQUEST_COLUMNS, memory.requests_sink),
+                                ("steps", STEP_COLUMNS, memory.steps_sink)):
+        with (tmp_path / f"{name}.csv").open("w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(columns)
+            w.writerows(sink.rows)
+        want = (tmp_path / f"{name}.csv").read_bytes()
+        assert (tmp_path / "files" / f"{name}.csv").read_bytes() == want, name

@@ -1,0 +1,38 @@
+"""ReplicaQueues: the running set stays in arrival order through adds and removals."""
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sim.request import Request
+from sim.step_builder import ReplicaQueues
+
+
+@settings(max_examples=200, deadline=None)
+@given(arrivals=st.lists(st.sampled_from([0.0, 0.5, 0.5, 1.0, 2.5]), min_size=1, max_size=12),
+       data=st.data())
+def test_running_stays_in_arrival_order_with_ties(arrivals, data):
+    reqs = [Request(i, t, 4, 2) for i, t in enumerate(arrivals)]
+    q = ReplicaQueues()
+    added = data.draw(st.permutations(reqs))
+    for r in added:
+        q.add_running(r)
+        want = sorted(q.running, key=lambda x: (x.arrival_time, x.request_id))
+        assert q.running == want
+    for r in data.draw(st.permutations(reqs)):
+        q.remove_running(r)
+        assert r not in q.running
+        with pytest.raises(ValueError, match=f"request {r.request_id} is not running"):
+            q.remove_running(r)
+        assert q.running == sorted(q.running, key=lambda x: (x.arrival_time, x.request_id))
+    assert q.running == []
+
+
+def test_removing_a_request_that_ties_with_running_ones_but_is_not_running_fails():
+    q = ReplicaQueues()
+    a, b, c = Request(1, 1.0, 4, 2), Request(2, 1.0, 4, 2), Request(3, 1.0, 4, 2)
+    q.add_running(a)
+    q.add_running(c)
+    with pytest.raises(ValueError, match="request 2 is not running"):
+        q.remove_running(b)
+    assert q.running == [a, c]
