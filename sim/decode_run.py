@@ -45,9 +45,8 @@ def is_decoding(req: Request) -> bool:
 class DecodeRun:
     """See the module docstring. ``members`` is in arrival order (the running set's order)."""
 
-    __slots__ = ("block_size", "steps", "_times", "_base", "members", "ids", "tables", "ctx0",
-                 "end", "bound", "next_bound", "ctx0_sum", "ctx0_max", "complete",
-                 "scheduled_at")
+    __slots__ = ("block_size", "steps", "_times", "_base", "members", "ids", "tables", "_cols",
+                 "next_bound", "ctx0_sum", "ctx0_max", "complete", "scheduled_at")
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
@@ -60,10 +59,11 @@ class DecodeRun:
         # Per member: num_computed_tokens - steps (context = ctx0 + steps), the run step after
         # which it has sampled its last token (max_output_len - (num_output_tokens - steps)),
         # and the first run step whose token no longer fits its KV blocks (blocks x
-        # block_size - ctx0: run step s computes token ctx0 + s + 1).
-        self.ctx0 = np.empty(0, dtype=np.int64)
-        self.end = np.empty(0, dtype=np.int64)
-        self.bound = np.empty(0, dtype=np.int64)
+        # block_size - ctx0: run step s computes token ctx0 + s + 1). The three are the rows
+        # of one array (``ctx0``, ``end``, ``bound``), so a join or a leave is one array
+        # operation, not three; a row is never changed in place but ``bound`` (plans keep
+        # ``ctx0``).
+        self._cols = np.empty((3, 0), dtype=np.int64)
         self.next_bound = 0  # min(bound) (no allocation needed before that run step)
         self.ctx0_sum = 0  # sum and max of ctx0
         self.ctx0_max = 0
@@ -74,6 +74,18 @@ class DecodeRun:
 
     def __len__(self) -> int:
         return len(self.members)
+
+    @property
+    def ctx0(self) -> np.ndarray:
+        return self._cols[0]
+
+    @property
+    def end(self) -> np.ndarray:
+        return self._cols[1]
+
+    @property
+    def bound(self) -> np.ndarray:
+        return self._cols[2]
 
     # ---- token times --------------------------------------------------------------------
     def time_at(self, step: int) -> float:
@@ -98,10 +110,8 @@ class DecodeRun:
         self.members.insert(i, req)
         self.ids.insert(i, req.request_id)
         self.tables.insert(i, table)
-        self.ctx0 = _insert(self.ctx0, i, req._computed)
-        self.end = _insert(self.end, i, req.max_output_len - req._outputs)
         b = len(table) * self.block_size - req._computed
-        self.bound = _insert(self.bound, i, b)
+        self._cols = _insert(self._cols, i, (req._computed, req.max_output_len - req._outputs, b))
         if len(self.members) == 1:
             self.next_bound, self.ctx0_sum, self.ctx0_max = b, req._computed, req._computed
         else:
@@ -123,39 +133,28 @@ class DecodeRun:
         out = [self.members[i] for i in indices]
         for req in out:
             self._release(req)
-        self._drop(indices)
+        self.drop(indices)
         return out
 
     def release_finished(self, indices: list[int]) -> list[Request]:
         """Release the members at ``indices`` (ascending), which have sampled their last
         token, each as of its own last run step (a jump may have taken the run past it).
-        They stay in the arrays until ``drop_finished``."""
+        They stay in the arrays until ``drop``."""
         out = [self.members[i] for i in indices]
         end = self.end
         for i, req in zip(indices, out):
             self._release(req, int(end[i]))
         return out
 
-    def finished_members(self) -> list[int]:
-        """Indices of the members that sampled their last token in the latest run step."""
-        return np.flatnonzero(self.end == self.steps).tolist()
-
-    def drop_finished(self) -> None:
-        """Take every member that has sampled its last token (released by
-        ``release_finished``) out of the arrays."""
-        gone = np.flatnonzero(self.end <= self.steps)
-        if len(gone):
-            self._drop(gone.tolist())
-
-    def _drop(self, indices: list[int]) -> None:
+    def drop(self, indices: list[int]) -> None:
+        """Take the members at ``indices`` (ascending), released already, out of the run."""
         for i in reversed(indices):
             del self.members[i], self.ids[i], self.tables[i]
+        cols = self._cols
         if len(indices) == 1 and len(self.members):
             i = indices[0]
-            c, b = int(self.ctx0[i]), int(self.bound[i])
-            self.ctx0 = np.concatenate((self.ctx0[:i], self.ctx0[i + 1:]))
-            self.end = np.concatenate((self.end[:i], self.end[i + 1:]))
-            self.bound = np.concatenate((self.bound[:i], self.bound[i + 1:]))
+            c, _, b = cols[:, i].tolist()
+            self._cols = np.concatenate((cols[:, :i], cols[:, i + 1:]), axis=1)
             # The sums move by one member; a minimum or maximum only if it was that member.
             self.ctx0_sum -= c
             if c == self.ctx0_max:
@@ -163,9 +162,9 @@ class DecodeRun:
             if b == self.next_bound:
                 self.next_bound = int(self.bound.min())
         else:
-            keep = np.ones(len(self.ctx0), dtype=bool)
+            keep = np.ones(cols.shape[1], dtype=bool)
             keep[indices] = False
-            self.ctx0, self.end, self.bound = self.ctx0[keep], self.end[keep], self.bound[keep]
+            self._cols = cols[:, keep]
             self._summarize()
         self._trim()
 
@@ -176,7 +175,7 @@ class DecodeRun:
         self.members.clear()
         self.ids.clear()
         self.tables.clear()
-        self.ctx0 = self.end = self.bound = np.empty(0, dtype=np.int64)
+        self._cols = np.empty((3, 0), dtype=np.int64)
         self._summarize()
         self.complete = False
         self._trim()
@@ -195,10 +194,10 @@ class DecodeRun:
                 self.ids.append(req.request_id)
                 self.tables.append(tables[req.request_id])
         n = len(self.members)
-        self.ctx0 = np.fromiter((r._computed for r in self.members), np.int64, n)
-        self.end = np.fromiter((r.max_output_len - r._outputs for r in self.members), np.int64, n)
+        ctx0 = np.fromiter((r._computed for r in self.members), np.int64, n)
+        end = np.fromiter((r.max_output_len - r._outputs for r in self.members), np.int64, n)
         nblk = np.fromiter((len(t) for t in self.tables), np.int64, n)
-        self.bound = nblk * self.block_size - self.ctx0
+        self._cols = np.stack((ctx0, end, nblk * self.block_size - ctx0))
         self._summarize()
         self.complete = True
 
@@ -220,8 +219,9 @@ class DecodeRun:
 
     def add_blocks(self, counts: np.ndarray) -> None:
         """Members got ``counts`` new blocks each."""
-        self.bound = self.bound + counts * self.block_size
-        self.next_bound = int(self.bound.min())
+        bound = self._cols[2]
+        bound += counts * self.block_size
+        self.next_bound = int(bound.min())
 
     def advance(self, end_times: array | list[float] | np.ndarray) -> np.ndarray:
         """Take ``len(end_times)`` run steps ending at those times (every member computes and
@@ -251,11 +251,13 @@ class DecodeRun:
                 self._base = keep
 
 
-def _insert(a: np.ndarray, i: int, value: int) -> np.ndarray:
-    out = np.empty(len(a) + 1, dtype=a.dtype)
-    out[:i] = a[:i]
-    out[i] = value
-    out[i + 1:] = a[i:]
+def _insert(a: np.ndarray, i: int, column: tuple[int, ...]) -> np.ndarray:
+    """``a`` with ``column`` inserted before column ``i``."""
+    out = np.empty((a.shape[0], a.shape[1] + 1), dtype=a.dtype)
+    out[:, :i] = a[:, :i]
+    out[:, i] = column
+    if i < a.shape[1]:
+        out[:, i + 1:] = a[:, i:]
     return out
 
 

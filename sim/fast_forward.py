@@ -65,6 +65,10 @@ class Jump:
     stops: list[int] = field(default_factory=list)
     batch_sizes: np.ndarray | None = None
     freed: list[int] = field(default_factory=list)
+    # A decode-run jump, filled in when it starts: the members (run indices, ascending) that
+    # finish in it, and those of them that finish in its last step.
+    finishing: list[int] = field(default_factory=list)
+    last_members: list[int] = field(default_factory=list)
 
 
 def _price_until(price, start: float, length: int, horizon: float,

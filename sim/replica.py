@@ -311,21 +311,25 @@ class Replica:
 
     def _start_run_jump(self, block: DecodeBlock, jump: Jump) -> list[tuple[int, list[int]]]:
         """Take all steps of a decode-run jump in the run at once (its members' token times
-        are the run's); returns the stops before the last step: (jump step, indices of the
-        members that sample their last token in it), in step order."""
+        are the run's) and note who finishes in it (``jump.finishing``, member indices
+        ascending, and ``jump.last_members``, those finishing in the last step); returns the
+        stops before the last step: (jump step, indices of the members that sample their
+        last token in it), in step order."""
         run = block.run
         s0 = run.steps
         if s0 != block.run_step:
             raise AssertionError("a decode jump applied out of step with its run")
         run.advance(jump.ends)
-        if not jump.stops:
-            return []
         end = run.end
-        done = np.flatnonzero(end < run.steps)  # finishing before the last step
-        last = (end[done] - s0).tolist()
+        done = np.flatnonzero(end <= run.steps)
+        jump.finishing = done.tolist()
+        if not jump.stops:
+            jump.last_members = jump.finishing
+            return []
         groups: dict[int, list[int]] = {}
-        for step, i in sorted(zip(last, done.tolist())):
+        for step, i in sorted(zip((end[done] - s0).tolist(), jump.finishing)):
             groups.setdefault(step, []).append(i)
+        jump.last_members = groups.pop(jump.num_steps, [])
         return list(groups.items())
 
     def _finish_jump_members(self, run, jump: Jump, stop: int, members: list[int]) -> None:
@@ -348,11 +352,11 @@ class Replica:
         block = plan.decode_block
         if block is not None:
             run = block.run
-            done = run.finished_members()
-            if done:
-                for req in run.release_finished(done):
+            if jump.last_members:
+                for req in run.release_finished(jump.last_members):
                     self._finish(req, last)
-            run.drop_finished()
+            if jump.finishing:
+                run.drop(jump.finishing)
         else:
             first = float(ends[0])
             times = ends.tobytes()
@@ -381,7 +385,7 @@ class Replica:
             change = jump.new_blocks[:m]
             if jump.stops:  # blocks freed at the stops, after their step's new ones
                 change = change.copy()
-                np.subtract.at(change, np.asarray(jump.stops) - 1, jump.freed)
+                change[np.asarray(jump.stops) - 1] -= jump.freed  # distinct steps
             used = (used0 + np.cumsum(change)).tolist()
             if sizes is None:
                 rows: int | list[int] = len(requests)
