@@ -160,8 +160,8 @@ def _run_jump_past_finishes(block: DecodeBlock, run: DecodeRun, first: np.ndarra
     bs = run.block_size
     # Blocks freed by finishing members go to the back of the free queue and the jump's
     # blocks come from its front, so as long as they fit the blocks free now, the jump hands
-    # out exactly the blocks step-by-step allocation would (stretch by stretch, so the pool's
-    # peak use is the same too).
+    # out exactly the blocks step-by-step allocation would (the replica takes them all at
+    # the start and sets the pool's peak use from the step-by-step sequence).
     k_max = _kv_cap(first, bs, min(int(last.max()), max_steps), free_blocks, last)
     if k_max < 2:
         return None
