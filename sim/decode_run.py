@@ -227,13 +227,16 @@ class DecodeRun:
         """Take ``len(end_times)`` run steps ending at those times (every member computes and
         samples one token per step). Returns the indices of members that sampled their last
         token in the final step."""
+        self.take_steps(end_times)
+        return np.flatnonzero(self.end == self.steps)
+
+    def take_steps(self, end_times: array | list[float] | np.ndarray) -> None:
+        """``advance`` without looking for who finished (a jump knows it already)."""
         if isinstance(end_times, np.ndarray):
             self._times.frombytes(end_times.tobytes())
-            self.steps += len(end_times)
         else:
             self._times.extend(end_times)
-            self.steps += len(end_times)
-        return np.flatnonzero(self.end == self.steps)
+        self.steps += len(end_times)
 
     def steps_left(self) -> int:
         """Run steps until the first member samples its last token."""

@@ -61,10 +61,14 @@ class Jump:
     block_members: np.ndarray | None = None
     # A decode-run jump past finishes: the jump steps (1-based, ascending, before the last)
     # at whose end some members finish while the others go on; the batch size of each step;
-    # and (filled in while applying) the blocks freed at each of those stops.
+    # and (filled in at the stops) the blocks freed at each of them.
     stops: list[int] = field(default_factory=list)
     batch_sizes: np.ndarray | None = None
     freed: list[int] = field(default_factory=list)
+    # The step of each of ``block_members``' new blocks (ascending), to allocate them stretch
+    # by stretch, and (filled in when the jump starts) the request ids of their owners.
+    block_steps: np.ndarray | None = None
+    block_owners: list[int] = field(default_factory=list)
     # A decode-run jump, filled in when it starts: the members (run indices, ascending) that
     # finish in it, and those of them that finish in its last step.
     finishing: list[int] = field(default_factory=list)
@@ -160,8 +164,8 @@ def _run_jump_past_finishes(block: DecodeBlock, run: DecodeRun, first: np.ndarra
     bs = run.block_size
     # Blocks freed by finishing members go to the back of the free queue and the jump's
     # blocks come from its front, so as long as they fit the blocks free now, the jump hands
-    # out exactly the blocks step-by-step allocation would (the replica takes them all at
-    # the start and sets the pool's peak use from the step-by-step sequence).
+    # out exactly the blocks step-by-step allocation would (stretch by stretch, so the pool's
+    # peak use is the same too).
     k_max = _kv_cap(first, bs, min(int(last.max()), max_steps), free_blocks, last)
     if k_max < 2:
         return None
@@ -218,7 +222,8 @@ def _run_jump_past_finishes(block: DecodeBlock, run: DecodeRun, first: np.ndarra
     # Batch size of step j: the members whose last step is j or later.
     gone = np.searchsorted(np.asarray(last_sorted), np.arange(1, k + 1), side="left")
     stops = sorted({f for f in last_sorted if f < k})
-    return Jump(k, durations[:k], ends[:k], new_blocks, members, stops, n - gone)
+    return Jump(k, durations[:k], ends[:k], new_blocks, members, stops, n - gone,
+                block_steps=steps)
 
 
 def _sized_jump(plan: StepPlan, first: np.ndarray, bs: int, durations_fn, k_max: int,

@@ -84,17 +84,23 @@ class _Pool:
         shared = self.shared
         if not shared:  # nothing is shared: every block was this table's alone
             self.free_queue.extend(reversed(blocks))
-            return
-        freed = []
-        for b in reversed(blocks):
-            extra = shared.get(b)
-            if extra is None:
-                freed.append(b)
-            elif extra == 1:
-                del shared[b]
-            else:
-                shared[b] = extra - 1
-        self.free_queue.extend(freed)
+        else:
+            freed = []
+            for b in reversed(blocks):
+                extra = shared.get(b)
+                if extra is None:
+                    freed.append(b)
+                elif extra == 1:
+                    del shared[b]
+                else:
+                    shared[b] = extra - 1
+            self.free_queue.extend(freed)
+        # Per-block double frees are found by ``check_integrity`` (counts are implicit); this
+        # O(1) guard catches those that leave more blocks free than the pool has.
+        if len(self.free_queue) - self.head > self.num_blocks:
+            raise KVIntegrityError(
+                f"double free: {len(self.free_queue) - self.head} blocks free in a pool of "
+                f"{self.num_blocks} after releasing {blocks}")
 
 
 class KVBlockManager:

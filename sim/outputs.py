@@ -170,6 +170,9 @@ class NullSink(CsvSink):
     def write(self, row: tuple) -> None:
         pass
 
+    def write_request(self, req: Request) -> None:
+        pass
+
     def write_formatted(self, row: tuple, fmt: str) -> None:
         pass
 

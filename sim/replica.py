@@ -19,7 +19,7 @@ import simpy
 
 from executors.base import Executor
 from policies.base import Policy
-from sim.decode_run import is_decoding
+from sim.decode_run import DecodeRun, is_decoding
 from sim.fast_forward import Jump, is_steady_decode, plan_jump, plan_run_jump
 from sim.kv_manager import KVBlockManager, blocks_for
 from sim.metrics import MetricsCollector
@@ -223,15 +223,19 @@ class Replica:
                     # resumes).
                     seen = (len(q.waiting), len(q.running), len(q.swapped))
                     used0 = self.kv.num_used_blocks
-                    peak0 = self.kv.peak_used_blocks
-                    self._take_jump_blocks(plan, requests, jump)
-                    stops = self._start_run_jump(block, jump) if block is not None else ()
+                    stops = self._finish_groups(block, jump) if block is not None else ()
+                    done = 0
                     for stop, members in stops:  # members finish at the end of these steps
+                        # A stretch's new blocks are in use while it runs (a router reading
+                        # KV use during the last step sees them, as step by step).
+                        self._take_jump_blocks(plan, requests, jump, done, stop)
                         yield env.timeout(_exact_delay(env.now, float(jump.ends[stop - 1])))
-                        self._finish_jump_members(block.run, jump, stop, members)
+                        self._finish_jump_members(block.run, jump, done, stop, members)
                         self.num_jump_stops += 1
+                        done = stop
+                    self._take_jump_blocks(plan, requests, jump, done, jump.num_steps)
                     yield env.timeout(_exact_delay(env.now, float(jump.ends[-1])))
-                    self._apply_jump(plan, requests, jump, start, seen, used0, peak0)
+                    self._apply_jump(plan, requests, jump, start, seen, used0, done)
                     continue
             result = self.executor.execute(plan)
             if result.duration < 0:
@@ -290,38 +294,41 @@ class Replica:
             for req in run.remove_at(done.tolist()):
                 self._finish(req, now)
 
-    def _take_jump_blocks(self, plan: StepPlan, requests: list[Request], jump: Jump) -> None:
-        """Allocate the new KV blocks of jump steps 2..k at once, in the order single steps
-        would (step by step, rows in order). Blocks that members finishing inside the jump
-        free go to the back of the free queue and these come from its front (the jump fits
-        the blocks free now), so the same ids go to the same rows; the peak of use, which
-        single steps would reach before those frees, is set when the jump is applied."""
+    def _take_jump_blocks(self, plan: StepPlan, requests: list[Request], jump: Jump,
+                          done: int, stop: int) -> None:
+        """Allocate the new KV blocks of jump steps ``done + 1 .. stop``, step by step and
+        rows in order, as single steps would."""
         members = jump.block_members
         if members is None or not len(members):
             return
-        block = plan.decode_block
-        if block is not None:
-            run = block.run
-            run.add_blocks(np.bincount(members, minlength=len(run.ids)))
-            ids = run.ids
-        else:
-            ids = [r.request_id for r in requests]
-        if not self.kv.grow([ids[m] for m in members.tolist()]):
+        if done == 0:
+            # The owners of all the jump's new blocks, in allocation order, once.
+            block = plan.decode_block
+            if block is not None:
+                run = block.run  # finished members leave it only when the jump ends
+                run.add_blocks(np.bincount(members, minlength=len(run.ids)))
+                ids = run.ids
+            else:
+                ids = [r.request_id for r in requests]
+            jump.block_owners = [ids[m] for m in members.tolist()]
+        owners = jump.block_owners
+        if jump.stops:  # this stretch's share
+            lo, hi = np.searchsorted(jump.block_steps, (done + 1, stop + 1)).tolist()
+            owners = owners[lo:hi]
+        if owners and not self.kv.grow(owners):
             raise AssertionError("decode jump overran the KV pool")  # planned so
 
-    def _start_run_jump(self, block: DecodeBlock, jump: Jump) -> list[tuple[int, list[int]]]:
-        """Take all steps of a decode-run jump in the run at once (its members' token times
-        are the run's) and note who finishes in it (``jump.finishing``, member indices
-        ascending, and ``jump.last_members``, those finishing in the last step); returns the
+    def _finish_groups(self, block: DecodeBlock, jump: Jump) -> list[tuple[int, list[int]]]:
+        """Note who finishes in a decode-run jump (``jump.finishing``, member indices
+        ascending, and ``jump.last_members``, those finishing in its last step); returns the
         stops before the last step: (jump step, indices of the members that sample their
         last token in it), in step order."""
         run = block.run
         s0 = run.steps
         if s0 != block.run_step:
             raise AssertionError("a decode jump applied out of step with its run")
-        run.advance(jump.ends)
         end = run.end
-        done = np.flatnonzero(end <= run.steps)
+        done = np.flatnonzero(end <= s0 + jump.num_steps)
         jump.finishing = done.tolist()
         if not jump.stops:
             jump.last_members = jump.finishing
@@ -332,9 +339,12 @@ class Replica:
         jump.last_members = groups.pop(jump.num_steps, [])
         return list(groups.items())
 
-    def _finish_jump_members(self, run, jump: Jump, stop: int, members: list[int]) -> None:
-        """Finish the members that sampled their last token in jump step ``stop``, at its
-        end (they leave the run's arrays when the jump is applied)."""
+    def _finish_jump_members(self, run: DecodeRun, jump: Jump, done: int, stop: int,
+                             members: list[int]) -> None:
+        """Take jump steps ``done + 1 .. stop`` in the run (their blocks already taken) and
+        finish the members that sampled their last token in step ``stop``, at its end (they
+        leave the run's arrays when the jump ends)."""
+        run.take_steps(jump.ends[done:stop])
         out = run.release_finished(members)
         tables = self.kv.block_tables
         jump.freed.append(sum(len(tables[r.request_id]) for r in out))
@@ -344,14 +354,16 @@ class Replica:
 
     def _apply_jump(self, plan: StepPlan, requests: list[Request], jump: Jump,
                     start: float, queue_lengths: tuple[int, int, int], used0: int,
-                    peak0: int) -> None:
-        """Finish the jump (see sim/fast_forward.py; a decode run's members that finished at
-        its stops are already finished) and record all its steps."""
+                    done: int = 0) -> None:
+        """Apply decode steps ``done + 1 .. jump.num_steps`` of a jump at once (see
+        sim/fast_forward.py; the earlier ones were applied at the jump's stops) and record
+        them all."""
         k, ends = jump.num_steps, jump.ends
         last = float(ends[-1])
         block = plan.decode_block
         if block is not None:
             run = block.run
+            run.take_steps(ends[done:])
             if jump.last_members:
                 for req in run.release_finished(jump.last_members):
                     self._finish(req, last)
@@ -369,13 +381,6 @@ class Replica:
                 req.token_times.frombytes(times)
             for req in [r for r in requests if r.num_output_tokens >= r.max_output_len]:
                 self._finish(req, last)
-        if jump.stops:
-            # Single steps reach their peak of KV use before a stop's frees: new blocks up to
-            # each step minus those freed at the stops before it.
-            freed = np.zeros(k, dtype=np.int64)
-            freed[jump.stops] = jump.freed
-            peak = used0 + int((np.cumsum(jump.new_blocks) - np.cumsum(freed)).max())
-            self.kv.peak_used_blocks = max(peak0, peak)
         self.busy_time += float(jump.durations.sum())
         # Steps 1..k-1 as the step-by-step loop would have recorded them (one C-level pass).
         m = k - 1
@@ -411,11 +416,7 @@ class Replica:
         self.executor.free_request(rid)
         self.num_unfinished -= 1
         self.metrics.on_finished(req)
-        sink = self.requests_sink
-        if type(sink) is CsvSink:  # formats the line itself; a wrapper (cluster) takes rows
-            sink.write_request(req)
-        else:
-            sink.write(request_row(req))
+        self.requests_sink.write_request(req)
         if self.on_finished is not None:
             self.on_finished(req)
 

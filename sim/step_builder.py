@@ -98,8 +98,9 @@ class ReplicaQueues:
         t = req.arrival_time
         i = bisect.bisect_left(running, t, key=_arrival_time)
         n = len(running)
-        while i < n and running[i] is not req and running[i].arrival_time == t:
-            i += 1
+        if i < n and running[i] is not req and running[i].arrival_time == t:
+            # Ties on the arrival time (traces in whole milliseconds): the full key.
+            i = bisect.bisect_left(running, _arrival_key(req), lo=i, key=_arrival_key)
         if i == n or running[i] is not req:
             raise ValueError(f"request {req.request_id} is not running")
         del running[i]

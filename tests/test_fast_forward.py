@@ -96,3 +96,44 @@ def test_jumps_past_finishes_equal_exact_with_the_same_blocks(policy, load):
     assert fast.replicas[0].kv._gpu.free_blocks() == exact.replicas[0].kv._gpu.free_blocks()
     assert fast.summary["kv_peak_usage"] == exact.summary["kv_peak_usage"]
     _assert_same(overrides)
+
+
+@pytest.mark.parametrize("load", [
+    ("workload.qps=3", "workload.num_requests=60", "kv.num_gpu_blocks=120"),
+    # All at once: long jumps whose later stretches need new blocks after the stops.
+    ("workload.qps=1000", "workload.num_requests=12", "kv.num_gpu_blocks=2000"),
+])
+def test_state_seen_at_a_jump_stop_is_step_by_step(monkeypatch, load):
+    """When members finish inside a jump past finishes, what the replica shows at that moment
+    (KV blocks in use, who runs, their counters) is what step-by-step simulation shows: a
+    jump's later blocks and steps are not taken ahead of its stops."""
+    from sim.replica import Replica
+
+    def observe(mode: str) -> tuple[dict, int]:
+        seen: dict[float, tuple] = {}
+        finish = Replica._finish
+
+        def spy(self, req, now):
+            finish(self, req, now)
+            running = {r.request_id: r.num_output_tokens for r in self.queues.running}
+            # After the last finish at a time (members finishing together may go in another
+            # order; times agree to rounding).
+            seen[round(now, 9)] = (self.kv.num_used_blocks, running)
+
+        monkeypatch.setattr(Replica, "_finish", spy)
+        res = Simulation(compose_cfg(f"step_mode={mode}", "policy=fcfs", "model=tiny",
+                                     "workload.output_len.max=120", *load)).run()
+        monkeypatch.setattr(Replica, "_finish", finish)
+        return seen, res.replicas[0].num_jump_stops
+
+    fast, stops = observe("fast")
+    exact, _ = observe("exact")
+    assert stops > 0 and fast.keys() == exact.keys()
+    for t, (used, running) in fast.items():
+        used_exact, running_exact = exact[t]
+        assert used == used_exact, t
+        assert running.keys() == running_exact.keys(), t
+        # Exact mode applies a step's rows in order, so rows after the last one finishing
+        # have not counted this step's token yet when it finishes; nothing is further ahead.
+        for rid, n in running.items():
+            assert n - running_exact[rid] in (0, 1), (t, rid)

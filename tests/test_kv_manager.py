@@ -173,3 +173,15 @@ def test_random_operation_sequences_keep_integrity(seq, gpu, bs, cpu):
             kv.free(rid)
     kv.check_integrity()
     assert kv.num_free_blocks == gpu and kv.num_free_cpu_blocks == cpu
+
+
+def test_a_block_freed_twice_is_an_error_when_the_pool_would_overflow():
+    """Reference counts are implicit, so a block that got into two tables without ``fork``
+    (a bookkeeping bug) is caught when freeing it twice would leave more blocks free than
+    the pool holds (``check_integrity`` finds it per block before that: the test above)."""
+    kv = KVBlockManager(num_gpu_blocks=4, block_size=16)
+    assert kv.allocate_slots("a", 16) == [0]
+    kv.block_tables["b"] = [0]  # the bug: block 0 held twice, unshared
+    kv.free("a")
+    with pytest.raises(KVIntegrityError, match="double free: 5 blocks free in a pool of 4"):
+        kv.free("b")

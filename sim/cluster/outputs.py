@@ -9,13 +9,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from sim.outputs import CsvSink
+from sim.outputs import CsvSink, request_row
 
 if TYPE_CHECKING:
     from sim.cluster.colocated import Colocated
     from sim.cluster.config import ClusterConfig, DisaggregatedConfig
     from sim.cluster.disaggregated import Disaggregated
     from sim.cluster.pool import Pool
+    from sim.request import Request
 
 # Appended after the core REQUEST_COLUMNS. Co-located: both ids are the serving replica.
 # kv_backpressure_wait: seconds from the first token until the decode replica could allocate
@@ -34,6 +35,9 @@ class ClusterRequestSink:
 
     def write(self, row: tuple) -> None:
         self.inner.write(row + self.extra(row))
+
+    def write_request(self, req: Request) -> None:
+        self.write(request_row(req))
 
     def close(self) -> None:
         self.inner.close()
