@@ -92,9 +92,9 @@ class DecodeRun:
         """End time of run step ``step`` (0-based)."""
         return self._times[step - self._base]
 
-    def times_between(self, first: int, stop: int) -> array:
-        """End times of run steps ``first .. stop - 1``."""
-        return self._times[first - self._base:stop - self._base]
+    def times_since(self, step: int) -> array:
+        """End times of run steps ``step .. steps - 1``."""
+        return self._times[step - self._base:]
 
     # ---- membership ---------------------------------------------------------------------
     def join(self, req: Request, table: list[int]) -> None:
@@ -119,31 +119,26 @@ class DecodeRun:
             self.ctx0_sum += req._computed
             self.ctx0_max = max(self.ctx0_max, req._computed)
 
-    def _release(self, req: Request, steps: int | None = None) -> None:
-        """``req`` stops being a member: its counters and token times become its own again,
-        as of run step count ``steps`` (default: now)."""
-        s = self.steps if steps is None else steps
-        req._sync_times(s)
+    def _release(self, req: Request) -> None:
+        """``req`` stops being a member: its counters and token times become its own again."""
+        s = self.steps
+        req._sync_times()
         req._computed += s
         req._outputs += s
         req._run = None
 
     def remove_at(self, indices: np.ndarray | list[int]) -> list[Request]:
         """Take the members at ``indices`` (ascending) out of the run; returns them."""
-        out = [self.members[i] for i in indices]
-        for req in out:
-            self._release(req)
+        out = self.release(indices)
         self.drop(indices)
         return out
 
-    def release_finished(self, indices: list[int]) -> list[Request]:
-        """Release the members at ``indices`` (ascending), which have sampled their last
-        token, each as of its own last run step (a jump may have taken the run past it).
-        They stay in the arrays until ``drop``."""
+    def release(self, indices: list[int]) -> list[Request]:
+        """Release the members at ``indices`` (ascending) but leave them in the arrays until
+        ``drop``: a jump's members finish at its stops and leave all at once at its end."""
         out = [self.members[i] for i in indices]
-        end = self.end
-        for i, req in zip(indices, out):
-            self._release(req, int(end[i]))
+        for req in out:
+            self._release(req)
         return out
 
     def drop(self, indices: list[int]) -> None:

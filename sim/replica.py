@@ -345,7 +345,7 @@ class Replica:
         finish the members that sampled their last token in step ``stop``, at its end (they
         leave the run's arrays when the jump ends)."""
         run.take_steps(jump.ends[done:stop])
-        out = run.release_finished(members)
+        out = run.release(members)
         tables = self.kv.block_tables
         jump.freed.append(sum(len(tables[r.request_id]) for r in out))
         now = float(jump.ends[stop - 1])
@@ -365,7 +365,7 @@ class Replica:
             run = block.run
             run.take_steps(ends[done:])
             if jump.last_members:
-                for req in run.release_finished(jump.last_members):
+                for req in run.release(jump.last_members):
                     self._finish(req, last)
             if jump.finishing:
                 run.drop(jump.finishing)

@@ -180,20 +180,16 @@ class Request:
         self._sync_times()
         return self._times
 
-    def _sync_times(self, until: int | None = None) -> None:
-        """Copy the token times of the run steps taken since the last sync (up to run step
-        count ``until``, default all) into ``_times``."""
+    def _sync_times(self) -> None:
+        """Copy the token times of the run steps taken since the last sync into ``_times``."""
         run = self._run
-        if run is None:
-            return
-        until = run.steps if until is None else until
-        if until > self._joined:
-            times = run.times_between(self._joined, until)
+        if run is not None and run.steps > self._joined:
+            times = run.times_since(self._joined)
             if self._first_token is None:
                 self._first_token = times[0]
             self._last_token = times[-1]
             self._times.extend(times)
-            self._joined = until
+            self._joined = run.steps
 
     # ---- derived quantities -------------------------------------------------------------
     @property
