@@ -123,22 +123,19 @@ class CsvSink:
         self._write(request_row(req))
 
     def write_formatted(self, row: tuple, fmt: str) -> None:
-        """Write one row; ``fmt`` as for ``write_many`` (to a file: one %-format, no
-        per-field writer calls)."""
+        """Write one row. ``fmt``: a %-format of the whole row, ``\r\n`` included, giving the
+        text ``csv.writer`` writes for it (numbers and strings that need no quoting only); to
+        a file the row is formatted with it in one pass, faster than the writer's per-field
+        calls."""
         if self._file is not None:
             self._file.write(fmt % row)
         else:
             self._write(row)
 
-    def write_many(self, rows: Iterable[tuple], fmt: str | None = None) -> None:
-        """Write many rows in one call (decode jumps write their steps this way). ``fmt``: a
-        %-format of one whole row, ``\r\n`` included, giving the text ``csv.writer`` writes
-        for it (numbers and strings that need no quoting only); to a file, the rows are then
-        formatted with it in one pass, which is faster than the writer's per-field calls."""
-        if fmt is not None and self._file is not None:
-            self._file.write("".join(map(fmt.__mod__, rows)))
-        else:
-            self._write_many(rows)
+    def write_many(self, rows: Iterable[tuple]) -> None:
+        """Write many rows in one call (a decode jump's steps, to memory; to a file
+        ``DecodeStepRows`` formats them itself)."""
+        self._write_many(rows)
 
     @property
     def to_file(self) -> bool:
@@ -176,7 +173,7 @@ class NullSink(CsvSink):
     def write_formatted(self, row: tuple, fmt: str) -> None:
         pass
 
-    def write_many(self, rows: Iterable[tuple], fmt: str | None = None) -> None:
+    def write_many(self, rows: Iterable[tuple]) -> None:
         pass
 
 

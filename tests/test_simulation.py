@@ -138,8 +138,8 @@ def test_prompts_beyond_the_context_are_rejected_not_refused(tmp_path):
 
 
 def test_step_rows_formatted_in_bulk_are_the_csv_writers_text(tmp_path):
-    """Decode jumps write their steps.csv rows with one %-format; the file must read the same
-    as csv.writer's, byte for byte."""
+    """Single steps write their steps.csv rows with one %-format (STEP_ROW_FORMAT); the file
+    must read the same as csv.writer's, byte for byte."""
     from sim.outputs import STEP_COLUMNS, STEP_ROW_FORMAT, CsvSink
 
     rows = [(7, 0, repr(1.5), repr(0.025), 45, 0, 45, 45, 3, 45, 0, 5000,
@@ -151,7 +151,11 @@ def test_step_rows_formatted_in_bulk_are_the_csv_writers_text(tmp_path):
     for name, fmt in (("bulk", STEP_ROW_FORMAT), ("writer", None)):
         sink = CsvSink(tmp_path / f"{name}.csv", STEP_COLUMNS)
         sink.write(rows[0])
-        sink.write_many(iter(rows[1:]), fmt)
+        for row in rows[1:]:
+            if fmt is None:
+                sink.write(row)
+            else:
+                sink.write_formatted(row, fmt)
         sink.close()
     assert (tmp_path / "bulk.csv").read_bytes() == (tmp_path / "writer.csv").read_bytes()
 
