@@ -264,8 +264,9 @@ class KVBlockManager:
 
     # ---- integrity ----------------------------------------------------------------------
     def check_integrity(self) -> None:
-        """Raise ``KVIntegrityError`` unless every block is either free exactly once with ref
-        count 0, or referenced by exactly ``ref_count`` tables."""
+        """Raise ``KVIntegrityError`` unless every block is either free exactly once and held
+        by no table, or held by as many tables as the pool counts references (one for a taken
+        block, plus its entry in ``shared`` if forked)."""
         for name, pool, tables in (
             ("gpu", self._gpu, self.block_tables),
             ("cpu", self._cpu, self.cpu_tables),
@@ -286,7 +287,8 @@ class KVBlockManager:
             for b in range(pool.num_blocks):
                 if refs[b] != counts[b]:
                     raise KVIntegrityError(
-                        f"{name}: block {b} ref_count {counts[b]} but {refs[b]} tables"
+                        f"{name}: block {b} is held by {refs[b]} tables but the pool counts "
+                        f"{counts[b]} references (free queue and shared blocks)"
                     )
                 if (refs[b] == 0) != (b in free_set):
                     state = "free" if b in free_set else "not free"

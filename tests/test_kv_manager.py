@@ -86,7 +86,7 @@ def test_integrity_check_catches_a_block_in_two_tables_without_a_fork():
     kv.allocate_slots("a", 4)
     kv.allocate_slots("b", 4)
     kv.block_tables["b"].append(0)  # held by a, never shared with b
-    with pytest.raises(KVIntegrityError, match="block 0 ref_count 1 but 2 tables"):
+    with pytest.raises(KVIntegrityError, match="block 0 is held by 2 tables but the pool counts 1 references"):
         kv.check_integrity()
 
 
