@@ -222,6 +222,54 @@ def format_table(result: ValidationResult) -> str:
     return "\n".join(lines)
 
 
+#: The issue's end-to-end figures: each within its target on p50 and p90.
+TARGET_STATS = tuple((m, s) for m in ("TTFT", "TPOT", "E2E") for s in ("p50", "p90"))
+
+
+def summary_table(folders: Sequence[str | Path], target_pct: float = 5.0) -> str:
+    """One table over finished validations (their Hydra folders, named by their last path
+    part): the issue's six figures per configuration as the docs quote them, then per
+    configuration the offered load (and how it was chosen), the held-out step-time MAPE, the
+    replayed busy time and the preemptions.
+
+        python -c "from experiments.validate import summary_table as t; print(t(['outputs/gpu6/fcfs']))"
+    """
+    import pandas as pd
+
+    lines = [f"{'config':<10} {'stat':<9} {'real':>9} {'spread%':>8} {'sim':>9} {'err%':>7} "
+             f"{'replay err%':>11}"]
+    notes = []
+    for folder in map(Path, folders):
+        name = folder.name
+        csv, js = folder / "validation.csv", folder / "validation.json"
+        if not (csv.exists() and js.exists()):
+            notes.append(f"{name}: not finished (no validation.csv / validation.json)")
+            continue
+        rows = pd.read_csv(csv)
+        doc = json.loads(js.read_text())
+        within = 0
+        for metric, stat in TARGET_STATS:
+            r = rows[(rows.metric == metric) & (rows.stat == stat)].iloc[0].to_dict()
+            within += abs(r["sim_err_pct"]) <= target_pct
+            replay = f"{r['replay_err_pct']:>+11.1f}" if "replay_err_pct" in r else ""
+            lines.append(f"{name:<10} {metric + ' ' + stat:<9} {r['real']:>9.2f} "
+                         f"{spread_pct(r):>8.0f} {r['sim']:>9.2f} {r['sim_err_pct']:>+7.1f} "
+                         f"{replay}")
+        sat = doc.get("saturation")
+        how = (f"auto: {sat['fraction']:g} x saturation {sat['saturation_throughput']:.2f}"
+               if sat else "workload.qps")
+        fit = doc.get("profile_fit") or {}
+        notes.append(
+            f"{name}: {within} of {len(TARGET_STATS)} within {target_pct:g}%; {doc['policy']} "
+            f"at {doc['qps']:.2f} req/s ({how}) on {doc.get('device')} (hardware="
+            f"{doc.get('hardware')}); held-out step-time MAPE {fit.get('mape_heldout_pct')}% "
+            f"({fit.get('rows_heldout')} shapes); replay busy "
+            f"{doc.get('replay_busy_error_pct', float('nan')):+.2f}%; preemptions real "
+            f"{[r.get('num_preemptions') for r in doc['real_runs']]} sim "
+            f"{doc.get('sim_num_preemptions')}")
+    return "\n".join(lines + notes)
+
+
 # ---- the runs ---------------------------------------------------------------------------------
 def _options(cfg: dict[str, Any]) -> dict[str, Any]:
     opts = dict(cfg.get("validate") or {})
@@ -719,7 +767,7 @@ def main() -> None:
         print(f"{result.real.get('policy')} (chunked_prefill="
               f"{cfg.policy.get('chunked_prefill')}), {result.real.get('completed'):.0f} "
               f"requests at {result.qps:.2f} req/s on {result.real.get('hardware')} "
-              f"(kv.num_gpu_blocks={result.real.get('kv_num_gpu_blocks')}), preemptions real "
+              f"(kv.num_gpu_blocks={result.real.get('kv_num_gpu_blocks', 0):.0f}), preemptions real "
               f"{[r.get('num_preemptions') for r in result.real_runs]} sim "
               f"{result.sim.get('num_preemptions')}")
         print(format_table(result))

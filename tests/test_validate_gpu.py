@@ -176,6 +176,10 @@ def test_gpu_preset_runs_end_to_end_on_the_cpu(tmp_path):
     for sub in ("saturation", "saturation_2", "real", "real_2", "calibration", "sim"):
         assert (tmp_path / sub / "summary.json").exists(), sub
     assert "qps auto:" in validate_mod.format_table(res)
+    table = validate_mod.summary_table([tmp_path, tmp_path / "cut_short"]).splitlines()
+    assert len([line for line in table if line.startswith(tmp_path.name[:10])]) == 6 + 1
+    assert f"fcfs at {res.qps:.2f} req/s (auto: 0.85 x saturation" in table[-2]
+    assert table[-1] == "cut_short: not finished (no validation.csv / validation.json)"
 
 
 def test_cuda_side_choices_checkable_on_a_cpu():
