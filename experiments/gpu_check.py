@@ -1,6 +1,9 @@
 """GPU validation of the real executor, in one call (needs CUDA; see docs/gpu-validation.md).
 
-    python -m experiments.gpu_check [--out docs/gpu-validation.md] [--requests 200]
+    python -m experiments.gpu_check [--out gpu_check.md] [--requests 200]
+
+Run it first on a lent GPU (docs/gpu-validation.md, "Issue 6 on a GPU": ~1.5 to 2 minutes,
+the 200-request run about one of them); its table goes at the top of docs/gpu-validation.md.
 
 1. every Triton kernel against its torch reference in bf16 at Llama-3-8B shapes;
 2. achieved HBM bandwidth of the decode attention kernel at large batch x context, as a

@@ -4,7 +4,14 @@
     python -m experiments.validate -m policy=fcfs,chunked_prefill,sjf
     python -m experiments.validate kv.num_gpu_blocks=64              # preemption-heavy
     python -m experiments.validate validate.profile=outputs/tiny_cpu.yaml validate.interleave=false
+    python -m experiments.validate validate.qps=auto                 # at 0.85 x saturation
+    python -m experiments.validate --config-name validate_gpu       # Llama-3-8B on a GPU
 
+0. With ``validate.qps: auto``, measures the saturation throughput of the real executor on
+   this workload (``experiments/saturation.py``: two probe runs offered more than it serves)
+   and runs everything below at ``validate.saturation_fraction`` of it (``saturation.json``).
+   ``validate.hardware: auto`` prices the simulation with the ``conf/hardware`` spec of the
+   GPU the real executor runs on.
 1. Profiles the real executor over ``profile`` (the grid, in shuffled rounds), unless
    ``validate.profile`` names a fitted profile.
 2. Between the profile's rounds (``validate.interleave``, so that on a shared host the profile
@@ -33,6 +40,7 @@ Writes into the Hydra folder: ``validation.csv`` (metric, statistic, real median
 simulated, replayed, relative errors), ``validation.json`` (that plus each run's and the
 step-time figures), ``validation.html`` (the CDFs overlaid, predicted vs measured step times),
 ``replay_steps.csv``, and ``real/``, ``real_2/``..., ``calibration/``..., ``sim/``,
+``saturation/``, ``saturation_2/`` and ``saturation.json`` (``qps: auto``),
 ``sim_profile/`` (each run's ``requests.csv``, ``steps.csv``, ``summary.json``), plus
 ``profile.csv``, ``hardware_profile.yaml`` and ``hardware_profile_serving.yaml``. Prints the
 table.
@@ -41,6 +49,7 @@ table.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import logging
 import os
@@ -56,6 +65,7 @@ import yaml
 
 from executors.recording import RecordingExecutor, Replay, replay
 from executors.step_terms import ATTENTION_TILE
+from experiments.saturation import DEFAULT_FRACTION, Saturation, check_fraction, find_saturation
 from sim.errors import ConfigError, require
 from sim.metrics import latency_stats
 
@@ -69,7 +79,8 @@ RUN_KEYS = ("num_steps", "num_preemptions", "simulated_duration_s", "wall_time_s
             "median_ttft_ms", "p90_ttft_ms", "median_tpot_ms", "p90_tpot_ms", "median_e2el_ms",
             "p90_e2el_ms")
 OPTIONS = {"profile", "replay", "cost_model", "seed_profile", "real_repeats", "pin_cpu",
-           "policy_overrides", "calibration_runs", "interleave", "fit_statistic"}
+           "policy_overrides", "calibration_runs", "interleave", "fit_statistic", "qps",
+           "saturation_fraction", "saturation_num_gpu_blocks", "hardware"}
 #: ``validate.calibration_runs``: the i-th runs the workload with seed ``seed + this + i``.
 CALIBRATION_SEED_OFFSET = 1000
 
@@ -85,6 +96,8 @@ class ValidationResult:
     profile_fit: dict[str, Any] = field(default_factory=dict)
     real_runs: list[dict[str, Any]] = field(default_factory=list)  # each real run's summary
     replays: list[Replay] = field(default_factory=list)  # each real run's replay
+    qps: float | None = None  # the offered load validated (workload.qps)
+    saturation: Saturation | None = None  # how qps was chosen (validate.qps: auto)
 
     def error(self, metric: str, stat: str, kind: str = "sim") -> float:
         """Relative error in percent (``kind``: sim or replay) of one table row."""
@@ -177,7 +190,8 @@ def format_table(result: ValidationResult) -> str:
     head = f"{'metric':<20} {'stat':<5} {'real':>10} {'spread%':>7} {'sim':>10} {'err%':>7}"
     if has_replay:
         head += f" {'replay':>10} {'err%':>7}"
-    lines = [head]
+    lines = [result.saturation.describe()] if result.saturation is not None else []
+    lines.append(head)
     for r in result.rows:
         line = (f"{r['metric']:<20} {r['stat']:<5} {r['real']:>10.2f} {spread_pct(r):>7.1f} "
                 f"{r['sim']:>10.2f} {r['sim_err_pct']:>+7.1f}")
@@ -208,6 +222,54 @@ def format_table(result: ValidationResult) -> str:
     return "\n".join(lines)
 
 
+#: The issue's end-to-end figures: each within its target on p50 and p90.
+TARGET_STATS = tuple((m, s) for m in ("TTFT", "TPOT", "E2E") for s in ("p50", "p90"))
+
+
+def summary_table(folders: Sequence[str | Path], target_pct: float = 5.0) -> str:
+    """One table over finished validations (their Hydra folders, named by their last path
+    part): the issue's six figures per configuration as the docs quote them, then per
+    configuration the offered load (and how it was chosen), the held-out step-time MAPE, the
+    replayed busy time and the preemptions.
+
+        python -c "from experiments.validate import summary_table as t; print(t(['outputs/gpu6/fcfs']))"
+    """
+    import pandas as pd
+
+    lines = [f"{'config':<10} {'stat':<9} {'real':>9} {'spread%':>8} {'sim':>9} {'err%':>7} "
+             f"{'replay err%':>11}"]
+    notes = []
+    for folder in map(Path, folders):
+        name = folder.name
+        csv, js = folder / "validation.csv", folder / "validation.json"
+        if not (csv.exists() and js.exists()):
+            notes.append(f"{name}: not finished (no validation.csv / validation.json)")
+            continue
+        rows = pd.read_csv(csv)
+        doc = json.loads(js.read_text())
+        within = 0
+        for metric, stat in TARGET_STATS:
+            r = rows[(rows.metric == metric) & (rows.stat == stat)].iloc[0].to_dict()
+            within += abs(r["sim_err_pct"]) <= target_pct
+            replay = f"{r['replay_err_pct']:>+11.1f}" if "replay_err_pct" in r else ""
+            lines.append(f"{name:<10} {metric + ' ' + stat:<9} {r['real']:>9.2f} "
+                         f"{spread_pct(r):>8.0f} {r['sim']:>9.2f} {r['sim_err_pct']:>+7.1f} "
+                         f"{replay}")
+        sat = doc.get("saturation")
+        how = (f"auto: {sat['fraction']:g} x saturation {sat['saturation_throughput']:.2f}"
+               if sat else "workload.qps")
+        fit = doc.get("profile_fit") or {}
+        notes.append(
+            f"{name}: {within} of {len(TARGET_STATS)} within {target_pct:g}%; {doc['policy']} "
+            f"at {doc['qps']:.2f} req/s ({how}) on {doc.get('device')} (hardware="
+            f"{doc.get('hardware')}); held-out step-time MAPE {fit.get('mape_heldout_pct')}% "
+            f"({fit.get('rows_heldout')} shapes); replay busy "
+            f"{doc.get('replay_busy_error_pct', float('nan')):+.2f}%; preemptions real "
+            f"{[r.get('num_preemptions') for r in doc['real_runs']]} sim "
+            f"{doc.get('sim_num_preemptions')}")
+    return "\n".join(lines + notes)
+
+
 # ---- the runs ---------------------------------------------------------------------------------
 def _options(cfg: dict[str, Any]) -> dict[str, Any]:
     opts = dict(cfg.get("validate") or {})
@@ -226,7 +288,71 @@ def _options(cfg: dict[str, Any]) -> dict[str, Any]:
     pin = opts.get("pin_cpu")
     require(pin is None or (isinstance(pin, int) and not isinstance(pin, bool) and pin >= 0),
             "validate.pin_cpu", f"must be a core number >= 0 or null, got {pin!r}")
+    require(opts.get("qps") in (None, "auto"), "validate.qps",
+            f"must be auto (measure the saturation, run at validate.saturation_fraction of it) "
+            f"or null (run at workload.qps), got {opts.get('qps')!r}; a fixed offered load is "
+            f"workload.qps")
+    check_fraction(opts.get("saturation_fraction", DEFAULT_FRACTION))
+    blocks = opts.get("saturation_num_gpu_blocks")
+    require(blocks is None or (isinstance(blocks, int) and not isinstance(blocks, bool)
+                               and blocks >= 1), "validate.saturation_num_gpu_blocks",
+            f"must be a block count >= 1 or null (the validated kv.num_gpu_blocks), got "
+            f"{blocks!r}")
+    require(opts.get("hardware") in (None, "auto"), "validate.hardware",
+            f"must be auto (the conf/hardware spec of the device the real executor runs on) "
+            f"or null (the composed hardware=...), got {opts.get('hardware')!r}")
     return opts
+
+
+def resolve_hardware(base: dict[str, Any], opts: dict[str, Any]) -> None:
+    """``validate.hardware: auto``: replace ``base["hardware"]`` by the ``conf/hardware`` spec
+    whose ``display_name`` is the real executor's GPU (e.g. ``NVIDIA H200`` -> ``h200``); the
+    simulated runs are priced on it. On a CPU the composed spec stays (a fitted profile prices
+    every step; the spec only names the run). A GPU no spec names is an error."""
+    if opts.get("hardware") != "auto":
+        return
+    from executors.real import device_name
+    from sim.specs import known_hardware, load_hardware_spec
+
+    name = device_name(base["executor"].get("device") or base.get("device"))
+    if name == "cpu":
+        log.info("validate.hardware=auto: the real executor runs on the CPU; keeping "
+                 "hardware=%s", base["hardware"].get("name"))
+        return
+    for hw in known_hardware():
+        spec = load_hardware_spec(hw)
+        if spec.display_name.strip().lower() == name.strip().lower():
+            log.info("validate.hardware=auto: %s is conf/hardware/%s.yaml", name, hw)
+            base["hardware"] = dataclasses.asdict(spec)
+            return
+    raise ConfigError("validate.hardware", f"auto: no conf/hardware/*.yaml has display_name "
+                      f"{name!r}, the GPU the real executor runs on (known: "
+                      f"{', '.join(known_hardware())}); pass hardware=<name> "
+                      f"validate.hardware=null")
+
+
+def choose_qps(base: dict[str, Any], opts: dict[str, Any], out_dir: Path) -> Saturation | None:
+    """``validate.qps: auto``: measure the saturation (``experiments/saturation.py``) with real
+    runs of ``base`` (its KV pool, or ``validate.saturation_num_gpu_blocks``), set
+    ``base["workload"]["qps"]`` to the chosen load and write ``saturation.json`` at once (a
+    validation cut short still has it)."""
+    if opts.get("qps") != "auto":
+        return None
+    probe_cfg = copy.deepcopy(base)
+    if opts.get("saturation_num_gpu_blocks") is not None:
+        probe_cfg["kv"]["num_gpu_blocks"] = int(opts["saturation_num_gpu_blocks"])
+
+    def run(cfg: dict[str, Any], out: Path) -> dict[str, Any]:
+        return real_run(cfg, out)[0].summary
+
+    sat = find_saturation(probe_cfg, run, out_dir,
+                          float(opts.get("saturation_fraction", DEFAULT_FRACTION)))
+    base["workload"]["qps"] = sat.qps
+    doc = {**sat.as_dict(), "probe_num_gpu_blocks": probe_cfg["kv"].get("num_gpu_blocks"),
+           "num_requests": base["workload"].get("num_requests")}
+    (out_dir / "saturation.json").write_text(json.dumps(doc, indent=2) + "\n")
+    log.info("%s", sat.describe())
+    return sat
 
 
 def apply_policy_overrides(cfg: dict[str, Any], overrides: dict[str, Any] | None) -> None:
@@ -315,7 +441,10 @@ def fit_profile_here(cfg: dict[str, Any], out_dir: Path, statistic: str = "media
 
         def hook(r: int) -> None:
             after_round(r, grid.repeats)
-    rows = profile_executor(executor, model, grid, block_size, meta, seed, hook)
+    try:
+        rows = profile_executor(executor, model, grid, block_size, meta, seed, hook)
+    finally:
+        _release(executor)  # its KV pool, before the remaining runs allocate theirs
     csv = write_csv(rows, out_dir / "profile.csv")
     tp = int(sim_cfg.get("cluster", {}).get("tensor_parallel", 1))
     prof = calibrate(rows, model, tp, block_size, source=str(csv), statistic=statistic,
@@ -368,11 +497,22 @@ def real_run(cfg: dict[str, Any], out_dir: Path) -> tuple[Any, list]:
     sim = Simulation(cfg, out_dir, keep_requests=True)
     recorder = RecordingExecutor(sim.executor)
     sim.replace_executor(recorder)
-    res = sim.run()
+    try:
+        res = sim.run()
+    finally:
+        # The result keeps the executor (and every run is kept): its KV pool goes now.
+        _release(recorder.inner)
     log.info("%s: %d steps in %.2f s simulated, E2E p50 %.1f ms", out_dir.name,
              len(recorder.steps), res.summary["simulated_duration_s"],
              res.summary["median_e2el_ms"])
     return res, recorder.steps
+
+
+def _release(executor: Any) -> None:
+    """Free an executor's KV storage if it has any to free (``RealExecutor.release``)."""
+    release = getattr(executor, "release", None)
+    if callable(release):
+        release()
 
 
 class RunSchedule:
@@ -423,8 +563,14 @@ def validate(cfg: dict[str, Any], out_dir: Path) -> ValidationResult:
     require(str(base["executor"].get("name")) == "real", "executor",
             "validate runs the real executor first: use executor=real (conf/validate.yaml)")
     out_dir.mkdir(parents=True, exist_ok=True)
+    resolve_hardware(base, opts)
     with pinned_to(opts.get("pin_cpu")):
-        return _validate(cfg, base, opts, out_dir)
+        saturation = choose_qps(base, opts, out_dir)
+        result = _validate(cfg, base, opts, out_dir)
+    result.qps = float(base["workload"]["qps"])
+    result.saturation = saturation
+    write_outputs(result, out_dir, base)
+    return result
 
 
 def _validate(cfg: dict[str, Any], base: dict[str, Any], opts: dict[str, Any],
@@ -486,10 +632,8 @@ def _validate(cfg: dict[str, Any], base: dict[str, Any], opts: dict[str, Any],
         for row, base_row in zip(rows, error_table(real_median, profile_only, None)):
             row["sim_profile"] = base_row["sim"]
             row["sim_profile_err_pct"] = base_row["sim_err_pct"]
-    result = ValidationResult(rows, real_median, sim.summary, replayed, pooled(reps),
-                              profile_path, fit, summaries, reps)
-    write_outputs(result, out_dir, base)
-    return result
+    return ValidationResult(rows, real_median, sim.summary, replayed, pooled(reps),
+                            profile_path, fit, summaries, reps)
 
 
 def pooled(reps: Sequence[Replay]) -> Replay | None:
@@ -520,6 +664,11 @@ def write_outputs(result: ValidationResult, out_dir: Path, cfg: dict[str, Any]) 
         "sim_num_steps": result.sim.get("num_steps"),
         "real_simulated_duration_s": result.real.get("simulated_duration_s"),
         "real_wall_time_s": result.real.get("wall_time_s"),
+        "device": result.real.get("hardware"),  # what the real executor ran on
+        "hardware": cfg.get("hardware", {}).get("name"),  # the spec the simulation used
+        "qps": result.qps,
+        "qps_mode": "auto" if result.saturation is not None else "workload.qps",
+        "saturation": result.saturation.as_dict() if result.saturation is not None else None,
     }
     if result.replays:
         doc["replay_runs"] = [{"steps": len(r.measured), "step_mape_pct": r.step_mape(),
@@ -609,9 +758,16 @@ def main() -> None:
         except ConfigError as e:
             print(f"config error: {e}", file=sys.stderr)
             raise SystemExit(2) from None
+        except Exception as e:
+            # On a lent GPU the traceback may scroll away: say what failed and where the
+            # finished runs are (each run's folder is complete once its summary.json exists).
+            print(f"validate failed: {type(e).__name__}: {e}\nfinished runs so far: {out_dir}",
+                  file=sys.stderr)
+            raise
         print(f"{result.real.get('policy')} (chunked_prefill="
               f"{cfg.policy.get('chunked_prefill')}), {result.real.get('completed'):.0f} "
-              f"requests, preemptions real "
+              f"requests at {result.qps:.2f} req/s on {result.real.get('hardware')} "
+              f"(kv.num_gpu_blocks={result.real.get('kv_num_gpu_blocks', 0):.0f}), preemptions real "
               f"{[r.get('num_preemptions') for r in result.real_runs]} sim "
               f"{result.sim.get('num_preemptions')}")
         print(format_table(result))

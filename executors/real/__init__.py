@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from executors.real.config import RealExecutorConfig
-from executors.real.executor import RealExecutor
+from executors.real.executor import RealExecutor, resolve_device
 from sim.specs import HardwareSpec, ModelSpec
 
 
@@ -23,4 +23,14 @@ def build_real_executor(model: ModelSpec, hardware: HardwareSpec, tensor_paralle
                         tensor_parallel=tensor_parallel)
 
 
-__all__ = ["RealExecutor", "RealExecutorConfig", "build_real_executor"]
+def device_name(device: str | None) -> str:
+    """``cpu``, or the name torch gives the GPU that ``device`` (the ``device`` option: cpu,
+    cuda, cuda:N, or None for cuda if available) resolves to, e.g. ``NVIDIA H100 80GB HBM3``:
+    what ``conf/hardware/*.yaml``'s ``display_name`` says (``validate.hardware: auto``)."""
+    import torch
+
+    dev = resolve_device(device)
+    return "cpu" if dev.type == "cpu" else torch.cuda.get_device_name(dev)
+
+
+__all__ = ["RealExecutor", "RealExecutorConfig", "build_real_executor", "device_name"]

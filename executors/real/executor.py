@@ -16,10 +16,11 @@ from executors.real.config import DTYPE_NAMES, DTYPES, LlamaArgs, RealExecutorCo
 from executors.real.host_memory import keep_freed_host_memory
 from executors.real.kernels import AttentionMetadata, get_kernels
 from executors.real.kernels._triton import HAS_TRITON, interpreting
+from executors.real.kernels.paged_attention import attention_tiles
 from executors.real.model import LlamaModel
 from executors.real.runner import ModelRunner
 from executors.real.sampling import Sampler
-from executors.real.weights import load_hf_checkpoint, random_weights
+from executors.real.weights import load_hf_checkpoint, shared_random_weights
 from sim.errors import ConfigError
 from sim.plan import StepPlan, StepResult
 from sim.specs import HardwareSpec, ModelSpec
@@ -55,6 +56,20 @@ def resolve_kernels(name: str | None, device: torch.device) -> str:
     return kernels
 
 
+def prefill_attention_tile(kernels: str, group_size: int) -> int:
+    """The query tile (``executors.step_terms.ATTENTION_TILES``) that prices this executor's
+    prefill attention best. torch's reference attention is untiled (1). The Triton kernel
+    runs ``64 // group_size`` query tokens per program (a 64-row tile of (token, head) pairs,
+    ``attention_tiles``), each looping over keys only up to its own causal end: with a full
+    64-token tile (group size 1) that is ``ATTENTION_TILE``; with Llama-3's group of 4 it is
+    16 tokens, so a chunk is padded to at most 15 more tokens and the untiled count (1) is the
+    closer one (64 would price a 65-token prompt as 128 x 128 pairs)."""
+    if kernels == "torch":
+        return 1
+    tokens = attention_tiles(group_size, 2)[1]
+    return ATTENTION_TILE if tokens >= ATTENTION_TILE else 1
+
+
 class RealExecutor(Executor):
     produces_tokens = True
 
@@ -86,7 +101,7 @@ class RealExecutor(Executor):
         if config.checkpoint:
             weights = load_hf_checkpoint(config.checkpoint, self.args, self.dtype, self.device)
         else:
-            weights = random_weights(self.args, self.dtype, self.device, seed)
+            weights = shared_random_weights(self.args, self.dtype, self.device, seed)
         self.model = LlamaModel(self.args, weights, get_kernels(self.kernels_name), self.device)
         self.runner = ModelRunner(self.model, self.device, self.dtype,
                                   Sampler(config.temperature, config.top_p, seed))
@@ -124,9 +139,9 @@ class RealExecutor(Executor):
 
     @property
     def attention_tile(self) -> int:
-        """Query rows per prefill attention tile, as ``StepDecomposer`` prices them: torch's
-        reference attention computes each row's exact chunk x context scores (1)."""
-        return 1 if self.kernels_name == "torch" else ATTENTION_TILE
+        """Query rows per prefill attention tile, as ``StepDecomposer`` prices them
+        (``prefill_attention_tile``): what ``experiments/validate.py`` fits profiles with."""
+        return prefill_attention_tile(self.kernels_name, self.args.group_size)
 
     def kv_cache_dtype(self) -> str:
         return DTYPE_NAMES[self.dtype]
@@ -141,9 +156,36 @@ class RealExecutor(Executor):
 
     # ---- hooks ----------------------------------------------------------------------------
     def init_kv_cache(self, num_gpu_blocks: int, num_cpu_blocks: int, block_size: int) -> None:
+        if self.device.type == "cuda":
+            self._check_kv_fits(num_gpu_blocks, block_size)
         self.runner.init_kv_cache(num_gpu_blocks, num_cpu_blocks, block_size)
         if self.config.warmup:
             self._warmup(num_gpu_blocks, block_size)
+
+    def _check_kv_fits(self, num_gpu_blocks: int, block_size: int) -> None:
+        """A KV pool the GPU cannot hold is a config error naming the pool, not an allocator
+        traceback: the planner sizes pools from the device's total memory, so it cannot see
+        what other executors in this process (a profiler's pool, an earlier run's) still hold."""
+        a = self.args
+        need = 2 * a.num_layers * num_gpu_blocks * block_size * a.kv_size * self.dtype.itemsize
+        free, total = torch.cuda.mem_get_info(self.device)
+        # Memory torch's caching allocator holds but does not use is free to this process.
+        free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+        if need > free:
+            raise ConfigError(
+                "kv.num_gpu_blocks",
+                f"{num_gpu_blocks} blocks of {DTYPE_NAMES[self.dtype]} KV for {self.spec.name} "
+                f"need {need / 2**30:.1f} GiB, but only {free / 2**30:.1f} of the "
+                f"{total / 2**30:.1f} GiB of {self.device} are free "
+                f"({self.weight_bytes() / 2**30:.1f} GiB of weights; other executors in this "
+                f"process may hold the rest): lower kv.num_gpu_blocks")
+
+    def release(self) -> None:
+        """Free the KV cache and the swap pool once the run is over (the weights are shared,
+        ``weights.shared_random_weights``). Callers that keep a finished run's executor, as
+        ``experiments/validate.py`` keeps every recorded run, would otherwise hold one pool
+        per run on the device. The executor runs no step afterwards."""
+        self.runner.release()
 
     def add_request(self, request_id: int, prompt_token_ids: Sequence[int] | None) -> None:
         self.runner.add_request(request_id, prompt_token_ids)
@@ -161,6 +203,8 @@ class RealExecutor(Executor):
         if defer:
             gc.disable()
         try:
+            if cuda:  # nothing queued earlier (a pool's zero fill, a swap) is charged here
+                torch.cuda.synchronize(self.device)
             t0 = self._clock()
             sampled = self.runner.step(plan)  # ends with a host copy of the sampled ids
             if cuda:

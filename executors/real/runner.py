@@ -45,9 +45,19 @@ class ModelRunner:
         alloc = torch.zeros if on_gpu else torch.empty
         self.gpu_cache = [alloc(shape, dtype=self.dtype, device=self.device)
                           for _ in range(a.num_layers)]
-        self.cpu_cache = [torch.empty(cpu_shape, dtype=self.dtype, pin_memory=on_gpu)
+        # Pinned host memory makes swaps real DMA copies; an empty pool (recompute only, or a
+        # profiler's) pins nothing.
+        pin = on_gpu and num_cpu_blocks > 0
+        self.cpu_cache = [torch.empty(cpu_shape, dtype=self.dtype, pin_memory=pin)
                           for _ in range(a.num_layers)]
         self.block_size = block_size
+
+    def release(self) -> None:
+        """Drop the KV and swap storage and every request (``RealExecutor.release``)."""
+        self.gpu_cache, self.cpu_cache = [], []
+        self.tokens.clear()
+        self.prompt_lens.clear()
+        self.block_size = 0
 
     @property
     def kv_bytes(self) -> int:
@@ -107,6 +117,9 @@ class ModelRunner:
 
     def step(self, plan: StepPlan) -> list[int]:
         """Swap, run the scheduled rows, sample; returns one id per sampling row, in order."""
+        if not self.gpu_cache:
+            raise RuntimeError("the KV cache is not allocated (init_kv_cache was not called, "
+                               "or the executor was released)")
         self.swap(plan)
         if not plan.scheduled:
             return []

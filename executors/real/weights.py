@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -85,6 +86,32 @@ def random_weights(args: LlamaArgs, dtype: torch.dtype, device: torch.device | s
     embed = rand(args.vocab_size, h)
     lm_head = embed if args.tie_word_embeddings else linear(args.vocab_size, h)
     return LlamaWeights(embed, layers, rand(h, std=0.1, mean=1.0), lm_head)
+
+
+# The most recently built random weights and what they were built from. Validation builds a
+# fresh executor for every run (``experiments/validate.py``: 10 to 30 per configuration), and
+# random Llama-3-8B weights are 16 GB of device memory and ~1 s of initialization each; runs
+# kept for their results would otherwise hold one copy each. Weights are never written after
+# initialization (the model runs under ``torch.inference_mode``), so sharing them is exact.
+_shared: tuple[tuple[Any, ...], LlamaWeights] | None = None
+
+
+def shared_random_weights(args: LlamaArgs, dtype: torch.dtype, device: torch.device | str,
+                          seed: int) -> LlamaWeights:
+    """``random_weights``, reusing the last ones built when the arguments are the same (the
+    same values: initialization is seeded)."""
+    global _shared
+    key = (repr(args), str(dtype), str(device), int(seed))
+    if _shared is None or _shared[0] != key:
+        _shared = None  # drop the old copy before building the new one (device memory)
+        _shared = (key, random_weights(args, dtype, device, seed))
+    return _shared[1]
+
+
+def clear_shared_weights() -> None:
+    """Forget the shared random weights (their memory goes once no executor uses them)."""
+    global _shared
+    _shared = None
 
 
 # ---- Hugging Face layout ----------------------------------------------------------------------

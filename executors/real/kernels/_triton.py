@@ -23,7 +23,10 @@ except ImportError:  # pragma: no cover - exercised only where triton is absent
             raise RuntimeError(f"kernel {self.fn.__name__} needs triton, which is not installed; "
                                f"use executor.kernels=torch")
 
-    triton = SimpleNamespace(jit=_Unlaunchable, cdiv=lambda a, b: -(-a // b),
+    def _jit(fn: Any = None, **_options: Any) -> Any:  # @triton.jit and @triton.jit(...)
+        return _Unlaunchable(fn) if fn is not None else _Unlaunchable
+
+    triton = SimpleNamespace(jit=_jit, cdiv=lambda a, b: -(-a // b),
                              next_power_of_2=lambda n: 1 << max(0, (n - 1).bit_length()))
     tl = SimpleNamespace(constexpr=Any)
 

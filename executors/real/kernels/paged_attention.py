@@ -112,7 +112,10 @@ def paged_attention_ref(q: torch.Tensor, kv_cache: torch.Tensor, meta: Attention
     return out
 
 
-@triton.jit
+# The block table's row stride is its width, which changes from step to step: specialized (on
+# == 1 and on divisibility by 16, as Triton does for integers), every new kind of width would
+# compile another variant in the middle of a timed step, seconds inside a serving run.
+@triton.jit(do_not_specialize=["stride_bt"])
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
