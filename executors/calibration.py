@@ -41,7 +41,7 @@ from sim.specs import ModelSpec
 SHAPE_COLUMNS = ("kind", "batch_size", "num_tokens", "num_prefill_seqs", "prefill_chunk",
                  "prefill_cached", "num_decode_seqs", "decode_context", "num_sampled")
 TIMING_COLUMNS = ("warmup", "repeats", "median_s", "mean_s", "std_s", "p10_s", "p90_s", "min_s")
-META_COLUMNS = ("model", "device", "dtype", "tensor_parallel", "executor")
+META_COLUMNS = ("model", "device", "dtype", "tensor_parallel", "executor", "attention_tile")
 PROFILE_COLUMNS = SHAPE_COLUMNS + TIMING_COLUMNS + META_COLUMNS
 KINDS = ("decode", "prefill", "mixed")
 

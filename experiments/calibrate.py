@@ -44,6 +44,9 @@ def _attention_tile(value: str, rows: list[dict]) -> int:
             return int(value)
         except ValueError:
             raise ConfigError("attention_tile", f"must be an integer, got {value!r}") from None
+    recorded = rows[0].get("attention_tile")
+    if recorded is not None and recorded == recorded:  # NaN: a CSV without the column
+        return int(recorded)
     return 1 if str(rows[0].get("device", "")) == "cpu" else ATTENTION_TILE
 
 

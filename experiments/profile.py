@@ -32,6 +32,7 @@ import numpy as np
 import executors
 from executors.base import Executor
 from executors.calibration import PROFILE_COLUMNS, ShapeSpec
+from executors.step_terms import ATTENTION_TILE
 from sim.errors import ConfigError, require, require_known_fields
 from sim.kv_manager import KVBlockManager, blocks_for
 from sim.specs import ModelSpec, hardware_spec_from, model_spec_from
@@ -261,9 +262,14 @@ def build_executor(cfg: dict[str, Any]) -> tuple[Executor, ModelSpec, dict[str, 
         raise ConfigError("executor.name", str(e.args[0])) from None
     executor = factory(model=model, hardware=hardware, tensor_parallel=tp, config=ex,
                        block_size=int(cfg["kv"]["block_size"]), seed=int(cfg.get("seed", 0)))
-    meta = {"model": model.name, "device": str(ex.get("device") or hardware.name),
-            "dtype": str(ex.get("dtype") or model.weight_dtype), "tensor_parallel": tp,
-            "executor": str(ex.get("name"))}
+    # What the executor really runs on and with (not the config's request: device null or
+    # dtype auto resolve in the executor): the device's name (cpu, the GPU's name, or the
+    # priced hardware for a cost model), its KV/activation dtype, and the query tile its
+    # prefill attention is priced in, which calibrate uses to fit the rows.
+    meta = {"model": model.name, "device": executor.device_spec(hardware).name,
+            "dtype": executor.kv_cache_dtype() or model.weight_dtype, "tensor_parallel": tp,
+            "executor": str(ex.get("name")),
+            "attention_tile": int(getattr(executor, "attention_tile", ATTENTION_TILE))}
     return executor, model, meta
 
 

@@ -319,7 +319,7 @@ def test_profile_writes_the_documented_schema(tmp_path):
     model = load_model_spec("tiny")
     ex = NoisyExecutor(model, TRUE)
     meta = {"model": "tiny", "device": "cpu", "dtype": "fp32", "tensor_parallel": 1,
-            "executor": "fake"}
+            "executor": "fake", "attention_tile": 1}
     rows = profile_executor(ex, model, SMALL_GRID, 16, meta)
     path = write_csv(rows, tmp_path / "profile.csv")
     df = pd.read_csv(path)
@@ -338,6 +338,24 @@ def test_profile_writes_the_documented_schema(tmp_path):
         tuple(r[c] for c in ("kind", "batch_size", "num_tokens", "num_prefill_seqs",
                              "prefill_chunk", "prefill_cached", "num_decode_seqs",
                              "decode_context", "num_sampled")) for r in read_profile_csv(path)]
+
+
+def test_profile_rows_say_what_the_executor_resolved():
+    """``device: null`` and ``dtype: auto`` resolve in the real executor: the rows record the
+    device and dtype it runs (not the hardware config's name) and its prefill attention tile,
+    which ``calibrate`` then fits with."""
+    pytest.importorskip("torch")
+    from experiments.calibrate import _attention_tile, _num_sms
+    from experiments.profile import build_executor
+    from tests.helpers import compose_cfg
+
+    cfg = compose_cfg("executor=real", "model=tiny", "device=null", "hardware=a100_80gb")
+    _, _, meta = build_executor(cfg)
+    assert (meta["device"], meta["dtype"], meta["attention_tile"]) == ("cpu", "fp32", 1)
+    rows = [meta]
+    assert (_num_sms("", rows), _attention_tile("", rows)) == (None, 1)
+    # CSVs written before the column: by device, as before.
+    assert _attention_tile("", [{"device": "a100_80gb", "attention_tile": float("nan")}]) == 64
 
 
 def blocks_for_ctx(tokens: int) -> int:
