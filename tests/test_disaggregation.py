@@ -1,13 +1,19 @@
 """Prefill/decode disaggregation on tiny cases with fixed 1 s steps: exact timelines, the KV
 link, back-pressure, and conservation across the cluster."""
 
+import copy
+from functools import cache
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import policies
 from sim.cluster.link import LinkConfig
 from sim.request import Request, RequestStatus
+from sim.simulation import run_simulation
 from tests.cluster_harness import run_disaggregated
+from tests.helpers import compose_cfg
 
 # Harness defaults: 1 s steps, 1000 bytes of KV per token, a link of 16,000 B/s and 0.5 s
 # latency, so a 32-token prompt (two 16-token blocks) takes 2.0 s + 0.5 s to move.
@@ -197,3 +203,60 @@ def test_sjf_decode_pool_predicts_the_remaining_output_of_transferred_requests()
     full = [[row[0] for row in s.rows] for s in run.executors[1].steps if len(s.rows) == 3]
     assert full and all(order == [1, 2, 0] for order in full)
     assert all(r.status is RequestStatus.FINISHED for r in reqs)
+
+
+# ---- every policy on every side, through the real config, under KV pressure -----------------
+
+# Options beyond name and preemption mode, per policy; a policy registered without an entry
+# fails the test below, so new policies join this property.
+SIDE_OPTIONS = {
+    "fcfs": st.fixed_dictionaries({"chunked_prefill": st.booleans()}),
+    "static": st.fixed_dictionaries({"max_batch_size": st.none() | st.integers(1, 8)}),
+    "sjf": st.fixed_dictionaries({
+        "predictor": st.sampled_from(["oracle", "noisy", "bucket"]),
+        "aging_s": st.sampled_from([None, 0.0, 0.5, 30.0]), "preemptive": st.booleans()}),
+    "chunked_prefill": st.fixed_dictionaries({"max_num_batched_tokens": st.sampled_from(
+        [256, 512])}),
+    "priority": st.fixed_dictionaries({"preemptive": st.booleans()}),
+}
+side_policies = st.sampled_from(sorted(SIDE_OPTIONS)).flatmap(
+    lambda name: SIDE_OPTIONS[name].map(lambda opts: {"name": name, **opts}))
+
+
+@cache
+def _base_cfg(cluster: str) -> dict:
+    # Short prompts and outputs, tight pools: decodes run the pools dry, so both sides preempt
+    # (recompute or swap), and transfers wait for decode blocks.
+    return compose_cfg(
+        f"cluster={cluster}", "workload.num_requests=40", "workload.qps=40",
+        "workload.prompt_len.median=150", "workload.prompt_len.max=500",
+        "workload.output_len.median=150", "workload.output_len.max=500",
+        "workload.priorities=[1,1,1]", "kv.num_cpu_blocks=30", "check_integrity=true",
+        "record_steps=false", *(["cluster.num_replicas=2"] if cluster == "single" else []))
+
+
+def test_every_policy_has_cluster_property_options():
+    assert set(SIDE_OPTIONS) == set(policies.POLICIES.names())
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.sampled_from(["single", "disaggregated"]), side_policies, side_policies,
+       st.sampled_from(["recompute", "swap"]), st.integers(40, 120), st.integers(0, 10_000))
+def test_any_policies_on_either_deployment_finish_every_request_with_intact_kv(
+        cluster, first, second, mode, blocks, seed):
+    cfg = copy.deepcopy(_base_cfg(cluster))
+    cfg["seed"] = seed
+    cfg["kv"]["num_gpu_blocks"] = blocks
+    if cluster == "single":  # two co-located replicas running ``first``
+        cfg["policy"] = {**first, "preemption_mode": mode}
+    else:  # ``first`` on the prefill pool, ``second`` on the decode pool
+        cfg["policy"] = {"name": "fcfs", "preemption_mode": mode}
+        cfg["cluster"]["prefill"]["policy"] = first
+        cfg["cluster"]["decode"]["policy"] = second
+    res = run_simulation(cfg)  # check_integrity: the KV pools are checked after every step
+    s = res.summary
+    assert s["completed"] + s["rejected"] == 40
+    assert res.deployment.num_unfinished == 0
+    for rep in res.replicas:
+        assert rep.kv.num_used_blocks == 0 and not rep.kv.block_tables
+        rep.kv.check_integrity()
