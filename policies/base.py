@@ -5,10 +5,12 @@ A policy only decides. It reads ``step.waiting``, ``step.running``, ``step.swapp
 ``sim/step_builder.py``), then returns ``step.build()``. It never touches the KV manager or
 request state directly.
 
-Two optional hooks: ``on_arrival(req)`` is called by the replica once per accepted request,
+Optional hooks: ``on_arrival(req)`` is called by the replica once per accepted request,
 after it joined the waiting queue (a policy keeps its own ordered index there, e.g. a heap, so
-it never sorts the whole queue per step); ``seed`` is the run's seed, for policies that draw
-random numbers (one ``numpy.random.Generator`` per policy, derived from it).
+it never sorts the whole queue per step); ``on_handoff`` / ``on_transferred`` when a request
+leaves a prefill replica / joins a decode replica (disaggregation); ``seed`` is the run's
+seed, for policies that draw random numbers (one ``numpy.random.Generator`` per policy,
+derived from it).
 """
 
 from __future__ import annotations
@@ -65,6 +67,9 @@ class Policy(ABC):
     #: request finishing changes the next decode-only plan only by leaving it (nobody can take
     #: its seat or blocks): decode jumps may then run past finishes (sim/fast_forward.py).
     decode_jumps_past_finishes: ClassVar[bool] = False
+    #: True if every request this policy runs holds KV for its whole length (prompt + maximum
+    #: output) from admission on: a decode replica then reserves that much for a transfer.
+    reserves_full_length: ClassVar[bool] = False
 
     def __init__(self, config: PolicyConfig, seed: int = 0) -> None:
         self.config = config
@@ -73,6 +78,14 @@ class Policy(ABC):
     def on_arrival(self, req: Request) -> None:
         """A request was accepted and appended to the waiting queue (called by the replica's
         ``add_request``, never for rejected requests). Default: nothing."""
+
+    def on_handoff(self, req: Request) -> None:
+        """Prefill side: ``req`` sampled its first token and left this replica for a decode
+        replica (it may become PREEMPTED there: it must leave this policy's indexes)."""
+
+    def on_transferred(self, req: Request) -> None:
+        """Decode side: ``req`` arrived with its KV and joined the running set (RUNNING, its
+        first token already sampled): its arrival to this replica. Default: nothing."""
 
     @abstractmethod
     def schedule(self, step: StepBuilder) -> StepPlan:

@@ -53,6 +53,13 @@ class OrderedPolicy(FCFSPolicy):
     def on_arrival(self, req: Request) -> None:
         self.index(req)
 
+    def on_handoff(self, req: Request) -> None:
+        self.unindex(req)
+
+    def unindex(self, req: Request) -> None:
+        """``req`` left this replica: drop it from the policy's index."""
+        self.queue.discard(req)
+
     def requeue(self, preempted: list[Request]) -> None:
         for req in preempted:
             if req.status is RequestStatus.PREEMPTED:  # recomputed: waiting again

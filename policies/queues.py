@@ -6,6 +6,10 @@ request is still WAITING/PREEMPTED and it is the request's latest push (a reques
 twice is pushed twice; only the newest entry is live). Each step pops entries in order as the
 admission loop asks for them and pushes back the ones it did not admit, so a step costs
 O((admitted + 1) log W), not O(W log W).
+
+A request that leaves the replica for good while an entry of it is live (a disaggregated
+prefill replica hands it off; another replica may preempt it, making it PREEMPTED again, but
+not waiting here) must be ``discard``ed: its status alone would make that entry live again.
 """
 
 from __future__ import annotations
@@ -32,6 +36,11 @@ class WaitingHeap:
         self._seq += 1
         self._live[req.request_id] = self._seq
         heapq.heappush(self._heap, (self._key(req), self._seq, req))
+
+    def discard(self, req: Request) -> None:
+        """``req`` left this replica: none of its entries is live any more (O(1); they are
+        dropped when reached)."""
+        self._live.pop(req.request_id, None)
 
     def _is_live(self, entry: tuple[Any, int, Request]) -> bool:
         _, seq, req = entry

@@ -3,7 +3,9 @@
 Remaining work is the predicted number of output tokens still to generate (prediction minus
 tokens generated, at least 1): decode steps, one per token, are what a request's latency is
 made of, while its prompt is one prefill. The prediction is drawn once, at arrival, and
-stored in ``req.extra["predicted_output_len"]`` (see ``policies/predictors.py``).
+stored in ``req.extra["predicted_output_len"]`` (see ``policies/predictors.py``); a
+disaggregated decode replica draws its own when the request arrives there with its first
+token (tokens generated + the predicted remainder).
 
 Admission order: first every request that has waited at least ``aging_s`` seconds, oldest
 first (aging bounds starvation: under overload a long request eventually heads the queue);
@@ -74,8 +76,14 @@ class SJFPolicy(OrderedPolicy):
         self.by_arrival = WaitingHeap(lambda r: (r.arrival_time, r.request_id))
 
     def on_arrival(self, req: Request) -> None:
-        req.extra = {**(req.extra or {}), "predicted_output_len": self.predict(req)}
+        self._predict(req)
         super().on_arrival(req)
+
+    def _predict(self, req: Request) -> None:
+        """Store the predicted total output length: tokens generated so far plus the
+        predicted remainder."""
+        total = req.num_output_tokens + self.predict(req)
+        req.extra = {**(req.extra or {}), "predicted_output_len": total}
 
     def waiting_key(self, req: Request) -> tuple[float, float, int]:
         return (predicted_remaining(req), req.arrival_time, req.request_id)
@@ -86,9 +94,18 @@ class SJFPolicy(OrderedPolicy):
         return predicted_remaining(victim) >= (self.config.preemption_ratio
                                                * predicted_remaining(candidate))
 
+    def on_transferred(self, req: Request) -> None:
+        # A decode replica's own prediction, made as the request arrives here with its first
+        # token(s): the predictor sees what remains to generate (policies/predictors.py).
+        self._predict(req)
+
     def index(self, req: Request) -> None:
         super().index(req)
         self.by_arrival.push(req)
+
+    def unindex(self, req: Request) -> None:
+        super().unindex(req)
+        self.by_arrival.discard(req)
 
     def candidates(self, step: StepBuilder, in_order: Iterator[Request]) -> Iterator[Request]:
         aging = self.config.aging_s

@@ -15,11 +15,18 @@ until the batch has ended, so that memory is just as idle: only ``kv_blocks_used
 steps.csv reads lower than FasterTransformer's buffer would. Two simplifications favour
 static batching: prompts are not padded to the batch's longest, and finished requests'
 rows cost no compute in the remaining decode steps (FasterTransformer computes them, masked).
+
+On a disaggregated decode replica requests arrive already RUNNING, their KV transferred into
+blocks reserved for their whole length (``reserves_full_length``: the replica reserves
+prompt + maximum output when the transfer starts). They are batched the same way: a request
+transferred while a batch decodes holds its blocks but waits, and when the batch has ended the
+next one is formed from those waiting, in arrival order, up to the batch size.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import islice
 
 from policies.base import POLICIES, Policy, PolicyConfig
 from policies.budget import Budget, admit, full_length, schedule_running
@@ -55,6 +62,7 @@ class StaticBatchingPolicy(Policy):
     # until a member finishes.
     supports_decode_jumps = True
     decode_jumps_past_finishes = True
+    reserves_full_length = True
 
     config_class = StaticConfig
     config: StaticConfig
@@ -62,17 +70,30 @@ class StaticBatchingPolicy(Policy):
     def __init__(self, config: StaticConfig, seed: int = 0) -> None:
         super().__init__(config, seed)
         self.forming = False  # a batch is being formed: more prefill-only steps may follow
+        # Ids of the current batch's requests. Only a decode replica (disaggregation) runs
+        # requests outside it: those transferred while the batch decodes.
+        self.batch: set[int] = set()
 
     def schedule(self, step: StepBuilder) -> StepPlan:
         budget = Budget(step, self.config.max_num_batched_tokens, self.config.batch_size)
-        if not step.running and not step.swapped:
+        running, batch = step.running, self.batch
+        members = [r for r in running if r.request_id in batch]
+        if not members and not step.swapped:
             self.forming = True  # the last batch has ended
+            # Transferred requests (decode replica) that waited for it form the next one.
+            members = list(islice(running, self.config.batch_size))
+            self.batch = batch = {r.request_id for r in members}
         if self.forming:
-            if admit(step, budget, step.waiting, reserve_full=True):
+            admitted = admit(step, budget, step.waiting, reserve_full=True)
+            if admitted:
+                batch.update(r.request_id for r in admitted)
                 self.forming = self._stopped_on_tokens_only(step, budget)
                 return step.build()
             self.forming = False
-        schedule_running(step, budget, _no_victim)
+        # The whole running set when every request belongs to the batch (as the shared
+        # decode run needs), else only the batch.
+        order = running if len(members) == len(running) else members
+        schedule_running(step, budget, _no_victim, order)
         return step.build()
 
     @staticmethod

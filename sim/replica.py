@@ -114,8 +114,10 @@ class Replica:
             return (f"prompt_exceeds_batch: prompt {req.prompt_len} > "
                     f"policy.max_num_batched_tokens {cfg.max_num_batched_tokens}")
         # The last sampled token never needs a KV slot; a prefill replica (handoff set) only
-        # ever holds the prompt.
-        need = blocks_for(req.prompt_len if self.handoff else total - 1, self.kv.block_size)
+        # ever holds the prompt, unless its policy reserves whole lengths (static batching).
+        holds_prompt_only = self.handoff is not None and not self.policy.reserves_full_length
+        need = blocks_for(req.prompt_len if holds_prompt_only else total - 1,
+                          self.kv.block_size)
         if need > self.kv.num_gpu_blocks:
             return (f"exceeds_kv_pool: needs {need} blocks, the pool has "
                     f"{self.kv.num_gpu_blocks}")
@@ -155,12 +157,23 @@ class Replica:
             self._wakeup.succeed()
 
     # ---- disaggregation -------------------------------------------------------------------
+    def reserve_transfer(self, req: Request) -> bool:
+        """Decode side: reserve blocks for ``req``'s KV before it moves here; False (nothing
+        changes) while they do not fit. A policy that holds every request's whole length
+        (static batching) gets that length reserved now, outside the watermark, as its own
+        admission does: its decodes never ask for a block."""
+        if self.policy.reserves_full_length:
+            return self.builder.reserve_transfer(
+                req, req.prompt_len + req.max_output_len - 1, use_watermark=False)
+        return self.builder.reserve_transfer(req)
+
     def accept_transferred(self, req: Request) -> None:
-        """Decode side: ``req``'s KV arrived in blocks reserved with
-        ``builder.reserve_transfer``; it decodes here from the next step."""
+        """Decode side: ``req``'s KV arrived in blocks reserved with ``reserve_transfer``;
+        it decodes here from the next step."""
         req.replica_id = self.replica_id
         self.executor.add_request(req.request_id, req.prompt_token_ids)
         self.builder.accept_transferred(req)
+        self.policy.on_transferred(req)
         self.num_unfinished += 1
         self.notify()
 
@@ -172,6 +185,7 @@ class Replica:
 
     def _handoff(self, req: Request) -> None:
         self.builder.release_for_handoff(req)
+        self.policy.on_handoff(req)
         self.num_unfinished -= 1
         self.handoff(req, self)
 

@@ -371,12 +371,17 @@ class StepBuilder:
         """Prefill side: the transfer is done; release the source blocks."""
         self.kv.free(req.request_id)
 
-    def reserve_transfer(self, req: Request) -> bool:
-        """Decode side: allocate blocks for the request's computed tokens (the KV about to
-        arrive), above the admission watermark. False (nothing changes) when they do not fit."""
-        n = req.num_computed_tokens
-        if not self.kv.can_allocate(self.kv.blocks_needed(req.request_id, n),
-                                    self.watermark_blocks):
+    def reserve_transfer(self, req: Request, num_tokens: int | None = None,
+                         use_watermark: bool = True) -> bool:
+        """Decode side: allocate blocks for the request's first ``num_tokens`` tokens (default:
+        its computed tokens, the KV about to arrive), above the admission watermark unless
+        ``use_watermark`` is False. False (nothing changes) when they do not fit."""
+        n = req.num_computed_tokens if num_tokens is None else num_tokens
+        if n < req.num_computed_tokens:
+            raise ValueError(f"request {req.request_id}: cannot reserve {n} tokens for "
+                             f"{req.num_computed_tokens} transferred ones")
+        wm = self.watermark_blocks if use_watermark else 0
+        if not self.kv.can_allocate(self.kv.blocks_needed(req.request_id, n), wm):
             return False
         return self.kv.allocate_slots(req.request_id, n) is not None
 

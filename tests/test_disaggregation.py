@@ -1,13 +1,19 @@
 """Prefill/decode disaggregation on tiny cases with fixed 1 s steps: exact timelines, the KV
 link, back-pressure, and conservation across the cluster."""
 
+import copy
+from functools import cache
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import policies
 from sim.cluster.link import LinkConfig
 from sim.request import Request, RequestStatus
+from sim.simulation import run_simulation
 from tests.cluster_harness import run_disaggregated
+from tests.helpers import compose_cfg
 
 # Harness defaults: 1 s steps, 1000 bytes of KV per token, a link of 16,000 B/s and 0.5 s
 # latency, so a 32-token prompt (two 16-token blocks) takes 2.0 s + 0.5 s to move.
@@ -126,4 +132,131 @@ def test_conservation_every_request_finishes_exactly_once_on_one_decode_replica(
     assert run.deployment.num_unfinished == 0 and not run.deployment.records
     for rep in run.replicas:
         assert rep.kv.num_used_blocks == 0
+        rep.kv.check_integrity()
+
+
+# ---- regressions: any policy on either pool --------------------------------------------------
+
+def test_static_decode_pool_reserves_whole_length_at_transfer():
+    # a needs 3 blocks in all (32 + 17 - 1 tokens), b one. Reserving only the transferred KV
+    # (2 blocks for a) let b in, and a's decode at position 32 found no slot for static batching.
+    a, b = Request(0, 0.0, 32, 17), Request(1, 0.0, 16, 2)
+    run = run_disaggregated([a, b], decode_blocks=3, decode_policy={"name": "static"})
+    dec = run.executors[1]
+    assert dec.steps[0].tables[0] == [0, 1, 2]  # a's whole length from its first decode
+    assert run.deployment.num_backpressured == 1  # b waited for a's blocks
+    assert float(run.rows[1]["kv_backpressure_wait"]) == pytest.approx(a.finish_time - 1.0)
+    assert a.status is b.status is RequestStatus.FINISHED
+
+
+def test_static_decode_pool_batches_transfers_that_land_while_a_batch_decodes():
+    a, b = Request(0, 0.0, 16, 5), Request(1, 1.2, 16, 3)
+    run = run_disaggregated([a, b], decode_policy={"name": "static"})
+    # b lands at 3.7 while a's batch decodes; it holds its blocks and waits for a's end.
+    assert list(a.token_times) == [1.0, 3.5, 4.5, 5.5, 6.5]
+    assert list(b.token_times) == [2.2, 7.5, 8.5]
+    assert [(s.time, s.rows, s.tables) for s in run.executors[1].steps][3:] == [
+        (5.5, [(0, 19, 1, True)], {0: [0, 1]}),
+        (6.5, [(1, 16, 1, True)], {1: [2, 3]}), (7.5, [(1, 17, 1, True)], {1: [2, 3]})]
+
+
+def test_static_on_both_pools_batches_each_side():
+    reqs = [Request(0, 0.0, 16, 5), Request(1, 0.0, 16, 3), Request(2, 0.0, 16, 2)]
+    static2 = {"name": "static", "max_batch_size": 2}
+    run = run_disaggregated(reqs, prefill_policy=static2, decode_policy=static2,
+                            prefill_blocks=4)
+    pre, dec = run.executors
+    # The prefill pool reserves whole lengths too (2 blocks each): c's batch starts when a's
+    # and b's prompts have left.
+    assert [(s.time, [r[0] for r in s.rows]) for s in pre.steps] == [(0.0, [0, 1]), (2.5, [2])]
+    assert [(s.time, [r[0] for r in s.rows]) for s in dec.steps] == [
+        (2.5, [0]), (3.5, [0]), (4.5, [0]), (5.5, [0]), (6.5, [1, 2]), (7.5, [1])]
+
+
+def test_static_prefill_pool_rejects_what_it_could_never_reserve():
+    # 16 + 60 - 1 tokens: 5 blocks > 4 the prefill replica has; it used to wait forever.
+    r = Request(0, 0.0, 16, 60)
+    run = run_disaggregated([r], prefill_policy={"name": "static"}, prefill_blocks=4)
+    assert r.status is RequestStatus.REJECTED and "exceeds_kv_pool" in r.reject_reason
+    assert run.deployment.num_unfinished == 0
+
+
+def test_sjf_prefill_forgets_a_request_it_handed_off_once_the_decode_side_recomputes_it():
+    # x is admitted by predicted length (not yet aged), leaving a live by-arrival entry on the
+    # prefill replica; the 4-block decode replica recomputes x at 5.75 (PREEMPTED there);
+    # y's admission at 6.5 walked that entry as aged and waiting: "not in deque".
+    a, x, y = Request(0, 0.0, 4, 10), Request(1, 0.5, 4, 10), Request(2, 6.5, 4, 2)
+    run = run_disaggregated([a, x, y], prefill_policy={"name": "sjf", "aging_s": 2.0},
+                            decode_blocks=4, block_size=4)
+    assert x.num_recomputes == 1 and x.replica_id == 1
+    assert [r.status for r in (a, x, y)] == [RequestStatus.FINISHED] * 3
+    assert [s.rows for s in run.executors[0].steps][-1] == [(2, 0, 4, True)]  # y alone
+
+
+def test_sjf_decode_pool_predicts_the_remaining_output_of_transferred_requests():
+    reqs = [Request(0, 0.0, 16, 9), Request(1, 0.0, 16, 3), Request(2, 0.0, 16, 5)]
+    run = run_disaggregated(reqs, decode_policy={"name": "sjf"},
+                            link=LinkConfig(bandwidth_gbps=1.0, latency_us=0.0))
+    # Oracle: 1 token generated + the remaining (max - 1) = the whole output.
+    assert [r.extra["predicted_output_len"] for r in reqs] == [9.0, 3.0, 5.0]
+    # Once all three decode there, rows go shortest predicted remainder first.
+    full = [[row[0] for row in s.rows] for s in run.executors[1].steps if len(s.rows) == 3]
+    assert full and all(order == [1, 2, 0] for order in full)
+    assert all(r.status is RequestStatus.FINISHED for r in reqs)
+
+
+# ---- every policy on every side, through the real config, under KV pressure -----------------
+
+# Options beyond name and preemption mode, per policy; a policy registered without an entry
+# fails the test below, so new policies join this property.
+SIDE_OPTIONS = {
+    "fcfs": st.fixed_dictionaries({"chunked_prefill": st.booleans()}),
+    "static": st.fixed_dictionaries({"max_batch_size": st.none() | st.integers(1, 8)}),
+    "sjf": st.fixed_dictionaries({
+        "predictor": st.sampled_from(["oracle", "noisy", "bucket"]),
+        "aging_s": st.sampled_from([None, 0.0, 0.5, 30.0]), "preemptive": st.booleans()}),
+    "chunked_prefill": st.fixed_dictionaries({"max_num_batched_tokens": st.sampled_from(
+        [256, 512])}),
+    "priority": st.fixed_dictionaries({"preemptive": st.booleans()}),
+}
+side_policies = st.sampled_from(sorted(SIDE_OPTIONS)).flatmap(
+    lambda name: SIDE_OPTIONS[name].map(lambda opts: {"name": name, **opts}))
+
+
+@cache
+def _base_cfg(cluster: str) -> dict:
+    # Short prompts and outputs, tight pools: decodes run the pools dry, so both sides preempt
+    # (recompute or swap), and transfers wait for decode blocks.
+    return compose_cfg(
+        f"cluster={cluster}", "workload.num_requests=40", "workload.qps=40",
+        "workload.prompt_len.median=150", "workload.prompt_len.max=500",
+        "workload.output_len.median=150", "workload.output_len.max=500",
+        "workload.priorities=[1,1,1]", "kv.num_cpu_blocks=30", "check_integrity=true",
+        "record_steps=false", *(["cluster.num_replicas=2"] if cluster == "single" else []))
+
+
+def test_every_policy_has_cluster_property_options():
+    assert set(SIDE_OPTIONS) == set(policies.POLICIES.names())
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.sampled_from(["single", "disaggregated"]), side_policies, side_policies,
+       st.sampled_from(["recompute", "swap"]), st.integers(40, 120), st.integers(0, 10_000))
+def test_any_policies_on_either_deployment_finish_every_request_with_intact_kv(
+        cluster, first, second, mode, blocks, seed):
+    cfg = copy.deepcopy(_base_cfg(cluster))
+    cfg["seed"] = seed
+    cfg["kv"]["num_gpu_blocks"] = blocks
+    if cluster == "single":  # two co-located replicas running ``first``
+        cfg["policy"] = {**first, "preemption_mode": mode}
+    else:  # ``first`` on the prefill pool, ``second`` on the decode pool
+        cfg["policy"] = {"name": "fcfs", "preemption_mode": mode}
+        cfg["cluster"]["prefill"]["policy"] = first
+        cfg["cluster"]["decode"]["policy"] = second
+    res = run_simulation(cfg)  # check_integrity: the KV pools are checked after every step
+    s = res.summary
+    assert s["completed"] + s["rejected"] == 40
+    assert res.deployment.num_unfinished == 0
+    for rep in res.replicas:
+        assert rep.kv.num_used_blocks == 0 and not rep.kv.block_tables
         rep.kv.check_integrity()

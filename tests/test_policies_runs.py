@@ -123,3 +123,15 @@ def test_reserve_holds_whole_length_only_for_a_request_scheduled_this_step():
     assert kv.block_table(1) == [3] and kv.num_free_blocks == 2
     assert step.granted(a) == 5 and step.granted(b) == 4
     kv.check_integrity()
+
+
+@pytest.mark.parametrize("kind", ["oracle", "noisy", "bucket"])
+def test_predictors_predict_what_remains_after_the_tokens_already_sampled(kind):
+    from policies.predictors import make_predictor
+
+    fresh, later = Request(0, 0.0, 8, 600), Request(1, 0.0, 8, 600)
+    later.num_output_tokens = 550  # arrived at a decode replica with 550 tokens sampled
+    p = make_predictor(kind, seed=0, noise_sigma=0.0, bucket_accuracy=1.0)
+    # The true remainders are 600 and 50 (a long and a short class with edges 128, 512).
+    assert (p(fresh), p(later)) == {"oracle": (600.0, 50.0), "noisy": (600.0, 50.0),
+                                    "bucket": (1024.0, 64.0)}[kind]

@@ -36,3 +36,19 @@ def test_removing_a_request_that_ties_with_running_ones_but_is_not_running_fails
     with pytest.raises(ValueError, match="request 2 is not running"):
         q.remove_running(b)
     assert q.running == [a, c]
+
+
+def test_waiting_heap_forgets_a_discarded_request_even_if_it_waits_again_elsewhere():
+    from policies.queues import WaitingHeap
+    from sim.request import RequestStatus
+
+    a, b = Request(0, 0.0, 8, 4), Request(1, 1.0, 8, 4)
+    heap = WaitingHeap(lambda r: r.arrival_time)
+    heap.push(a)
+    heap.push(b)
+    heap.discard(a)  # handed off to another replica...
+    a.transition(RequestStatus.RUNNING)
+    a.transition(RequestStatus.PREEMPTED)  # ... and recomputed there: waiting, not here
+    with heap.ordered() as it:
+        assert list(it) == [b]
+    assert len(heap) == 1  # a's entry was dropped, b's put back

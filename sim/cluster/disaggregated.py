@@ -140,7 +140,7 @@ class Disaggregated:
         """Start the transfers of decode replica ``j``'s pending requests, in FIFO order,
         while it can allocate their blocks."""
         pending, replica, now = self._pending[j], self.decode[j], self.env.now
-        while pending and replica.builder.reserve_transfer(pending[0]):
+        while pending and replica.reserve_transfer(pending[0]):
             req = pending.popleft()
             rec = self.records[req.request_id]
             rec.reserved_time = now
