@@ -47,7 +47,7 @@ KINDS = ("decode", "prefill", "mixed")
 
 SHRINK_TOLERANCE = 1e-3  # percentage points of fit MAPE a shrunk coefficient may cost
 SHARPNESS_GRID: tuple[float, ...] = (1.0, 1.5, 2.0, 3.0, 4.0, 8.0, math.inf)
-MAX_FIT_STEPS = 800  # serving steps fitted at most (calibrate(steps=...)): the fit's run time
+MAX_FIT_STEPS = 4000  # serving steps fitted at most (calibrate(steps=...)): the fit's run time
 
 
 # ---- rows <-> plans ---------------------------------------------------------------------------
@@ -247,17 +247,22 @@ def fit_coefficients(drivers: Sequence[StepDrivers], y: Sequence[float],
         (sharpness,) if isinstance(sharpness, (int, float)) else tuple(sharpness))
     best: tuple[float, float, np.ndarray] | None = None
     per: dict[float, float] = {}
-    starts = [np.ones(len(names)), np.where(x_lin > 0, 1.0, 10.0)]
+    # Only the active coefficients are the solver's variables (an inactive one has no
+    # residual gradient, but would still enter the solver's step and stopping rules).
+    idx = np.flatnonzero(on)
+    starts = [np.ones(len(idx)), np.where(x_lin[idx] > 0, 1.0, 10.0)]
     for p in grid:
         best_p: tuple[float, np.ndarray] | None = None
         for z0 in starts:
             def resid(z: np.ndarray) -> np.ndarray:
-                x = np.where(on, z * scale, 0.0)
+                x = np.zeros(len(names))
+                x[idx] = z * scale[idx]
                 return (predict_array(x, X, p) - yv) / sv
 
             r = least_squares(resid, z0, bounds=(0.0, np.inf), x_scale=1.0, loss=loss,
                               f_scale=0.05, max_nfev=2000)
-            x = np.where(on, r.x * scale, 0.0)
+            x = np.zeros(len(names))
+            x[idx] = r.x * scale[idx]
             err = objective(predict_array(x, X, p))
             if best_p is None or err < best_p[0]:
                 best_p = (err, x)

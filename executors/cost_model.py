@@ -457,7 +457,8 @@ class RooflineCostModel(Executor):
         diag = c_flops * diag_pairs
         nbytes = L * (c_kv * s.prefill_kv_tokens + c_q * s.prefill_q_tokens)
         return knee2(c.s_per_attn_flop * flops + c.s_per_diag_flop * diag,
-                     c.s_per_kv_byte * nbytes, c.sharpness) + c.s_per_attn_kernel * kernels
+                     c.s_per_kv_byte * nbytes, c.sharpness) + c.s_per_attn_kernel * kernels \
+            + c.s_per_prefill_row * float(L * s.num_prefill)
 
     def _decode_attention(self, nd: int, ctx, max_ctx):
         """``breakdown_shape(...).attention_decode`` for ``nd`` decode rows of total context

@@ -235,6 +235,7 @@ class StepDrivers:
     decode_cta_bytes: float = 0.0  # KV of the longest thread block, all layers
     decode_wave_count: float = 0.0  # waves run, all layers (fixed cost per wave)
     prefill_kernels: float = 0.0  # attention kernel launches (one per layer)
+    prefill_rows: float = 0.0  # prefill rows, all layers (per-sequence attention set-up)
     decode_kernels: float = 0.0  # one per layer, plus the split-KV combine kernel
     decode_partials: float = 0.0  # split-KV partial outputs written and merged, all layers
     decode_chain_tiles: float = 0.0  # KV tiles the busiest SM's blocks loop over, all layers
@@ -469,6 +470,7 @@ class StepDecomposer:
             out["linear_bytes"] = L * (self._lin_weight_bytes + n * self._lin_act_bytes_per_token)
             if s.num_prefill:
                 out["prefill_kernels"] = float(L)
+                out["prefill_rows"] = float(L * s.num_prefill)
                 if self.attention_tile == 1:
                     prefix, diag = s.prefill_prefix_pairs_exact, s.prefill_diag_pairs_exact
                 else:
@@ -571,6 +573,7 @@ COEFFICIENT_DOCS: dict[str, str] = {
     "s_per_attn_kernel": "per attention kernel launch (launch, ramp-up and tail floor)",
     "s_per_split_partial": "per split-KV partial output (written by a split, merged by combine)",
     "s_per_kv_tile": "per KV tile iteration along the busiest SM's decode blocks (load latency)",
+    "s_per_prefill_row": "per prefill row and layer (per-sequence attention set-up: masks, ...)",
 }
 
 
@@ -592,6 +595,7 @@ class Coefficients:
     s_per_attn_kernel: float = 0.0
     s_per_split_partial: float = 0.0
     s_per_kv_tile: float = 0.0
+    s_per_prefill_row: float = 0.0
     sharpness: float = math.inf
 
     def __post_init__(self) -> None:
@@ -626,7 +630,7 @@ class Coefficients:
         b.attention_prefill = knee(
             self.s_per_attn_flop * d.prefill_flops + self.s_per_diag_flop * d.prefill_diag_flops,
             self.s_per_kv_byte * d.prefill_bytes, sharpness=p,
-        ) + self.s_per_attn_kernel * d.prefill_kernels
+        ) + self.s_per_attn_kernel * d.prefill_kernels + self.s_per_prefill_row * d.prefill_rows
         decode = self.s_per_attn_kernel * d.decode_kernels
         if _nonzero(d.decode_kernels):
             cta = self.s_per_cta_byte * d.decode_cta_bytes
@@ -670,7 +674,7 @@ DRIVER_COLUMNS = ("nonempty", "rows", "tokens", "linear_flops", "linear_bytes", 
                   "prefill_kernels", "decode_waves", "decode_wave_flops", "decode_wave_bytes",
                   "decode_sm_bytes", "decode_tail", "decode_tail_flops", "decode_tail_bytes",
                   "decode_tail_sm_bytes", "decode_cta_bytes", "decode_wave_count",
-                  "decode_kernels", "decode_partials", "decode_chain_tiles")
+                  "decode_kernels", "decode_partials", "decode_chain_tiles", "prefill_rows")
 
 
 def driver_matrix(drivers: list[StepDrivers]) -> np.ndarray:
@@ -684,7 +688,7 @@ def predict_array(x: np.ndarray, X: np.ndarray, sharpness: float) -> np.ndarray:
     ``x`` is in ``Coefficients.names()`` order; ``X`` from ``driver_matrix``. With
     ``sharpness`` 1 every knee is a sum, so the model is linear in ``x`` (the fit's start).
     """
-    step, seq, tok, flop, wbyte, aflop, dflop, kvbyte, ctab, smb, wave, kern, part, tile = x
+    step, seq, tok, flop, wbyte, aflop, dflop, kvbyte, ctab, smb, wave, kern, part, tile, prow = x
     c = {name: X[:, i] for i, name in enumerate(DRIVER_COLUMNS)}
     p = sharpness
     cta = ctab * c["decode_cta_bytes"]
@@ -699,4 +703,5 @@ def predict_array(x: np.ndarray, X: np.ndarray, sharpness: float) -> np.ndarray:
                 kvbyte * c["decode_tail_bytes"], cta), smb * c["decode_tail_sm_bytes"])], p)
             + wave * c["decode_wave_count"]
             + kern * (c["prefill_kernels"] + c["decode_kernels"])
-            + part * c["decode_partials"] + tile * c["decode_chain_tiles"])
+            + part * c["decode_partials"] + tile * c["decode_chain_tiles"]
+            + prow * c["prefill_rows"])

@@ -220,6 +220,42 @@ def test_calibrate_with_serving_steps_fits_their_mean_and_holds_half_out():
         calibrate(rows, model, statistic="p90_s")
 
 
+def test_refit_finds_a_per_prefill_row_cost_only_serving_steps_show():
+    """Serving steps where each prompt row costs 0.25 ms more than the warm profile rows show
+    (docs/calibration.md, "Per prefill row"): with ``s_per_prefill_row`` the refit prices
+    small prompts about right instead of bending the per-token prices (short prompts ~15% too
+    cheap without it, as in the CPU validation's replays)."""
+    model = load_model_spec("tiny")
+    dec = StepDecomposer(model, attention_tile=1)
+    specs = [ShapeSpec("decode", num_decode_seqs=b, decode_context=c)
+             for b in (1, 2, 4, 8, 16, 32) for c in (16, 128, 512)]
+    specs += [ShapeSpec("prefill", n, chunk, cached) for n in (1, 2, 4)
+              for chunk in (8, 32, 64, 256, 768) for cached in (0, 64)]
+    rows = [{**sp.as_row(), "median_s": float(predict(CPU_TRUE, [dec.drivers(sp.shape())])[0])}
+            for sp in specs]
+    serving = dataclasses.replace(CPU_TRUE, s_per_prefill_row=0.125e-3)  # x 2 layers
+    rng = np.random.default_rng(0)
+    shapes = [ShapeSpec("decode", num_decode_seqs=int(rng.integers(1, 30)),
+                        decode_context=int(rng.integers(20, 400))).shape() for _ in range(1600)]
+    shapes += [ShapeSpec("prefill", 1, int(rng.integers(8, 300))).shape() for _ in range(800)]
+    times = predict(serving, [dec.drivers(s) for s in shapes])
+    refit = calibrate(rows, model, attention_tile=1, steps=list(zip(shapes, times)),
+                      sharpness=1.0)
+    assert refit.coefficients.s_per_prefill_row > 0.05e-3
+    short = [ShapeSpec("prefill", 1, n).shape() for n in (12, 24, 48)]
+    got = predict(refit.coefficients, [dec.drivers(s) for s in short])
+    want = predict(serving, [dec.drivers(s) for s in short])
+    assert np.abs(got / want - 1).max() < 0.07  # -5.4% at 12 tokens (profile rows disagree)
+    # Without the term, the same refit misses the short prompts by far more.
+    names = [n for n in Coefficients.names() if n != "s_per_prefill_row"]
+    x = [dec.drivers(s) for s in shapes]
+    rows_x = [dec.drivers(sp.shape()) for sp in specs]
+    ry = np.array([r["median_s"] for r in rows])
+    alone = fit_coefficients(rows_x + x, np.concatenate([ry, times]), 1.0, active=names)
+    miss = predict(alone.coefficients, [dec.drivers(s) for s in short]) / want - 1
+    assert np.abs(miss).max() > 0.12  # -15% at 12 tokens
+
+
 def test_fit_rejects_bad_input():
     with pytest.raises(ValueError, match="times must be > 0"):
         fit_coefficients(_random_drivers(3, 0), [1.0, 0.0, 1.0])
