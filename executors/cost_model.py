@@ -48,6 +48,7 @@ from executors.step_terms import (
     knee2,
     step_shape,
 )
+from sim.config_types import typed_fields
 from sim.errors import require, require_known_fields
 from sim.memory import activation_reserve_bytes
 from sim.plan import StepPlan, StepResult
@@ -114,7 +115,7 @@ class CostModelConfig:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> CostModelConfig:
         require_known_fields(data, cls, "executor", "option for the cost model")
-        return cls(**data)
+        return cls(**typed_fields(cls, data, "executor"))
 
 
 class RooflineCostModel(Executor):

@@ -19,6 +19,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from sim.config_types import typed_fields
 from sim.errors import ConfigError, require, require_known_fields
 from sim.plan import StepPlan
 from sim.registry import Registry
@@ -52,7 +53,7 @@ class PolicyConfig:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> PolicyConfig:
         require_known_fields(data, cls, "policy", f"option for policy {data.get('name')!r}")
-        return cls(**data)
+        return cls(**typed_fields(cls, data, "policy"))
 
 
 class Policy(ABC):

@@ -69,6 +69,10 @@ def plan_memory(
                           f"must be in (0, 1], got {gpu_memory_utilization}")
     if swap_space_gib < 0:
         raise ConfigError("kv.swap_space_gib", f"must be >= 0, got {swap_space_gib}")
+    if activation_reserve_override_bytes is not None and activation_reserve_override_bytes < 0:
+        # A negative reserve would plan a KV pool larger than the GPU's memory.
+        raise ConfigError("kv.activation_reserve_gib",
+                          f"must be >= 0, got {activation_reserve_override_bytes / 2**30} GiB")
     weights = (weight_bytes_override if weight_bytes_override is not None
                else model.weight_bytes(tensor_parallel, pipeline_parallel))
     act = (activation_reserve_override_bytes if activation_reserve_override_bytes is not None

@@ -27,6 +27,7 @@ from sim.cluster.link import Link
 from sim.cluster.outputs import CLUSTER_REQUEST_COLUMNS, ClusterRequestSink, cluster_summary
 from sim.cluster.pool import Pool
 from sim.cluster.router import make_router
+from sim.config_types import as_bool, as_int, typed_fields
 from sim.errors import ConfigError, require
 from sim.memory import MemoryPlan, plan_memory
 from sim.metrics import MetricsCollector
@@ -55,6 +56,9 @@ class KVConfig:
         require(self.block_size >= 1, "kv.block_size", f"must be >= 1, got {self.block_size}")
         require(self.num_cpu_blocks is None or self.num_cpu_blocks >= 0, "kv.num_cpu_blocks",
                 f"must be >= 0, got {self.num_cpu_blocks}")
+        # A negative reserve would hand the planner more bytes than the GPU has.
+        require(self.activation_reserve_gib is None or self.activation_reserve_gib >= 0,
+                "kv.activation_reserve_gib", f"must be >= 0, got {self.activation_reserve_gib}")
 
 
 def _section(cfg: dict[str, Any], name: str) -> dict[str, Any]:
@@ -69,7 +73,7 @@ def _dataclass_from(cls: type, data: dict[str, Any], section: str) -> Any:
     unknown = sorted(set(data) - known)
     if unknown:
         raise ConfigError(f"{section}.{unknown[0]}", f"unknown option; known: {', '.join(sorted(known))}")
-    return cls(**data)
+    return cls(**typed_fields(cls, data, section))
 
 
 @dataclass
@@ -95,18 +99,19 @@ class Simulation:
         if unknown:
             raise ConfigError(unknown[0], f"unknown top-level option; known: {', '.join(sorted(TOP_LEVEL))}")
         self.cfg = cfg
-        self.seed = int(cfg.get("seed", 0))
+        # numpy seeds are non-negative integers.
+        self.seed = as_int(cfg.get("seed", 0), "seed", minimum=0)
         self.out_dir = out_dir
         self.keep_requests = keep_requests
-        self.progress_enabled = bool(cfg.get("progress", True))
-        self.check_integrity = bool(cfg.get("check_integrity", False))
+        self.progress_enabled = as_bool(cfg.get("progress", True), "progress")
+        self.check_integrity = as_bool(cfg.get("check_integrity", False), "check_integrity")
         self.step_mode = str(cfg.get("step_mode", "fast"))
         require(self.step_mode in ("fast", "exact"), "step_mode",
                 f"must be fast or exact, got {self.step_mode!r}")
         self.itl_quantiles = str(cfg.get("itl_quantiles", "exact"))
         require(self.itl_quantiles in ("exact", "streaming"), "itl_quantiles",
                 f"must be exact or streaming, got {self.itl_quantiles!r}")
-        self.record_steps = bool(cfg.get("record_steps", True))
+        self.record_steps = as_bool(cfg.get("record_steps", True), "record_steps")
 
         self.model: ModelSpec = model_spec_from(_section(cfg, "model"), "model config")
         self.hardware: HardwareSpec = hardware_spec_from(_section(cfg, "hardware"), "hardware config")

@@ -13,6 +13,7 @@ from typing import Any
 
 import yaml
 
+from sim.config_types import typed_fields
 from sim.errors import ConfigError, require, require_known_fields
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
@@ -202,7 +203,7 @@ def _from_mapping(cls: type, data: dict[str, Any], kind: str, where: str) -> Any
                and f.default is MISSING and f.default_factory is MISSING]
     if missing:
         raise ConfigError(f"{kind}.{missing[0]}", f"missing in {where}")
-    return cls(**data)
+    return cls(**typed_fields(cls, data, kind))
 
 
 def model_spec_from(data: dict[str, Any], where: str = "model config") -> ModelSpec:

@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 
+from sim.config_types import typed_fields
 from sim.errors import ConfigError, require
 
 
@@ -75,6 +76,7 @@ class LengthDistribution:
         # as `workload.prompt_len.dist=uniform` works on top of the lognormal default (Hydra
         # merges mappings; it cannot delete the old keys).
         data = {k: v for k, v in data.items() if k in known[dist] and v is not None}
+        data = typed_fields(LengthDistribution, data, field)
         missing = sorted(known[dist] - set(data) - ({"min"} if dist != "uniform" else set()))
         if missing:
             raise ConfigError(f"{field}.{missing[0]}", f"required for a {dist} length")

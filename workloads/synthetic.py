@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 
+from sim.config_types import as_bool, as_float, as_int
 from sim.errors import ConfigError, require
 from sim.request import Request
 from workloads.base import WORKLOADS, Workload
@@ -37,7 +38,7 @@ class SyntheticWorkload(Workload):
         self.prompt_len = prompt_len
         self.output_len = output_len
         self.seed = seed
-        self.priorities = priorities
+        self.priorities = _priority_weights(priorities)
         self.total_len = total_len
         self.prefill_decode_ratio = prefill_decode_ratio
         self.token_ids = token_ids  # None: requests carry lengths only (enough for a cost model)
@@ -102,19 +103,38 @@ class SyntheticWorkload(Workload):
         return f"synthetic: {self._n} requests, {a.kind} arrivals at {a.qps} req/s, {lengths}"
 
 
+def _priority_weights(value: Any) -> list[float] | None:
+    """Class weights: a list of finite numbers >= 0 with a positive sum (they are normalised
+    into the probabilities a class is drawn with). None or [] : every request is class 0."""
+    if value is None:
+        return None
+    if not isinstance(value, (list, tuple)):
+        raise ConfigError("workload.priorities", f"must be a list of class weights, got {value!r}")
+    weights = [as_float(w, f"workload.priorities[{i}]") for i, w in enumerate(value)]
+    for i, w in enumerate(weights):
+        require(w >= 0, f"workload.priorities[{i}]", f"a class weight must be >= 0, got {w}")
+    require(not weights or sum(weights) > 0, "workload.priorities",
+            f"the class weights must have a positive sum, got {list(value)}")
+    return weights
+
+
 def token_id_source(cfg: dict[str, Any], seed: int, model: Any, needed: bool,
                     prefixes: bool = True) -> TokenIdSource | None:
     """The workload's token-id source, or None when neither the config (``token_ids``) nor
     the executor (``needed``) asks for ids."""
-    if not (cfg.get("token_ids") or needed):
+    # Checked even when no ids are drawn: a bad value is refused, never silently unused.
+    wanted, prefix_len, groups = (cfg.get(k) for k in ("token_ids", "shared_prefix_len",
+                                                       "num_prefix_groups"))
+    wanted = wanted is not None and as_bool(wanted, "workload.token_ids")
+    prefix_len = 0 if prefix_len is None else as_int(prefix_len, "workload.shared_prefix_len",
+                                                     minimum=0)
+    groups = 1 if groups is None else as_int(groups, "workload.num_prefix_groups", minimum=1)
+    if not (wanted or needed):
         return None
     if model is None:
         raise ConfigError("workload.token_ids", "token ids need the model's vocabulary size")
-    prefix_len, groups = cfg.get("shared_prefix_len"), cfg.get("num_prefix_groups")
-    prefix_len = int(prefix_len) if prefixes and prefix_len is not None else 0
-    groups = int(groups) if prefixes and groups is not None else 1
-    require(prefix_len >= 0, "workload.shared_prefix_len", f"must be >= 0, got {prefix_len}")
-    require(groups >= 1, "workload.num_prefix_groups", f"must be >= 1, got {groups}")
+    if not prefixes:
+        prefix_len, groups = 0, 1
     return TokenIdSource(seed, model.vocab_size, prefix_len, groups)
 
 
@@ -143,14 +163,15 @@ def build_synthetic(cfg: dict[str, Any], seed: int, model: Any = None, token_ids
 
     ratio = cfg.get("prefill_decode_ratio")
     return SyntheticWorkload(
-        num_requests=int(cfg["num_requests"]),
-        arrival=ArrivalProcess(cfg.get("arrival", "poisson"), float(cfg["qps"]),
-                               float(cfg.get("cv", 1.0))),
+        num_requests=as_int(cfg["num_requests"], "workload.num_requests"),
+        arrival=ArrivalProcess(cfg.get("arrival", "poisson"), as_float(cfg["qps"], "workload.qps"),
+                               as_float(cfg.get("cv", 1.0), "workload.cv")),
         prompt_len=dist("prompt_len"),
         output_len=dist("output_len"),
         seed=seed,
         priorities=cfg.get("priorities"),
         total_len=LengthDistribution.from_dict("workload.total_len", total) if total else None,
-        prefill_decode_ratio=None if ratio is None else float(ratio),
+        prefill_decode_ratio=(None if ratio is None
+                              else as_float(ratio, "workload.prefill_decode_ratio")),
         token_ids=token_id_source(cfg, seed, model, token_ids),
     )

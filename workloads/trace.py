@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
@@ -17,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from sim.config_types import as_float, as_int
 from sim.errors import ConfigError, require
 from sim.request import Request
 from workloads.base import WORKLOADS, Workload, resolve_path
@@ -31,18 +33,36 @@ class TraceFormatError(ConfigError):
         super().__init__("workload.path", f"{path}:{line}: {message}")
 
 
-def _parse_time(value: str) -> float:
+def _parse_time(value: str, what: str, path: Path, line: int) -> float:
+    """Seconds from a number or an ISO date. NaN or infinity would sort arbitrarily and put
+    NaN into every time the run reports, so they are refused."""
     try:
-        return float(value)
+        t = float(value)
     except ValueError:
-        return datetime.fromisoformat(value).timestamp()
+        try:
+            return datetime.fromisoformat(value).timestamp()
+        except ValueError:
+            raise TraceFormatError(path, line, f"{what} {value!r} does not parse") from None
+    if not math.isfinite(t):
+        raise TraceFormatError(path, line, f"{what} must be a finite number, got {value!r}")
+    return t
 
 
-def _positive_int(value: Any, what: str, path: Path, line: int, minimum: int) -> int:
+def _finite(value: Any, what: str, path: Path, line: int) -> float:
+    """A finite number (json.loads takes NaN and Infinity; a JSON true is no number)."""
     try:
+        if isinstance(value, bool):
+            raise TypeError
         f = float(value)
     except (TypeError, ValueError):
         raise TraceFormatError(path, line, f"{what} {value!r} is not a number") from None
+    if not math.isfinite(f):
+        raise TraceFormatError(path, line, f"{what} must be a finite number, got {value!r}")
+    return f
+
+
+def _positive_int(value: Any, what: str, path: Path, line: int, minimum: int) -> int:
+    f = _finite(value, what, path, line)
     if f != int(f) or f < minimum:
         raise TraceFormatError(path, line, f"{what} must be an integer >= {minimum}, got {value!r}")
     return int(f)
@@ -62,10 +82,7 @@ def read_azure_csv(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
                 continue
             if len(row) < 3:
                 raise TraceFormatError(path, line, f"expected 3 columns, got {len(row)}")
-            try:
-                times.append(_parse_time(row[0].strip()))
-            except ValueError:
-                raise TraceFormatError(path, line, f"TIMESTAMP {row[0]!r} does not parse") from None
+            times.append(_parse_time(row[0].strip(), "TIMESTAMP", path, line))
             ins.append(_positive_int(row[1], "ContextTokens", path, line, 1))
             outs.append(_positive_int(row[2], "GeneratedTokens", path, line, 0))
     return np.asarray(times), np.asarray(ins), np.asarray(outs)
@@ -81,10 +98,10 @@ def read_mooncake_jsonl(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray,
                 continue
             try:
                 row = json.loads(text)
-                ms = float(row["timestamp"])
+                ms = row["timestamp"]
             except (ValueError, KeyError, TypeError) as e:
                 raise TraceFormatError(path, line, f"not a Mooncake record ({e})") from None
-            times.append(ms / 1000.0)
+            times.append(_finite(ms, "timestamp", path, line) / 1000.0)
             ins.append(_positive_int(row.get("input_length"), "input_length", path, line, 1))
             outs.append(_positive_int(row.get("output_length"), "output_length", path, line, 0))
             h = row.get("hash_ids")
@@ -104,6 +121,8 @@ class TraceWorkload(Workload):
         require(num_requests is None or num_requests >= 1, "workload.num_requests",
                 f"must be >= 1, got {num_requests}")
         require(start >= 0, "workload.start", f"must be >= 0, got {start}")
+        require(max_output_len is None or max_output_len >= 1, "workload.max_output_len",
+                f"must be >= 1 or null, got {max_output_len}")
         self.path = path
         hashes: list[list[int] | None] | None = None
         if path.suffix == ".jsonl":
@@ -174,9 +193,13 @@ def build_trace(cfg: dict[str, Any], seed: int, model: Any = None, token_ids: bo
                           f"unknown option for a trace workload; known: {', '.join(sorted(known))}")
     if not cfg.get("path"):
         raise ConfigError("workload.path", "required for a trace workload")
+    def optional_int(key: str) -> int | None:
+        value = cfg.get(key)
+        return None if value is None else as_int(value, f"workload.{key}")
+
     return TraceWorkload(resolve_path(str(cfg["path"]), "workload.path"),
-                         time_scale=float(cfg.get("time_scale", 1.0)),
-                         num_requests=cfg.get("num_requests"),
-                         max_output_len=cfg.get("max_output_len"),
-                         start=int(cfg.get("start", 0)),
+                         time_scale=as_float(cfg.get("time_scale", 1.0), "workload.time_scale"),
+                         num_requests=optional_int("num_requests"),
+                         max_output_len=optional_int("max_output_len"),
+                         start=as_int(cfg.get("start", 0), "workload.start"),
                          token_ids=token_id_source(cfg, seed, model, token_ids, prefixes=False))

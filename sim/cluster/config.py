@@ -9,6 +9,7 @@ from typing import Any
 
 from sim.cluster.link import LinkConfig
 from sim.cluster.router import ROUTERS
+from sim.config_types import typed_fields
 from sim.errors import ConfigError, require
 
 
@@ -102,8 +103,8 @@ def _pool_from(data: Any, side: str) -> PoolConfig:
     policy = data.get("policy") or {}
     if not isinstance(policy, dict):
         raise ConfigError(f"cluster.{side}.policy", f"must be a mapping, got {policy!r}")
-    return PoolConfig(data.get("hardware"), data.get("tensor_parallel"),
-                      data.get("pipeline_parallel"), dict(policy))
+    return PoolConfig(**typed_fields(PoolConfig, {**data, "policy": dict(policy)},
+                                     f"cluster.{side}"))
 
 
 def cluster_config_from(data: dict[str, Any]) -> ClusterConfig | DisaggregatedConfig:
@@ -115,8 +116,8 @@ def cluster_config_from(data: dict[str, Any]) -> ClusterConfig | DisaggregatedCo
         data["prefill"] = _pool_from(data.get("prefill"), "prefill")
         data["decode"] = _pool_from(data.get("decode"), "decode")
         data["link"] = LinkConfig.from_value(data.get("link"))
-        return DisaggregatedConfig(**data)
+        return DisaggregatedConfig(**typed_fields(DisaggregatedConfig, data, "cluster"))
     if name != "single":
         raise ConfigError("cluster.name", f"must be 'single' or 'disaggregated', got {name!r}")
     _unknown(data, set(ClusterConfig.__dataclass_fields__), "cluster")
-    return ClusterConfig(**data)
+    return ClusterConfig(**typed_fields(ClusterConfig, data, "cluster"))

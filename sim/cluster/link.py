@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import simpy
 
+from sim.config_types import typed_fields
 from sim.errors import ConfigError, require
 
 # Effective per-direction bandwidth of one GPU's link and its one-way latency.
@@ -72,7 +73,7 @@ class LinkConfig:
         if unknown:
             raise ConfigError(f"cluster.link.{unknown[0]}",
                               f"unknown option; known: {', '.join(sorted(known))}")
-        return cls(**value)
+        return cls(**typed_fields(cls, value, "cluster.link"))
 
     @property
     def bandwidth_bytes_per_s(self) -> float:
