@@ -65,8 +65,18 @@ class Policy(ABC):
     #: request finishing changes the next decode-only plan only by leaving it (nobody can take
     #: its seat or blocks): decode jumps may then run past finishes (sim/fast_forward.py).
     decode_jumps_past_finishes: ClassVar[bool] = False
+    #: True if the policy implements chunked prefill's step structure (decodes first, then
+    #: prefill chunks in the same step), which ``policy.chunked_prefill=true`` asks for.
+    implements_chunked_prefill: ClassVar[bool] = False
 
     def __init__(self, config: PolicyConfig, seed: int = 0) -> None:
+        # vLLM v0's flag switches the whole scheduler to decode-first chunking; a policy with
+        # prefill-only steps that merely cut prompts into chunks would stall every decode
+        # behind a queue of half-done prompts, so the flag is refused rather than half-done.
+        if config.chunked_prefill and not self.implements_chunked_prefill:
+            raise ConfigError("policy.chunked_prefill", (
+                f"policy {config.name!r} does not implement chunked prefill (decodes first, "
+                f"then prompt chunks in the same step); use policy=chunked_prefill"))
         self.config = config
         self.seed = seed
 

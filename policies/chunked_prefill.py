@@ -53,6 +53,7 @@ class ChunkedPrefillPolicy(Policy):
     # until an arrival, finish or KV shortage: decode jumps are safe.
     supports_decode_jumps = True
     decode_jumps_past_finishes = True
+    implements_chunked_prefill = True
 
     config_class = ChunkedPrefillConfig
     config: ChunkedPrefillConfig
