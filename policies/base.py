@@ -71,8 +71,18 @@ class Policy(ABC):
     #: True if every request this policy runs holds KV for its whole length (prompt + maximum
     #: output) from admission on: a decode replica then reserves that much for a transfer.
     reserves_full_length: ClassVar[bool] = False
+    #: True if the policy implements chunked prefill's step structure (decodes first, then
+    #: prefill chunks in the same step), which ``policy.chunked_prefill=true`` asks for.
+    implements_chunked_prefill: ClassVar[bool] = False
 
     def __init__(self, config: PolicyConfig, seed: int = 0) -> None:
+        # vLLM v0's flag switches the whole scheduler to decode-first chunking; a policy with
+        # prefill-only steps that merely cut prompts into chunks would stall every decode
+        # behind a queue of half-done prompts, so the flag is refused rather than half-done.
+        if config.chunked_prefill and not self.implements_chunked_prefill:
+            raise ConfigError("policy.chunked_prefill", (
+                f"policy {config.name!r} does not implement chunked prefill (decodes first, "
+                f"then prompt chunks in the same step); use policy=chunked_prefill"))
         self.config = config
         self.seed = seed
 

@@ -107,6 +107,11 @@ def admit(step: StepBuilder, budget: Budget, candidates: Iterable[Request], *,
     no head-of-line bypass); otherwise later, smaller requests may go ahead.
     ``max_partial`` caps how many requests end the step with their prefill unfinished, and
     ``max_chunk`` (chunked only) the tokens one request may get.
+
+    Memory is vLLM v0's ``can_allocate`` / ``allocate``, chunked or not: a request is admitted
+    only if the blocks of its whole pending prefill fit above the watermark, and a request
+    admitted with a partial chunk holds all of them from now on (``StepBuilder.reserve``), so
+    its later chunks never need a block and can never run the pool dry halfway through.
     ``reserve_full`` admits a request only if the pool holds its whole length (prompt +
     maximum output) and reserves it now (static batching); the watermark does not apply then,
     since a request that holds its whole length can never need another block.
@@ -122,7 +127,7 @@ def admit(step: StepBuilder, budget: Budget, candidates: Iterable[Request], *,
         remaining = budget.remaining_tokens
         if remaining <= 0 or budget.seats_left() <= 0:
             break
-        n = req.num_pending_tokens
+        pending = n = req.num_pending_tokens
         # A recomputed request whose prompt + generated tokens exceed a whole step's budget
         # could never be admitted unchunked; it re-prefills in budget-sized chunks instead.
         too_big = n > budget.max_num_batched_tokens
@@ -134,16 +139,21 @@ def admit(step: StepBuilder, budget: Budget, candidates: Iterable[Request], *,
                 continue
             n = limit
         if reserve_full:
-            fits = step.can_allocate(req, full_length(req) - req.num_computed_tokens)
+            hold = full_length(req)
+            fits = step.can_allocate(req, hold - req.num_computed_tokens)
         else:
-            fits = step.can_allocate(req, n, use_watermark=True)
+            # The whole pending prefill, not this step's chunk (vLLM v0, Sarathi-Serve): a
+            # request admitted on its first chunk's blocks would grow into a shortage and be
+            # preempted mid-prefill, again and again.
+            hold = req.num_computed_tokens + pending if n < pending else 0
+            fits = step.can_allocate(req, pending, use_watermark=True)
         if not fits or not step.schedule(req, n):
             if strict_order:
                 break
             continue
-        if reserve_full and not step.reserve(req, full_length(req)):
+        if hold and not step.reserve(req, hold):
             raise RuntimeError(f"request {req.request_id}: reservation failed after the check")
-        if n < req.num_pending_tokens:
+        if n < pending:
             partial += 1
         admitted.append(req)
     return admitted

@@ -10,6 +10,13 @@ Every step, in this order, within ``max_num_batched_tokens`` (default 512) token
    preemption would only hand the victim's blocks to a newcomer and preempt again).
 So a long prompt never stalls the decodes: it is spread over as many steps as it needs.
 
+Memory at admission is vLLM v0's (``block_manager.can_allocate`` / ``allocate``, which its
+chunked scheduler uses too) and Sarathi-Serve's: a prompt (or a recomputed request's prompt +
+generated tokens) is admitted only if the blocks of all of it fit above the watermark, and it
+holds them all from its first chunk (``policies/budget.admit``). Its later chunks never need a
+block, so a prefill is never preempted for its own growth; a swap-out moves every block it
+holds, filled or not, as vLLM swaps the whole block table.
+
 ``max_num_partial_prefills`` (vLLM's name and default, 1) is how many prompts may be
 mid-prefill at once. With 1, the oldest prompt takes all the tokens the decodes left. With
 k > 1, as vLLM v0 does, those tokens are split evenly between up to k prompts wanting them, so
@@ -53,6 +60,7 @@ class ChunkedPrefillPolicy(Policy):
     # until an arrival, finish or KV shortage: decode jumps are safe.
     supports_decode_jumps = True
     decode_jumps_past_finishes = True
+    implements_chunked_prefill = True
 
     config_class = ChunkedPrefillConfig
     config: ChunkedPrefillConfig

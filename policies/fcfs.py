@@ -8,6 +8,12 @@ Each step is either a prefill step or a decode step:
    recently arrived running request is preempted (recompute by default).
 3. If that preempted nobody, swapped requests come back in order while blocks last.
 
+``policy.chunked_prefill=true`` is refused here and in every policy built on these steps
+(``ConfigError``): in vLLM v0 the flag switches to a different step structure (decodes first,
+then prompt chunks), which is ``policy=chunked_prefill``. The one chunked case left is a
+recomputed request whose prompt + generated tokens exceed a whole step's budget: it
+re-prefills in budget-sized chunks, holding all its blocks from admission.
+
 Orderings (``sjf``, ``priority``) subclass this and override the three hooks below: which
 waiting requests to admit and how, the running order, and the memory-pressure victim.
 """
@@ -47,13 +53,13 @@ class FCFSPolicy(Policy):
         preempted = schedule_running(step, budget, self.victim_picker(step, order), order)
         self.requeue(preempted)
         if not preempted and step.swapped:
-            resume_swapped(step, budget, self.swapped_order(step), self.config.chunked_prefill)
+            resume_swapped(step, budget, self.swapped_order(step))
         return step.build()
 
     # ---- hooks --------------------------------------------------------------------------
     def admit_waiting(self, step: StepBuilder, budget: Budget) -> list[Request]:
         """Admit from the waiting queue; returns those admitted."""
-        return admit(step, budget, step.waiting, chunked=self.config.chunked_prefill)
+        return admit(step, budget, step.waiting)
 
     def running_order(self, step: StepBuilder) -> Sequence[Request]:
         """The order in which running requests get their tokens (most preemptible last)."""

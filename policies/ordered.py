@@ -68,7 +68,7 @@ class OrderedPolicy(FCFSPolicy):
     def admit_waiting(self, step: StepBuilder, budget: Budget) -> list[Request]:
         with self.queue.ordered() as in_order:
             with closing(self._making_room(step, budget, self.candidates(step, in_order))) as c:
-                return admit(step, budget, c, chunked=self.config.chunked_prefill)
+                return admit(step, budget, c)
 
     def running_order(self, step: StepBuilder) -> Sequence[Request]:
         return sorted(step.running, key=self.running_key)

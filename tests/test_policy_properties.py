@@ -25,8 +25,7 @@ seats = st.integers(1, 6)
 # One strategy per registered policy; a policy registered without one fails the test below.
 POLICY_OPTIONS = {
     "fcfs": st.fixed_dictionaries({
-        "max_num_batched_tokens": tokens, "max_num_seqs": seats, "preemption_mode": modes,
-        "chunked_prefill": st.booleans()}),
+        "max_num_batched_tokens": tokens, "max_num_seqs": seats, "preemption_mode": modes}),
     "static": st.fixed_dictionaries({
         "max_num_batched_tokens": tokens, "max_num_seqs": seats,
         "max_batch_size": st.none() | st.integers(1, 4)}),

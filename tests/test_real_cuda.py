@@ -26,7 +26,8 @@ def test_greedy_outputs_do_not_depend_on_scheduling_on_the_gpu():
 
     outs = []
     for extra in ((), ("policy.preemption_mode=swap", "kv.num_gpu_blocks=8"),
-                  ("policy.chunked_prefill=true", "policy.max_num_batched_tokens=16")):
+                  ("policy=chunked_prefill", "policy.max_num_batched_tokens=16",
+                   "policy.max_num_seqs=16")):
         cfg = compose_cfg("executor=real", "device=cuda", "model=tiny", "executor.dtype=fp32",
                           "workload.num_requests=12", "workload.qps=1000", "seed=3",
                           "kv.num_cpu_blocks=64", *extra)
