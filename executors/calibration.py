@@ -47,6 +47,9 @@ KINDS = ("decode", "prefill", "mixed")
 
 SHRINK_TOLERANCE = 1e-3  # percentage points of fit MAPE a shrunk coefficient may cost
 SHARPNESS_GRID: tuple[float, ...] = (1.0, 1.5, 2.0, 3.0, 4.0, 8.0, math.inf)
+#: Coefficients only serving steps identify (``calibrate(steps=...)``); a rows-only fit
+#: leaves them at 0.
+SERVING_ONLY = ("s_per_prefill_row",)
 MAX_FIT_STEPS = 4000  # serving steps fitted at most (calibrate(steps=...)): the fit's run time
 
 
@@ -452,7 +455,10 @@ def calibrate(rows: Sequence[dict[str, Any]], model: ModelSpec, tensor_parallel:
     step_fit = step_fit[::-(-len(step_fit) // MAX_FIT_STEPS)] if step_fit else step_fit
     step_held = list(range(1, len(steps), 2)) or step_fit
     rows_x = [drivers[i] for i in fit_idx]
-    f = fit_coefficients(rows_x, y[fit_idx], sharpness)
+    # The per prompt row cost shows in serving steps only: a profile's warm one-row prompts
+    # cannot tell it from the per-kernel floor.
+    f = fit_coefficients(rows_x, y[fit_idx], sharpness,
+                         active=[n for n in Coefficients.names() if n not in SERVING_ONLY])
     if steps:
         # Steps are single noisy measurements, fitted at their mean (the simulated clock sums
         # them): absolute residuals over the rows-only fit's prediction, least squares.

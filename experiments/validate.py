@@ -93,7 +93,10 @@ class ValidationResult:
     replayed: dict[str, Any] | None  # each key's median over the replayed runs
     replay: Replay | None  # every run's steps pooled (step-time figures)
     profile_path: Path
-    profile_fit: dict[str, Any] = field(default_factory=dict)
+    profile_fit: dict[str, Any] = field(default_factory=dict)  # the profile simulated with
+    # The profile's own fit on its rows alone (issue 6's "held-out shapes" MAPE); the same as
+    # ``profile_fit`` when no serving steps were refitted.
+    shapes_fit: dict[str, Any] = field(default_factory=dict)
     real_runs: list[dict[str, Any]] = field(default_factory=list)  # each real run's summary
     replays: list[Replay] = field(default_factory=list)  # each real run's replay
     qps: float | None = None  # the offered load validated (workload.qps)
@@ -211,14 +214,15 @@ def format_table(result: ValidationResult) -> str:
         lines.append(f"replay: {len(rp.measured)} steps, step-time MAPE {rp.step_mape():.2f}%, "
                      f"busy time {rp.measured.sum():.3f} s measured vs "
                      f"{rp.predicted.sum():.3f} s predicted ({rp.busy_error():+.2f}%)")
-    f = result.profile_fit
-    if f:
+    f, shapes = result.profile_fit, result.shapes_fit or result.profile_fit
+    if shapes:
         lines.append(f"profile {result.profile_path}: held-out step-time MAPE "
-                     f"{f.get('mape_heldout_pct')}% ({f.get('rows_heldout')} shapes)")
+                     f"{shapes.get('mape_heldout_pct')}% ({shapes.get('rows_heldout')} shapes)")
     if f and f.get("steps_heldout"):
         lines.append(f"  refitted with serving steps: held-out steps MAPE "
                      f"{f['mape_steps_heldout_pct']}%, busy {f['busy_steps_heldout_pct']:+}% "
-                     f"({f['steps_heldout']} steps)")
+                     f"({f['steps_heldout']} steps); the profile's held-out shapes "
+                     f"{f.get('mape_heldout_pct')}%")
     return "\n".join(lines)
 
 
@@ -258,7 +262,7 @@ def summary_table(folders: Sequence[str | Path], target_pct: float = 5.0) -> str
         sat = doc.get("saturation")
         how = (f"auto: {sat['fraction']:g} x saturation {sat['saturation_throughput']:.2f}"
                if sat else "workload.qps")
-        fit = doc.get("profile_fit") or {}
+        fit = doc.get("shapes_fit") or doc.get("profile_fit") or {}
         notes.append(
             f"{name}: {within} of {len(TARGET_STATS)} within {target_pct:g}%; {doc['policy']} "
             f"at {doc['qps']:.2f} req/s ({how}) on {doc.get('device')} (hardware="
@@ -594,6 +598,7 @@ def _validate(cfg: dict[str, Any], base: dict[str, Any], opts: dict[str, Any],
     else:
         profile_path, fit = fit_profile_here(cfg, out_dir, statistic,
                                              schedule.run_after if interleave else None)
+    shapes_fit = dict(fit)
     schedule.run_rest()
     runs = schedule.done["real"]
     real = runs[0][0]
@@ -633,7 +638,7 @@ def _validate(cfg: dict[str, Any], base: dict[str, Any], opts: dict[str, Any],
             row["sim_profile"] = base_row["sim"]
             row["sim_profile_err_pct"] = base_row["sim_err_pct"]
     return ValidationResult(rows, real_median, sim.summary, replayed, pooled(reps),
-                            profile_path, fit, summaries, reps)
+                            profile_path, fit, shapes_fit, summaries, reps)
 
 
 def pooled(reps: Sequence[Replay]) -> Replay | None:
@@ -655,6 +660,7 @@ def write_outputs(result: ValidationResult, out_dir: Path, cfg: dict[str, Any]) 
     doc: dict[str, Any] = {
         "policy": result.real.get("policy"), "model": result.real.get("model"),
         "profile": str(result.profile_path), "profile_fit": result.profile_fit,
+        "shapes_fit": result.shapes_fit or result.profile_fit,
         "rows": result.rows,
         "real_repeats": max(1, len(result.real_runs)),
         "real_runs": [{k: s.get(k) for k in RUN_KEYS} for s in result.real_runs],

@@ -426,7 +426,7 @@ def test_profile_fit_simulate_compare_loop(tmp_path):
     model = load_model_spec("tiny")
     truth = dataclasses.replace(TRUE, s_per_step=3e-3, s_per_seq=2e-4, s_per_token=2e-5)
     meta = {"model": "tiny", "device": "cpu", "dtype": "fp32", "tensor_parallel": 1,
-            "executor": "fake"}
+            "executor": "fake", "attention_tile": 64}
     rows = profile_executor(NoisyExecutor(model, truth), model, SMALL_GRID, 16, meta)
     # The stand-in's decode geometry: its SMs and the default flash split rule.
     prof = calibrate(rows, model, num_sms=load_hardware_spec("a100_80gb").num_sms,

@@ -210,7 +210,7 @@ def test_sjf_decode_pool_predicts_the_remaining_output_of_transferred_requests()
 # Options beyond name and preemption mode, per policy; a policy registered without an entry
 # fails the test below, so new policies join this property.
 SIDE_OPTIONS = {
-    "fcfs": st.fixed_dictionaries({"chunked_prefill": st.booleans()}),
+    "fcfs": st.fixed_dictionaries({"max_num_seqs": st.sampled_from([4, 256])}),
     "static": st.fixed_dictionaries({"max_batch_size": st.none() | st.integers(1, 8)}),
     "sjf": st.fixed_dictionaries({
         "predictor": st.sampled_from(["oracle", "noisy", "bucket"]),
