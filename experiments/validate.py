@@ -216,8 +216,9 @@ def format_table(result: ValidationResult) -> str:
                      f"{rp.predicted.sum():.3f} s predicted ({rp.busy_error():+.2f}%)")
     f, shapes = result.profile_fit, result.shapes_fit or result.profile_fit
     if shapes:
-        lines.append(f"profile {result.profile_path}: held-out step-time MAPE "
-                     f"{shapes.get('mape_heldout_pct')}% ({shapes.get('rows_heldout')} shapes)")
+        lines.append(f"profile {result.profile_path}: the profile's own fit, held-out "
+                     f"step-time MAPE {shapes.get('mape_heldout_pct')}% "
+                     f"({shapes.get('rows_heldout')} shapes)")
     if f and f.get("steps_heldout"):
         lines.append(f"  refitted with serving steps: held-out steps MAPE "
                      f"{f['mape_steps_heldout_pct']}%, busy {f['busy_steps_heldout_pct']:+}% "
