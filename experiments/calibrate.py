@@ -53,8 +53,9 @@ def _attention_tile(value: str, rows: list[dict]) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """``key=value`` overrides: ``profile_csv`` (required), ``out``, ``block_size``,
     ``num_sms`` (default: the hardware config named by the rows' ``device``, else none),
-    ``attention_tile`` (default: 1 for rows measured on ``device`` cpu, whose torch attention
-    is untiled, else ``ATTENTION_TILE``)."""
+    ``attention_tile`` (default: the rows' ``attention_tile`` column, which the profiler
+    records; CSVs without it: 1 for rows measured on ``device`` cpu, whose torch attention is
+    untiled, else ``ATTENTION_TILE``)."""
     cfg = {"profile_csv": "", "out": "", "block_size": "16", "num_sms": "", "attention_tile": ""}
     if not apply_cli_overrides(sys.argv[1:] if argv is None else argv, cfg, ", ".join(cfg)):
         return 2

@@ -530,7 +530,13 @@ class RunSchedule:
     def __init__(self, base: dict[str, Any], out_dir: Path, repeats: int,
                  calibration: int) -> None:
         seed = int(base.get("seed", 0))
-        cal = [("calibration", i, {**base, "seed": seed + CALIBRATION_SEED_OFFSET + i})
+        # Other arrivals and prompts, the same model: the real executor's random weights keep
+        # the validated run's seed (one copy shared by every run, executors/real/weights.py).
+        executor = dict(base.get("executor") or {})
+        if executor.get("name") == "real" and executor.get("weight_seed") is None:
+            executor["weight_seed"] = seed
+        cal = [("calibration", i, {**base, "seed": seed + CALIBRATION_SEED_OFFSET + i,
+                                   "executor": executor})
                for i in range(calibration)]
         real = [("real", i, base) for i in range(repeats)]
         self.jobs = [job for pair in zip(cal, real) for job in pair]

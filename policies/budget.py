@@ -147,6 +147,14 @@ def admit(step: StepBuilder, budget: Budget, candidates: Iterable[Request], *,
             # preempted mid-prefill, again and again.
             hold = req.num_computed_tokens + pending if n < pending else 0
             fits = step.can_allocate(req, pending, use_watermark=True)
+            if not fits and (step.blocks_needed(req, pending) + step.watermark_blocks
+                             > step.kv.num_gpu_blocks):
+                # It could never fit above the watermark, even in an empty pool: a request
+                # recomputed after it grew that long (vLLM v0 would drop it as ignored).
+                # Waiting cannot help, so it is admitted as it always could be: this step's
+                # blocks, without the watermark, taking the rest chunk by chunk.
+                hold = 0
+                fits = step.can_allocate(req, n)
         if not fits or not step.schedule(req, n):
             if strict_order:
                 break

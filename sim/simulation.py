@@ -230,9 +230,9 @@ class Simulation:
             raise ConfigError(
                 f"{section}.max_num_batched_tokens",
                 f"{p.max_num_batched_tokens} is below the longest prompt the workload can send "
-                f"within model.max_model_len ({longest} tokens) and policy.chunked_prefill "
-                f"is off: such prompts could "
-                f"never be scheduled. Raise it or turn chunked prefill on.")
+                f"within model.max_model_len ({longest} tokens) and policy "
+                f"{p.name!r} does not chunk prompts: such prompts could never be scheduled. "
+                f"Raise it or use policy=chunked_prefill.")
         if p.max_num_batched_tokens < p.max_num_seqs and not p.chunked_prefill:
             raise ConfigError(
                 f"{section}.max_num_batched_tokens",

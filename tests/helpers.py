@@ -13,12 +13,19 @@ ROOT = CONF.parent
 SHARED = ROOT.parent / "shared"
 
 
-def compose_cfg(*overrides: str) -> dict[str, Any]:
-    """The config the main job would see for these command-line overrides."""
+def compose_named(config_name: str, *overrides: str) -> dict[str, Any]:
+    """The config an experiment whose Hydra config is ``conf/<config_name>.yaml`` would see
+    for these command-line overrides."""
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=list(overrides))
+        cfg = compose(config_name=config_name, overrides=list(overrides))
     out = OmegaConf.to_container(cfg, resolve=True)
     out.pop("hydra", None)
+    return out
+
+
+def compose_cfg(*overrides: str) -> dict[str, Any]:
+    """The config the main job would see for these command-line overrides."""
+    out = compose_named("config", *overrides)
     out["progress"] = False
     return out
 

@@ -120,3 +120,19 @@ def test_chunked_prefill_flag_is_refused_where_steps_are_not_chunked(policy):
                                "workload.num_requests=4"))
     assert e.value.field == "policy.chunked_prefill"
     assert "policy=chunked_prefill" in str(e.value)
+
+
+@pytest.mark.parametrize("policy", ["chunked_prefill", "fcfs"])
+def test_a_recompute_too_long_for_the_pool_above_the_watermark_still_runs(tmp_path, policy):
+    """Request 0 (2 + 30 tokens) grows until it is preempted and must re-prefill 28+ tokens:
+    8 blocks, more than the 10-block pool holds above its 2-block watermark. Whole-prompt
+    admission would wait for ever (SimulationStalled); since waiting cannot help, it is
+    admitted without the watermark, its blocks taken chunk by chunk (vLLM v0 would drop it)."""
+    trace = tmp_path / "t.csv"
+    trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n0.0,2,30\n0.0,28,13\n")
+    summary = Simulation(compose_cfg(
+        f"policy={policy}", "workload=trace", f"workload.path={trace}", "kv.block_size=4",
+        "kv.num_gpu_blocks=10", "kv.num_cpu_blocks=0", "policy.kv_watermark=0.2",
+        "policy.max_num_batched_tokens=32", "policy.max_num_seqs=2", "check_integrity=true",
+        "record_steps=false"), tmp_path / "out").run().summary
+    assert summary["completed"] == 2 and summary["num_preemptions"] >= 1

@@ -1,8 +1,6 @@
 """Smoke runs of the cluster experiments at tiny sizes, and the goodput bisection itself."""
 
 import pytest
-from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
 
 import experiments.disaggregation as disagg
 from experiments.common import merge, slo_attainment
@@ -10,15 +8,9 @@ from experiments.disaggregation import Probe, goodput
 from sim.errors import ConfigError
 from sim.request import Request, RequestStatus
 from sim.simulation import Simulation
-from tests.helpers import CONF
+from tests.helpers import compose_named
 
-
-def _compose(name, *overrides):
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        cfg = compose(config_name=name, overrides=list(overrides))
-    out = OmegaConf.to_container(cfg, resolve=True)
-    out.pop("hydra", None)
-    return out
+_compose = compose_named
 
 
 def test_goodput_bisection_finds_the_threshold(monkeypatch):
@@ -119,7 +111,7 @@ def test_limited_by_reads_the_lowest_failing_probe():
 
 
 def test_routing_experiment_smoke(tmp_path):
-    import experiments.routing as routing
+    from experiments import routing
 
     cfg = _compose("routing", "workload.num_requests=40", "experiment.workers=1",
                    "experiment.seeds=[0]", "experiment.routers=[round_robin,power_of_two]")

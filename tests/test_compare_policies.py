@@ -9,21 +9,15 @@ import sys
 
 import pandas as pd
 import pytest
-from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
 
 from experiments.compare_policies import plan_runs, run
 from experiments.policy_checks import static_slot_use
 from sim.errors import ConfigError
-from tests.helpers import CONF, ROOT
+from tests.helpers import ROOT, compose_named
 
 
 def compare_cfg(*overrides: str) -> dict:
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        cfg = compose(config_name="compare_policies", overrides=list(overrides))
-    out = OmegaConf.to_container(cfg, resolve=True)
-    out.pop("hydra", None)
-    return out
+    return compose_named("compare_policies", *overrides)
 
 
 def test_all_scenarios_run_every_variant_and_write_the_table(tmp_path):

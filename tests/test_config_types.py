@@ -143,6 +143,16 @@ def test_typed_fields_coerces_by_annotation_and_passes_other_types_through():
     (["cluster=disaggregated", "cluster.num_decode_replicas=1.5"], "cluster.num_decode_replicas"),
     (["cluster=disaggregated", "+cluster.link.bandwidth_gbps=abc"],
      "cluster.link.bandwidth_gbps"),
+    # The real executor's section (torch imported only when it is built).
+    (["executor=real", "model=tiny", "device=cpu", "executor.warmup=no"], "executor.warmup"),
+    (["executor=real", "model=tiny", "device=cpu", "executor.defer_gc=no"],
+     "executor.defer_gc"),
+    (["executor=real", "model=tiny", "device=cpu", "executor.temperature=abc"],
+     "executor.temperature"),
+    (["executor=real", "model=tiny", "device=cpu", "executor.num_threads=1.5"],
+     "executor.num_threads"),
+    (["executor=real", "model=tiny", "device=cpu", "executor.weight_seed=-1"],
+     "executor.weight_seed"),
 ])
 def test_bad_value_is_refused_at_build_time_naming_the_field(overrides, field):
     with pytest.raises(ConfigError) as e:

@@ -8,8 +8,6 @@ from __future__ import annotations
 import json
 
 import pytest
-from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
 
 import experiments.validate as validate_mod
 from experiments.profile import ProfileGrid, blocks_needed
@@ -18,7 +16,7 @@ from sim.errors import ConfigError
 from sim.simulation import Simulation
 from sim.specs import load_model_spec
 from tests.harness import RecordingExecutor
-from tests.helpers import CONF, compose_cfg
+from tests.helpers import compose_cfg, compose_named
 
 STEP = 0.01  # seconds per step of the fixed-time executor
 PER_STEP = 10  # prompts of 100 tokens per step under a 1,000-token budget
@@ -91,12 +89,7 @@ def test_saturation_errors_name_the_field(tmp_path):
                         tmp_path)
 
 
-def _cfg(name: str, *overrides: str) -> dict:
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        cfg = compose(config_name=name, overrides=list(overrides))
-    out = OmegaConf.to_container(cfg, resolve=True)
-    out.pop("hydra", None)
-    return out
+_cfg = compose_named
 
 
 def test_new_validate_options_are_checked(tmp_path):
@@ -184,9 +177,9 @@ def test_gpu_preset_runs_end_to_end_on_the_cpu(tmp_path):
 
 def test_cuda_side_choices_checkable_on_a_cpu():
     pytest.importorskip("torch")
+    from executors.real.config import LlamaArgs
     from executors.real.executor import prefill_attention_tile
     from executors.real.weights import clear_shared_weights, shared_random_weights
-    from executors.real.config import LlamaArgs
 
     # Triton's prefill tile is 64 // group tokens: full 64-token tiles only without grouping.
     assert prefill_attention_tile("torch", 1) == 1
@@ -219,5 +212,27 @@ def test_a_released_real_executor_holds_no_kv_and_runs_no_step():
     assert len(ex.execute(plan).sampled_token_ids) == 1
     ex.release()
     assert ex.runner.gpu_cache == [] and ex.runner.cpu_cache == [] and not ex.runner.tokens
+    assert ex.model is None and ex.runner.model is None  # replaced shared weights can go
     with pytest.raises(RuntimeError, match="released"):
         ex.execute(plan)
+
+
+def test_every_run_of_a_validation_serves_one_copy_of_the_weights():
+    """Calibration runs use other seeds (other arrivals and prompts) but the same model: one
+    weights object for the profiler and every run, which are all kept until the end (on a
+    GPU, a copy per seed would be 15 GiB each for Llama-3-8B)."""
+    pytest.importorskip("torch")
+    from experiments.profile import build_executor
+    from experiments.validate import RunSchedule
+
+    base = compose_cfg("executor=real", "device=cpu", "model=tiny", "seed=3",
+                       "workload.num_requests=2")
+    profiler, _, _ = build_executor(base)
+    kept = [Simulation(cfg).executor
+            for _, _, cfg in RunSchedule(base, None, repeats=3, calibration=2).jobs]
+    assert {cfg["seed"] for _, _, cfg in RunSchedule(base, None, 3, 2).jobs} == {3, 1003, 1004}
+    assert {id(ex.model.weights) for ex in [profiler, *kept]} == {id(profiler.model.weights)}
+    # A run without validation's pin keeps its own seed's weights.
+    other = Simulation(compose_cfg("executor=real", "device=cpu", "model=tiny", "seed=4",
+                                   "workload.num_requests=2")).executor
+    assert other.model.weights is not profiler.model.weights

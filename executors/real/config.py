@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from sim.config_types import typed_fields
 from sim.errors import ConfigError, require, require_known_fields
 from sim.specs import ModelSpec
 
@@ -116,6 +117,9 @@ class RealExecutorConfig:
     temperature: float = 0.0  # 0: greedy
     top_p: float = 1.0
     checkpoint: str | None = None  # local Hugging Face folder; None: random weights
+    # Seed of the random weights; None: the run's seed. Validation pins it, so that its runs
+    # under other seeds (other arrivals and prompts) serve the same model and share one copy.
+    weight_seed: int | None = None
     kernels: str | None = None  # triton | torch; None: triton on cuda, torch on cpu
     device_memory_gib: float | None = None  # None: the GPU's memory; 1 GiB on cpu
     warmup: bool = True  # run (and compile) one prefill and one decode before the first step
@@ -144,10 +148,12 @@ class RealExecutorConfig:
                 f"must be triton or torch, got {self.kernels!r}")
         require(self.timer in ("wall", "cpu"), "executor.timer",
                 f"must be wall or cpu, got {self.timer!r}")
+        require(self.weight_seed is None or self.weight_seed >= 0, "executor.weight_seed",
+                f"must be >= 0, got {self.weight_seed}")
         require(self.device_memory_gib is None or self.device_memory_gib > 0,
                 "executor.device_memory_gib", f"must be > 0, got {self.device_memory_gib}")
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RealExecutorConfig:
         require_known_fields(data, cls, "executor", "option for the real executor")
-        return cls(**data)
+        return cls(**typed_fields(cls, data, "executor"))

@@ -101,7 +101,9 @@ class RealExecutor(Executor):
         if config.checkpoint:
             weights = load_hf_checkpoint(config.checkpoint, self.args, self.dtype, self.device)
         else:
-            weights = shared_random_weights(self.args, self.dtype, self.device, seed)
+            weights = shared_random_weights(
+                self.args, self.dtype, self.device,
+                seed if config.weight_seed is None else config.weight_seed)
         self.model = LlamaModel(self.args, weights, get_kernels(self.kernels_name), self.device)
         self.runner = ModelRunner(self.model, self.device, self.dtype,
                                   Sampler(config.temperature, config.top_p, seed))
@@ -184,8 +186,11 @@ class RealExecutor(Executor):
         """Free the KV cache and the swap pool once the run is over (the weights are shared,
         ``weights.shared_random_weights``). Callers that keep a finished run's executor, as
         ``experiments/validate.py`` keeps every recorded run, would otherwise hold one pool
-        per run on the device. The executor runs no step afterwards."""
+        per run on the device; it also lets go of the model, so that weights the shared
+        cache has replaced are freed too. The executor runs no step afterwards."""
         self.runner.release()
+        self.runner.model = None  # type: ignore[assignment]
+        self.model = None  # type: ignore[assignment]
 
     def add_request(self, request_id: int, prompt_token_ids: Sequence[int] | None) -> None:
         self.runner.add_request(request_id, prompt_token_ids)
