@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from itertools import islice
 
-from sim.request import Request, RequestStatus
+from sim.request import Request, RequestStatus, full_length
 from sim.step_builder import ReadOnly, StepBuilder
 
 VictimPicker = Callable[[StepBuilder, Request], "Request | None"]
@@ -30,12 +30,6 @@ class Budget:
     def seats_left(self) -> int:
         """How many more requests may hold GPU KV (the running set) under ``max_num_seqs``."""
         return self.max_num_seqs - len(self.step.running)
-
-
-def full_length(req: Request) -> int:
-    """Tokens that ever need a KV slot: prompt + maximum output - 1 (the last sampled token
-    is never fed back)."""
-    return req.prompt_len + req.max_output_len - 1
 
 
 def latest_arrival_victim(step: StepBuilder, requester: Request) -> Request | None:

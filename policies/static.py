@@ -29,10 +29,10 @@ from dataclasses import dataclass
 from itertools import islice
 
 from policies.base import POLICIES, Policy, PolicyConfig
-from policies.budget import Budget, admit, full_length, schedule_running
+from policies.budget import Budget, admit, schedule_running
 from sim.errors import require
 from sim.plan import StepPlan
-from sim.request import Request
+from sim.request import Request, full_length
 from sim.step_builder import StepBuilder
 
 

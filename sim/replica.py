@@ -25,7 +25,7 @@ from sim.kv_manager import KVBlockManager, blocks_for
 from sim.metrics import MetricsCollector
 from sim.outputs import STEP_ROW_FORMAT, CsvSink, DecodeStepRows, request_row
 from sim.plan import DecodeBlock, StepPlan, StepResult
-from sim.request import Request, RequestStatus
+from sim.request import Request, RequestStatus, full_length
 from sim.step_builder import ReplicaQueues, StepBuilder
 
 
@@ -116,7 +116,7 @@ class Replica:
         # The last sampled token never needs a KV slot; a prefill replica (handoff set) only
         # ever holds the prompt, unless its policy reserves whole lengths (static batching).
         holds_prompt_only = self.handoff is not None and not self.policy.reserves_full_length
-        need = blocks_for(req.prompt_len if holds_prompt_only else total - 1,
+        need = blocks_for(req.prompt_len if holds_prompt_only else full_length(req),
                           self.kv.block_size)
         if need > self.kv.num_gpu_blocks:
             return (f"exceeds_kv_pool: needs {need} blocks, the pool has "
@@ -163,8 +163,7 @@ class Replica:
         (static batching) gets that length reserved now, outside the watermark, as its own
         admission does: its decodes never ask for a block."""
         if self.policy.reserves_full_length:
-            return self.builder.reserve_transfer(
-                req, req.prompt_len + req.max_output_len - 1, use_watermark=False)
+            return self.builder.reserve_transfer(req, full_length(req), use_watermark=False)
         return self.builder.reserve_transfer(req)
 
     def accept_transferred(self, req: Request) -> None:

@@ -48,6 +48,12 @@ class InvalidTransition(RuntimeError):
     pass
 
 
+def full_length(req: Request) -> int:
+    """Tokens that ever need a KV slot: prompt + maximum output - 1 (the last sampled token
+    is never fed back)."""
+    return req.prompt_len + req.max_output_len - 1
+
+
 class Request:
     """One inference request. Timestamps are simulated seconds (``None`` until they happen)."""
 

@@ -32,7 +32,7 @@ from sim.kv_manager import blocks_for
 from sim.metrics import MetricsCollector
 from sim.outputs import CsvSink, request_row
 from sim.replica import Replica
-from sim.request import Request
+from sim.request import Request, full_length
 
 
 @dataclass
@@ -101,7 +101,7 @@ class Disaggregated:
         """Why the decode pool could never hold ``req`` (all decode replicas are alike)."""
         d = self.decode[0]
         kv = d.kv
-        need = blocks_for(req.prompt_len + req.max_output_len - 1, kv.block_size)
+        need = blocks_for(full_length(req), kv.block_size)
         if need > kv.num_gpu_blocks:
             return (f"exceeds_kv_pool: needs {need} blocks on a decode replica, which has "
                     f"{kv.num_gpu_blocks}")
