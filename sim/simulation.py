@@ -43,6 +43,20 @@ TOP_LEVEL = {*SECTIONS, "seed", "progress", "check_integrity", "output_dir", "st
              "device", "itl_quantiles", "record_steps"}
 
 
+# KV block sizes (tokens): powers of two up to 256, vLLM's choices (1, 8, 16 ... 256) plus 2
+# and 4 for tiny test pools. Our Triton attention kernel (executors/real/kernels/
+# paged_attention.py) finds a token's block by division and would run any size; the rule
+# follows vLLM, whose attention backends are built for power-of-two blocks.
+MAX_BLOCK_SIZE = 256
+
+
+def check_block_size(block_size: int, field: str = "kv.block_size") -> None:
+    """Refuse a KV block size that is not a power of two in 1..``MAX_BLOCK_SIZE``."""
+    ok = 1 <= block_size <= MAX_BLOCK_SIZE and block_size & (block_size - 1) == 0
+    require(ok, field, f"must be a power of two from 1 to {MAX_BLOCK_SIZE} (vLLM uses 8, 16, "
+                       f"32 ... 256; 16 by default), got {block_size}")
+
+
 @dataclass(frozen=True)
 class KVConfig:
     block_size: int = 16
@@ -53,7 +67,7 @@ class KVConfig:
     activation_reserve_gib: float | None = None  # overrides the estimate
 
     def __post_init__(self) -> None:
-        require(self.block_size >= 1, "kv.block_size", f"must be >= 1, got {self.block_size}")
+        check_block_size(self.block_size)
         require(self.num_cpu_blocks is None or self.num_cpu_blocks >= 0, "kv.num_cpu_blocks",
                 f"must be >= 0, got {self.num_cpu_blocks}")
         # A negative reserve would hand the planner more bytes than the GPU has.
@@ -116,7 +130,7 @@ class Simulation:
         self.model: ModelSpec = model_spec_from(_section(cfg, "model"), "model config")
         self.hardware: HardwareSpec = hardware_spec_from(_section(cfg, "hardware"), "hardware config")
         self.cluster: ClusterConfig | DisaggregatedConfig = cluster_config_from(
-            _section(cfg, "cluster"))
+            _section(cfg, "cluster"), self.model)
         self.kv_cfg = _dataclass_from(KVConfig, _section(cfg, "kv"), "kv")
         self.policy_cfg = _section(cfg, "policy")
         self.pools = self._make_pools()

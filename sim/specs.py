@@ -142,10 +142,33 @@ class ModelSpec:
         """K and V for one token across all layers (whole model, all ranks)."""
         return 2 * self.num_layers * self.kv_size * self.kv_bytes_per_element
 
+    def check_tensor_parallel(self, tensor_parallel: int,
+                              field: str = "cluster.tensor_parallel") -> None:
+        """Refuse a TP degree the model's heads cannot be split over, by vLLM's rule: the
+        attention heads divide evenly over the ranks, and either the KV heads do too (each rank
+        holds ``num_kv_heads / TP``) or the ranks divide evenly over the KV heads (each rank
+        holds one replicated KV head). The error names ``field`` and both numbers."""
+        tp, heads, kv = tensor_parallel, self.num_heads, self.num_kv_heads
+        require(tp >= 1, field, f"must be >= 1, got {tp}")
+        require(heads % tp == 0, field, f"{tp} does not divide {self.name}'s num_heads={heads}: "
+                                        f"each rank must hold the same number of query heads")
+        require(kv % tp == 0 or tp % kv == 0, field,
+                f"{tp} neither divides nor is a multiple of {self.name}'s num_kv_heads={kv}: "
+                f"KV heads are split evenly over the ranks (TP dividing {kv}) or each rank "
+                f"holds one replicated KV head (TP a multiple of {kv})")
+
+    def kv_heads_per_rank(self, tensor_parallel: int = 1,
+                          field: str = "cluster.tensor_parallel") -> int:
+        """KV heads one TP rank stores: ``num_kv_heads / TP`` when they split evenly, else one
+        replicated head (``TP`` a multiple of ``num_kv_heads``); other TPs are refused."""
+        self.check_tensor_parallel(tensor_parallel, field)
+        return max(1, self.num_kv_heads // tensor_parallel)
+
     def kv_bytes_per_token_per_rank(self, tensor_parallel: int = 1,
                                     pipeline_parallel: int = 1) -> float:
-        # KV heads are sharded by TP; with more ranks than KV heads they are replicated.
-        kv_heads = max(1, self.num_kv_heads // tensor_parallel)
+        """K and V for one token on one rank: its KV heads, its pipeline stage's (largest,
+        ceil) share of the layers."""
+        kv_heads = self.kv_heads_per_rank(tensor_parallel)
         layers = -(-self.num_layers // pipeline_parallel)
         return 2 * layers * kv_heads * self.head_dim * self.kv_bytes_per_element
 

@@ -4,6 +4,14 @@ or Mooncake JSONL (``{"timestamp": ms, "input_length", "output_length", ...}``).
 The file is parsed whole before the run (a few columns of numbers, cheap even for millions of
 rows), so that a malformed row is refused up front with its file and line; Requests are still
 created lazily.
+
+Times: a trace is one time axis. Azure ``TIMESTAMP`` is either a number of seconds >= 0 or an
+ISO date; dates are either all naive (read as UTC, so no machine's local zone or daylight-saving
+shift enters) or all with a UTC offset (offsets may differ: each names one instant). A file that
+mixes numbers, naive dates and dates with offsets is refused at the first row that differs from
+the first row, as is a negative number (Azure seconds or Mooncake milliseconds). Rows out of
+time order are replayed in time order (a stable sort: equal times keep the file's order);
+``start`` and ``num_requests`` then count in that order.
 """
 
 from __future__ import annotations
@@ -12,7 +20,7 @@ import csv
 import json
 import math
 from collections.abc import Iterator
-from datetime import datetime
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -33,19 +41,29 @@ class TraceFormatError(ConfigError):
         super().__init__("workload.path", f"{path}:{line}: {message}")
 
 
-def _parse_time(value: str, what: str, path: Path, line: int) -> float:
-    """Seconds from a number or an ISO date. NaN or infinity would sort arbitrarily and put
-    NaN into every time the run reports, so they are refused."""
+# The three kinds of Azure TIMESTAMP; a trace must use one.
+NUMBER, NAIVE_DATE, OFFSET_DATE = "a number", "a date without UTC offset", "a date with UTC offset"
+
+
+def _parse_time(value: str, what: str, path: Path, line: int) -> tuple[float, str]:
+    """Seconds and the kind of the value (``NUMBER``, ``NAIVE_DATE``, ``OFFSET_DATE``): a
+    finite number >= 0 or an ISO date (naive ones read as UTC). NaN or infinity would sort
+    arbitrarily and put NaN into every time the run reports, so they are refused."""
     try:
         t = float(value)
     except ValueError:
         try:
-            return datetime.fromisoformat(value).timestamp()
+            d = datetime.fromisoformat(value)
         except ValueError:
             raise TraceFormatError(path, line, f"{what} {value!r} does not parse") from None
+        if d.tzinfo is None:
+            return d.replace(tzinfo=timezone.utc).timestamp(), NAIVE_DATE
+        return d.timestamp(), OFFSET_DATE
     if not math.isfinite(t):
         raise TraceFormatError(path, line, f"{what} must be a finite number, got {value!r}")
-    return t
+    if t < 0:
+        raise TraceFormatError(path, line, f"{what} must be >= 0, got {value!r}")
+    return t, NUMBER
 
 
 def _finite(value: Any, what: str, path: Path, line: int) -> float:
@@ -70,6 +88,7 @@ def _positive_int(value: Any, what: str, path: Path, line: int, minimum: int) ->
 
 def read_azure_csv(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     times, ins, outs = [], [], []
+    first: tuple[str, int, str] | None = None  # the first row's time kind, line and value
     with path.open(newline="") as f:
         reader = csv.reader(f)
         header = next(reader, None)
@@ -82,7 +101,17 @@ def read_azure_csv(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
                 continue
             if len(row) < 3:
                 raise TraceFormatError(path, line, f"expected 3 columns, got {len(row)}")
-            times.append(_parse_time(row[0].strip(), "TIMESTAMP", path, line))
+            value = row[0].strip()
+            t, kind = _parse_time(value, "TIMESTAMP", path, line)
+            if first is None:
+                first = (kind, line, value)
+            elif kind != first[0]:
+                # Naive and zone-aware times (or numbers and dates) share no time axis: any
+                # gap between them would be an artefact of how the reader fills the zone in.
+                raise TraceFormatError(path, line, f"TIMESTAMP {value!r} is {kind}, but line "
+                                       f"{first[1]}'s {first[2]!r} is {first[0]}: a trace's "
+                                       f"times must all be of one kind")
+            times.append(t)
             ins.append(_positive_int(row[1], "ContextTokens", path, line, 1))
             outs.append(_positive_int(row[2], "GeneratedTokens", path, line, 0))
     return np.asarray(times), np.asarray(ins), np.asarray(outs)
@@ -98,10 +127,13 @@ def read_mooncake_jsonl(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray,
                 continue
             try:
                 row = json.loads(text)
-                ms = row["timestamp"]
+                raw = row["timestamp"]
             except (ValueError, KeyError, TypeError) as e:
                 raise TraceFormatError(path, line, f"not a Mooncake record ({e})") from None
-            times.append(_finite(ms, "timestamp", path, line) / 1000.0)
+            ms = _finite(raw, "timestamp", path, line)
+            if ms < 0:  # milliseconds from the trace's start
+                raise TraceFormatError(path, line, f"timestamp must be >= 0, got {raw!r}")
+            times.append(ms / 1000.0)
             ins.append(_positive_int(row.get("input_length"), "input_length", path, line, 1))
             outs.append(_positive_int(row.get("output_length"), "output_length", path, line, 0))
             h = row.get("hash_ids")
@@ -132,7 +164,8 @@ class TraceWorkload(Workload):
         if len(times) == 0:
             raise ConfigError("workload.path", f"{path}: the trace has no rows")
         total = len(times)
-        order = np.argsort(times, kind="stable")  # traces are mostly sorted; make it exact
+        # Replay in time order; stable, so rows with equal times keep the file's order.
+        order = np.argsort(times, kind="stable")
         end = total if num_requests is None else start + num_requests
         order = order[start:end]
         times, ins, outs = times[order], ins[order], outs[order]

@@ -11,6 +11,7 @@ from sim.cluster.link import LinkConfig
 from sim.cluster.router import ROUTERS
 from sim.config_types import typed_fields
 from sim.errors import ConfigError, require
+from sim.specs import ModelSpec
 
 
 def _check_router(name: str, where: str) -> None:
@@ -48,6 +49,11 @@ class ClusterConfig:
     @property
     def num_gpus(self) -> int:
         return self.num_replicas * self.tensor_parallel * self.pipeline_parallel
+
+    def check_model(self, model: ModelSpec) -> None:
+        """Refuse a ``tensor_parallel`` the model's heads cannot be split over (vLLM's rule,
+        ``ModelSpec.check_tensor_parallel``)."""
+        model.check_tensor_parallel(self.tensor_parallel, "cluster.tensor_parallel")
 
 
 @dataclass(frozen=True)
@@ -93,6 +99,14 @@ class DisaggregatedConfig:
         v = getattr(self, side).pipeline_parallel
         return self.pipeline_parallel if v is None else v
 
+    def check_model(self, model: ModelSpec) -> None:
+        """Refuse a pool's tensor parallelism that the model's heads cannot be split over,
+        naming the field that set it: the pool's own, else the shared default."""
+        for side in ("prefill", "decode"):
+            own = getattr(self, side).tensor_parallel is not None
+            field = f"cluster.{side}.tensor_parallel" if own else "cluster.tensor_parallel"
+            model.check_tensor_parallel(self.tp(side), field)
+
 
 def _pool_from(data: Any, side: str) -> PoolConfig:
     if data is None:
@@ -107,9 +121,17 @@ def _pool_from(data: Any, side: str) -> PoolConfig:
                                      f"cluster.{side}"))
 
 
-def cluster_config_from(data: dict[str, Any]) -> ClusterConfig | DisaggregatedConfig:
-    """Parse the ``cluster`` section. A section without ``name`` is a ``single`` one."""
-    data = dict(data)
+def cluster_config_from(data: dict[str, Any],
+                        model: ModelSpec | None = None) -> ClusterConfig | DisaggregatedConfig:
+    """Parse the ``cluster`` section. A section without ``name`` is a ``single`` one. With
+    ``model``, its tensor parallelism is also checked against the model's heads."""
+    cfg = _cluster_config_from(dict(data))
+    if model is not None:
+        cfg.check_model(model)
+    return cfg
+
+
+def _cluster_config_from(data: dict[str, Any]) -> ClusterConfig | DisaggregatedConfig:
     name = data.get("name", "single")
     if name == "disaggregated":
         _unknown(data, set(DisaggregatedConfig.__dataclass_fields__), "cluster")
