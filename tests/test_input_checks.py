@@ -20,9 +20,9 @@ from sim.errors import ConfigError
 from sim.memory import plan_memory
 from sim.simulation import KVConfig, Simulation
 from sim.specs import known_models, load_hardware_spec, load_model_spec
+from tests.helpers import small_cfg
 from workloads import make_workload
 from workloads.trace import TraceFormatError
-from tests.helpers import small_cfg
 
 HEADER = "TIMESTAMP,ContextTokens,GeneratedTokens\n"
 
@@ -154,13 +154,13 @@ def _trace(tmp_path, text: str, name: str = "t.csv"):
 
 @pytest.mark.parametrize("rows,match", [
     (["2023-11-16 18:00:00", "2023-11-16 18:00:01+00:00"],
-     r":3: TIMESTAMP '2023-11-16 18:00:01\+00:00' is a date with UTC offset, but line 2's "
-     r"'2023-11-16 18:00:00' is a date without UTC offset"),
+     (r":3: TIMESTAMP '2023-11-16 18:00:01\+00:00' is a date with UTC offset, but line 2's "
+     r"'2023-11-16 18:00:00' is a date without UTC offset")),
     (["2023-11-16T18:00:00Z", "2023-11-16T18:00:01Z", "2023-11-16T18:00:02"],
-     r":4: TIMESTAMP '2023-11-16T18:00:02' is a date without UTC offset, but line 2's "
-     r"'2023-11-16T18:00:00Z' is a date with UTC offset"),
-    (["0.5", "2023-11-16 18:00:01"], r":3: TIMESTAMP '2023-11-16 18:00:01' is a date without "
-                                     r"UTC offset, but line 2's '0.5' is a number"),
+     (r":4: TIMESTAMP '2023-11-16T18:00:02' is a date without UTC offset, but line 2's "
+     r"'2023-11-16T18:00:00Z' is a date with UTC offset")),
+    (["0.5", "2023-11-16 18:00:01"], (r":3: TIMESTAMP '2023-11-16 18:00:01' is a date without "
+                                     r"UTC offset, but line 2's '0.5' is a number")),
     (["2023-11-16 18:00:00", "12"], r":3: TIMESTAMP '12' is a number, but line 2's"),
 ])
 def test_trace_mixing_kinds_of_time_names_file_and_line(tmp_path, rows, match):
@@ -196,8 +196,8 @@ def test_naive_dates_read_as_utc_whatever_the_local_zone(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("name,text,match", [
     ("t.csv", HEADER + "0,10,5\n-1.5,10,5\n", r"t\.csv:3: TIMESTAMP must be >= 0, got '-1\.5'"),
-    ("t.jsonl", '{"timestamp": 0, "input_length": 10, "output_length": 5}\n\n'
-                '{"timestamp": -3, "input_length": 10, "output_length": 5}\n',
+    ("t.jsonl", ('{"timestamp": 0, "input_length": 10, "output_length": 5}\n\n'
+                '{"timestamp": -3, "input_length": 10, "output_length": 5}\n'),
      r"t\.jsonl:3: timestamp must be >= 0, got -3"),
 ])
 def test_negative_trace_times_name_file_and_line(tmp_path, name, text, match):
