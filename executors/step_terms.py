@@ -614,6 +614,15 @@ class Coefficients:
     def as_dict(self) -> dict[str, float]:
         return asdict(self)
 
+    def scaled(self, factor: float) -> Coefficients:
+        """Every price times ``factor`` (the knee kept): every term is a price times a driver
+        or a p-norm of such products, so each step's time scales by exactly ``factor`` (a
+        host that runs ``factor`` times slower)."""
+        if not (factor > 0 and math.isfinite(factor)):
+            raise ValueError(f"scale factor must be positive and finite, got {factor}")
+        return Coefficients(**{name: getattr(self, name) * factor for name in self.names()},
+                            sharpness=self.sharpness)
+
     def breakdown(self, d: StepDrivers, tokens_priced_by_bytes: float | None = None,
                   ) -> StepBreakdown:
         """Seconds per term, without communication and swap (priced from the spec).

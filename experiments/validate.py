@@ -30,6 +30,10 @@
    the refitted profile (``sim``) and the profile alone (``sim_profile``).
 5. Replays each real run's recorded steps through the cost model with the schedule held fixed:
    per-step error and the latencies of the real schedule under predicted step times.
+6. Simulates each real run again with the profile scaled by the host's speed during it
+   (``validate.host_speed``, ``experiments/host_speed.py``) and compares it with its own run:
+   the ``paired`` columns, a diagnostic that separates a shared host's drifting speed from
+   what the simulator gets wrong.
 
 ``validate.pin_cpu`` pins the process to one core while it profiles and runs the real executor
 (no migration between cores' private caches). ``validate.policy_overrides.<policy name>`` holds
@@ -41,7 +45,8 @@ simulated, replayed, relative errors), ``validation.json`` (that plus each run's
 step-time figures), ``validation.html`` (the CDFs overlaid, predicted vs measured step times),
 ``replay_steps.csv``, and ``real/``, ``real_2/``..., ``calibration/``..., ``sim/``,
 ``saturation/``, ``saturation_2/`` and ``saturation.json`` (``qps: auto``),
-``sim_profile/`` (each run's ``requests.csv``, ``steps.csv``, ``summary.json``), plus
+``sim_profile/``, ``paired/real``, ``paired/real_2``... (each run's ``requests.csv``,
+``steps.csv``, ``summary.json``; a paired run's scaled ``hardware_profile.yaml``), plus
 ``profile.csv``, ``hardware_profile.yaml`` and ``hardware_profile_serving.yaml``. Prints the
 table.
 """
@@ -65,6 +70,8 @@ import yaml
 
 from executors.recording import RecordingExecutor, Replay, replay
 from executors.step_terms import ATTENTION_TILE
+from experiments.host_speed import MODES as HOST_SPEED_MODES
+from experiments.host_speed import neighbour_speeds, scaled_profile, speed_ratio
 from experiments.saturation import DEFAULT_FRACTION, Saturation, check_fraction, find_saturation
 from sim.errors import ConfigError, require
 from sim.metrics import latency_stats
@@ -80,7 +87,7 @@ RUN_KEYS = ("num_steps", "num_preemptions", "simulated_duration_s", "wall_time_s
             "p90_e2el_ms")
 OPTIONS = {"profile", "replay", "cost_model", "seed_profile", "real_repeats", "pin_cpu",
            "policy_overrides", "calibration_runs", "interleave", "fit_statistic", "qps",
-           "saturation_fraction", "saturation_num_gpu_blocks", "hardware"}
+           "saturation_fraction", "saturation_num_gpu_blocks", "hardware", "host_speed"}
 #: ``validate.calibration_runs``: the i-th runs the workload with seed ``seed + this + i``.
 CALIBRATION_SEED_OFFSET = 1000
 
@@ -99,6 +106,10 @@ class ValidationResult:
     shapes_fit: dict[str, Any] = field(default_factory=dict)
     real_runs: list[dict[str, Any]] = field(default_factory=list)  # each real run's summary
     replays: list[Replay] = field(default_factory=list)  # each real run's replay
+    # Each real run simulated at the host's speed of its time (experiments/host_speed.py):
+    # the summaries (one per real run, in order) and how the speeds were taken.
+    paired_runs: list[dict[str, Any]] = field(default_factory=list)
+    host_speed: dict[str, Any] = field(default_factory=dict)
     qps: float | None = None  # the offered load validated (workload.qps)
     saturation: Saturation | None = None  # how qps was chosen (validate.qps: auto)
 
@@ -156,14 +167,19 @@ def median_summary(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 def error_table(real: dict[str, Any], sim: dict[str, Any], replayed: dict[str, Any] | None,
                 real_runs: Sequence[dict[str, Any]] = (),
-                replayed_runs: Sequence[dict[str, Any]] = ()) -> list[dict[str, Any]]:
-    """Rows (metric, stat, real, real_min, real_max, sim, sim_err_pct, replay, replay_err_pct);
-    latencies in ms. ``real`` is the reference (the runs' median, ``median_summary``);
-    ``real_min`` / ``real_max`` are the range over ``real_runs`` (``real`` itself without
-    them). ``replay_err_pct`` is the median over runs of each replay against its own run when
-    ``replayed_runs`` (one per real run) is given, else ``replayed`` against ``real``."""
-    if replayed_runs and len(replayed_runs) != len(real_runs):
-        raise ValueError(f"{len(replayed_runs)} replayed runs for {len(real_runs)} real runs")
+                replayed_runs: Sequence[dict[str, Any]] = (),
+                paired_runs: Sequence[dict[str, Any]] = ()) -> list[dict[str, Any]]:
+    """Rows (metric, stat, real, real_min, real_max, sim, sim_err_pct, replay, replay_err_pct,
+    paired, paired_err_pct); latencies in ms. ``real`` is the reference (the runs' median,
+    ``median_summary``); ``real_min`` / ``real_max`` are the range over ``real_runs``
+    (``real`` itself without them). ``replay_err_pct`` is the median over runs of each replay
+    against its own run when ``replayed_runs`` (one per real run) is given, else ``replayed``
+    against ``real``. ``paired_runs`` (one simulation per real run at that run's host speed,
+    ``experiments/host_speed.py``) give ``paired`` (their median) and ``paired_err_pct`` (the
+    median over runs of each against its own run)."""
+    for name, other in (("replayed", replayed_runs), ("paired", paired_runs)):
+        if other and len(other) != len(real_runs):
+            raise ValueError(f"{len(other)} {name} runs for {len(real_runs)} real runs")
     rows = []
     keys = [(label, s_label, f"{s}_{m}_ms") for m, label in METRICS for s, s_label in STATS]
     keys += [(t, "", t) for t in THROUGHPUTS]
@@ -178,6 +194,10 @@ def error_table(real: dict[str, Any], sim: dict[str, Any], replayed: dict[str, A
                     [_rel(p[key], r[key]) for p, r in zip(replayed_runs, real_runs)]))
             else:
                 row["replay_err_pct"] = _rel(replayed[key], real[key])
+        if paired_runs:
+            row["paired"] = float(np.median([float(p[key]) for p in paired_runs]))
+            row["paired_err_pct"] = float(np.median(
+                [_rel(p[key], r[key]) for p, r in zip(paired_runs, real_runs)]))
         rows.append(row)
     return rows
 
@@ -189,10 +209,13 @@ def spread_pct(row: dict[str, Any]) -> float:
 
 def format_table(result: ValidationResult) -> str:
     has_replay = result.replayed is not None
+    has_paired = bool(result.paired_runs)
     n = max(1, len(result.real_runs))
     head = f"{'metric':<20} {'stat':<5} {'real':>10} {'spread%':>7} {'sim':>10} {'err%':>7}"
     if has_replay:
         head += f" {'replay':>10} {'err%':>7}"
+    if has_paired:
+        head += f" {'paired':>10} {'err%':>7}"
     lines = [result.saturation.describe()] if result.saturation is not None else []
     lines.append(head)
     for r in result.rows:
@@ -200,6 +223,8 @@ def format_table(result: ValidationResult) -> str:
                 f"{r['sim']:>10.2f} {r['sim_err_pct']:>+7.1f}")
         if has_replay:
             line += f" {r['replay']:>10.2f} {r['replay_err_pct']:>+7.1f}"
+        if has_paired:
+            line += f" {r['paired']:>10.2f} {r['paired_err_pct']:>+7.1f}"
         lines.append(line)
     lines.append("(latencies in ms, throughputs per second; err% = simulated / real - 1)")
     if "sim_profile" in result.rows[0]:
@@ -209,6 +234,14 @@ def format_table(result: ValidationResult) -> str:
     if n > 1:
         lines.append(f"real: median of {n} runs; spread% = (max - min) / median over the runs; "
                      f"replay err%: median over the runs of each replay vs its own run")
+    hs = result.host_speed
+    if has_paired:
+        f = hs["factors"]
+        lines.append(f"paired (a diagnostic): each real run simulated at the host's speed "
+                     f"(validate.host_speed={hs['mode']}: x{min(f):.3f} to x{max(f):.3f} the "
+                     f"profile's step times), err% = median over the runs of each vs its own run")
+    elif hs.get("skipped"):
+        lines.append(f"paired: not run ({hs['skipped']})")
     if result.replay is not None:
         rp = result.replay
         lines.append(f"replay: {len(rp.measured)} steps, step-time MAPE {rp.step_mape():.2f}%, "
@@ -242,7 +275,7 @@ def summary_table(folders: Sequence[str | Path], target_pct: float = 5.0) -> str
     import pandas as pd
 
     lines = [f"{'config':<10} {'stat':<9} {'real':>9} {'spread%':>8} {'sim':>9} {'err%':>7} "
-             f"{'replay err%':>11}"]
+             f"{'replay err%':>11} {'paired err%':>11}"]
     notes = []
     for folder in map(Path, folders):
         name = folder.name
@@ -252,20 +285,28 @@ def summary_table(folders: Sequence[str | Path], target_pct: float = 5.0) -> str
             continue
         rows = pd.read_csv(csv)
         doc = json.loads(js.read_text())
-        within = 0
+        within = within_paired = 0
         for metric, stat in TARGET_STATS:
             r = rows[(rows.metric == metric) & (rows.stat == stat)].iloc[0].to_dict()
             within += abs(r["sim_err_pct"]) <= target_pct
-            replay = f"{r['replay_err_pct']:>+11.1f}" if "replay_err_pct" in r else ""
+            replay = f"{r['replay_err_pct']:>+11.1f}" if "replay_err_pct" in r else " " * 11
+            paired = ""
+            if "paired_err_pct" in r:
+                paired = f" {r['paired_err_pct']:>+11.1f}"
+                within_paired += abs(r["paired_err_pct"]) <= target_pct
             lines.append(f"{name:<10} {metric + ' ' + stat:<9} {r['real']:>9.2f} "
                          f"{spread_pct(r):>8.0f} {r['sim']:>9.2f} {r['sim_err_pct']:>+7.1f} "
-                         f"{replay}")
+                         f"{replay}{paired}")
         sat = doc.get("saturation")
         how = (f"auto: {sat['fraction']:g} x saturation {sat['saturation_throughput']:.2f}"
                if sat else "workload.qps")
         fit = doc.get("shapes_fit") or doc.get("profile_fit") or {}
+        hs = doc.get("host_speed") or {}
+        paired_note = (f" (paired at the host's speed: {within_paired}, host_speed="
+                       f"{hs.get('mode')})" if "paired_err_pct" in rows else "")
         notes.append(
-            f"{name}: {within} of {len(TARGET_STATS)} within {target_pct:g}%; {doc['policy']} "
+            f"{name}: {within} of {len(TARGET_STATS)} within {target_pct:g}%{paired_note}; "
+            f"{doc['policy']} "
             f"at {doc['qps']:.2f} req/s ({how}) on {doc.get('device')} (hardware="
             f"{doc.get('hardware')}); held-out step-time MAPE {fit.get('mape_heldout_pct')}% "
             f"({fit.get('rows_heldout')} shapes); replay busy "
@@ -303,6 +344,8 @@ def _options(cfg: dict[str, Any]) -> dict[str, Any]:
                                and blocks >= 1), "validate.saturation_num_gpu_blocks",
             f"must be a block count >= 1 or null (the validated kv.num_gpu_blocks), got "
             f"{blocks!r}")
+    require(opts.get("host_speed", "own") in HOST_SPEED_MODES, "validate.host_speed",
+            f"must be one of {', '.join(HOST_SPEED_MODES)}, got {opts.get('host_speed')!r}")
     require(opts.get("hardware") in (None, "auto"), "validate.hardware",
             f"must be auto (the conf/hardware spec of the device the real executor runs on) "
             f"or null (the composed hardware=...), got {opts.get('hardware')!r}")
@@ -637,15 +680,55 @@ def _validate(cfg: dict[str, Any], base: dict[str, Any], opts: dict[str, Any],
             done = {r.request_id for r in res.requests if r.status.name == "FINISHED"}
             reps.append(replay(steps, simulated.executor, arrivals))
             replayed_runs.append(replay_summary(reps[-1], {k: arrivals[k] for k in done}, done))
+    paired, host = pair_by_host_speed(str(opts.get("host_speed", "own")), schedule,
+                                      simulated.executor, profile_path, simulate, out_dir)
     real_median = median_summary(summaries)
     replayed = median_summary(replayed_runs) if replayed_runs else None
-    rows = error_table(real_median, sim.summary, replayed, summaries, replayed_runs)
+    rows = error_table(real_median, sim.summary, replayed, summaries, replayed_runs, paired)
     if profile_only is not None:
         for row, base_row in zip(rows, error_table(real_median, profile_only, None)):
             row["sim_profile"] = base_row["sim"]
             row["sim_profile_err_pct"] = base_row["sim_err_pct"]
     return ValidationResult(rows, real_median, sim.summary, replayed, pooled(reps),
-                            profile_path, fit, shapes_fit, summaries, reps)
+                            profile_path, fit, shapes_fit, summaries, reps, paired, host)
+
+
+def pair_by_host_speed(mode: str, schedule: RunSchedule, executor: Any, profile_path: Path,
+                       simulate: Callable[[Path, str], Any], out_dir: Path,
+                       ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """``validate.host_speed`` (``experiments/host_speed.py``): simulate each real run with
+    the profile scaled by the host's speed during it, priced against ``executor`` (the
+    simulated profile): ``own``, its own recorded steps; ``neighbours``, the calibration runs
+    just before and after it. Returns the paired runs' summaries (in real-run order)
+    and what was measured (``validation.json``'s ``host_speed``)."""
+    if mode == "none":
+        return [], {"mode": mode}
+    runs = schedule.done["real"]
+    own = [speed_ratio(steps, executor) for _, steps in runs]
+    cal = {i: speed_ratio(steps, executor)
+           for i, (_, steps) in enumerate(schedule.done["calibration"])}
+    info: dict[str, Any] = {"mode": mode, "own": own,
+                            "calibration": [cal[i] for i in sorted(cal)]}
+    if mode == "neighbours":
+        if not cal:
+            info["skipped"] = ("validate.host_speed=neighbours needs calibration runs "
+                               "(validate.calibration_runs=0)")
+            log.info("paired runs skipped: %s", info["skipped"])
+            return [], info
+        near = neighbour_speeds([(name, i) for name, i, _ in schedule.jobs], cal)
+        factors = [near[i] for i in range(len(runs))]
+    else:
+        factors = own
+    info["factors"] = factors
+    summaries = []
+    for i, factor in enumerate(factors):
+        name = "paired/real" if i == 0 else f"paired/real_{i + 1}"
+        scaled = scaled_profile(profile_path, factor,
+                                out_dir / name / "hardware_profile.yaml")
+        summaries.append(simulate(scaled, name).run().summary)
+    log.info("paired runs (host_speed=%s): speed x%.3f to x%.3f", mode, min(factors),
+             max(factors))
+    return summaries, info
 
 
 def pooled(reps: Sequence[Replay]) -> Replay | None:
@@ -671,6 +754,9 @@ def write_outputs(result: ValidationResult, out_dir: Path, cfg: dict[str, Any]) 
         "rows": result.rows,
         "real_repeats": max(1, len(result.real_runs)),
         "real_runs": [{k: s.get(k) for k in RUN_KEYS} for s in result.real_runs],
+        # Each real run simulated at its time's host speed (experiments/host_speed.py).
+        "host_speed": result.host_speed,
+        "paired_runs": [{k: s.get(k) for k in RUN_KEYS} for s in result.paired_runs],
         "real_num_preemptions": result.real.get("num_preemptions"),
         "sim_num_preemptions": result.sim.get("num_preemptions"),
         "real_num_steps": result.real.get("num_steps"),

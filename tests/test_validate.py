@@ -8,6 +8,7 @@ import json
 import numpy as np
 import pandas as pd
 import pytest
+import yaml
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
@@ -109,6 +110,15 @@ def test_several_real_runs_compare_by_their_median():
     assert validate_mod.spread_pct(row) == pytest.approx(40.0)
     with pytest.raises(ValueError, match="2 replayed runs for 3 real runs"):
         error_table(med, sim, None, runs, replayed[:2])
+    # Paired runs: each against its own real run, then the median (+5, -5, +1 -> +1).
+    paired = [{**r, "median_e2el_ms": r["median_e2el_ms"] * f} for r, f in
+              zip(runs, (1.05, 0.95, 1.01))]
+    rows = error_table(med, sim, None, runs, (), paired)
+    row = next(r for r in rows if (r["metric"], r["stat"]) == ("E2E", "p50"))
+    assert row["paired_err_pct"] == pytest.approx(1.0)
+    assert row["paired"] == pytest.approx(np.median([105.0, 123.5, 90.9]))
+    with pytest.raises(ValueError, match="1 paired runs for 3 real runs"):
+        error_table(med, sim, None, runs, (), paired[:1])
 
 
 def test_run_schedule_alternates_and_spreads_runs_over_the_rounds(monkeypatch, tmp_path):
@@ -181,7 +191,8 @@ def test_validate_config_errors_name_the_field(tmp_path):
     for bad, field in (("validate.real_repeats=0", "validate.real_repeats"),
                        ("validate.calibration_runs=-1", "validate.calibration_runs"),
                        ("validate.fit_statistic=p90", "validate.fit_statistic"),
-                       ("validate.pin_cpu=-1", "validate.pin_cpu")):
+                       ("validate.pin_cpu=-1", "validate.pin_cpu"),
+                       ("validate.host_speed=median", "validate.host_speed")):
         with pytest.raises(ConfigError, match=field):
             validate(_validate_cfg(bad), tmp_path)
     with pytest.raises(ConfigError, match="validate.interleave: needs the profile measured"):
@@ -224,14 +235,29 @@ def test_whole_loop_on_the_real_cpu_executor(tmp_path):
     assert abs(res.error("request_throughput", "")) < 15.0
     table = pd.read_csv(tmp_path / "validation.csv")
     assert list(table.columns) == ["metric", "stat", "real", "real_min", "real_max", "sim",
-                                   "sim_err_pct", "replay", "replay_err_pct", "sim_profile",
-                                   "sim_profile_err_pct"]
+                                   "sim_err_pct", "replay", "replay_err_pct", "paired",
+                                   "paired_err_pct", "sim_profile", "sim_profile_err_pct"]
     assert len(table) == 18
     assert (table.real_min <= table.real).all() and (table.real <= table.real_max).all()
     doc = json.loads((tmp_path / "validation.json").read_text())
     steps_per_run = [r["num_steps"] for r in res.real_runs]
     assert doc["real_repeats"] == 2 and doc["replay_steps"] == sum(steps_per_run)
     assert [r["num_steps"] for r in doc["real_runs"]] == steps_per_run
+    # One paired simulation per real run, at the speed its own steps ran at: the replay's
+    # measured / predicted busy time.
+    hs = doc["host_speed"]
+    assert hs["mode"] == "own" and len(hs["calibration"]) == 1
+    assert hs["factors"] == hs["own"] and len(hs["own"]) == 2
+    for factor, rep in zip(hs["factors"], res.replays):
+        assert factor == pytest.approx(rep.measured.sum() / rep.predicted.sum())
+        assert 0.5 < factor < 2.0
+    assert len(doc["paired_runs"]) == 2 and len(res.paired_runs) == 2
+    for sub, factor in zip(("paired/real", "paired/real_2"), hs["factors"]):
+        prof = yaml.safe_load((tmp_path / sub / "hardware_profile.yaml").read_text())
+        assert prof["fit"]["host_speed_factor"] == pytest.approx(factor)
+        assert (tmp_path / sub / "requests.csv").exists()
+    assert abs(res.error("E2E", "p50", "paired")) < 50.0
+    assert "paired (a diagnostic): each real run simulated" in validate_mod.format_table(res)
     steps = pd.read_csv(tmp_path / "replay_steps.csv")
     assert steps.groupby("run").size().tolist() == steps_per_run
     assert (steps.measured_s > 0).all()
