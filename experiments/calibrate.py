@@ -17,6 +17,7 @@ from pathlib import Path
 from executors.calibration import calibrate, read_profile_csv, save_profile
 from executors.step_terms import ATTENTION_TILE
 from sim.errors import ConfigError, apply_cli_overrides
+from sim.simulation import check_block_size
 from sim.specs import CONF_DIR, load_hardware_spec, load_model_spec
 from workloads.base import resolve_path
 
@@ -70,7 +71,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ConfigError("profile.model", f"{csv} mixes models {sorted(names)} or "
                               f"tensor_parallel {sorted(tps)}; fit one at a time")
         model = load_model_spec(names.pop())
-        prof = calibrate(rows, model, tps.pop(), int(cfg["block_size"]), source=str(csv),
+        try:
+            block_size = int(cfg["block_size"])
+        except ValueError:
+            raise ConfigError("block_size", f"must be an integer, got "
+                                            f"{cfg['block_size']!r}") from None
+        check_block_size(block_size, "block_size")
+        prof = calibrate(rows, model, tps.pop(), block_size, source=str(csv),
                          num_sms=_num_sms(cfg["num_sms"], rows),
                          attention_tile=_attention_tile(cfg["attention_tile"], rows))
     except ConfigError as e:

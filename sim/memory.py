@@ -61,7 +61,11 @@ def plan_memory(
     num_gpu_blocks_override: int | None = None,
     activation_reserve_override_bytes: float | None = None,
     weight_bytes_override: float | None = None,
+    parallel_field: str = "cluster.tensor_parallel",
 ) -> MemoryPlan:
+    """KV blocks that fit beside the weights and the activation reserve. ``parallel_field``:
+    the config field a model that does not fit is reported on (a disaggregated pool's own
+    ``cluster.<side>.tensor_parallel``)."""
     if block_size < 1:
         raise ConfigError("kv.block_size", f"must be >= 1, got {block_size}")
     if not 0 < gpu_memory_utilization <= 1:
@@ -90,7 +94,7 @@ def plan_memory(
         free = usable - weights - act
         if free < per_block:
             raise ConfigError(
-                "cluster.tensor_parallel",
+                parallel_field,
                 f"{model.name} does not fit on {hardware.name} at TP={tensor_parallel}, "
                 f"PP={pipeline_parallel}: {weights / 1e9:.2f} GB weights per GPU + "
                 f"{act / 1e9:.2f} GB activations > {usable / 1e9:.2f} GB usable "

@@ -195,7 +195,13 @@ class Simulation:
             raise ConfigError(f"{where}.{e.field}", str(e).split(": ", 1)[-1]) from None
         make = lambda: self._make_executor(hardware, tp, pp)  # noqa: E731
         executor = make()
-        memory = self._plan_memory(policy, executor, hardware, tp, pp)
+        # A pool that does not fit names the field that set its parallelism: a disaggregated
+        # side's own tensor_parallel, else the shared one.
+        own_tp = where != "cluster" and getattr(
+            getattr(self.cluster, where.split(".")[-1]), "tensor_parallel", None) is not None
+        memory = self._plan_memory(policy, executor, hardware, tp, pp,
+                                   f"{where}.tensor_parallel" if own_tp
+                                   else "cluster.tensor_parallel")
         return Pool(role, count, hardware, policy_cfg, tp, pp, memory, self.kv_cfg.block_size,
                     policy, executor, make, self.seed)
 
@@ -213,7 +219,7 @@ class Simulation:
                        device=self.cfg.get("device"), **extra)
 
     def _plan_memory(self, policy: policies.Policy, executor: Executor, hardware: HardwareSpec,
-                     tp: int, pp: int) -> MemoryPlan:
+                     tp: int, pp: int, tp_field: str = "cluster.tensor_parallel") -> MemoryPlan:
         k, p = self.kv_cfg, policy.config
         kv_dtype = executor.kv_cache_dtype()
         if kv_dtype is not None and kv_dtype != self.model.kv_dtype:
@@ -229,7 +235,7 @@ class Simulation:
             max_num_batched_tokens=p.max_num_batched_tokens, max_num_seqs=p.max_num_seqs,
             swap_space_gib=k.swap_space_gib, num_gpu_blocks_override=k.num_gpu_blocks,
             activation_reserve_override_bytes=act,
-            weight_bytes_override=executor.weight_bytes(),
+            weight_bytes_override=executor.weight_bytes(), parallel_field=tp_field,
         )
         if k.num_cpu_blocks is not None:
             mp = MemoryPlan(**{**mp.__dict__, "num_cpu_blocks": int(k.num_cpu_blocks)})

@@ -493,3 +493,7 @@ def test_calibrate_command_prices_cpu_profiles_untiled(tmp_path, capsys):
     assert load_profile(tmp_path / "gpu.yaml").fit["attention_tile"] == 64
     assert main([f"profile_csv={csv}", "attention_tile=32"]) == 2
     assert "attention_tile must be one of" in capsys.readouterr().err
+    for bad, says in (("block_size=7", "block_size: must be a power of two"),
+                      ("block_size=x", "block_size: must be an integer, got 'x'")):
+        assert main([f"profile_csv={csv}", bad]) == 2
+        assert says in capsys.readouterr().err

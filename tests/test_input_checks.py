@@ -63,6 +63,20 @@ def test_shared_tensor_parallel_that_no_pool_uses_is_not_checked():
     assert [p.tensor_parallel for p in sim.pools] == [4, 8]
 
 
+@pytest.mark.parametrize("overrides,field", [
+    (("cluster.tensor_parallel=1",), "cluster.tensor_parallel"),
+    (("cluster=disaggregated", "cluster.tensor_parallel=4", "cluster.decode.tensor_parallel=1"),
+     "cluster.decode.tensor_parallel"),
+    (("cluster=disaggregated", "cluster.tensor_parallel=1", "cluster.decode.tensor_parallel=4"),
+     "cluster.tensor_parallel"),  # the prefill pool inherits the shared TP that does not fit
+])
+def test_a_pool_too_big_for_its_gpus_names_the_field_that_set_its_parallelism(overrides, field):
+    # Llama-3-70B's ~141 GB of weights do not fit one 80 GB GPU.
+    with pytest.raises(ConfigError, match="does not fit") as e:
+        Simulation(small_cfg("model=llama3_70b", "hardware=h100_sxm", *overrides))
+    assert e.value.field == field
+
+
 def test_replicated_kv_heads_hold_one_head_per_rank():
     m = load_model_spec("llama3_8b")  # 32 query heads, 8 KV heads, head_dim 128, fp16 KV
     assert [m.kv_heads_per_rank(tp) for tp in (1, 2, 4, 8, 16, 32)] == [8, 4, 2, 1, 1, 1]
