@@ -112,3 +112,26 @@ def test_bad_cluster_config_is_refused_naming_the_field(overrides, field):
     with pytest.raises(ConfigError) as e:
         Simulation(small_cfg(*overrides))
     assert e.value.field == field
+
+
+def test_replicas_draw_their_own_noisy_predictions():
+    """Each replica's policy has its own seed: replica 0 keeps the run's seed (a single replica
+    draws what it always drew), the others get independent streams, so the k-th request a
+    replica receives is not mispredicted by the same factor on every replica."""
+    from sim.cluster.pool import replica_seed
+
+    assert replica_seed(7, 0) == 7
+    assert len({replica_seed(7, r) for r in range(1, 5)} | {7}) == 5
+    res = Simulation(small_cfg("policy=sjf", "policy.predictor=noisy", "cluster.num_replicas=2",
+                               "workload.num_requests=40", "seed=7"), keep_requests=True).run()
+    assert [r.policy.seed for r in res.replicas] == [7, replica_seed(7, 1)]
+    by_replica: dict[int, list[float]] = {0: [], 1: []}
+    for req in sorted(res.requests, key=lambda r: r.arrival_time):
+        by_replica[req.replica_id].append(req.extra["predicted_output_len"] / req.max_output_len)
+    n = min(len(by_replica[0]), len(by_replica[1]))
+    assert n >= 10 and by_replica[0][:n] != by_replica[1][:n]
+    # Replica 0 of two draws exactly what a single replica draws for its first request.
+    single = Simulation(small_cfg("policy=sjf", "policy.predictor=noisy",
+                                  "workload.num_requests=1", "seed=7"), keep_requests=True).run()
+    assert by_replica[0][0] == (single.requests[0].extra["predicted_output_len"]
+                                / single.requests[0].max_output_len)

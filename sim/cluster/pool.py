@@ -7,6 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import simpy
 
 import policies
@@ -21,10 +22,19 @@ from sim.request import Request
 from sim.specs import HardwareSpec
 
 
+def replica_seed(seed: int, replica_id: int) -> int:
+    """The seed of replica ``replica_id``'s policy: the run's seed for replica 0, an
+    independent one (a ``SeedSequence`` child of the run's seed) for every other."""
+    if replica_id == 0:
+        return seed
+    return int(np.random.SeedSequence(seed, spawn_key=(replica_id,)).generate_state(1)[0])
+
+
 @dataclass
 class Pool:
     """What every replica of one role shares. ``first_policy``/``first_executor`` are the
-    instances the memory planner was run with; replica 0 of the pool reuses them."""
+    instances the memory planner was run with; replica 0 of the pool reuses the executor, and
+    the policy too when it is replica 0 of the deployment (``replica_seed``)."""
 
     role: str  # "replica" (co-located), "prefill" or "decode"
     count: int
@@ -51,8 +61,12 @@ class Pool:
               fast_forward: bool = False) -> list[Replica]:
         out = []
         for i in range(self.count):
-            policy = (self.first_policy if i == 0
-                      else policies.make_policy(self.policy_cfg, seed=self.seed))
+            rid = first_id + i
+            # Replica 0 of the deployment keeps the planning instance (and the run's seed, so a
+            # single replica draws what it always drew); every other replica gets its own
+            # policy and seed, so noisy predictors do not repeat one sequence across replicas.
+            policy = (self.first_policy if rid == 0 else
+                      policies.make_policy(self.policy_cfg, seed=replica_seed(self.seed, rid)))
             executor = self.first_executor if i == 0 else self.make_executor()
             kv = KVBlockManager(self.memory.num_gpu_blocks, self.block_size,
                                 self.memory.num_cpu_blocks)
@@ -65,6 +79,6 @@ class Pool:
             else:
                 cls = Replica
                 kwargs.update(horizon=horizon, fast_forward=fast_forward)
-            out.append(cls(env, first_id + i, policy, executor, kv, metrics, requests_sink,
+            out.append(cls(env, rid, policy, executor, kv, metrics, requests_sink,
                            steps_sink, **kwargs))
         return out
