@@ -30,6 +30,13 @@ class RecordedStep:
     duration: float  # what the wrapped executor reported
 
 
+def is_serving_step(step: RecordedStep) -> bool:
+    """A step that runs rows and moves no KV between pools: what a fit or a speed ratio can
+    use (swap copies are priced from the hardware spec, not fitted)."""
+    shape = step.shape
+    return bool(shape.num_rows) and not (shape.swap_out_blocks or shape.swap_in_blocks)
+
+
 class RecordingExecutor(Executor):
     """Delegates everything to ``inner`` and records every executed step."""
 

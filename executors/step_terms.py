@@ -615,9 +615,11 @@ class Coefficients:
         return asdict(self)
 
     def scaled(self, factor: float) -> Coefficients:
-        """Every price times ``factor`` (the knee kept): every term is a price times a driver
-        or a p-norm of such products, so each step's time scales by exactly ``factor`` (a
-        host that runs ``factor`` times slower)."""
+        """Every price times ``factor`` (the knee kept): every term a profile prices is a price
+        times a driver or a p-norm of such products, so it scales by exactly ``factor`` (a
+        host that runs ``factor`` times slower). Time priced outside the profile does not:
+        TP communication, pipeline sends and swap copies (the hardware spec's)."""
+        factor = float(factor)  # a numpy float would not survive the profile's YAML
         if not (factor > 0 and math.isfinite(factor)):
             raise ValueError(f"scale factor must be positive and finite, got {factor}")
         return Coefficients(**{name: getattr(self, name) * factor for name in self.names()},

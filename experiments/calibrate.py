@@ -17,7 +17,7 @@ from pathlib import Path
 from executors.calibration import calibrate, read_profile_csv, save_profile
 from executors.step_terms import ATTENTION_TILE
 from sim.errors import ConfigError, apply_cli_overrides
-from sim.simulation import check_block_size
+from sim.memory import check_block_size
 from sim.specs import CONF_DIR, load_hardware_spec, load_model_spec
 from workloads.base import resolve_path
 

@@ -18,8 +18,10 @@ plain comparison, not a replacement. ``neighbours`` takes the speed from the cal
 executed just before and after the real run, independent of it; on the shared CPU host the
 speed moves faster than runs alternate (a run's own and its neighbours' speeds differ by ~2%),
 so it tracks the drift only partly. Every price the profile sets is a seconds-per-unit
-coefficient and the roofline knee is a p-norm, so scaling all of them by f scales every step's
-predicted time by exactly f. Swap copies are priced from the hardware spec, not the profile, and are not scaled.
+coefficient and the roofline knee is a p-norm, so scaling all of them by f scales every term
+the profile prices by exactly f: on one device without swaps (the validations so far), every
+step's predicted time. TP communication, pipeline sends and swap copies are priced from the
+hardware spec and fitted network timings, not the profile, and are not scaled.
 """
 
 from __future__ import annotations
@@ -38,13 +40,13 @@ MODES = ("own", "neighbours", "none")
 def speed_ratio(steps: Sequence[Any], executor: Any) -> float:
     """Measured over predicted time, summed over ``steps`` (``RecordedStep``s) that run rows
     and move no KV between pools: >1 means the host ran slower than ``executor`` prices."""
+    from executors.recording import is_serving_step
+
     measured = predicted = 0.0
     for s in steps:
-        shape = s.shape
-        if not shape.num_rows or shape.swap_out_blocks or shape.swap_in_blocks:
-            continue
-        measured += s.duration
-        predicted += executor.breakdown_shape(shape).total
+        if is_serving_step(s):
+            measured += s.duration
+            predicted += executor.breakdown_shape(s.shape).total
     if predicted <= 0:
         raise ValueError("no steps with rows to measure the host speed on")
     return measured / predicted
@@ -80,3 +82,85 @@ def scaled_profile(profile_path: Path, factor: float, out_path: Path) -> Path:
         prof, coefficients=prof.coefficients.scaled(factor),
         fit={**prof.fit, "host_speed_factor": factor, "scaled_from": str(profile_path)})
     return save_profile(scaled, out_path)
+
+
+# ---- the paired figures of a finished validation, again (python -m experiments.host_speed) ----
+def own_speeds_from_csv(replay_steps_csv: Path) -> list[float]:
+    """Each real run's ``own`` speed from a validation's ``replay_steps.csv`` (its ``run``
+    column, 1-based): measured over predicted time of its serving steps."""
+    import pandas as pd
+
+    df = pd.read_csv(replay_steps_csv)
+    serving = df[(df.num_rows > 0) & (df.swap_out_blocks == 0) & (df.swap_in_blocks == 0)]
+    sums = serving.groupby("run")[["measured_s", "predicted_s"]].sum().sort_index()
+    return (sums.measured_s / sums.predicted_s).tolist()
+
+
+def pair_saved(folder: Path, cfg: dict[str, Any]) -> tuple[list[dict[str, Any]], list[float]]:
+    """Re-simulate a finished validation's real runs (``folder``, composed config ``cfg``) at
+    their ``own`` host speeds, read back from its ``replay_steps.csv`` and profile: the paired
+    runs' summaries (real-run order) and the speeds. What ``validate`` computes in-run (the
+    figures may differ in the last bits: the sums are taken in another order)."""
+    import copy
+    import json
+
+    from experiments.validate import _options, _sim_cfg, apply_policy_overrides, cost_model_section
+    from sim.simulation import Simulation
+
+    doc = json.loads((folder / "validation.json").read_text())
+    profile = Path(doc["profile"])
+    if not profile.is_file():  # the folder moved: the profile lies beside its outputs
+        profile = folder / profile.name
+    base = _sim_cfg(cfg)
+    apply_policy_overrides(base, _options(cfg).get("policy_overrides"))
+    sim = json.loads((folder / "sim" / "summary.json").read_text())
+    speeds = own_speeds_from_csv(folder / "replay_steps.csv")
+    out = []
+    for i, factor in enumerate(speeds):
+        scaled = scaled_profile(profile, factor, folder / "paired_offline" / f"run_{i + 1}.yaml")
+        run_cfg = copy.deepcopy(base)
+        run_cfg["executor"] = cost_model_section(scaled, _options(cfg).get("cost_model"))
+        run_cfg["kv"] = {**run_cfg["kv"], "num_gpu_blocks": sim["kv_num_gpu_blocks"],
+                         "num_cpu_blocks": sim["kv_num_cpu_blocks"]}
+        out.append(Simulation(run_cfg, None).run().summary)
+    return out, speeds
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m experiments.host_speed FOLDER [override ...]``: the paired figures of a
+    finished validation at each run's own speed, with the overrides it ran with (default: its
+    ``.hydra/overrides.yaml``), against its real runs."""
+    import json
+    import sys
+
+    import yaml
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from experiments.validate import ROOT, TARGET_STATS
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args:
+        print(main.__doc__, file=sys.stderr)
+        return 2
+    folder, overrides = Path(args[0]), args[1:]
+    saved = folder / ".hydra" / "overrides.yaml"
+    if not overrides and saved.is_file():
+        overrides = [o for o in yaml.safe_load(saved.read_text()) if not o.startswith("hydra")]
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = OmegaConf.to_container(compose(config_name="validate", overrides=overrides),
+                                     resolve=True)
+    paired, speeds = pair_saved(folder, cfg)
+    real = [json.loads((folder / name / "summary.json").read_text()) for name in
+            ["real"] + [f"real_{i}" for i in range(2, len(paired) + 1)]]
+    keys = {"TTFT": "ttft", "TPOT": "tpot", "E2E": "e2el"}
+    print(f"{folder} ({' '.join(overrides)}): speeds x{min(speeds):.3f} to x{max(speeds):.3f}")
+    for metric, stat in TARGET_STATS:
+        key = f"{'median' if stat == 'p50' else stat}_{keys[metric]}_ms"
+        err = np.median([100.0 * (p[key] / r[key] - 1.0) for p, r in zip(paired, real)])
+        print(f"{metric} {stat}: paired err {err:+.1f}%")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

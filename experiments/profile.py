@@ -35,6 +35,7 @@ from executors.calibration import PROFILE_COLUMNS, ShapeSpec
 from executors.step_terms import ATTENTION_TILE
 from sim.errors import ConfigError, require, require_known_fields
 from sim.kv_manager import KVBlockManager, blocks_for
+from sim.memory import check_block_size
 from sim.specs import ModelSpec, hardware_spec_from, model_spec_from
 
 log = logging.getLogger(__name__)
@@ -260,8 +261,10 @@ def build_executor(cfg: dict[str, Any]) -> tuple[Executor, ModelSpec, dict[str, 
         factory = executors.EXECUTORS.get(str(ex.get("name")))
     except KeyError as e:
         raise ConfigError("executor.name", str(e.args[0])) from None
+    block_size = int(cfg["kv"]["block_size"])
+    check_block_size(block_size)
     executor = factory(model=model, hardware=hardware, tensor_parallel=tp, config=ex,
-                       block_size=int(cfg["kv"]["block_size"]), seed=int(cfg.get("seed", 0)))
+                       block_size=block_size, seed=int(cfg.get("seed", 0)))
     # What the executor really runs on and with (not the config's request: device null or
     # dtype auto resolve in the executor): the device's name (cpu, the GPU's name, or the
     # priced hardware for a cost model), its KV/activation dtype, and the query tile its

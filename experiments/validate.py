@@ -68,7 +68,7 @@ from typing import Any
 import numpy as np
 import yaml
 
-from executors.recording import RecordingExecutor, Replay, replay
+from executors.recording import RecordingExecutor, Replay, is_serving_step, replay
 from executors.step_terms import ATTENTION_TILE
 from experiments.host_speed import MODES as HOST_SPEED_MODES
 from experiments.host_speed import neighbour_speeds, scaled_profile, speed_ratio
@@ -114,7 +114,7 @@ class ValidationResult:
     saturation: Saturation | None = None  # how qps was chosen (validate.qps: auto)
 
     def error(self, metric: str, stat: str, kind: str = "sim") -> float:
-        """Relative error in percent (``kind``: sim or replay) of one table row."""
+        """Relative error in percent (``kind``: sim, replay or paired) of one table row."""
         for r in self.rows:
             if r["metric"] == metric and r["stat"] == stat:
                 return float(r[f"{kind}_err_pct"])
@@ -504,8 +504,7 @@ def fit_profile_here(cfg: dict[str, Any], out_dir: Path, statistic: str = "media
 def serving_steps(steps: Sequence[Any]) -> list[tuple[Any, float]]:
     """(shape, seconds) of recorded steps the fit can use: steps that run rows and move no KV
     between pools (swap copies are priced from the spec, not fitted)."""
-    return [(s.shape, s.duration) for s in steps
-            if s.shape.num_rows and not (s.shape.swap_out_blocks or s.shape.swap_in_blocks)]
+    return [(s.shape, s.duration) for s in steps if is_serving_step(s)]
 
 
 def refit_on_serving_steps(base: dict[str, Any], profile_path: Path, out_dir: Path,

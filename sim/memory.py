@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sim.errors import ConfigError
+from sim.errors import ConfigError, require
 from sim.specs import HardwareSpec, ModelSpec
 
 
@@ -45,6 +45,20 @@ def activation_reserve_bytes(model: ModelSpec, max_num_batched_tokens: int, max_
                  + (model.q_size + 2 * model.kv_size) // tensor_parallel) * a
     logits = max_num_seqs * model.vocab_size * 4.0
     return t * per_token + logits + 2**30
+
+
+# KV block sizes (tokens): powers of two up to 256, vLLM's choices (1, 8, 16 ... 256) plus 2
+# and 4 for tiny test pools. Our Triton attention kernel (executors/real/kernels/
+# paged_attention.py) finds a token's block by division and would run any size; the rule
+# follows vLLM, whose attention backends are built for power-of-two blocks.
+MAX_BLOCK_SIZE = 256
+
+
+def check_block_size(block_size: int, field: str = "kv.block_size") -> None:
+    """Refuse a KV block size that is not a power of two in 1..``MAX_BLOCK_SIZE``."""
+    ok = 1 <= block_size <= MAX_BLOCK_SIZE and block_size & (block_size - 1) == 0
+    require(ok, field, f"must be a power of two from 1 to {MAX_BLOCK_SIZE} (vLLM uses 8, 16, "
+                       f"32 ... 256; 16 by default), got {block_size}")
 
 
 def plan_memory(

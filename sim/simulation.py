@@ -29,7 +29,7 @@ from sim.cluster.pool import Pool
 from sim.cluster.router import make_router
 from sim.config_types import as_bool, as_int, typed_fields
 from sim.errors import ConfigError, require
-from sim.memory import MemoryPlan, plan_memory
+from sim.memory import MemoryPlan, check_block_size, plan_memory
 from sim.metrics import MetricsCollector
 from sim.outputs import REQUEST_COLUMNS, STEP_COLUMNS, CsvSink, NullSink
 from sim.progress import Progress
@@ -41,20 +41,6 @@ from sim.specs import (HardwareSpec, ModelSpec, hardware_spec_from, load_hardwar
 SECTIONS = ("model", "hardware", "policy", "workload", "executor", "cluster", "kv")
 TOP_LEVEL = {*SECTIONS, "seed", "progress", "check_integrity", "output_dir", "step_mode",
              "device", "itl_quantiles", "record_steps"}
-
-
-# KV block sizes (tokens): powers of two up to 256, vLLM's choices (1, 8, 16 ... 256) plus 2
-# and 4 for tiny test pools. Our Triton attention kernel (executors/real/kernels/
-# paged_attention.py) finds a token's block by division and would run any size; the rule
-# follows vLLM, whose attention backends are built for power-of-two blocks.
-MAX_BLOCK_SIZE = 256
-
-
-def check_block_size(block_size: int, field: str = "kv.block_size") -> None:
-    """Refuse a KV block size that is not a power of two in 1..``MAX_BLOCK_SIZE``."""
-    ok = 1 <= block_size <= MAX_BLOCK_SIZE and block_size & (block_size - 1) == 0
-    require(ok, field, f"must be a power of two from 1 to {MAX_BLOCK_SIZE} (vLLM uses 8, 16, "
-                       f"32 ... 256; 16 by default), got {block_size}")
 
 
 @dataclass(frozen=True)
@@ -195,13 +181,11 @@ class Simulation:
             raise ConfigError(f"{where}.{e.field}", str(e).split(": ", 1)[-1]) from None
         make = lambda: self._make_executor(hardware, tp, pp)  # noqa: E731
         executor = make()
-        # A pool that does not fit names the field that set its parallelism: a disaggregated
-        # side's own tensor_parallel, else the shared one.
-        own_tp = where != "cluster" and getattr(
-            getattr(self.cluster, where.split(".")[-1]), "tensor_parallel", None) is not None
-        memory = self._plan_memory(policy, executor, hardware, tp, pp,
-                                   f"{where}.tensor_parallel" if own_tp
-                                   else "cluster.tensor_parallel")
+        # A pool that does not fit names the field that set its parallelism.
+        c = self.cluster
+        tp_field = (c.tp_field(role) if isinstance(c, DisaggregatedConfig)
+                    else "cluster.tensor_parallel")
+        memory = self._plan_memory(policy, executor, hardware, tp, pp, tp_field)
         return Pool(role, count, hardware, policy_cfg, tp, pp, memory, self.kv_cfg.block_size,
                     policy, executor, make, self.seed)
 

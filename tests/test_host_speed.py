@@ -85,3 +85,38 @@ def test_scaled_profile_prices_every_step_exactly_factor_times(tmp_path):
     for shape in shapes:
         assert scaled.breakdown_shape(shape).total == pytest.approx(
             1.0375 * base.breakdown_shape(shape).total, rel=1e-12)
+
+
+def test_pairing_by_neighbours_prices_each_run_at_the_calibration_runs_beside_it(tmp_path):
+    """``validate.pair_by_host_speed`` with ``neighbours``: the speeds come from the
+    calibration runs in RunSchedule's execution order, and each real run is simulated once at
+    its speed; with no calibration runs the pairing is skipped and says why."""
+    from experiments.validate import RunSchedule, pair_by_host_speed
+
+    schedule = RunSchedule({"seed": 0}, tmp_path, repeats=3, calibration=2)
+    # Job order: cal 0, real 0, cal 1, real 1, real 2. Calibration runs: 2 rows in 2.2 ms
+    # and 2.6 ms (x1.1, x1.3 of 1 ms per row); real runs x1.0, x1.2, x0.9.
+    schedule.done["calibration"] = [(None, [_step(2, 0.0022)]), (None, [_step(2, 0.0026)])]
+    schedule.done["real"] = [(None, [_step(1, t)]) for t in (0.0010, 0.0012, 0.0009)]
+    seen = []
+
+    def simulate(profile, name):
+        seen.append((name, load_profile(profile).fit["host_speed_factor"]))
+        return type("S", (), {"run": lambda self: type("R", (), {"summary": {"n": name}})()})()
+
+    path = save_profile(HardwareProfile("tiny", "cpu", "fp32", 1, Coefficients(s_per_seq=1e-3)),
+                        tmp_path / "p.yaml")
+    paired, info = pair_by_host_speed("neighbours", schedule, _Priced(), path, simulate,
+                                      tmp_path)
+    assert info["calibration"] == pytest.approx([1.1, 1.3])
+    assert info["own"] == pytest.approx([1.0, 1.2, 0.9])
+    assert info["factors"] == pytest.approx([1.2, 1.3, 1.3])
+    assert [n for n, _ in seen] == ["paired/real", "paired/real_2", "paired/real_3"]
+    assert [f for _, f in seen] == pytest.approx([1.2, 1.3, 1.3])
+    assert [p["n"] for p in paired] == ["paired/real", "paired/real_2", "paired/real_3"]
+    paired, info = pair_by_host_speed("own", schedule, _Priced(), path, simulate, tmp_path)
+    assert info["factors"] == pytest.approx([1.0, 1.2, 0.9]) and len(paired) == 3
+    schedule.done["calibration"] = []
+    paired, info = pair_by_host_speed("neighbours", schedule, _Priced(), path, simulate,
+                                      tmp_path)
+    assert paired == [] and "calibration_runs=0" in info["skipped"]

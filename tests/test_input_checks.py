@@ -117,6 +117,26 @@ def test_valid_tensor_parallel_keeps_the_old_per_rank_bytes():
     assert checked >= 8 * 3 * 4  # every model has at least TP 1, 2, 4 (tiny: 4 heads)
 
 
+@pytest.mark.parametrize("heads,kv_heads,accepted,refused", [
+    # Llama-3-8B (GQA 32/8): split 1..8 KV heads, replicate beyond; 3, 5, 6, 64 refused.
+    (32, 8, (1, 2, 4, 8, 16, 32), (3, 5, 6, 12, 64)),
+    # Qwen2.5-7B (28/4): TP 7 and 14 divide the query heads but neither divide nor are a
+    # multiple of the 4 KV heads; 28 replicates each KV head on 7 ranks.
+    (28, 4, (1, 2, 4, 28), (3, 7, 8, 14)),
+    # Multi-query (one KV head, replicated on every rank): any TP dividing the 32 heads.
+    (32, 1, (1, 2, 4, 8, 16, 32), (3, 64)),
+    # Multi-head attention (64/64).
+    (64, 64, (1, 2, 8, 32, 64), (3, 48, 128)),
+])
+def test_tensor_parallel_cases_vllm_accepts_and_refuses(heads, kv_heads, accepted, refused):
+    m = dataclasses.replace(load_model_spec("tiny"), num_heads=heads, num_kv_heads=kv_heads)
+    for tp in accepted:
+        m.check_tensor_parallel(tp)
+    for tp in refused:
+        with pytest.raises(ConfigError, match="cluster.tensor_parallel"):
+            m.check_tensor_parallel(tp)
+
+
 @given(heads_per_kv=st.integers(1, 8), kv_heads=st.integers(1, 16), tp=st.integers(1, 64))
 def test_tensor_parallel_rule_matches_vllm(heads_per_kv, kv_heads, tp):
     base = load_model_spec("tiny")

@@ -14,6 +14,7 @@ from omegaconf import OmegaConf
 
 from executors.recording import RecordingExecutor, replay
 import experiments.validate as validate_mod
+from experiments.host_speed import pair_saved
 from experiments.validate import (
     RunSchedule,
     apply_policy_overrides,
@@ -257,6 +258,11 @@ def test_whole_loop_on_the_real_cpu_executor(tmp_path):
         assert prof["fit"]["host_speed_factor"] == pytest.approx(factor)
         assert (tmp_path / sub / "requests.csv").exists()
     assert abs(res.error("E2E", "p50", "paired")) < 50.0
+    # The saved folder alone gives the same paired runs (python -m experiments.host_speed).
+    again, speeds = pair_saved(tmp_path, cfg)
+    assert speeds == pytest.approx(hs["own"], rel=1e-12)
+    for a, b in zip(again, res.paired_runs):
+        assert a["median_e2el_ms"] == pytest.approx(b["median_e2el_ms"], rel=1e-6)
     assert "paired (a diagnostic): each real run simulated" in validate_mod.format_table(res)
     steps = pd.read_csv(tmp_path / "replay_steps.csv")
     assert steps.groupby("run").size().tolist() == steps_per_run

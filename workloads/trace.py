@@ -19,6 +19,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import re
 from collections.abc import Iterator
 from datetime import datetime, timezone
 from pathlib import Path
@@ -45,6 +46,19 @@ class TraceFormatError(ConfigError):
 NUMBER, NAIVE_DATE, OFFSET_DATE = "a number", "a date without UTC offset", "a date with UTC offset"
 
 
+_FRACTION = re.compile(r"(\.\d{6})\d+")
+
+
+def _iso_for_any_python(value: str) -> str:
+    """What ``datetime.fromisoformat`` of Python 3.11+ reads, in the subset 3.10 reads too:
+    a trailing ``Z`` as ``+00:00`` and fractions of a second cut to microseconds (as 3.11
+    cuts them; Azure's traces write seven digits)."""
+    value = value.strip()
+    if value[-1:] in ("Z", "z"):
+        value = value[:-1] + "+00:00"
+    return _FRACTION.sub(r"\1", value, count=1)
+
+
 def _parse_time(value: str, what: str, path: Path, line: int) -> tuple[float, str]:
     """Seconds and the kind of the value (``NUMBER``, ``NAIVE_DATE``, ``OFFSET_DATE``): a
     finite number >= 0 or an ISO date (naive ones read as UTC). NaN or infinity would sort
@@ -53,7 +67,7 @@ def _parse_time(value: str, what: str, path: Path, line: int) -> tuple[float, st
         t = float(value)
     except ValueError:
         try:
-            d = datetime.fromisoformat(value)
+            d = datetime.fromisoformat(_iso_for_any_python(value))
         except ValueError:
             raise TraceFormatError(path, line, f"{what} {value!r} does not parse") from None
         if d.tzinfo is None:

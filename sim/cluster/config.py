@@ -99,13 +99,17 @@ class DisaggregatedConfig:
         v = getattr(self, side).pipeline_parallel
         return self.pipeline_parallel if v is None else v
 
+    def tp_field(self, side: str) -> str:
+        """The config field that sets ``side``'s tensor parallelism: the pool's own, else the
+        shared default (what an error about it names)."""
+        own = getattr(self, side).tensor_parallel is not None
+        return f"cluster.{side}.tensor_parallel" if own else "cluster.tensor_parallel"
+
     def check_model(self, model: ModelSpec) -> None:
         """Refuse a pool's tensor parallelism that the model's heads cannot be split over,
-        naming the field that set it: the pool's own, else the shared default."""
+        naming the field that set it (``tp_field``)."""
         for side in ("prefill", "decode"):
-            own = getattr(self, side).tensor_parallel is not None
-            field = f"cluster.{side}.tensor_parallel" if own else "cluster.tensor_parallel"
-            model.check_tensor_parallel(self.tp(side), field)
+            model.check_tensor_parallel(self.tp(side), self.tp_field(side))
 
 
 def _pool_from(data: Any, side: str) -> PoolConfig:
