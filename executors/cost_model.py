@@ -133,13 +133,12 @@ class RooflineCostModel(Executor):
         """``num_sms``, ``attention_tile``, ``split_rule``, ``split_kv_len`` and
         ``decode_placement`` describe the kernels a fitted profile was measured with (-1 /
         None: the hardware's and the config's)."""
-        require(tensor_parallel >= 1, "cluster.tensor_parallel", f"must be >= 1, got {tensor_parallel}")
+        # The heads must split over the ranks (vLLM's rule; one home in the model spec).
+        model.check_tensor_parallel(tensor_parallel)
         require(pipeline_parallel >= 1, "cluster.pipeline_parallel",
                 f"must be >= 1, got {pipeline_parallel}")
         require(pipeline_parallel <= model.num_layers, "cluster.pipeline_parallel",
                 f"{pipeline_parallel} stages for {model.name}'s {model.num_layers} layers")
-        require(model.num_heads % tensor_parallel == 0, "cluster.tensor_parallel",
-                f"{tensor_parallel} does not divide {model.name}'s {model.num_heads} heads")
         self.model = model
         self.hardware = hardware
         self.tp = tensor_parallel

@@ -296,7 +296,8 @@ class StepDecomposer:
         self.model, self.tp, self.layers = m, t, layers
         self.num_sms, self.ctas_per_sm = num_sms, ctas_per_sm
         h, a, wb = m.hidden_size, m.act_bytes, m.weight_bytes_per_element
-        q, kv, inter = m.q_size // t, max(m.head_dim, m.kv_size // t), m.intermediate_size // t
+        q, inter = m.q_size // t, m.intermediate_size // t
+        kv = m.head_dim * m.kv_heads_per_rank(t)  # split, or one replicated head per rank
         # (in_features, out_features) of each projection on one rank
         linears = [(h, q + 2 * kv), (q, h), (h, 2 * inter), (inter, h)]
         self._lin_flops_per_token = sum(2.0 * fi * fo for fi, fo in linears)
