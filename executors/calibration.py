@@ -25,6 +25,7 @@ import yaml
 
 from executors.step_terms import (
     ATTENTION_TILE,
+    DRIVER_COLUMNS,
     Coefficients,
     StepDecomposer,
     StepDrivers,
@@ -47,6 +48,10 @@ KINDS = ("decode", "prefill", "mixed")
 
 SHRINK_TOLERANCE = 1e-3  # percentage points of fit MAPE a shrunk coefficient may cost
 SHARPNESS_GRID: tuple[float, ...] = (1.0, 1.5, 2.0, 3.0, 4.0, 8.0, math.inf)
+#: How many of a step's requests may carry the first-requests price (``s_per_first_seq``): on
+#: the CPU executor the first few requests of a batch cost ~25% more than the rest (their
+#: set-up is amortized over larger batches; docs/calibration.md, "Batch-size shape").
+SEQ_KNEE_GRID: tuple[int, ...] = (2, 4, 8, 16, 32)
 #: Coefficients only serving steps identify (``calibrate(steps=...)``); a rows-only fit
 #: leaves them at 0.
 SERVING_ONLY = ("s_per_prefill_row",)
@@ -195,21 +200,24 @@ class Fit:
     per_sharpness: dict[float, float] = field(default_factory=dict)  # p -> MAPE on the fit rows
 
 
-def _linear_design(X: np.ndarray) -> np.ndarray:
+def _linear_design(X: np.ndarray, seq_knee: int = 0) -> np.ndarray:
     """Design matrix of the p = 1 model (every knee a sum, so linear in the coefficients): one
     column per coefficient, the prediction with that coefficient 1 and the others 0. A
     coefficient whose column is all zero is not driven by the data and stays 0."""
     eye = np.eye(len(Coefficients.names()))
-    return np.column_stack([predict_array(e, X, 1.0) for e in eye])
+    return np.column_stack([predict_array(e, X, 1.0, seq_knee) for e in eye])
 
 
 def fit_coefficients(drivers: Sequence[StepDrivers], y: Sequence[float],
                      sharpness: float | Sequence[float] | None = None,
                      active: Sequence[str] | None = None,
-                     scale: Sequence[float] | None = None, loss: str = "soft_l1") -> Fit:
+                     scale: Sequence[float] | None = None, loss: str = "soft_l1",
+                     seq_knee: int | Sequence[int] | None = None) -> Fit:
     """Fit ``Coefficients`` to measured step seconds ``y`` (relative error is minimised).
 
     ``sharpness``: one knee p, or a grid to choose from (default ``SHARPNESS_GRID``).
+    ``seq_knee``: how many of a step's requests ``s_per_first_seq`` prices, or a grid to
+    choose from (default ``SEQ_KNEE_GRID`` when ``s_per_first_seq`` is fitted, else 0).
     ``active``: coefficient names to fit (default: every one whose drivers are non-zero in the
     data); the others are 0.
     ``scale``: each residual is ``(predicted - y) / scale`` (default ``y``: relative error).
@@ -217,39 +225,107 @@ def fit_coefficients(drivers: Sequence[StepDrivers], y: Sequence[float],
     many times is fitted at the mean of its times, which skewed noise puts above the median
     that a relative, robust (``soft_l1``) fit lands near.
     """
-    from scipy.optimize import least_squares, nnls
-
     X = driver_matrix(list(drivers))
     yv = np.asarray(y, dtype=float)
     if len(yv) != len(X) or not len(yv):
         raise ValueError(f"{len(X)} driver rows for {len(yv)} times")
     if np.any(~(yv > 0)):
         raise ValueError("measured times must be > 0")
-    names = Coefficients.names()
-    A = _linear_design(X)
-    present = np.any(A != 0, axis=0)
-    on = present if active is None else np.array([n in active for n in names]) & present
-    # Linear start: NNLS on relative errors of the additive (p = 1) model.
     sv = yv if scale is None else np.asarray(scale, dtype=float)
     if sv.shape != yv.shape or np.any(~(sv > 0)):
         raise ValueError("scale needs one value > 0 per time")
-    w = 1.0 / sv
     if scale is None:
         def objective(pred: np.ndarray) -> float:  # what the fit and its shrink judge by
             return mape(pred, yv)
     else:
         def objective(pred: np.ndarray) -> float:  # RMS of the scaled residuals, in percent
             return float(100.0 * np.sqrt(np.mean(((pred - yv) / sv) ** 2)))
-    x_lin = np.zeros(len(names))
-    x_lin[on], _ = nnls(A[:, on] * w[:, None], np.ones_like(yv))
+    grid = SHARPNESS_GRID if sharpness is None else (
+        (sharpness,) if isinstance(sharpness, (int, float)) else tuple(sharpness))
+    names = Coefficients.names()
+    first = names.index("s_per_first_seq")
+    # The first-requests price is fitted only where the steps' batch sizes can tell it from
+    # the per-request one: some step has more requests than the smallest knee.
+    first_on = (active is None or "s_per_first_seq" in active) and (
+        float(X[:, DRIVER_COLUMNS.index("rows")].max()) > min(SEQ_KNEE_GRID))
+    if seq_knee is None:
+        knees: tuple[int, ...] = (0, *SEQ_KNEE_GRID) if first_on else (0,)
+    else:
+        knees = (seq_knee,) if isinstance(seq_knee, int) else tuple(seq_knee)
+    # The knee: the sharpness is chosen without one, then each knee of the grid is fitted at
+    # that sharpness and judged by its sum of squared scaled residuals; a knee is one more
+    # price and has to earn it (``_knee_earns_its_price``), so data without the shape keep
+    # seq_knee 0.
+    fits: dict[int, tuple[float, np.ndarray, np.ndarray]] = {}
+    per: dict[float, float] = {}
+    for knee in knees:
+        A = _linear_design(X, knee)
+        on = _active_columns(A, active)
+        if not knee:
+            on[first] = False
+        x_lin = _linear_start(A, yv, sv, on)
+        at = _fit_at_knee(X, yv, sv, knee, on, x_lin, A, grid, loss, objective)
+        if not fits:  # the first knee tried chooses the sharpness for all of them
+            per = {q: e for q, (e, _) in at.items()}
+            grid = (min(at, key=lambda q: at[q][0]),)
+        p = grid[0]
+        x = at[p][1]
+        fits[knee] = (float(np.sum(((predict_array(x, X, p, knee) - yv) / sv) ** 2)), x, on)
+    knee = min(knees, key=lambda k: fits[k][0])
+    if knee and 0 in fits and not _knee_earns_its_price(fits[0][0], fits[knee][0], len(yv)):
+        knee = 0
+    _, x, on = fits[knee]
+    x = _shrink(x, X, p, knee, on, objective)
+    if knee and x[first] == 0.0:
+        knee = 0  # no first-requests price: nothing for a knee to place
+    err = mape(predict_array(x, X, p, knee), yv)
+    return Fit(Coefficients(**dict(zip(names, map(float, x))), sharpness=p, seq_knee=knee),
+               err, per)
+
+
+def _knee_earns_its_price(rss_without: float, rss_with: float, n: int) -> bool:
+    """Whether a seq_knee's extra price lowers the squared error enough to keep: by the
+    Bayesian information criterion (n ln(RSS ratio) below -ln n, one more parameter), and by
+    more than rounding (0.001% of the times, root mean square)."""
+    if rss_with >= rss_without:
+        return False
+    bic_gain = n * math.log(rss_with / rss_without) < -math.log(n) if rss_with > 0 else True
+    return bic_gain and math.sqrt(rss_without / n) - math.sqrt(rss_with / n) > 1e-5
+
+
+def _active_columns(A: np.ndarray, active: Sequence[str] | None) -> np.ndarray:
+    """Which coefficients a fit varies: those named (default all) whose drivers the data has
+    (``A``: ``_linear_design``)."""
+    names = Coefficients.names()
+    present = np.any(A != 0, axis=0)
+    return present if active is None else np.array([n in active for n in names]) & present
+
+
+def _linear_start(A: np.ndarray, yv: np.ndarray, sv: np.ndarray,
+                  on: np.ndarray) -> np.ndarray:
+    """Prices of the additive (p = 1) model (design matrix ``A``) by NNLS on the scaled
+    errors: the fit's start, and what chooses its seq_knee."""
+    from scipy.optimize import nnls
+
+    x_lin = np.zeros(A.shape[1])
+    x_lin[on], _ = nnls(A[:, on] / sv[:, None], yv / sv)
+    return x_lin
+
+
+def _fit_at_knee(X: np.ndarray, yv: np.ndarray, sv: np.ndarray, seq_knee: int,
+                 on: np.ndarray, x_lin: np.ndarray, A: np.ndarray, grid: tuple[float, ...],
+                 loss: str, objective: Callable[[np.ndarray], float],
+                 ) -> dict[float, tuple[float, np.ndarray]]:
+    """The best fit (objective, prices) at each sharpness of ``grid`` for one ``seq_knee``,
+    started from its linear fit ``x_lin`` (design matrix ``A``)."""
+    from scipy.optimize import least_squares
+
+    names = Coefficients.names()
     # Scales: each coefficient's "one-row" size, so the solver works on O(1) numbers.
     typical = np.array([np.median(yv) / max(np.median(A[:, j][A[:, j] > 0]), 1e-300)
                         if on[j] else 1.0 for j in range(len(names))])
     scale = np.where(x_lin > 0, x_lin, typical * 1e-2)
-    grid = SHARPNESS_GRID if sharpness is None else (
-        (sharpness,) if isinstance(sharpness, (int, float)) else tuple(sharpness))
-    best: tuple[float, float, np.ndarray] | None = None
-    per: dict[float, float] = {}
+    out: dict[float, tuple[float, np.ndarray]] = {}
     # Only the active coefficients are the solver's variables (an inactive one has no
     # residual gradient, but would still enter the solver's step and stopping rules).
     idx = np.flatnonzero(on)
@@ -260,27 +336,21 @@ def fit_coefficients(drivers: Sequence[StepDrivers], y: Sequence[float],
             def resid(z: np.ndarray) -> np.ndarray:
                 x = np.zeros(len(names))
                 x[idx] = z * scale[idx]
-                return (predict_array(x, X, p) - yv) / sv
+                return (predict_array(x, X, p, seq_knee) - yv) / sv
 
             r = least_squares(resid, z0, bounds=(0.0, np.inf), x_scale=1.0, loss=loss,
                               f_scale=0.05, max_nfev=2000)
             x = np.zeros(len(names))
             x[idx] = r.x * scale[idx]
-            err = objective(predict_array(x, X, p))
+            err = objective(predict_array(x, X, p, seq_knee))
             if best_p is None or err < best_p[0]:
                 best_p = (err, x)
         assert best_p is not None
-        per[p] = best_p[0]
-        if best is None or best_p[0] < best[0] - 1e-9:
-            best = (best_p[0], p, best_p[1])
-    assert best is not None
-    err, p, x = best
-    x = _shrink(x, X, p, on, objective)
-    err = mape(predict_array(x, X, p), yv)
-    return Fit(Coefficients(**dict(zip(names, map(float, x))), sharpness=p), err, per)
+        out[p] = best_p
+    return out
 
 
-def _shrink(x: np.ndarray, X: np.ndarray, p: float, on: np.ndarray,
+def _shrink(x: np.ndarray, X: np.ndarray, p: float, seq_knee: int, on: np.ndarray,
             objective: Callable[[np.ndarray], float]) -> np.ndarray:
     """Lower each coefficient as far as the fit allows (``SHRINK_TOLERANCE``).
 
@@ -290,12 +360,12 @@ def _shrink(x: np.ndarray, X: np.ndarray, p: float, on: np.ndarray,
     profile. The smallest value that fits keeps it out of the way; an identified coefficient
     barely moves (lowering it costs fit error at once)."""
     x = x.copy()
-    limit = objective(predict_array(x, X, p)) + SHRINK_TOLERANCE
+    limit = objective(predict_array(x, X, p, seq_knee)) + SHRINK_TOLERANCE
     for j in np.flatnonzero(on & (x > 0)):
         lo, hi = 0.0, x[j]
         for _ in range(40):
             x[j] = lo if lo == 0.0 and _ == 0 else 0.5 * (lo + hi)
-            if objective(predict_array(x, X, p)) <= limit:
+            if objective(predict_array(x, X, p, seq_knee)) <= limit:
                 hi = x[j]
                 if hi == 0.0:
                     break
@@ -310,7 +380,8 @@ def _shrink(x: np.ndarray, X: np.ndarray, p: float, on: np.ndarray,
 def predict(coefficients: Coefficients, drivers: Sequence[StepDrivers]) -> np.ndarray:
     """Seconds per row (without communication and swap)."""
     x = np.array([getattr(coefficients, n) for n in Coefficients.names()])
-    return predict_array(x, driver_matrix(list(drivers)), coefficients.sharpness)
+    return predict_array(x, driver_matrix(list(drivers)), coefficients.sharpness,
+                         coefficients.seq_knee)
 
 
 # ---- hardware profiles ------------------------------------------------------------------------
@@ -342,15 +413,19 @@ class HardwareProfile:
             if key not in data:
                 raise ConfigError("executor.profile", f"{where}: missing key {key!r}")
         raw = dict(data["coefficients"] or {})
-        unknown = sorted(set(raw) - set(Coefficients.names()) - {"sharpness"})
+        unknown = sorted(set(raw) - set(Coefficients.names()) - set(Coefficients.SHAPE_FIELDS))
         if unknown:
             raise ConfigError("executor.profile",
                               f"{where}: unknown coefficient {unknown[0]!r}; known: "
-                              f"{', '.join(Coefficients.names())}, sharpness")
+                              f"{', '.join(Coefficients.names() + list(Coefficients.SHAPE_FIELDS))}")
         if raw.get("sharpness") is None:
             raw["sharpness"] = math.inf
+        knee = raw.pop("seq_knee", 0)
+        if isinstance(knee, bool) or not isinstance(knee, int):
+            raise ConfigError("executor.profile",
+                              f"{where}: seq_knee must be an integer >= 0, got {knee!r}")
         try:
-            coeffs = Coefficients(**{k: float(v) for k, v in raw.items()})
+            coeffs = Coefficients(**{k: float(v) for k, v in raw.items()}, seq_knee=knee)
         except (TypeError, ValueError) as e:
             raise ConfigError("executor.profile", f"{where}: {e}") from None
         return cls(str(data["model"]), str(data["device"]), str(data.get("dtype", "")),
@@ -404,8 +479,13 @@ def calibrate(rows: Sequence[dict[str, Any]], model: ModelSpec, tensor_parallel:
               statistic: str = "median_s",
               attention_tile: int = ATTENTION_TILE, split_rule: str = "fill",
               split_kv_len: int | None = None,
-              decode_placement: str = "launch") -> HardwareProfile:
+              decode_placement: str = "launch",
+              seq_knee: int | Sequence[int] | None = None) -> HardwareProfile:
     """Fit a profile to CSV rows (``read_profile_csv``), holding out half the shapes.
+
+    ``seq_knee``: how many of a step's requests carry the first-requests price, or a grid to
+    choose from (``fit_coefficients``; default: none or one of ``SEQ_KNEE_GRID``, chosen by
+    each fit).
 
     ``num_sms``: the profiled GPU's SM count (decode attention waves); None (a CPU, or
     unknown) runs every decode thread block in one wave. It is saved with the profile so that
@@ -458,7 +538,8 @@ def calibrate(rows: Sequence[dict[str, Any]], model: ModelSpec, tensor_parallel:
     # The per prompt row cost shows in serving steps only: a profile's warm one-row prompts
     # cannot tell it from the per-kernel floor.
     f = fit_coefficients(rows_x, y[fit_idx], sharpness,
-                         active=[n for n in Coefficients.names() if n not in SERVING_ONLY])
+                         active=[n for n in Coefficients.names() if n not in SERVING_ONLY],
+                         seq_knee=seq_knee)
     if steps:
         # Steps are single noisy measurements, fitted at their mean (the simulated clock sums
         # them): absolute residuals over the rows-only fit's prediction, least squares.
@@ -466,7 +547,7 @@ def calibrate(rows: Sequence[dict[str, Any]], model: ModelSpec, tensor_parallel:
         guess = predict(f.coefficients, steps_x)
         f = fit_coefficients(rows_x + steps_x, np.concatenate([y[fit_idx], step_y[step_fit]]),
                              sharpness, scale=np.concatenate([y[fit_idx], guess]),
-                             loss="linear")
+                             loss="linear", seq_knee=seq_knee)
     pred = predict(f.coefficients, drivers)
     first = rows[0]
     fit = {"rows_fit": len(fit_idx), "rows_heldout": len(held_idx),

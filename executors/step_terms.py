@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, fields
 from functools import lru_cache
-from typing import NamedTuple
+from typing import ClassVar, NamedTuple
 
 import numpy as np
 
@@ -562,6 +562,8 @@ def knee_array(terms: list[np.ndarray], sharpness: float) -> np.ndarray:
 COEFFICIENT_DOCS: dict[str, str] = {
     "s_per_step": "fixed overhead of a non-empty step (scheduler, launches, sync)",
     "s_per_seq": "per scheduled request (input preparation, sampling)",
+    "s_per_first_seq": "per scheduled request among a step's first seq_knee, on top of s_per_seq "
+                       "(per-request set-up that a larger batch amortizes)",
     "s_per_token": "per query token outside GEMMs and attention (element-wise work)",
     "s_per_flop": "per GEMM FLOP (projections and LM head), compute side of their roofline",
     "s_per_weight_byte": "per GEMM byte (weights + activations), memory side of their roofline",
@@ -597,20 +599,36 @@ class Coefficients:
     s_per_split_partial: float = 0.0
     s_per_kv_tile: float = 0.0
     s_per_prefill_row: float = 0.0
+    s_per_first_seq: float = 0.0
     sharpness: float = math.inf
+    # How many of a step's requests ``s_per_first_seq`` prices (0: none). With it the
+    # per-request cost is piecewise linear in the batch: s_per_seq + s_per_first_seq for each
+    # of the first seq_knee requests, s_per_seq for the rest. A fit chooses it from
+    # SEQ_KNEE_GRID (executors/calibration.py), as it chooses the sharpness.
+    seq_knee: int = 0
 
     def __post_init__(self) -> None:
-        for f in fields(self):
-            v = getattr(self, f.name)
+        for name in self.names():
+            v = getattr(self, name)
             if not (v >= 0 and not math.isnan(v)):
-                raise ValueError(f"coefficient {f.name} must be >= 0, got {v}")
-        if self.sharpness < 1:
+                raise ValueError(f"coefficient {name} must be >= 0, got {v}")
+        if not (self.sharpness >= 1):
             raise ValueError(f"sharpness must be >= 1 (1: compute and memory add), "
                              f"got {self.sharpness}")
+        knee = self.seq_knee
+        if isinstance(knee, bool) or not isinstance(knee, int) or knee < 0:
+            raise ValueError(f"seq_knee must be an integer >= 0, got {knee!r}")
+        if self.s_per_first_seq > 0 and knee == 0:
+            raise ValueError("s_per_first_seq prices a step's first seq_knee requests: it "
+                             "needs seq_knee >= 1")
+
+    #: Fields that are not prices (shape parameters of the model).
+    SHAPE_FIELDS: ClassVar[tuple[str, ...]] = ("sharpness", "seq_knee")
 
     @classmethod
     def names(cls) -> list[str]:
-        return [f.name for f in fields(cls) if f.name != "sharpness"]
+        """The prices, in ``predict_array``'s order."""
+        return [f.name for f in fields(cls) if f.name not in cls.SHAPE_FIELDS]
 
     def as_dict(self) -> dict[str, float]:
         return asdict(self)
@@ -624,7 +642,7 @@ class Coefficients:
         if not (factor > 0 and math.isfinite(factor)):
             raise ValueError(f"scale factor must be positive and finite, got {factor}")
         return Coefficients(**{name: getattr(self, name) * factor for name in self.names()},
-                            sharpness=self.sharpness)
+                            sharpness=self.sharpness, seq_knee=self.seq_knee)
 
     def breakdown(self, d: StepDrivers, tokens_priced_by_bytes: float | None = None,
                   ) -> StepBreakdown:
@@ -665,6 +683,8 @@ class Coefficients:
         else:
             b.elementwise = tokens_priced_by_bytes * d.elementwise_bytes
         b.overhead = self.s_per_step * d.nonempty + self.s_per_seq * d.rows
+        if self.s_per_first_seq:  # (a zero price adds nothing, not even a rounding)
+            b.overhead = b.overhead + self.s_per_first_seq * first_rows(d.rows, self.seq_knee)
         return b
 
 
@@ -694,17 +714,26 @@ def driver_matrix(drivers: list[StepDrivers]) -> np.ndarray:
     return np.array([[getattr(d, c) for c in DRIVER_COLUMNS] for d in drivers], dtype=float)
 
 
-def predict_array(x: np.ndarray, X: np.ndarray, sharpness: float) -> np.ndarray:
+def first_rows(rows: float | np.ndarray, seq_knee: int) -> float | np.ndarray:
+    """How many of a step's ``rows`` scheduled requests ``s_per_first_seq`` prices: the
+    first ``seq_knee`` of them."""
+    return np.minimum(rows, seq_knee) if isinstance(rows, np.ndarray) else min(rows, seq_knee)
+
+
+def predict_array(x: np.ndarray, X: np.ndarray, sharpness: float,
+                  seq_knee: int = 0) -> np.ndarray:
     """Vectorised ``Coefficients.breakdown(...).total`` (without comm/swap) for fitting.
 
     ``x`` is in ``Coefficients.names()`` order; ``X`` from ``driver_matrix``. With
     ``sharpness`` 1 every knee is a sum, so the model is linear in ``x`` (the fit's start).
     """
-    step, seq, tok, flop, wbyte, aflop, dflop, kvbyte, ctab, smb, wave, kern, part, tile, prow = x
+    (step, seq, tok, flop, wbyte, aflop, dflop, kvbyte, ctab, smb, wave, kern, part, tile, prow,
+     first) = x
     c = {name: X[:, i] for i, name in enumerate(DRIVER_COLUMNS)}
     p = sharpness
     cta = ctab * c["decode_cta_bytes"]
     return (step * c["nonempty"] + seq * c["rows"] + tok * c["tokens"]
+            + first * first_rows(c["rows"], seq_knee)
             + knee_array([flop * c["linear_flops"], wbyte * c["linear_bytes"]], p)
             + knee_array([flop * c["lm_head_flops"], wbyte * c["lm_head_bytes"]], p)
             + knee_array([aflop * c["prefill_flops"] + dflop * c["prefill_diag_flops"],

@@ -263,11 +263,48 @@ def test_fit_rejects_bad_input():
         fit_coefficients(_random_drivers(3, 0), [1.0, 1.0])
 
 
+def test_first_requests_price_prices_the_first_seq_knee_rows():
+    """Per-request overhead is piecewise linear in the batch: s_per_seq + s_per_first_seq for
+    each of the first seq_knee requests, s_per_seq after them."""
+    c = Coefficients(s_per_step=1e-4, s_per_seq=2e-5, s_per_first_seq=8e-6, seq_knee=4)
+    for rows, want in [(1, 1e-4 + 2.8e-5), (4, 1e-4 + 4 * 2.8e-5), (10, 1e-4 + 4 * 8e-6 + 10 * 2e-5)]:
+        d = StepDrivers(nonempty=1.0, rows=float(rows))
+        assert c.breakdown(d).overhead == pytest.approx(want, rel=1e-12)
+        assert predict(c, [d])[0] == pytest.approx(want, rel=1e-12)
+    # A zero price changes nothing, not even a rounding.
+    plain = Coefficients(s_per_step=1e-4, s_per_seq=3e-5)
+    d = StepDrivers(nonempty=1.0, rows=7.0)
+    assert dataclasses.replace(plain, seq_knee=4).breakdown(d).overhead == plain.breakdown(d).overhead
+    with pytest.raises(ValueError, match="needs seq_knee >= 1"):
+        Coefficients(s_per_first_seq=1e-6)
+    for bad in (-1, 2.5, True):
+        with pytest.raises(ValueError, match="seq_knee must be an integer >= 0"):
+            Coefficients(seq_knee=bad)
+    assert c.scaled(2.0).seq_knee == 4 and c.scaled(2.0).s_per_first_seq == pytest.approx(1.6e-5)
+
+
+def test_fit_finds_the_first_requests_price_and_its_knee():
+    """Steps whose first 8 requests cost 30% more than the rest (the CPU executor's shape,
+    docs/calibration.md): the fit picks seq_knee 8 from the grid and recovers both prices;
+    the same data without the shape keeps seq_knee 0 (test_fit_recovers_known_coefficients)."""
+    true = dataclasses.replace(TRUE, s_per_first_seq=1.5e-5, seq_knee=8)
+    drivers = _random_drivers(300, seed=4)
+    fit = fit_coefficients(drivers, predict(true, drivers), sharpness=2.0)
+    assert fit.coefficients.seq_knee == 8
+    assert fit.coefficients.s_per_first_seq == pytest.approx(1.5e-5, rel=0.02)
+    assert fit.coefficients.s_per_seq == pytest.approx(5e-5, rel=0.02)
+    assert fit.mape_fit < 0.1
+    # Asked for no knee, the fit cannot price the shape and misses.
+    flat = fit_coefficients(drivers, predict(true, drivers), sharpness=2.0, seq_knee=0)
+    assert flat.coefficients.seq_knee == 0 and flat.coefficients.s_per_first_seq == 0.0
+    assert flat.mape_fit > fit.mape_fit
+
+
 @pytest.mark.parametrize("suffix", [".yaml", ".json"])
 @pytest.mark.parametrize("sharpness", [2.0, math.inf])
 def test_profile_round_trip(tmp_path, suffix, sharpness):
-    prof = HardwareProfile("tiny", "cpu", "fp32", 1, dataclasses.replace(TRUE, sharpness=sharpness),
-                           {"mape_heldout_pct": 1.5}, "p.csv")
+    coeffs = dataclasses.replace(TRUE, sharpness=sharpness, s_per_first_seq=2e-5, seq_knee=4)
+    prof = HardwareProfile("tiny", "cpu", "fp32", 1, coeffs, {"mape_heldout_pct": 1.5}, "p.csv")
     path = save_profile(prof, tmp_path / f"hw{suffix}")
     assert load_profile(path) == prof
     assert load_profile_for(path, load_model_spec("tiny"), 1) == prof
@@ -284,6 +321,13 @@ def test_bad_profiles_name_the_field(tmp_path):
         load_profile(p)
     p.write_text("model: tiny\ndevice: cpu\ntensor_parallel: 1\ncoefficients: {s_per_seq: -1}\n")
     with pytest.raises(ConfigError, match="s_per_seq must be >= 0"):
+        load_profile(p)
+    p.write_text("model: tiny\ndevice: cpu\ntensor_parallel: 1\n"
+                 "coefficients: {s_per_first_seq: 1.0e-5, seq_knee: 2.5}\n")
+    with pytest.raises(ConfigError, match="executor.profile: .*seq_knee must be an integer"):
+        load_profile(p)
+    p.write_text("model: tiny\ndevice: cpu\ntensor_parallel: 1\ncoefficients: {s_per_first_seq: 1.0e-5}\n")
+    with pytest.raises(ConfigError, match="executor.profile: .*needs seq_knee >= 1"):
         load_profile(p)
     with pytest.raises(ConfigError, match="executor.profile: file not found"):
         load_profile(tmp_path / "missing.yaml")

@@ -131,7 +131,8 @@ def _cost_models() -> list[RooflineCostModel]:
                           s_per_weight_byte=5e-13, s_per_attn_flop=7e-15, s_per_diag_flop=9e-15,
                           s_per_kv_byte=6e-13, s_per_cta_byte=1e-10, s_per_sm_byte=2e-11,
                           s_per_attn_wave=2e-6, s_per_attn_kernel=5e-6, s_per_split_partial=3e-8,
-                          s_per_kv_tile=1e-6, s_per_prefill_row=4e-6, sharpness=3.0)
+                          s_per_kv_tile=1e-6, s_per_prefill_row=4e-6, s_per_first_seq=3e-6,
+                          seq_knee=4, sharpness=3.0)
     return [RooflineCostModel(m8, a100),
             RooflineCostModel(load_model_spec("llama3_70b"), load_hardware_spec("h100_sxm"), 4,
                               pipeline_parallel=2),

@@ -44,9 +44,10 @@ def test_neighbours_are_the_calibration_runs_just_before_and_after():
 
 
 def test_scaled_coefficients_scale_every_price_and_keep_the_knee():
-    c = Coefficients(s_per_step=1e-4, s_per_flop=2e-12, s_per_kv_byte=3e-10, sharpness=2.0)
+    c = Coefficients(s_per_step=1e-4, s_per_flop=2e-12, s_per_kv_byte=3e-10,
+                     s_per_first_seq=1e-5, seq_knee=4, sharpness=2.0)
     s = c.scaled(1.25)
-    assert s.sharpness == 2.0
+    assert (s.sharpness, s.seq_knee) == (2.0, 4)
     for name in Coefficients.names():
         assert getattr(s, name) == pytest.approx(1.25 * getattr(c, name), rel=1e-15)
     for bad in (0.0, -1.0, float("inf"), float("nan")):
@@ -63,7 +64,8 @@ def test_scaled_profile_prices_every_step_exactly_factor_times(tmp_path):
     coeffs = Coefficients(s_per_step=2e-5, s_per_seq=1e-4, s_per_token=4e-8, s_per_flop=9e-12,
                           s_per_weight_byte=6e-10, s_per_attn_flop=2e-11,
                           s_per_diag_flop=3e-11, s_per_kv_byte=6e-10, s_per_attn_wave=1e-11,
-                          s_per_attn_kernel=5e-11, s_per_prefill_row=1e-4, sharpness=1.7)
+                          s_per_attn_kernel=5e-11, s_per_prefill_row=1e-4, s_per_first_seq=2e-5,
+                          seq_knee=8, sharpness=1.7)
     path = save_profile(HardwareProfile("tiny", "cpu", "fp32", 1, coeffs, {"rows_fit": 3}),
                         tmp_path / "p.yaml")
     out = scaled_profile(path, 1.0375, tmp_path / "scaled" / "p.yaml")

@@ -15,6 +15,7 @@ from omegaconf import OmegaConf
 from executors.recording import RecordingExecutor, replay
 import experiments.validate as validate_mod
 from experiments.host_speed import pair_saved
+from experiments.refit_split import split_errors
 from experiments.validate import (
     RunSchedule,
     apply_policy_overrides,
@@ -266,6 +267,12 @@ def test_whole_loop_on_the_real_cpu_executor(tmp_path):
     assert "paired (a diagnostic): each real run simulated" in validate_mod.format_table(res)
     steps = pd.read_csv(tmp_path / "replay_steps.csv")
     assert steps.groupby("run").size().tolist() == steps_per_run
+    # The saved folder refits on run 1 and prices run 2 (python -m experiments.refit_split).
+    for knee in (0, None):
+        split = split_errors(tmp_path, knee, cfg)
+        assert split["mape_pct"] < 60.0 and abs(split["busy_pct"]) < 40.0
+        assert split["decode_1"] is not None and split["with_prompt"] is not None
+    assert split_errors(tmp_path, 0, cfg)["seq_knee"] == 0
     assert (steps.measured_s > 0).all()
     page = (tmp_path / "validation.html").read_text()
     assert "Latency CDFs" in page and "replayed" in page
@@ -294,3 +301,10 @@ def test_real_executor_measurement_options():
     assert gc.isenabled()
     sim.run()
     assert gc.isenabled()
+
+
+def test_refit_split_names_what_a_folder_lacks(tmp_path):
+    from experiments.refit_split import main
+
+    with pytest.raises(ConfigError, match="not a saved validation: profile.csv is missing"):
+        main([str(tmp_path)])
