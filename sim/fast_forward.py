@@ -67,9 +67,10 @@ class Jump:
     stops: list[int] = field(default_factory=list)
     batch_sizes: np.ndarray | None = None
     freed: list[int] = field(default_factory=list)
-    # The step of each of ``block_members``' new blocks (ascending), to allocate them stretch
-    # by stretch, and (filled in when the jump starts) the request ids of their owners.
-    block_steps: np.ndarray | None = None
+    # The step of each of ``block_members``' new blocks (ascending; a list, searched with
+    # bisect at every stop), to allocate them stretch by stretch, and (filled in when the
+    # jump starts) the request ids of their owners.
+    block_steps: list[int] | None = None
     block_owners: list[int] = field(default_factory=list)
     # A decode-run jump, filled in when it starts: the members (run indices, ascending) that
     # finish in it, and those of them that finish in its last step.
@@ -234,7 +235,7 @@ def _run_jump_past_finishes(block: DecodeBlock, run: DecodeRun, first: np.ndarra
     gone = np.searchsorted(np.asarray(last_sorted), np.arange(1, k + 1), side="left")
     stops = sorted({f for f in last_sorted if f < k})
     return Jump(k, durations_k, ends_k, new_blocks, members, stops, n - gone,
-                block_steps=steps)
+                block_steps=steps.tolist())
 
 
 def _sized_jump(plan: StepPlan, first: np.ndarray, bs: int, durations_fn, k_max: int,
