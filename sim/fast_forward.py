@@ -26,8 +26,10 @@ simulation shows), without planning or pricing anything there.
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 import numpy as np
 
@@ -65,9 +67,10 @@ class Jump:
     stops: list[int] = field(default_factory=list)
     batch_sizes: np.ndarray | None = None
     freed: list[int] = field(default_factory=list)
-    # The step of each of ``block_members``' new blocks (ascending), to allocate them stretch
-    # by stretch, and (filled in when the jump starts) the request ids of their owners.
-    block_steps: np.ndarray | None = None
+    # The step of each of ``block_members``' new blocks (ascending; a list, searched with
+    # bisect at every stop), to allocate them stretch by stretch, and (filled in when the
+    # jump starts) the request ids of their owners.
+    block_steps: list[int] | None = None
     block_owners: list[int] = field(default_factory=list)
     # A decode-run jump, filled in when it starts: the members (run indices, ascending) that
     # finish in it, and those of them that finish in its last step.
@@ -76,35 +79,44 @@ class Jump:
 
 
 def _price_until(price, start: float, length: int, horizon: float,
-                 d_est: float = 0.0) -> tuple[np.ndarray, np.ndarray] | None:
+                 d_est: float = 0.0) -> tuple[list[float], list[float]] | None:
     """Durations and end times of up to ``length`` steps from ``start``, priced by
     ``price(m)`` only as far as the horizon needs. Most jumps end at the next arrival, a few
     steps away: price a few steps first (or as many as ``d_est``, a recent step time, says
     reach the horizon, with a quarter to spare), then, if the horizon is further, as many as
     can start before it. Step durations rarely shrink as contexts grow, so about
     (horizon - start) / first duration + 1 steps start before it; a jump that falls short
-    only ends earlier (the next one goes on)."""
+    only ends earlier (the next one goes on). Plain lists: a stretch is a few steps, and a
+    list is cheaper to extend, search and add up than an array is to build."""
     m = min(length, 8 if d_est <= 0 or math.isinf(horizon) else
             int((horizon - start) / d_est * 1.25) + 2)
-    durations = price(m)
-    if durations is None:
+    priced = price(m)
+    if priced is None:
         return None
-    # Same sequential float additions as env.now += duration, step after step.
-    ends = np.cumsum(np.concatenate(([start], durations)))[1:]
+    durations = priced.tolist()
+    # Same sequential float additions as env.now += duration, step after step (and as
+    # np.cumsum, which adds left to right).
+    ends = list(accumulate(durations, initial=start))
+    del ends[0]
     if m < length and ends[-1] < horizon:
-        d1 = float(durations[0])
+        d1 = durations[0]
         m = length if d1 <= 0 or math.isinf(horizon) else (
             min(length, int((horizon - start) / d1) + 2))
         if m > len(durations):
-            durations = price(m)
-            ends = np.cumsum(np.concatenate(([start], durations)))[1:]
+            priced = price(m)
+            if priced is None:
+                return None
+            durations = priced.tolist()
+            ends = list(accumulate(durations, initial=start))
+            del ends[0]
     return durations, ends
 
 
-def _steps_before(ends: np.ndarray, horizon: float) -> int:
-    """How many steps of a jump with these end times start strictly before the horizon (a
-    step starting at or after it may see an arrival first). Step 1 always belongs."""
-    return int(min(len(ends), 1 + np.searchsorted(ends[:-1], horizon, side="left")))
+def _steps_before(ends: list[float], horizon: float) -> int:
+    """How many steps of a jump with these end times (ascending) start strictly before the
+    horizon (a step starting at or after it may see an arrival first). Step 1 always
+    belongs."""
+    return min(len(ends), 1 + bisect.bisect_left(ends, horizon, 0, len(ends) - 1))
 
 
 def _jump_length(durations_fn, plan: StepPlan, k_max: int, start: float,
@@ -116,7 +128,7 @@ def _jump_length(durations_fn, plan: StepPlan, k_max: int, start: float,
     k = _steps_before(ends, horizon)
     if k < 2:
         return None
-    return k, durations[:k], ends[:k]
+    return k, np.array(durations[:k]), np.array(ends[:k])
 
 
 def plan_run_jump(plan: StepPlan, block: DecodeBlock, run: DecodeRun, durations_fn,
@@ -176,7 +188,8 @@ def _run_jump_past_finishes(block: DecodeBlock, run: DecodeRun, first: np.ndarra
     ctx_suffix = [run.ctx0_sum]
     max_suffix = [run.ctx0_max]
     first_finish = int(last.min())
-    parts: list[np.ndarray] = []
+    durations: list[float] = []  # of the stretches so far, one after the other
+    ends: list[float] = []
     t = start
     i, j0 = 0, 1  # active members: sorted[i:]; the stretch starts at jump step j0
     d_last = 0.0
@@ -192,13 +205,13 @@ def _run_jump_past_finishes(block: DecodeBlock, run: DecodeRun, first: np.ndarra
                               horizon, d_last)
         if priced is None:
             return None
-        durations, ends = priced
-        parts.append(durations)
-        parts.append(ends)
-        d_last = float(durations[-1])
-        if ends[-1] >= horizon or len(durations) < length or f >= k_max:
+        part, part_ends = priced
+        durations += part
+        ends += part_ends
+        d_last = part[-1]
+        if part_ends[-1] >= horizon or len(part) < length or f >= k_max:
             break
-        t = float(ends[-1])
+        t = part_ends[-1]
         j0 = f + 1
         if not last_sorted:
             order = np.argsort(last, kind="stable")
@@ -210,20 +223,19 @@ def _run_jump_past_finishes(block: DecodeBlock, run: DecodeRun, first: np.ndarra
             i += 1
         if i >= n:
             break
-    durations = np.concatenate(parts[0::2])
-    ends = np.concatenate(parts[1::2])
     k = _steps_before(ends, horizon)
     if k < 2:
         return None
     steps, members = jump_block_steps(first, bs, k, last)
     new_blocks = np.bincount(steps - 1, minlength=k)[:k]
+    durations_k, ends_k = np.array(durations[:k]), np.array(ends[:k])
     if k <= first_finish:  # nobody finishes before the last step: a plain jump
-        return Jump(k, durations[:k], ends[:k], new_blocks, members)
+        return Jump(k, durations_k, ends_k, new_blocks, members)
     # Batch size of step j: the members whose last step is j or later.
     gone = np.searchsorted(np.asarray(last_sorted), np.arange(1, k + 1), side="left")
     stops = sorted({f for f in last_sorted if f < k})
-    return Jump(k, durations[:k], ends[:k], new_blocks, members, stops, n - gone,
-                block_steps=steps)
+    return Jump(k, durations_k, ends_k, new_blocks, members, stops, n - gone,
+                block_steps=steps.tolist())
 
 
 def _sized_jump(plan: StepPlan, first: np.ndarray, bs: int, durations_fn, k_max: int,

@@ -12,6 +12,7 @@ decode side the cluster calls ``accept_transferred(req)``. See ``sim/cluster/dis
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Callable
 
 import numpy as np
@@ -326,8 +327,9 @@ class Replica:
             jump.block_owners = [ids[m] for m in members.tolist()]
         owners = jump.block_owners
         if jump.stops:  # this stretch's share
-            lo, hi = np.searchsorted(jump.block_steps, (done + 1, stop + 1)).tolist()
-            owners = owners[lo:hi]
+            steps = jump.block_steps
+            lo = bisect_left(steps, done + 1)
+            owners = owners[lo:bisect_left(steps, stop + 1, lo)]
         if owners and not self.kv.grow(owners):
             raise AssertionError("decode jump overran the KV pool")  # planned so
 
