@@ -52,6 +52,8 @@ SHARPNESS_GRID: tuple[float, ...] = (1.0, 1.5, 2.0, 3.0, 4.0, 8.0, math.inf)
 #: the CPU executor the first few requests of a batch cost ~25% more than the rest (their
 #: set-up is amortized over larger batches; docs/calibration.md, "Batch-size shape").
 SEQ_KNEE_GRID: tuple[int, ...] = (2, 4, 8, 16, 32)
+#: ``calibrate(run_level=...)``: the speed a profile refitted on serving runs is left at.
+RUN_LEVELS = ("mean", "median")
 #: Coefficients only serving steps identify (``calibrate(steps=...)``); a rows-only fit
 #: leaves them at 0.
 SERVING_ONLY = ("s_per_prefill_row",)
@@ -480,7 +482,9 @@ def calibrate(rows: Sequence[dict[str, Any]], model: ModelSpec, tensor_parallel:
               attention_tile: int = ATTENTION_TILE, split_rule: str = "fill",
               split_kv_len: int | None = None,
               decode_placement: str = "launch",
-              seq_knee: int | Sequence[int] | None = None) -> HardwareProfile:
+              seq_knee: int | Sequence[int] | None = None,
+              step_runs: Sequence[int] | None = None,
+              run_level: str = "mean") -> HardwareProfile:
     """Fit a profile to CSV rows (``read_profile_csv``), holding out half the shapes.
 
     ``seq_knee``: how many of a step's requests carry the first-requests price, or a grid to
@@ -511,7 +515,20 @@ def calibrate(rows: Sequence[dict[str, Any]], model: ModelSpec, tensor_parallel:
     time's error). A profile measures each shape in isolation; in a serving run the steps
     follow the scheduler's host work, which on a CPU device evicts the step's working set from
     the core's caches (docs/calibration.md, "CPU validation"), and only such steps show it.
+
+    ``step_runs``: the serving run each step came from, and ``run_level`` the speed the
+    profile is left at: ``mean`` (as fitted: the runs' steps pooled) or ``median`` (every
+    price scaled so that the median run's summed step time is priced exactly). On a shared
+    host a slow patch inflates a few runs' steps; the pooled fit follows it, while a comparison
+    with the median of several real runs does not (docs/calibration.md, "The calibration runs'
+    median speed"). Each run's measured / predicted summed time before the scaling is saved as
+    ``fit.run_speeds``.
     """
+    if run_level not in RUN_LEVELS:
+        raise ConfigError("run_level", f"must be one of {', '.join(RUN_LEVELS)}, got "
+                          f"{run_level!r}")
+    if step_runs is not None and len(step_runs) != len(steps):
+        raise ValueError(f"{len(step_runs)} run indices for {len(steps)} steps")
     try:
         dec = StepDecomposer(model, tensor_parallel, block_size, num_sms,
                              attention_tile=attention_tile, split_rule=split_rule,
@@ -548,7 +565,15 @@ def calibrate(rows: Sequence[dict[str, Any]], model: ModelSpec, tensor_parallel:
         f = fit_coefficients(rows_x + steps_x, np.concatenate([y[fit_idx], step_y[step_fit]]),
                              sharpness, scale=np.concatenate([y[fit_idx], guess]),
                              loss="linear", seq_knee=seq_knee)
-    pred = predict(f.coefficients, drivers)
+    coefficients, level = f.coefficients, {}
+    if steps and step_runs is not None:
+        speeds = run_speeds(predict(coefficients, step_drivers), step_y, step_runs)
+        level = {"run_level": run_level, "run_speeds": [round(v, 5) for v in speeds.values()]}
+        if run_level == "median":
+            factor = float(np.median(list(speeds.values())))
+            coefficients = coefficients.scaled(factor)
+            level["run_level_scale"] = round(factor, 6)
+    pred = predict(coefficients, drivers)
     first = rows[0]
     fit = {"rows_fit": len(fit_idx), "rows_heldout": len(held_idx),
            "mape_fit_pct": round(mape(pred[fit_idx], y[fit_idx]), 3),
@@ -556,12 +581,24 @@ def calibrate(rows: Sequence[dict[str, Any]], model: ModelSpec, tensor_parallel:
            "num_sms": num_sms, "attention_tile": attention_tile, "statistic": statistic,
            "attention_split_rule": split_rule, "attention_split_kv_len": split_kv_len,
            "attention_decode_placement": decode_placement}
+    fit.update(level)
     if steps:
-        sp = predict(f.coefficients, [step_drivers[i] for i in step_held])
+        sp = predict(coefficients, [step_drivers[i] for i in step_held])
         sy = step_y[step_held]
         fit.update({"steps_fit": len(step_fit), "steps_heldout": len(step_held),
                     "mape_steps_heldout_pct": round(mape(sp, sy), 3),
                     "busy_steps_heldout_pct": round(float(100.0 * (sp.sum() / sy.sum() - 1.0)), 3)})
     return HardwareProfile(
         model=model.name, device=str(first.get("device", "")), dtype=str(first.get("dtype", "")),
-        tensor_parallel=tensor_parallel, coefficients=f.coefficients, fit=fit, source=source)
+        tensor_parallel=tensor_parallel, coefficients=coefficients, fit=fit, source=source)
+
+
+def run_speeds(predicted: np.ndarray, measured: np.ndarray, runs: Sequence[int],
+               ) -> dict[int, float]:
+    """Each run's measured / predicted summed step time, by run (in order of first step)."""
+    out: dict[int, list[float]] = {}
+    for run, p, m in zip(runs, predicted.tolist(), measured.tolist()):
+        acc = out.setdefault(int(run), [0.0, 0.0])
+        acc[0] += m
+        acc[1] += p
+    return {run: m / p for run, (m, p) in out.items()}

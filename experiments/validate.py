@@ -68,6 +68,7 @@ from typing import Any
 import numpy as np
 import yaml
 
+from executors.calibration import RUN_LEVELS
 from executors.recording import RecordingExecutor, Replay, is_serving_step, replay
 from executors.step_terms import ATTENTION_TILE
 from experiments.host_speed import MODES as HOST_SPEED_MODES
@@ -87,7 +88,8 @@ RUN_KEYS = ("num_steps", "num_preemptions", "simulated_duration_s", "wall_time_s
             "p90_e2el_ms")
 OPTIONS = {"profile", "replay", "cost_model", "seed_profile", "real_repeats", "pin_cpu",
            "policy_overrides", "calibration_runs", "interleave", "fit_statistic", "qps",
-           "saturation_fraction", "saturation_num_gpu_blocks", "hardware", "host_speed"}
+           "saturation_fraction", "saturation_num_gpu_blocks", "hardware", "host_speed",
+           "calibration_level"}
 #: ``validate.calibration_runs``: the i-th runs the workload with seed ``seed + this + i``.
 CALIBRATION_SEED_OFFSET = 1000
 
@@ -329,6 +331,8 @@ def _options(cfg: dict[str, Any]) -> dict[str, Any]:
                 f"validate.{key}", f"must be an integer >= {lo}, got {n!r}")
     require(opts.get("fit_statistic", "median") in ("median", "mean"), "validate.fit_statistic",
             f"must be median or mean, got {opts.get('fit_statistic')!r}")
+    require(opts.get("calibration_level", "median") in RUN_LEVELS, "validate.calibration_level",
+            f"must be one of {', '.join(RUN_LEVELS)}, got {opts.get('calibration_level')!r}")
     require(isinstance(opts.get("interleave", False), bool), "validate.interleave",
             f"must be true or false, got {opts.get('interleave')!r}")
     pin = opts.get("pin_cpu")
@@ -509,10 +513,10 @@ def serving_steps(steps: Sequence[Any]) -> list[tuple[Any, float]]:
 
 def refit_on_serving_steps(base: dict[str, Any], profile_path: Path, out_dir: Path,
                            recorded: Sequence[tuple[Any, list]], statistic: str,
-                           ) -> tuple[Path, dict[str, Any]]:
+                           level: str = "median") -> tuple[Path, dict[str, Any]]:
     """Refit the profile's rows together with the steps of ``recorded`` calibration runs
-    (``executors.calibration.calibrate(steps=...)``); returns
-    ``hardware_profile_serving.yaml``."""
+    (``executors.calibration.calibrate(steps=...)``), left at the ``level`` run's speed
+    (``validate.calibration_level``); returns ``hardware_profile_serving.yaml``."""
     from executors.calibration import calibrate, load_profile, read_profile_csv, save_profile
     from sim.specs import model_spec_from
 
@@ -522,14 +526,17 @@ def refit_on_serving_steps(base: dict[str, Any], profile_path: Path, out_dir: Pa
         raise ConfigError("validate.calibration_runs", f"refitting needs the profile's rows, but "
                           f"{profile_path} names no readable source CSV ({str(source)!r})")
     rows = read_profile_csv(source)
-    steps = [st for _, rec in recorded for st in serving_steps(rec)]
+    per_run = [serving_steps(rec) for _, rec in recorded]
+    steps = [st for run in per_run for st in run]
+    runs = [i for i, run in enumerate(per_run) for _ in run]
     model = model_spec_from(dict(base["model"]), "model config")
     tp = int(base.get("cluster", {}).get("tensor_parallel", 1))
     prof = calibrate(rows, model, tp, int(base["kv"]["block_size"]), source=str(source),
                      steps=steps, statistic=statistic,
                      # The knee the rows chose: the steps adjust prices, not the roofline shape.
                      sharpness=given.coefficients.sharpness,
-                     attention_tile=int(given.fit.get("attention_tile", ATTENTION_TILE)))
+                     attention_tile=int(given.fit.get("attention_tile", ATTENTION_TILE)),
+                     step_runs=runs, run_level=level)
     path = save_profile(prof, out_dir / "hardware_profile_serving.yaml")
     log.info("refitted on %d profile rows and %d serving steps: %s", len(rows), len(steps),
              prof.fit)
@@ -667,7 +674,8 @@ def _validate(cfg: dict[str, Any], base: dict[str, Any], opts: dict[str, Any],
         # The profile's own simulation too: what the serving steps changed.
         profile_only = simulate(profile_path, "sim_profile").run().summary
         profile_path, fit = refit_on_serving_steps(base, profile_path, out_dir,
-                                                   schedule.done["calibration"], statistic)
+                                                   schedule.done["calibration"], statistic,
+                                                   str(opts.get("calibration_level", "median")))
     simulated = simulate(profile_path, "sim")
     sim = simulated.run()
 

@@ -220,6 +220,43 @@ def test_calibrate_with_serving_steps_fits_their_mean_and_holds_half_out():
         calibrate(rows, model, statistic="p90_s")
 
 
+def test_refit_left_at_the_median_runs_speed():
+    """Five serving runs of the same steps, one of them in a slow patch of the host (+30%):
+    pooled (``run_level="mean"``) the refit prices every step ~6% above what the other runs
+    took; left at the median run's speed it prices them exactly, and it saves each run's
+    speed and the scale it applied."""
+    model = load_model_spec("tiny")
+    dec = StepDecomposer(model, attention_tile=1)
+    specs = [ShapeSpec("decode", num_decode_seqs=b, decode_context=c)
+             for b in (1, 2, 4, 8, 16, 32) for c in (16, 128, 512)]
+    specs += [ShapeSpec("prefill", 1, chunk) for chunk in (8, 64, 256)]
+    rows = [{**sp.as_row(), "median_s": float(predict(CPU_TRUE, [dec.drivers(sp.shape())])[0])}
+            for sp in specs]
+    rng = np.random.default_rng(1)
+    shapes = [ShapeSpec("decode", num_decode_seqs=int(rng.integers(1, 30)),
+                        decode_context=int(rng.integers(20, 400))).shape() for _ in range(60)]
+    base = predict(CPU_TRUE, [dec.drivers(s) for s in shapes])
+    speeds = (1.0, 1.0, 1.3, 1.0, 1.0)
+    steps = [(s, t * f) for f in speeds for s, t in zip(shapes, base)]
+    runs = [i for i, _ in enumerate(speeds) for _ in shapes]
+    kw = dict(attention_tile=1, sharpness=1.0, seq_knee=0, steps=steps, step_runs=runs)
+    pooled = calibrate(rows, model, run_level="mean", **kw)
+    typical = calibrate(rows, model, run_level="median", **kw)
+    want = base.sum()  # what each of the four runs outside the slow patch took
+    assert predict(pooled.coefficients, [dec.drivers(s) for s in shapes]).sum() / want > 1.04
+    assert predict(typical.coefficients, [dec.drivers(s) for s in shapes]).sum() == (
+        pytest.approx(want, rel=1e-6))
+    assert typical.fit["run_level"] == "median" and len(typical.fit["run_speeds"]) == 5
+    assert typical.fit["run_speeds"][2] == pytest.approx(1.3 * typical.fit["run_speeds"][0], rel=1e-4)
+    assert typical.fit["run_level_scale"] == pytest.approx(
+        np.median(typical.fit["run_speeds"]), rel=1e-5)
+    assert pooled.fit["run_level"] == "mean" and "run_level_scale" not in pooled.fit
+    with pytest.raises(ConfigError, match="run_level: must be one of mean, median"):
+        calibrate(rows, model, run_level="p90", **{k: v for k, v in kw.items()})
+    with pytest.raises(ValueError, match="3 run indices for 300 steps"):
+        calibrate(rows, model, **{**kw, "step_runs": [0, 1, 2]})
+
+
 def test_refit_finds_a_per_prefill_row_cost_only_serving_steps_show():
     """Serving steps where each prompt row costs 0.25 ms more than the warm profile rows show
     (docs/calibration.md, "Per prefill row"): with ``s_per_prefill_row`` the refit prices

@@ -193,6 +193,7 @@ def test_validate_config_errors_name_the_field(tmp_path):
     for bad, field in (("validate.real_repeats=0", "validate.real_repeats"),
                        ("validate.calibration_runs=-1", "validate.calibration_runs"),
                        ("validate.fit_statistic=p90", "validate.fit_statistic"),
+                       ("validate.calibration_level=p90", "validate.calibration_level"),
                        ("validate.pin_cpu=-1", "validate.pin_cpu"),
                        ("validate.host_speed=median", "validate.host_speed")):
         with pytest.raises(ConfigError, match=field):
@@ -249,6 +250,10 @@ def test_whole_loop_on_the_real_cpu_executor(tmp_path):
     # measured / predicted busy time.
     hs = doc["host_speed"]
     assert hs["mode"] == "own" and len(hs["calibration"]) == 1
+    # One calibration run: left at its own speed (validate.calibration_level=median), its
+    # summed steps priced exactly.
+    assert res.profile_fit["run_level"] == "median" and len(res.profile_fit["run_speeds"]) == 1
+    assert hs["calibration"][0] == pytest.approx(1.0, rel=1e-5)
     assert hs["factors"] == hs["own"] and len(hs["own"]) == 2
     for factor, rep in zip(hs["factors"], res.replays):
         assert factor == pytest.approx(rep.measured.sum() / rep.predicted.sum())
