@@ -50,7 +50,8 @@ SHRINK_TOLERANCE = 1e-3  # percentage points of fit MAPE a shrunk coefficient ma
 SHARPNESS_GRID: tuple[float, ...] = (1.0, 1.5, 2.0, 3.0, 4.0, 8.0, math.inf)
 #: How many of a step's requests may carry the first-requests price (``s_per_first_seq``): on
 #: the CPU executor the first few requests of a batch cost ~25% more than the rest (their
-#: set-up is amortized over larger batches; docs/calibration.md, "Batch-size shape").
+#: set-up is amortized over larger batches; docs/calibration.md, "A price for a step's first
+#: requests").
 SEQ_KNEE_GRID: tuple[int, ...] = (2, 4, 8, 16, 32)
 #: ``calibrate(run_level=...)``: the speed a profile refitted on serving runs is left at.
 RUN_LEVELS = ("mean", "median")
@@ -269,7 +270,11 @@ def fit_coefficients(drivers: Sequence[StepDrivers], y: Sequence[float],
         at = _fit_at_knee(X, yv, sv, knee, on, x_lin, A, grid, loss, objective)
         if not fits:  # the first knee tried chooses the sharpness for all of them
             per = {q: e for q, (e, _) in at.items()}
-            grid = (min(at, key=lambda q: at[q][0]),)
+            chosen = grid[0]
+            for q in grid[1:]:  # a later sharpness has to be better, not equal
+                if at[q][0] < at[chosen][0] - 1e-9:
+                    chosen = q
+            grid = (chosen,)
         p = grid[0]
         x = at[p][1]
         fits[knee] = (float(np.sum(((predict_array(x, X, p, knee) - yv) / sv) ** 2)), x, on)
@@ -305,12 +310,16 @@ def _active_columns(A: np.ndarray, active: Sequence[str] | None) -> np.ndarray:
 
 def _linear_start(A: np.ndarray, yv: np.ndarray, sv: np.ndarray,
                   on: np.ndarray) -> np.ndarray:
-    """Prices of the additive (p = 1) model (design matrix ``A``) by NNLS on the scaled
-    errors: the fit's start, and what chooses its seq_knee."""
+    """Prices of the additive (p = 1) model (design matrix ``A``) by NNLS, each row divided
+    by its scale and aimed at 1 (the relative error when the scale is the time itself; with
+    another scale, a start near it): the nonlinear fit's start. (The fit is ill-conditioned
+    on a CPU profile, where per-step, per-token and weight-byte prices are nearly collinear:
+    another start of equal quality moves single prices by tens of percent and predictions by
+    ~0.003%, so only predictions are stable between fits.)"""
     from scipy.optimize import nnls
 
     x_lin = np.zeros(A.shape[1])
-    x_lin[on], _ = nnls(A[:, on] / sv[:, None], yv / sv)
+    x_lin[on], _ = nnls(A[:, on] * (1.0 / sv)[:, None], np.ones_like(yv))
     return x_lin
 
 
@@ -518,7 +527,9 @@ def calibrate(rows: Sequence[dict[str, Any]], model: ModelSpec, tensor_parallel:
 
     ``step_runs``: the serving run each step came from, and ``run_level`` the speed the
     profile is left at: ``mean`` (as fitted: the runs' steps pooled) or ``median`` (every
-    price scaled so that the median run's summed step time is priced exactly). On a shared
+    price scaled by the median of the runs' measured / predicted summed step times, so that
+    the median run is priced at its own speed; with an even count, between the two middle
+    runs). On a shared
     host a slow patch inflates a few runs' steps; the pooled fit follows it, while a comparison
     with the median of several real runs does not (docs/calibration.md, "The calibration runs'
     median speed"). Each run's measured / predicted summed time before the scaling is saved as

@@ -2,7 +2,8 @@
 
 Refits a validation folder's profile (its ``profile.csv`` rows plus the serving steps of its
 odd-numbered real runs, from ``replay_steps.csv``, as ``experiments/validate.py`` refits with
-its calibration runs) and prices the even-numbered runs' steps, which the fit never saw. For
+its calibration runs: the folder's ``validate.fit_statistic`` and ``calibration_level``) and
+prices the even-numbered runs' steps, which the fit never saw. For
 each fit it prints the summed predicted / measured time of the held-out steps by kind (decode
 steps by rows, steps with a prompt), the per-run median of that ratio over all steps (``busy``)
 and with each step weighted by its decode rows (the step time as the decoding requests see
@@ -73,15 +74,20 @@ def split_errors(folder: Path, seq_knee: int | None, cfg: dict | None = None,
                                                                            ATTENTION_TILE)),
                     split_rule=fit.get("attention_split_rule", "fill"),
                     split_kv_len=fit.get("attention_split_kv_len"),
-                    decode_placement=fit.get("attention_decode_placement", "launch"))
+                    # As the cost model loads a profile saved before launch-order placement.
+                    decode_placement=fit.get("attention_decode_placement", "waves"))
     names = [f.name for f in dataclasses.fields(StepShape)]
     shapes = [StepShape(**{k: int(v) for k, v in zip(names, r)})
               for r in steps[names].itertuples(index=False)]
     y = steps.measured_s.to_numpy()
     fit_mask = (steps.run.to_numpy() % 2) == 1
-    prof = calibrate(rows, model, tp, block, steps=[(shapes[i], y[i]) for i in
-                                                      np.flatnonzero(fit_mask)],
-                     sharpness=given.coefficients.sharpness, seq_knee=seq_knee, **geometry)
+    fitted = np.flatnonzero(fit_mask)
+    opts = cfg.get("validate") or {}
+    prof = calibrate(rows, model, tp, block, steps=[(shapes[i], y[i]) for i in fitted],
+                     sharpness=given.coefficients.sharpness, seq_knee=seq_knee,
+                     statistic=f"{opts.get('fit_statistic', 'median')}_s",
+                     step_runs=steps.run.to_numpy()[fitted].tolist(),
+                     run_level=str(opts.get("calibration_level", "mean")), **geometry)
     dec = StepDecomposer(model, tp, block, geometry.pop("num_sms"), **geometry)
     held = np.flatnonzero(~fit_mask)
     pred = predict(prof.coefficients, [dec.drivers(shapes[i]) for i in held])

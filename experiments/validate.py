@@ -24,7 +24,9 @@
    noise into tens of percent of latency.
 3. Fits the profile rows (``executors.calibration.calibrate``), then refits them with the
    calibration runs' steps (``calibrate(steps=...)``, fitted at their mean): a serving run's
-   steps carry what isolated shapes cannot (host work between steps, step history).
+   steps carry what isolated shapes cannot (host work between steps, step history). The
+   refitted profile is left at the median calibration run's speed
+   (``validate.calibration_level``: ``median``, or ``mean`` for the pooled fit).
 4. Runs the workload through ``executor=cost_model executor.profile=<file>`` with the real
    runs' KV pool sizes (a free simulation, whose schedule may diverge from the real ones), with
    the refitted profile (``sim``) and the profile alone (``sim_profile``).

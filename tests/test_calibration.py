@@ -23,7 +23,8 @@ from executors.calibration import (
     split_rows,
 )
 from executors.cost_model import RooflineCostModel
-from executors.step_terms import ATTENTION_TILE, StepDecomposer, StepDrivers, StepShape, step_shape
+from executors.step_terms import (ATTENTION_TILE, StepDecomposer, StepDrivers, StepShape, first_rows,
+                                  step_shape)
 from experiments.profile import ProfileGrid, blocks_needed, profile_executor, write_csv
 from sim.errors import ConfigError
 from sim.plan import ScheduledRequest, StepPlan, StepResult
@@ -308,10 +309,9 @@ def test_first_requests_price_prices_the_first_seq_knee_rows():
         d = StepDrivers(nonempty=1.0, rows=float(rows))
         assert c.breakdown(d).overhead == pytest.approx(want, rel=1e-12)
         assert predict(c, [d])[0] == pytest.approx(want, rel=1e-12)
-    # A zero price changes nothing, not even a rounding.
-    plain = Coefficients(s_per_step=1e-4, s_per_seq=3e-5)
-    d = StepDrivers(nonempty=1.0, rows=7.0)
-    assert dataclasses.replace(plain, seq_knee=4).breakdown(d).overhead == plain.breakdown(d).overhead
+    assert [first_rows(r, 4) for r in (0, 1, 3, 4, 5, 40)] == [0, 1, 3, 4, 4, 4]
+    assert first_rows(np.array([0.0, 2.0, 9.0]), 8).tolist() == [0.0, 2.0, 8.0]
+    assert first_rows(5, 0) == 0  # no knee: no first requests
     with pytest.raises(ValueError, match="needs seq_knee >= 1"):
         Coefficients(s_per_first_seq=1e-6)
     for bad in (-1, 2.5, True):
