@@ -90,6 +90,24 @@ def _price_until(price, start: float, length: int, horizon: float,
     list is cheaper to extend, search and add up than an array is to build."""
     m = min(length, 8 if d_est <= 0 or math.isinf(horizon) else
             int((horizon - start) / d_est * 1.25) + 2)
+    stretch = _priced_stretch(price, m, start)
+    if stretch is None:
+        return None
+    durations, ends = stretch
+    if m < length and ends[-1] < horizon:
+        d1 = durations[0]
+        m = length if d1 <= 0 or math.isinf(horizon) else (
+            min(length, int((horizon - start) / d1) + 2))
+        if m > len(durations):
+            stretch = _priced_stretch(price, m, start)
+            if stretch is None:
+                return None
+            durations, ends = stretch
+    return durations, ends
+
+
+def _priced_stretch(price, m: int, start: float) -> tuple[list[float], list[float]] | None:
+    """``price(m)``'s durations and their end times from ``start``, or None."""
     priced = price(m)
     if priced is None:
         return None
@@ -98,17 +116,6 @@ def _price_until(price, start: float, length: int, horizon: float,
     # np.cumsum, which adds left to right).
     ends = list(accumulate(durations, initial=start))
     del ends[0]
-    if m < length and ends[-1] < horizon:
-        d1 = durations[0]
-        m = length if d1 <= 0 or math.isinf(horizon) else (
-            min(length, int((horizon - start) / d1) + 2))
-        if m > len(durations):
-            priced = price(m)
-            if priced is None:
-                return None
-            durations = priced.tolist()
-            ends = list(accumulate(durations, initial=start))
-            del ends[0]
     return durations, ends
 
 
