@@ -408,6 +408,16 @@ class HardwareProfile:
     fit: dict[str, Any] = field(default_factory=dict)  # rows, MAPE on fit / held-out rows
     source: str = ""
 
+    def decomposition(self) -> dict[str, Any]:
+        """How the fit decomposed steps (``StepDecomposer``'s keyword arguments but the SM
+        count), as a cost model must too; profiles saved before an option load with what they
+        were fitted with: 64-row query tiles, the ``fill`` split rule, ``waves`` placement."""
+        fit = self.fit
+        return {"attention_tile": int(fit.get("attention_tile", ATTENTION_TILE)),
+                "split_rule": str(fit.get("attention_split_rule", "fill")),
+                "split_kv_len": fit.get("attention_split_kv_len"),
+                "decode_placement": str(fit.get("attention_decode_placement", "waves"))}
+
     def to_dict(self) -> dict[str, Any]:
         c = self.coefficients.as_dict()
         if math.isinf(c["sharpness"]):

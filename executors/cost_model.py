@@ -559,14 +559,6 @@ def build_cost_model(model: ModelSpec, hardware: HardwareSpec, tensor_parallel: 
         return RooflineCostModel(model, hardware, tensor_parallel, cfg, block_size=block_size,
                                  coefficients=prof.coefficients,
                                  num_sms=prof.fit.get("num_sms", hardware.num_sms),
-                                 pipeline_parallel=pipeline_parallel,
-                                 attention_tile=int(prof.fit.get("attention_tile",
-                                                                 ATTENTION_TILE)),
-                                 # Profiles saved before the split rules: fitted with "fill".
-                                 split_rule=str(prof.fit.get("attention_split_rule", "fill")),
-                                 split_kv_len=prof.fit.get("attention_split_kv_len"),
-                                 # Profiles saved before launch-order placement: "waves".
-                                 decode_placement=str(prof.fit.get(
-                                     "attention_decode_placement", "waves")))
+                                 pipeline_parallel=pipeline_parallel, **prof.decomposition())
     return RooflineCostModel(model, hardware, tensor_parallel, cfg, block_size=block_size,
                              pipeline_parallel=pipeline_parallel)

@@ -37,6 +37,13 @@ def is_serving_step(step: RecordedStep) -> bool:
     return bool(shape.num_rows) and not (shape.swap_out_blocks or shape.swap_in_blocks)
 
 
+def serving_rows(table):
+    """The rows of a recorded-steps table (``replay_steps.csv``'s columns, a pandas frame)
+    that ``is_serving_step`` keeps."""
+    return table[(table.num_rows > 0) & (table.swap_out_blocks == 0)
+                 & (table.swap_in_blocks == 0)]
+
+
 class RecordingExecutor(Executor):
     """Delegates everything to ``inner`` and records every executed step."""
 

@@ -90,9 +90,9 @@ def own_speeds_from_csv(replay_steps_csv: Path) -> list[float]:
     column, 1-based): measured over predicted time of its serving steps."""
     import pandas as pd
 
-    df = pd.read_csv(replay_steps_csv)
-    serving = df[(df.num_rows > 0) & (df.swap_out_blocks == 0) & (df.swap_in_blocks == 0)]
-    sums = serving.groupby("run")[["measured_s", "predicted_s"]].sum().sort_index()
+    from executors.recording import serving_rows
+
+    sums = serving_rows(pd.read_csv(replay_steps_csv)).groupby("run")[["measured_s", "predicted_s"]].sum().sort_index()
     return (sums.measured_s / sums.predicted_s).tolist()
 
 

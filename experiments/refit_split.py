@@ -26,6 +26,7 @@ import numpy as np
 import pandas as pd
 import yaml
 
+from executors.recording import serving_rows
 from sim.errors import ConfigError
 
 DECODE_BANDS = ((1, 1), (2, 4), (5, 8), (9, 16), (17, 1 << 30))
@@ -48,9 +49,7 @@ def load_folder(folder: Path, cfg: dict | None = None,
                               "writes it)")
     if cfg is None:
         cfg = yaml.safe_load(need[3].read_text())
-    steps = pd.read_csv(need[1])
-    steps = steps[(steps.num_rows > 0) & (steps.swap_out_blocks == 0)
-                  & (steps.swap_in_blocks == 0)].reset_index(drop=True)
+    steps = serving_rows(pd.read_csv(need[1])).reset_index(drop=True)
     if steps.run.nunique() < 2:
         raise ConfigError("folder", f"{folder}: replay_steps.csv has {steps.run.nunique()} "
                           "real run(s); the split needs two or more")
@@ -61,7 +60,7 @@ def split_errors(folder: Path, seq_knee: int | None, cfg: dict | None = None,
                  ) -> dict[str, object]:
     """Refit on the odd-numbered runs, price the even-numbered ones (module docstring);
     ``seq_knee`` as ``calibrate``'s (None: the fit chooses)."""
-    from executors.calibration import ATTENTION_TILE, calibrate, predict
+    from executors.calibration import calibrate, predict
     from executors.step_terms import StepDecomposer, StepShape
     from sim.specs import model_spec_from
 
@@ -69,13 +68,7 @@ def split_errors(folder: Path, seq_knee: int | None, cfg: dict | None = None,
     model = model_spec_from(dict(cfg["model"]), f"{folder}/.hydra/config.yaml model")
     tp = int(cfg.get("cluster", {}).get("tensor_parallel", 1))
     block = int(cfg["kv"]["block_size"])
-    fit = given.fit
-    geometry = dict(num_sms=fit.get("num_sms"), attention_tile=int(fit.get("attention_tile",
-                                                                           ATTENTION_TILE)),
-                    split_rule=fit.get("attention_split_rule", "fill"),
-                    split_kv_len=fit.get("attention_split_kv_len"),
-                    # As the cost model loads a profile saved before launch-order placement.
-                    decode_placement=fit.get("attention_decode_placement", "waves"))
+    geometry = given.decomposition()  # as the cost model will decompose steps
     names = [f.name for f in dataclasses.fields(StepShape)]
     shapes = [StepShape(**{k: int(v) for k, v in zip(names, r)})
               for r in steps[names].itertuples(index=False)]
@@ -87,8 +80,9 @@ def split_errors(folder: Path, seq_knee: int | None, cfg: dict | None = None,
                      sharpness=given.coefficients.sharpness, seq_knee=seq_knee,
                      statistic=f"{opts.get('fit_statistic', 'median')}_s",
                      step_runs=steps.run.to_numpy()[fitted].tolist(),
-                     run_level=str(opts.get("calibration_level", "mean")), **geometry)
-    dec = StepDecomposer(model, tp, block, geometry.pop("num_sms"), **geometry)
+                     run_level=str(opts.get("calibration_level", "mean")),
+                     num_sms=given.fit.get("num_sms"), **geometry)
+    dec = StepDecomposer(model, tp, block, given.fit.get("num_sms"), **geometry)
     held = np.flatnonzero(~fit_mask)
     pred = predict(prof.coefficients, [dec.drivers(shapes[i]) for i in held])
     t = steps.iloc[held].assign(pred=pred)
