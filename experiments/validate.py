@@ -84,6 +84,8 @@ log = logging.getLogger(__name__)
 ROOT = Path(__file__).resolve().parent.parent
 METRICS = (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2el", "E2E"))
 STATS = (("mean", "mean"), ("median", "p50"), ("p90", "p90"), ("p99", "p99"))
+METRICS_BY_LABEL = tuple((label, m) for m, label in METRICS)
+STATS_BY_LABEL = tuple((label, s) for s, label in STATS)
 THROUGHPUTS = ("request_throughput", "output_throughput")
 RUN_KEYS = ("num_steps", "num_preemptions", "simulated_duration_s", "wall_time_s",
             "median_ttft_ms", "p90_ttft_ms", "median_tpot_ms", "p90_tpot_ms", "median_e2el_ms",
@@ -154,6 +156,30 @@ def replay_summary(rep: Replay, arrivals: dict[int, float], completed: set[int])
     return s
 
 
+#: Coverage asked of the reference's interval (``median_interval``).
+REFERENCE_LEVEL = 0.95
+
+
+def median_interval(values: Sequence[float], level: float = REFERENCE_LEVEL,
+                    ) -> tuple[float, float, float]:
+    """A distribution-free confidence interval for the median of the population ``values``
+    were drawn from: (lo, hi, coverage) with lo, hi the k-th smallest and k-th largest value,
+    k the largest with coverage ``1 - 2 P(Binomial(n, 1/2) < k)`` at least ``level`` (the
+    order-statistic interval; with too few values for the level, k = 1, the range, and its
+    own coverage). How far the reference, the runs' median, may lie from the median of the
+    runs the host would give: the real runs' noise, which no simulator can remove."""
+    from scipy.stats import binom
+
+    v = sorted(float(x) for x in values)
+    n = len(v)
+    if not n:
+        raise ValueError("median_interval needs at least one value")
+    k = 1
+    while k < (n + 1) // 2 and 1.0 - 2.0 * binom.cdf(k, n, 0.5) >= level:
+        k += 1
+    return v[k - 1], v[n - k], float(1.0 - 2.0 * binom.cdf(k - 1, n, 0.5))
+
+
 def _rel(pred: float, ref: float) -> float:
     return 100.0 * (pred / ref - 1.0) if ref else float("nan")
 
@@ -173,10 +199,12 @@ def error_table(real: dict[str, Any], sim: dict[str, Any], replayed: dict[str, A
                 real_runs: Sequence[dict[str, Any]] = (),
                 replayed_runs: Sequence[dict[str, Any]] = (),
                 paired_runs: Sequence[dict[str, Any]] = ()) -> list[dict[str, Any]]:
-    """Rows (metric, stat, real, real_min, real_max, sim, sim_err_pct, replay, replay_err_pct,
-    paired, paired_err_pct); latencies in ms. ``real`` is the reference (the runs' median,
-    ``median_summary``); ``real_min`` / ``real_max`` are the range over ``real_runs``
-    (``real`` itself without them). ``replay_err_pct`` is the median over runs of each replay
+    """Rows (metric, stat, real, real_min, real_max, real_lo, real_hi, sim, sim_err_pct,
+    replay, replay_err_pct, paired, paired_err_pct); latencies in ms. ``real`` is the
+    reference (the runs' median, ``median_summary``); ``real_min`` / ``real_max`` are the
+    range over ``real_runs`` (``real`` itself without them) and ``real_lo`` / ``real_hi`` the
+    reference's own interval (``median_interval``: where the median of the host's runs lies,
+    at ``REFERENCE_LEVEL``). ``replay_err_pct`` is the median over runs of each replay
     against its own run when ``replayed_runs`` (one per real run) is given, else ``replayed``
     against ``real``. ``paired_runs`` (one simulation per real run at that run's host speed,
     ``experiments/host_speed.py``) give ``paired`` (their median) and ``paired_err_pct`` (the
@@ -189,8 +217,10 @@ def error_table(real: dict[str, Any], sim: dict[str, Any], replayed: dict[str, A
     keys += [(t, "", t) for t in THROUGHPUTS]
     for metric, stat, key in keys:
         values = [float(r[key]) for r in real_runs] or [float(real[key])]
+        lo, hi, _ = median_interval(values)
         row = {"metric": metric, "stat": stat, "real": real[key], "real_min": min(values),
-               "real_max": max(values), "sim": sim[key], "sim_err_pct": _rel(sim[key], real[key])}
+               "real_max": max(values), "real_lo": lo, "real_hi": hi, "sim": sim[key],
+               "sim_err_pct": _rel(sim[key], real[key])}
         if replayed is not None:
             row["replay"] = replayed[key]
             if replayed_runs:
@@ -211,11 +241,23 @@ def spread_pct(row: dict[str, Any]) -> float:
     return 100.0 * (row["real_max"] - row["real_min"]) / row["real"] if row["real"] else 0.0
 
 
+def reference_pct(row: dict[str, Any]) -> tuple[float, float]:
+    """The reference's interval (``real_lo``, ``real_hi``) as errors from the reference, in
+    percent: a simulated figure with an error inside it is as close as the runs can tell."""
+    return _rel(row["real_lo"], row["real"]), _rel(row["real_hi"], row["real"])
+
+
+def in_reference(row: dict[str, Any]) -> bool:
+    """Whether the simulated figure lies inside the reference's interval."""
+    return bool(row["real_lo"] <= row["sim"] <= row["real_hi"])
+
+
 def format_table(result: ValidationResult) -> str:
     has_replay = result.replayed is not None
     has_paired = bool(result.paired_runs)
     n = max(1, len(result.real_runs))
-    head = f"{'metric':<20} {'stat':<5} {'real':>10} {'spread%':>7} {'sim':>10} {'err%':>7}"
+    head = (f"{'metric':<20} {'stat':<5} {'real':>10} {'spread%':>7} {'ref%':>9} {'sim':>10} "
+            f"{'err%':>7}")
     if has_replay:
         head += f" {'replay':>10} {'err%':>7}"
     if has_paired:
@@ -223,8 +265,9 @@ def format_table(result: ValidationResult) -> str:
     lines = [result.saturation.describe()] if result.saturation is not None else []
     lines.append(head)
     for r in result.rows:
+        lo, hi = reference_pct(r)
         line = (f"{r['metric']:<20} {r['stat']:<5} {r['real']:>10.2f} {spread_pct(r):>7.1f} "
-                f"{r['sim']:>10.2f} {r['sim_err_pct']:>+7.1f}")
+                f"{f'{lo:+.0f}/{hi:+.0f}':>9} {r['sim']:>10.2f} {r['sim_err_pct']:>+7.1f}")
         if has_replay:
             line += f" {r['replay']:>10.2f} {r['replay_err_pct']:>+7.1f}"
         if has_paired:
@@ -238,6 +281,12 @@ def format_table(result: ValidationResult) -> str:
     if n > 1:
         lines.append(f"real: median of {n} runs; spread% = (max - min) / median over the runs; "
                      f"replay err%: median over the runs of each replay vs its own run")
+        k_cover = median_interval(range(n))[2]
+        inside = sum(in_reference(r) for r in result.rows if r["stat"] in ("p50", "p90")
+                     and r["metric"] in ("TTFT", "TPOT", "E2E"))
+        lines.append(f"ref% = the reference's own interval as errors (order statistics of the "
+                     f"{n} runs, coverage {100 * k_cover:.1f}%): the simulated p50/p90 TTFT, "
+                     f"TPOT and E2E lie inside it in {inside} of 6")
     hs = result.host_speed
     if has_paired:
         f = hs["factors"]
@@ -278,8 +327,8 @@ def summary_table(folders: Sequence[str | Path], target_pct: float = 5.0) -> str
     """
     import pandas as pd
 
-    lines = [f"{'config':<10} {'stat':<9} {'real':>9} {'spread%':>8} {'sim':>9} {'err%':>7} "
-             f"{'replay err%':>11} {'paired err%':>11}"]
+    lines = [f"{'config':<10} {'stat':<9} {'real':>9} {'spread%':>8} {'ref%':>9} {'sim':>9} "
+             f"{'err%':>7} {'replay err%':>11} {'paired err%':>11}"]
     notes = []
     for folder in map(Path, folders):
         name = folder.name
@@ -289,18 +338,26 @@ def summary_table(folders: Sequence[str | Path], target_pct: float = 5.0) -> str
             continue
         rows = pd.read_csv(csv)
         doc = json.loads(js.read_text())
-        within = within_paired = 0
+        within = within_paired = inside = 0
+        runs = doc.get("real_runs") or []
         for metric, stat in TARGET_STATS:
             r = rows[(rows.metric == metric) & (rows.stat == stat)].iloc[0].to_dict()
             within += abs(r["sim_err_pct"]) <= target_pct
+            if "real_lo" not in r and runs:  # saved before the interval: from the runs
+                key = f"{dict(STATS_BY_LABEL)[stat]}_{dict(METRICS_BY_LABEL)[metric]}_ms"
+                r["real_lo"], r["real_hi"], _ = median_interval([run[key] for run in runs])
+            ref = " " * 9
+            if "real_lo" in r:
+                inside += in_reference(r)
+                ref = "{:>9}".format("{:+.0f}/{:+.0f}".format(*reference_pct(r)))
             replay = f"{r['replay_err_pct']:>+11.1f}" if "replay_err_pct" in r else " " * 11
             paired = ""
             if "paired_err_pct" in r:
                 paired = f" {r['paired_err_pct']:>+11.1f}"
                 within_paired += abs(r["paired_err_pct"]) <= target_pct
             lines.append(f"{name:<10} {metric + ' ' + stat:<9} {r['real']:>9.2f} "
-                         f"{spread_pct(r):>8.0f} {r['sim']:>9.2f} {r['sim_err_pct']:>+7.1f} "
-                         f"{replay}{paired}")
+                         f"{spread_pct(r):>8.0f} {ref} {r['sim']:>9.2f} "
+                         f"{r['sim_err_pct']:>+7.1f} {replay}{paired}")
         sat = doc.get("saturation")
         how = (f"auto: {sat['fraction']:g} x saturation {sat['saturation_throughput']:.2f}"
                if sat else "workload.qps")
@@ -308,8 +365,11 @@ def summary_table(folders: Sequence[str | Path], target_pct: float = 5.0) -> str
         hs = doc.get("host_speed") or {}
         paired_note = (f" (paired at the host's speed: {within_paired}, host_speed="
                        f"{hs.get('mode')})" if "paired_err_pct" in rows else "")
+        ref_note = (f", {inside} inside the reference's interval (ref%)"
+                    if "real_lo" in rows or runs else "")
         notes.append(
-            f"{name}: {within} of {len(TARGET_STATS)} within {target_pct:g}%{paired_note}; "
+            f"{name}: {within} of {len(TARGET_STATS)} within {target_pct:g}%{paired_note}"
+            f"{ref_note}; "
             f"{doc['policy']} "
             f"at {doc['qps']:.2f} req/s ({how}) on {doc.get('device')} (hardware="
             f"{doc.get('hardware')}); held-out step-time MAPE {fit.get('mape_heldout_pct')}% "

@@ -94,6 +94,26 @@ def test_error_table_rows_and_signs():
     assert rows[-2]["sim_err_pct"] == pytest.approx(-20.0) and "replay" not in rows[0]
 
 
+@pytest.mark.parametrize("n, k, coverage", [
+    # k: the interval is the k-th smallest .. k-th largest run; coverage 1 - 2 P(Bin(n, 1/2) < k)
+    (1, 1, 0.0), (2, 1, 0.5), (5, 1, 1 - 2 / 32), (6, 1, 1 - 2 / 64),
+    (15, 4, 1 - 2 * (1 + 15 + 105 + 455) / 2 ** 15), (30, 10, None),
+])
+def test_reference_interval_is_the_order_statistic_interval(n, k, coverage):
+    from scipy.stats import binom
+
+    values = [float(v) for v in np.random.default_rng(n).permutation(n) * 10 + 5]
+    lo, hi, cov = validate_mod.median_interval(values)
+    assert (lo, hi) == (k * 10 - 5, (n - k + 1) * 10 - 5)
+    expected = coverage if coverage is not None else 1 - 2 * binom.cdf(k - 1, n, 0.5)
+    assert cov == pytest.approx(expected)
+    if n >= 6:  # enough runs for the level: at least it, and one k more would fall short
+        assert cov >= validate_mod.REFERENCE_LEVEL
+        assert 1 - 2 * binom.cdf(k, n, 0.5) < validate_mod.REFERENCE_LEVEL
+    with pytest.raises(ValueError, match="at least one value"):
+        validate_mod.median_interval([])
+
+
 def test_several_real_runs_compare_by_their_median():
     keys = {f"{s}_{m}_ms": 0.0 for m in ("ttft", "tpot", "itl", "e2el")
             for s in ("mean", "median", "p90", "p99")}
@@ -110,6 +130,11 @@ def test_several_real_runs_compare_by_their_median():
     assert row["sim_err_pct"] == pytest.approx(10.0)
     assert row["replay_err_pct"] == pytest.approx(2.0)  # the median of +10, -10 and +2
     assert validate_mod.spread_pct(row) == pytest.approx(40.0)
+    # Three runs cannot place the median better than their range (coverage 75%).
+    assert (row["real_lo"], row["real_hi"]) == (90.0, 130.0)
+    assert validate_mod.reference_pct(row) == pytest.approx((-10.0, 30.0))
+    assert validate_mod.in_reference(row)  # 110 lies inside 90..130
+    assert not validate_mod.in_reference({**row, "sim": 131.0})
     with pytest.raises(ValueError, match="2 replayed runs for 3 real runs"):
         error_table(med, sim, None, runs, replayed[:2])
     # Paired runs: each against its own real run, then the median (+5, -5, +1 -> +1).
@@ -241,11 +266,14 @@ def test_whole_loop_on_the_real_cpu_executor(tmp_path):
     assert abs(res.error("TPOT", "p50", "replay")) < 50.0
     assert abs(res.error("request_throughput", "")) < 15.0
     table = pd.read_csv(tmp_path / "validation.csv")
-    assert list(table.columns) == ["metric", "stat", "real", "real_min", "real_max", "sim",
-                                   "sim_err_pct", "replay", "replay_err_pct", "paired",
-                                   "paired_err_pct", "sim_profile", "sim_profile_err_pct"]
+    assert list(table.columns) == ["metric", "stat", "real", "real_min", "real_max", "real_lo",
+                                   "real_hi", "sim", "sim_err_pct", "replay", "replay_err_pct",
+                                   "paired", "paired_err_pct", "sim_profile",
+                                   "sim_profile_err_pct"]
     assert len(table) == 18
     assert (table.real_min <= table.real).all() and (table.real <= table.real_max).all()
+    # Two runs: the reference's interval is their range (coverage 50%).
+    assert (table.real_lo == table.real_min).all() and (table.real_hi == table.real_max).all()
     doc = json.loads((tmp_path / "validation.json").read_text())
     steps_per_run = [r["num_steps"] for r in res.real_runs]
     assert doc["real_repeats"] == 2 and doc["replay_steps"] == sum(steps_per_run)
@@ -273,7 +301,13 @@ def test_whole_loop_on_the_real_cpu_executor(tmp_path):
     assert speeds == pytest.approx(hs["own"], rel=1e-12)
     for a, b in zip(again, res.paired_runs):
         assert a["median_e2el_ms"] == pytest.approx(b["median_e2el_ms"], rel=1e-6)
-    assert "paired (a diagnostic): each real run simulated" in validate_mod.format_table(res)
+    text = validate_mod.format_table(res)
+    assert "paired (a diagnostic): each real run simulated" in text
+    inside = sum(validate_mod.in_reference(r) for r in res.rows
+                 if (r["metric"], r["stat"]) in validate_mod.TARGET_STATS)
+    assert (f"ref% = the reference's own interval as errors (order statistics of the 2 runs, "
+            f"coverage 50.0%): the simulated p50/p90 TTFT, TPOT and E2E lie inside it in "
+            f"{inside} of 6") in text
     steps = pd.read_csv(tmp_path / "replay_steps.csv")
     assert steps.groupby("run").size().tolist() == steps_per_run
     # The saved folder refits on run 1 and prices run 2 (python -m experiments.refit_split).
@@ -317,3 +351,22 @@ def test_refit_split_names_what_a_folder_lacks(tmp_path):
 
     with pytest.raises(ConfigError, match="not a saved validation: profile.csv is missing"):
         main([str(tmp_path)])
+
+
+def test_summary_table_places_folders_saved_before_the_interval(tmp_path):
+    """A validation saved without real_lo / real_hi gets the reference's interval from the
+    real runs' figures in validation.json."""
+    runs = [{k: float(v) for k in validate_mod.RUN_KEYS} for v in (90, 100, 110, 120, 130, 140)]
+    rows = [{"metric": m, "stat": s, "real": 115.0, "real_min": 90.0, "real_max": 140.0,
+             "sim": 150.0 if (m, s) == ("TPOT", "p90") else 116.0,
+             "sim_err_pct": 100 * (150.0 if (m, s) == ("TPOT", "p90") else 116.0) / 115 - 100}
+            for m, s in validate_mod.TARGET_STATS]
+    folder = tmp_path / "old"
+    folder.mkdir()
+    pd.DataFrame(rows).to_csv(folder / "validation.csv", index=False)
+    (folder / "validation.json").write_text(json.dumps(
+        {"policy": "fcfs", "qps": 9.0, "real_runs": runs}))
+    table = validate_mod.summary_table([folder], target_pct=10.0).splitlines()
+    # Six runs: the interval is their range (coverage 96.9%), -22% .. +22% of 115.
+    assert table[1].split()[5] == "-22/+22"
+    assert table[-1].startswith("old: 5 of 6 within 10%, 5 inside the reference's interval")
