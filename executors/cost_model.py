@@ -195,6 +195,10 @@ class RooflineCostModel(Executor):
         self._decode_consts: dict[int, tuple] = {}
         self._decode_split_consts: dict[tuple[int, int, int], tuple] = {}
         self._decode_curves: dict[tuple, tuple] = {}
+        # Durations of steps without decode rows, by shape: a prompt-only step's shape
+        # repeats with its prompt length (a few thousand shapes per run, unlike decode
+        # contexts, which grow every step).
+        self._no_decode: dict[StepShape, float] = {}
 
     @property
     def coefficients(self) -> Coefficients:
@@ -213,6 +217,7 @@ class RooflineCostModel(Executor):
         self._decode_consts.clear()
         self._decode_split_consts.clear()
         self._decode_curves.clear()
+        self._no_decode.clear()
 
     # ---- Executor interface -------------------------------------------------------------
     def weight_bytes(self) -> float:
@@ -222,7 +227,13 @@ class RooflineCostModel(Executor):
         return activation_reserve_bytes(self.model, max_num_batched_tokens, max_num_seqs, self.tp)
 
     def execute(self, plan: StepPlan) -> StepResult:
-        return StepResult(self.duration(step_shape(plan)))
+        shape = step_shape(plan)
+        if shape.num_decode:
+            return StepResult(self.duration(shape))
+        seconds = self._no_decode.get(shape)
+        if seconds is None:
+            seconds = self._no_decode[shape] = self.duration(shape)
+        return StepResult(seconds)
 
     # ---- the model ----------------------------------------------------------------------
     def breakdown(self, plan: StepPlan) -> StepBreakdown:

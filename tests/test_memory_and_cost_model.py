@@ -108,3 +108,28 @@ def test_swap_blocks_cost_pcie_time():
     block_bytes = 131_072 * 16
     expected = hw.pcie_latency_us * 1e-6 + 100 * block_bytes / (hw.pcie_bandwidth_gbps * 1e9)
     assert cm.execute(plan).duration - base == pytest.approx(expected)
+
+
+def test_steps_without_decode_rows_are_priced_once_per_shape():
+    """execute keeps the duration of a step without decode rows by its shape: the same float
+    as pricing the shape afresh, and new coefficients price anew."""
+    from dataclasses import replace
+
+    from executors.step_terms import step_shape
+
+    cm = RooflineCostModel(load_model_spec("llama3_8b"), load_hardware_spec("a100_80gb"))
+    prompt = StepPlan([ScheduledRequest(0, 0, 300, list(range(19)), True)])
+    first = cm.execute(prompt).duration
+    assert cm.execute(StepPlan([ScheduledRequest(7, 0, 300, list(range(40, 59)), True)])
+                      ).duration == first == cm.duration(step_shape(prompt))
+    assert list(cm._no_decode.values()) == [first]
+    chunk = StepPlan([ScheduledRequest(0, 256, 44, list(range(19)), True)])
+    assert cm.execute(chunk).duration == cm.duration(step_shape(chunk)) != first
+    assert len(cm._no_decode) == 2
+    # Decode rows are priced every time (their contexts grow every step): never kept.
+    cm.execute(_decode_plan(3, 100))
+    assert len(cm._no_decode) == 2
+    cm.coefficients = replace(cm.roofline, s_per_step=1e-3)
+    assert not cm._no_decode
+    again = cm.execute(prompt).duration
+    assert again == cm.duration(step_shape(prompt)) and again > first
