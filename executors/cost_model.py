@@ -56,6 +56,11 @@ from sim.specs import HardwareSpec, ModelSpec
 
 __all__ = ["CostModelConfig", "RooflineCostModel", "StepBreakdown", "build_cost_model"]
 
+#: Shapes of steps without decode rows whose durations ``execute`` keeps (~200 bytes each):
+#: a run's prompt lengths fit many times over; a trace whose batches of prompts never repeat
+#: stops adding at this many instead of growing with the run.
+NO_DECODE_SHAPES_KEPT = 1 << 16
+
 
 @dataclass(frozen=True)
 class CostModelConfig:
@@ -197,7 +202,7 @@ class RooflineCostModel(Executor):
         self._decode_curves: dict[tuple, tuple] = {}
         # Durations of steps without decode rows, by shape: a prompt-only step's shape
         # repeats with its prompt length (a few thousand shapes per run, unlike decode
-        # contexts, which grow every step).
+        # contexts, which grow every step); at most NO_DECODE_SHAPES_KEPT of them.
         self._no_decode: dict[StepShape, float] = {}
 
     @property
@@ -232,7 +237,9 @@ class RooflineCostModel(Executor):
             return StepResult(self.duration(shape))
         seconds = self._no_decode.get(shape)
         if seconds is None:
-            seconds = self._no_decode[shape] = self.duration(shape)
+            seconds = self.duration(shape)
+            if len(self._no_decode) < NO_DECODE_SHAPES_KEPT:
+                self._no_decode[shape] = seconds
         return StepResult(seconds)
 
     # ---- the model ----------------------------------------------------------------------

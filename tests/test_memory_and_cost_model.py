@@ -110,7 +110,7 @@ def test_swap_blocks_cost_pcie_time():
     assert cm.execute(plan).duration - base == pytest.approx(expected)
 
 
-def test_steps_without_decode_rows_are_priced_once_per_shape():
+def test_steps_without_decode_rows_are_priced_once_per_shape(monkeypatch):
     """execute keeps the duration of a step without decode rows by its shape: the same float
     as pricing the shape afresh, and new coefficients price anew."""
     from dataclasses import replace
@@ -128,6 +128,13 @@ def test_steps_without_decode_rows_are_priced_once_per_shape():
     assert len(cm._no_decode) == 2
     # Decode rows are priced every time (their contexts grow every step): never kept.
     cm.execute(_decode_plan(3, 100))
+    assert len(cm._no_decode) == 2
+    # Full: priced, not kept.
+    import executors.cost_model as cost_model
+
+    monkeypatch.setattr(cost_model, "NO_DECODE_SHAPES_KEPT", 2)
+    other = StepPlan([ScheduledRequest(0, 0, 17, [0, 1], True)])
+    assert cm.execute(other).duration == cm.duration(step_shape(other))
     assert len(cm._no_decode) == 2
     cm.coefficients = replace(cm.roofline, s_per_step=1e-3)
     assert not cm._no_decode
