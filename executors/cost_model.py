@@ -56,7 +56,7 @@ from sim.specs import HardwareSpec, ModelSpec
 
 __all__ = ["CostModelConfig", "RooflineCostModel", "StepBreakdown", "build_cost_model"]
 
-#: Shapes of steps without decode rows whose durations ``execute`` keeps (~200 bytes each):
+#: Shapes of steps without decode rows whose durations ``execute`` keeps (~400 bytes each):
 #: a run's prompt lengths fit many times over; a trace whose batches of prompts never repeat
 #: stops adding at this many instead of growing with the run.
 NO_DECODE_SHAPES_KEPT = 1 << 16
@@ -202,7 +202,7 @@ class RooflineCostModel(Executor):
         self._decode_curves: dict[tuple, tuple] = {}
         # Durations of steps without decode rows, by shape: a prompt-only step's shape
         # repeats with its prompt length (a few thousand shapes per run, unlike decode
-        # contexts, which grow every step); at most NO_DECODE_SHAPES_KEPT of them.
+        # contexts, which grow every step); at most NO_DECODE_SHAPES_KEPT of them (~26 MB).
         self._no_decode: dict[StepShape, float] = {}
 
     @property
