@@ -46,7 +46,8 @@ class DecodeRun:
     """See the module docstring. ``members`` is in arrival order (the running set's order)."""
 
     __slots__ = ("block_size", "steps", "_times", "_base", "members", "ids", "tables", "_cols",
-                 "next_bound", "ctx0_sum", "ctx0_max", "complete", "scheduled_at")
+                 "next_bound", "ctx0_sum", "ctx0_max", "complete", "scheduled_at",
+                 "step_time")
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
@@ -71,6 +72,9 @@ class DecodeRun:
         self.complete = True
         # The builder's step (its reset count) in which the whole run was scheduled.
         self.scheduled_at = -1
+        # The last step time of its last jump past finishes: how far the next one prices
+        # ahead (only the number of pricing calls depends on it, never a result).
+        self.step_time = 0.0
 
     def __len__(self) -> int:
         return len(self.members)
