@@ -222,6 +222,12 @@ class DecodeRun:
         bound += counts * self.block_size
         self.next_bound = int(bound.min())
 
+    def add_block_each(self, indices: np.ndarray) -> None:
+        """The members at ``indices`` (distinct) got one new block each."""
+        bound = self._cols[2]
+        bound[indices] += self.block_size
+        self.next_bound = int(bound.min())
+
     def advance(self, end_times: array | list[float] | np.ndarray) -> np.ndarray:
         """Take ``len(end_times)`` run steps ending at those times (every member computes and
         samples one token per step). Returns the indices of members that sampled their last

@@ -56,7 +56,9 @@ class Jump:
     num_steps: int
     durations: np.ndarray  # [num_steps]
     ends: np.ndarray  # [num_steps] absolute end time of each step
-    new_blocks: np.ndarray  # [num_steps] KV blocks newly allocated in each step
+    # The step (1-based, ascending) of each new KV block of steps 2..k (the blocks each step
+    # allocates: ``new_blocks``).
+    block_step_array: np.ndarray
     # The rows (indices into the plan's rows or the run's members) that get the new KV blocks
     # of steps 2..k, in the order the step-by-step loop allocates them (step by step, rows in
     # order), so a jump hands out exactly the block ids single steps would.
@@ -78,6 +80,11 @@ class Jump:
     last_members: list[int] = field(default_factory=list)
     # The stops with the members (run indices, ascending) that finish at each, in step order.
     groups: list[tuple[int, list[int]]] = field(default_factory=list)
+
+    def new_blocks(self) -> np.ndarray:
+        """[num_steps] KV blocks newly allocated in each step (for ``steps.csv``)."""
+        k = self.num_steps
+        return np.bincount(self.block_step_array - 1, minlength=k)[:k]
 
 
 def _price_until(price, start: float, length: int, horizon: float,
@@ -272,10 +279,11 @@ def _run_jump_past_finishes(block: DecodeBlock, run: DecodeRun, first: np.ndarra
     # How far the jump goes is decided stretch by stretch, as _price_until decides it for
     # each (a first estimate, then as many steps as can start before the horizon); the
     # steps are priced ahead in one call, as many as the last jump's step time says reach
-    # the horizon (a step's price does not depend on it: only the number of calls does).
+    # the horizon, and at least the first stretch's first estimate (a step's price does not
+    # depend on it: only the number of calls does; one call per jump in 99.7% of them).
     d_prev = run.step_time
     if not st.price_to(k_max if inf else 8 if d_prev <= 0 else
-                       int((horizon - start) / d_prev * 1.3) + 3):
+                       max(min(st.first_finish, 8), int((horizon - start) / d_prev * 1.15) + 3)):
         return None
     durations, ends = st.durations, st.ends
     t = start
@@ -310,12 +318,11 @@ def _run_jump_past_finishes(block: DecodeBlock, run: DecodeRun, first: np.ndarra
     if k < 2:
         return None
     steps, members = jump_block_steps(first, bs, k, last)
-    new_blocks = np.bincount(steps - 1, minlength=k)[:k]
     durations_k, ends_k = np.array(durations[:k]), np.array(ends[:k])
     first_finish = st.first_finish
     if k <= first_finish:  # nobody finishes before the last step: a plain jump
         done = np.flatnonzero(last == k).tolist() if k == first_finish else []
-        return Jump(k, durations_k, ends_k, new_blocks, members, finishing=done,
+        return Jump(k, durations_k, ends_k, steps, members, finishing=done,
                     last_members=done)
     # Who finishes where, from the members sorted by last step (ascending index among
     # equals, the order they finish in): the stops before the last step, the batch size of
@@ -338,7 +345,7 @@ def _run_jump_past_finishes(block: DecodeBlock, run: DecodeRun, first: np.ndarra
         groups.append((f, order[g:h]))
         g = h
     sizes += [size] * (k - prev)
-    jump = Jump(k, durations_k, ends_k, new_blocks, members, [f for f, _ in groups], sizes,
+    jump = Jump(k, durations_k, ends_k, steps, members, [f for f, _ in groups], sizes,
                 block_steps=steps.tolist(), finishing=sorted(order),
                 last_members=order[g:cnt], groups=groups)
     return jump
@@ -355,8 +362,7 @@ def _sized_jump(plan: StepPlan, first: np.ndarray, bs: int, durations_fn, k_max:
         return None
     k, durations, ends = sized
     steps, members = jump_block_steps(first, bs, k)
-    new_blocks = np.bincount(steps - 1, minlength=k)[:k]
-    return Jump(k, durations, ends, new_blocks, members)
+    return Jump(k, durations, ends, steps, members)
 
 
 def plan_jump(plan: StepPlan, requests: list[Request], durations_fn, start: float,

@@ -321,7 +321,10 @@ class Replica:
             block = plan.decode_block
             if block is not None:
                 run = block.run  # finished members leave it only when the jump ends
-                run.add_blocks(np.bincount(members, minlength=len(run.ids)))
+                if jump.num_steps <= run.block_size:  # at most one block each
+                    run.add_block_each(members)
+                else:
+                    run.add_blocks(np.bincount(members, minlength=len(run.ids)))
                 ids = run.ids
             else:
                 ids = [r.request_id for r in requests]
@@ -390,9 +393,8 @@ class Replica:
         sizes = jump.batch_sizes
         if self.steps_sink.enabled:
             waiting, running, swapped = queue_lengths
-            change = jump.new_blocks[:m]
+            change = jump.new_blocks()[:m]
             if jump.stops:  # blocks freed at the stops, after their step's new ones
-                change = change.copy()
                 change[np.asarray(jump.stops) - 1] -= jump.freed  # distinct steps
             used = (used0 + np.cumsum(change)).tolist()
             if sizes is None:
