@@ -319,17 +319,18 @@ class RooflineCostModel(Executor):
             # Step g of the joint array (stretch step g - g0) has total context
             # ctx + nd x (g - g0) and longest context mx + (g - g0): integers, exact as
             # floats, as the stretch's own aranges give them.
-            rows.append((*row, nd, ctx - nd * g0, mx - g0))
+            c, b = ctx - nd * g0, mx - g0
+            rows.append((*row, c, c, c, c, b, b, nd, nd, nd, nd, 1, 1))
             lens.append(m)
             g0 += m
-        # One row per column: const, the two waves' counts, FLOP slopes, byte slopes, Q/O
-        # seconds and longest-block slopes; nd and the two context bases.
+        # One row per column: const, the two waves' counts, FLOP slopes, byte slopes and
+        # longest-block slopes, Q/O seconds; then the bases and slopes of the contexts the
+        # six slopes multiply (the total context four times, the longest twice).
         x = np.array(rows, dtype=np.float64).T.repeat(lens, axis=1)
-        g = np.arange(float(g0))
-        lin = x[3:7] * (x[12] + x[11] * g)  # each wave's FLOP seconds, then its byte seconds
-        byte = lin[2:4]
-        byte += x[7:9]
-        hbm = np.maximum(byte, x[9:11] * (x[13] + g), out=byte)
+        lin = x[3:9] * (x[11:17] + x[17:23] * np.arange(float(g0)))
+        byte = lin[2:4]  # rows: each wave's FLOP, byte and longest-block seconds
+        byte += x[9:11]
+        hbm = np.maximum(byte, lin[4:6], out=byte)
         p = self._coefficients.sharpness
         knees = np.hypot(lin[0:2], hbm) if p == 2.0 else _knee2_arrays(lin[0:2], hbm, p)
         knees *= x[1:3]  # a count of 1.0 (or 0.0: no such wave) times the knee
@@ -582,7 +583,7 @@ class _RunCurve(NamedTuple):
     keys_are_mx: bool  # the streaming keys are the longest context itself
     waves: list[tuple[float, ...]]  # (count, the four above) per wave, as plain floats
     # const, then per wave (two, a missing second one all zeros) its count, FLOP slope, byte
-    # slope, Q/O seconds and longest-block slope, column by column: the curve's columns in
+    # slope, longest-block slope and Q/O seconds, column by column: the curve's columns in
     # ``decode_stretch_durations``; None where that cannot price it (a tile term, streaming
     # keys other than the longest context, or more than two waves).
     row: tuple[float, ...] | None
@@ -593,7 +594,7 @@ def _joint_row(const: float, waves: list[tuple[float, ...]], g: DecodeGeometry,
     if a_tile or not (g.exact_keys and not g.cta_tiles) or not 1 <= len(waves) <= 2:
         return None
     a, b = [*waves, (0.0, 0.0, 0.0, 0.0, 0.0)][:2]
-    return (const, a[0], b[0], a[1], b[1], a[2], b[2], a[3], b[3], a[4], b[4])
+    return (const, a[0], b[0], a[1], b[1], a[2], b[2], a[4], b[4], a[3], b[3])
 
 
 def _knee2_arrays(x: np.ndarray, y: np.ndarray, p: float) -> np.ndarray:

@@ -160,10 +160,19 @@ class DecodeRun:
                 self.ctx0_max = int(self.ctx0.max())
             if b == self.next_bound:
                 self.next_bound = int(self.bound.min())
-        else:
+        elif self.members:
+            c, _, b = cols[:, indices].tolist()
             keep = np.ones(cols.shape[1], dtype=bool)
             keep[indices] = False
-            self._cols = cols[:, keep]
+            self._cols = cols = cols[:, keep]
+            # As for one member: a minimum or maximum moves only if it left.
+            self.ctx0_sum -= sum(c)
+            if self.ctx0_max in c:
+                self.ctx0_max = int(cols[0].max())
+            if self.next_bound in b:
+                self.next_bound = int(cols[2].min())
+        else:
+            self._cols = cols[:, :0]
             self._summarize()
         self._trim()
 
