@@ -223,7 +223,7 @@ class DecodeRun:
         when none does (checked in O(1))."""
         if self.steps < self.next_bound:
             return None
-        return np.flatnonzero(self.bound <= self.steps)
+        return (self._cols[2] <= self.steps).nonzero()[0]
 
     def add_blocks(self, counts: np.ndarray) -> None:
         """Members got ``counts`` new blocks each."""
@@ -242,7 +242,7 @@ class DecodeRun:
         samples one token per step). Returns the indices of members that sampled their last
         token in the final step."""
         self.take_steps(end_times)
-        return np.flatnonzero(self.end == self.steps)
+        return (self._cols[1] == self.steps).nonzero()[0]
 
     def take_steps(self, end_times: array | list[float] | np.ndarray) -> None:
         """``advance`` without looking for who finished (a jump knows it already)."""
@@ -292,7 +292,7 @@ def jump_block_steps(first: np.ndarray, block_size: int, k: int,
     allocates them (step by step, members in order), as two arrays."""
     lim = _limits(first, k, last)
     if k <= block_size:  # each member needs at most one
-        member = np.flatnonzero(first <= lim)
+        member = (first <= lim).nonzero()[0]
         step = first[member]
         order = np.argsort(step, kind="stable")
         return step[order], member[order]

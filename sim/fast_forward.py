@@ -167,8 +167,8 @@ def plan_run_jump(plan: StepPlan, block: DecodeBlock, run: DecodeRun, durations_
     jump = _sized_jump(plan, first, run.block_size, durations_fn, k_max, start, horizon,
                        free_blocks)
     if jump is not None:  # members finish only in its last step
-        jump.finishing = jump.last_members = np.flatnonzero(
-            run.end <= block.run_step + jump.num_steps).tolist()
+        jump.finishing = jump.last_members = (
+            run.end <= block.run_step + jump.num_steps).nonzero()[0].tolist()
     return jump
 
 
@@ -226,7 +226,8 @@ class _Stretches:
         """(members gone before jump step ``j``, the last step of ``j``'s stretch, uncapped)."""
         if j <= self.first_finish:
             return 0, self.first_finish
-        self.sort()
+        if self.order is None:
+            self.sort()
         i = bisect.bisect_left(self.last_sorted, j)
         return i, self.last_sorted[i] if i < self.n else self.k_max
 
@@ -321,7 +322,7 @@ def _run_jump_past_finishes(block: DecodeBlock, run: DecodeRun, first: np.ndarra
     durations_k, ends_k = np.array(durations[:k]), np.array(ends[:k])
     first_finish = st.first_finish
     if k <= first_finish:  # nobody finishes before the last step: a plain jump
-        done = np.flatnonzero(last == k).tolist() if k == first_finish else []
+        done = (last == k).nonzero()[0].tolist() if k == first_finish else []
         return Jump(k, durations_k, ends_k, steps, members, finishing=done,
                     last_members=done)
     # Who finishes where, from the members sorted by last step (ascending index among
