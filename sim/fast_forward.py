@@ -204,23 +204,30 @@ class _Stretches:
         self.start = start
         self.durations: list[float] = []
         self.ends: list[float] = []
-        # Members sorted by last step (stable: ascending index among equals), and the sum
-        # and maximum of ctx0 over each suffix of them (the members still there): made only
-        # when a stretch after the first is needed.
-        self.order: np.ndarray | None = None
+        # Members sorted by last step (stable: ascending index among equals) and their ctx0
+        # in that order: made only when a stretch after the first is needed.
+        self.order: list[int] | None = None
         self.last_sorted: list[int] = []
-        self.ctx_suffix: list[int] = []
-        self.max_suffix: list[int] = []
+        self.ctx_sorted: list[int] = []
 
     def sort(self) -> None:
-        if self.order is not None:
-            return
-        last = self.last
-        self.order = order = np.argsort(last, kind="stable")
-        self.last_sorted = last[order].tolist()
-        ctx_sorted = self.run.ctx0[order][::-1]
-        self.ctx_suffix = np.cumsum(ctx_sorted)[::-1].tolist()
-        self.max_suffix = np.maximum.accumulate(ctx_sorted)[::-1].tolist()
+        order = self.last.argsort(kind="stable")
+        self.last_sorted = self.last[order].tolist()
+        self.ctx_sorted = self.run.ctx0[order].tolist()
+        self.order = order.tolist()
+
+    def members_after(self, i: int) -> tuple[int, int]:
+        """Sum and maximum of ctx0 over the members left once the first ``i`` in finishing
+        order are gone: the run's own, less the few gone (a maximum is looked for again only
+        if its member left)."""
+        run = self.run
+        if not i:
+            return run.ctx0_sum, run.ctx0_max
+        gone = self.ctx_sorted[:i]
+        mx = run.ctx0_max
+        if mx in gone:
+            mx = max(self.ctx_sorted[i:])
+        return run.ctx0_sum - sum(gone), mx
 
     def at(self, j: int) -> tuple[int, int]:
         """(members gone before jump step ``j``, the last step of ``j``'s stretch, uncapped)."""
@@ -233,7 +240,7 @@ class _Stretches:
 
     def price_to(self, b: int) -> bool:
         """Price jump steps up to ``b`` (at most ``k_max``); False if the executor cannot."""
-        s0, run, n = self.s0, self.run, self.n
+        s0, n = self.s0, self.n
         j = len(self.durations) + 1
         b = min(b, self.k_max)
         if j > b:
@@ -243,10 +250,7 @@ class _Stretches:
             i, f = self.at(j)
             f = min(f, b)
             nd = n - i
-            if i:
-                ctx, mx = self.ctx_suffix[i], self.max_suffix[i]
-            else:
-                ctx, mx = run.ctx0_sum, run.ctx0_max
+            ctx, mx = self.members_after(i)
             # Context (new token included) in step j: ctx0 + s0 + j per member.
             parts.append((nd, ctx + nd * (s0 + j), mx + s0 + j, f - j + 1))
             j = f + 1
@@ -328,10 +332,11 @@ def _run_jump_past_finishes(block: DecodeBlock, run: DecodeRun, first: np.ndarra
     # Who finishes where, from the members sorted by last step (ascending index among
     # equals, the order they finish in): the stops before the last step, the batch size of
     # every step (the members whose last step is it or later), and the last step's members.
-    st.sort()
+    if st.order is None:
+        st.sort()
     last_sorted = st.last_sorted
     cnt = bisect.bisect_right(last_sorted, k)
-    order = st.order[:cnt].tolist()  # type: ignore[index]
+    order = st.order[:cnt]  # type: ignore[index]
     groups: list[tuple[int, list[int]]] = []
     sizes: list[int] = []
     size, prev, g = st.n, 0, 0
