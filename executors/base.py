@@ -50,8 +50,8 @@ class Executor(ABC):
         this way, one stretch of equal membership at a time. None: step by step."""
         return None
 
-    def decode_stretch_durations(self, stretches: "list[tuple[int, int, int, int]]",
-                                 ) -> "list[float] | None":
+    def decode_stretch_durations(self, stretches: list[tuple[int, int, int, int]],
+                                 ) -> list[float] | None:
         """``decode_run_durations`` of each stretch (num_decode, ctx, max_ctx, num_steps),
         one after the other, as one list (a decode jump's stretches of equal membership);
         None: step by step. Executors may price them all at once (the cost model does)."""
