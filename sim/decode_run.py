@@ -65,7 +65,10 @@ class DecodeRun:
         # operation, not three; a row is never changed in place but ``bound`` (plans keep
         # ``ctx0``).
         self._cols = np.empty((3, 0), dtype=np.int64)
-        self.next_bound = 0  # min(bound) (no allocation needed before that run step)
+        # At most min(bound): no allocation is needed before that run step. Only a lower
+        # bound (blocks granted and members leaving only raise the minimum), made exact again
+        # when a step finds nobody needing a block, so most steps skip a reduction.
+        self.next_bound = 0
         self.ctx0_sum = 0  # sum and max of ctx0
         self.ctx0_max = 0
         # True when every decoding request of the running set is a member.
@@ -152,25 +155,22 @@ class DecodeRun:
         cols = self._cols
         if len(indices) == 1 and len(self.members):
             i = indices[0]
-            c, _, b = cols[:, i].tolist()
+            c = int(cols[0, i])
             self._cols = np.concatenate((cols[:, :i], cols[:, i + 1:]), axis=1)
-            # The sums move by one member; a minimum or maximum only if it was that member.
+            # The sum moves by one member; the maximum only if it was that member (next_bound
+            # stays a lower bound).
             self.ctx0_sum -= c
             if c == self.ctx0_max:
                 self.ctx0_max = int(self.ctx0.max())
-            if b == self.next_bound:
-                self.next_bound = int(self.bound.min())
         elif self.members:
-            c, _, b = cols[:, indices].tolist()
+            c = cols[0, indices].tolist()
             keep = np.ones(cols.shape[1], dtype=bool)
             keep[indices] = False
             self._cols = cols = cols[:, keep]
-            # As for one member: a minimum or maximum moves only if it left.
+            # As for one member: a maximum moves only if it left.
             self.ctx0_sum -= sum(c)
             if self.ctx0_max in c:
                 self.ctx0_max = int(cols[0].max())
-            if self.next_bound in b:
-                self.next_bound = int(cols[2].min())
         else:
             self._cols = cols[:, :0]
             self._summarize()
@@ -220,22 +220,24 @@ class DecodeRun:
     # ---- steps --------------------------------------------------------------------------
     def members_needing_blocks(self) -> np.ndarray | None:
         """Indices of the members whose next token needs a new KV block (one each), or None
-        when none does (checked in O(1))."""
+        when none does (checked in O(1) before ``next_bound``)."""
         if self.steps < self.next_bound:
             return None
-        return (self._cols[2] <= self.steps).nonzero()[0]
+        bound = self._cols[2]
+        need = (bound <= self.steps).nonzero()[0]
+        if not len(need):
+            self.next_bound = int(bound.min()) if len(bound) else self.steps + 1
+            return None
+        return need
 
     def add_blocks(self, counts: np.ndarray) -> None:
         """Members got ``counts`` new blocks each."""
         bound = self._cols[2]
         bound += counts * self.block_size
-        self.next_bound = int(bound.min())
 
     def add_block_each(self, indices: np.ndarray) -> None:
         """The members at ``indices`` (distinct) got one new block each."""
-        bound = self._cols[2]
-        bound[indices] += self.block_size
-        self.next_bound = int(bound.min())
+        self._cols[2][indices] += self.block_size
 
     def advance(self, end_times: array | list[float] | np.ndarray) -> np.ndarray:
         """Take ``len(end_times)`` run steps ending at those times (every member computes and
