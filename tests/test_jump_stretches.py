@@ -118,3 +118,33 @@ def test_a_jumps_stops_batch_sizes_and_finishers_follow_the_runs_counters(remain
         ctx = sum(int(run.ctx0[i]) + block.run_step + j for i in alive)
         mx = max(int(run.ctx0[i]) for i in alive) + block.run_step + j
         assert jump.durations[j - 1] == ex.decode_run_durations(len(alive), ctx, mx, 1)[0]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(remaining=st.lists(st.integers(1, 40), min_size=1, max_size=30),
+       steps=st.integers(1, 60))
+def test_next_bound_stays_a_lower_bound_and_grants_find_exactly_who_needs_a_block(remaining,
+                                                                                  steps):
+    # Grants, steps and members finishing: next_bound never exceeds the smallest bound, so
+    # the O(1) check never skips a member that needs a block.
+    contexts = [16 * (i % 3) + 5 + i for i in range(len(remaining))]
+    builder, kv = _run_of(contexts, remaining)
+    run = builder.run
+    for _ in range(steps):
+        if not len(run):
+            break
+        bound = run.bound.copy()
+        assert run.next_bound <= bound.min()
+        want = np.flatnonzero(bound <= run.steps)
+        need = run.members_needing_blocks()
+        assert (need.tolist() if need is not None else []) == want.tolist()
+        builder.reset(0.0)
+        assert builder.schedule_decode_run(builder.running, 4096)
+        block = builder.build().decode_block
+        assert run.bound.min() > run.steps  # every member holds a slot for its token
+        done = run.advance([float(block.run_step + 1)])
+        if len(done):
+            out = run.remove_at(done.tolist())
+            for req in out:
+                builder._q.remove_running(req)
+                kv.free(req.request_id)
