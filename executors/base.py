@@ -50,6 +50,19 @@ class Executor(ABC):
         this way, one stretch of equal membership at a time. None: step by step."""
         return None
 
+    def decode_stretch_durations(self, stretches: list[tuple[int, int, int, int]],
+                                 ) -> list[float] | None:
+        """``decode_run_durations`` of each stretch (num_decode, ctx, max_ctx, num_steps),
+        one after the other, as one list (a decode jump's stretches of equal membership);
+        None: step by step. Executors may price them all at once (the cost model does)."""
+        out: list[float] = []
+        for nd, ctx, mx, m in stretches:
+            priced = self.decode_run_durations(nd, ctx, mx, m)
+            if priced is None:
+                return None
+            out += priced.tolist()
+        return out
+
     # Optional hooks for executors that run on a real device (the real executor does).
     def kv_cache_dtype(self) -> str | None:
         """The dtype (a ``sim.specs`` name) of the KV cache this executor allocates, or None

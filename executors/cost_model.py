@@ -309,6 +309,53 @@ class RooflineCostModel(Executor):
         return np.concatenate([self._decode_run(self._run_curve(nd, key), ctx[i:j], mx[i:j])
                                for i, j, key in runs])
 
+    def decode_stretch_durations(self, stretches: list[tuple[int, int, int, int]],
+                                 ) -> list[float]:
+        """``decode_run_durations`` of each stretch (num_decode, ctx, max_ctx, num_steps), one
+        after the other, as one list: the stretches of a decode jump whose members finish one
+        after another. When every stretch has one decode geometry (``_RunCurve.row``), all
+        are priced in one pass over (columns x steps) arrays: each step's products, maxima,
+        knees and wave-by-wave sums are the ones ``_decode_run`` makes for it (a missing
+        second wave adds an exact 0.0), so the same floats in a fraction of the numpy
+        calls; otherwise stretch by stretch."""
+        if len(stretches) == 1:  # nothing to share: the stretch's own path
+            nd, ctx, mx, m = stretches[0]
+            return self.decode_run_durations(nd, ctx, mx, m).tolist()
+        rows = []
+        lens = []
+        g0 = 0  # the stretch's first step in the joint array
+        curves = self._decode_curves
+        for nd, ctx, mx, m in stretches:
+            curve = curves.get((nd, None))
+            if curve is None:
+                if not nd or self.decomposer.decode_splits_vary(nd):
+                    return super().decode_stretch_durations(stretches)  # type: ignore[return-value]
+                curve = self._run_curve(nd, None)
+            row = curve.row
+            if row is None:
+                return super().decode_stretch_durations(stretches)  # type: ignore[return-value]
+            # Step g of the joint array (stretch step g - g0) has total context
+            # ctx + nd x (g - g0) and longest context mx + (g - g0): integers, exact as
+            # floats, as the stretch's own aranges give them.
+            c, b = ctx - nd * g0, mx - g0
+            rows.append((*row, c, c, c, c, b, b, nd, nd, nd, nd, 1, 1))
+            lens.append(m)
+            g0 += m
+        # One row per column: const, the two waves' counts, FLOP slopes, byte slopes and
+        # longest-block slopes, Q/O seconds; then the bases and slopes of the contexts the
+        # six slopes multiply (the total context four times, the longest twice).
+        x = np.array(rows, dtype=np.float64).T.repeat(lens, axis=1)
+        lin = x[3:9] * (x[11:17] + x[17:23] * np.arange(float(g0)))
+        byte = lin[2:4]  # rows: each wave's FLOP, byte and longest-block seconds
+        byte += x[9:11]
+        hbm = np.maximum(byte, lin[4:6], out=byte)
+        p = self._coefficients.sharpness
+        knees = np.hypot(lin[0:2], hbm) if p == 2.0 else _knee2_arrays(lin[0:2], hbm, p)
+        knees *= x[1:3]  # a count of 1.0 (or 0.0: no such wave) times the knee
+        out = x[0] + knees[0]
+        out += knees[1]
+        return out.tolist()
+
     def _geometry_runs(self, nd: int, max_ctx: int, num_steps: int,
                        ) -> list[tuple[int, int, tuple[int, int]]] | None:
         """(start, stop, geometry key) of the runs of steps that share a decode geometry when
@@ -334,7 +381,8 @@ class RooflineCostModel(Executor):
                 fixed + const, len(waves), col([w[1] for w in waves] + [w[2] for w in waves]),
                 col([w[3] for w in waves]), col([w[4] for w in waves]),
                 None if all(c == 1.0 for c in counts) else counts, g, a_tile,
-                g.exact_keys and not g.cta_tiles, waves)
+                g.exact_keys and not g.cta_tiles, waves, _joint_row(fixed + const, waves, g,
+                                                                    a_tile))
         return curve
 
     def _decode_step(self, curve: _RunCurve, ctx: float, mx: float) -> np.ndarray:
@@ -363,7 +411,7 @@ class RooflineCostModel(Executor):
         longest contexts ``mx``. All waves in one pass of (waves x steps) arrays: the same
         products, sums, maxima and knees per element as one wave at a time, so the same
         floats, in a third of the numpy calls (most jumps price a few steps)."""
-        out, nw, a_lin, b_byte, a_max, counts, g, a_tile, keys_are_mx, _ = curve
+        out, nw, a_lin, b_byte, a_max, counts, g, a_tile, keys_are_mx, _, _ = curve
         keys = mx if keys_are_mx else self.decomposer.decode_stream_keys(g, mx)
         lin = a_lin * ctx  # rows: each wave's FLOP seconds, then each wave's byte seconds
         flop, byte = lin[:nw], lin[nw:]
@@ -552,6 +600,19 @@ class _RunCurve(NamedTuple):
     a_tile: float  # s per key of the longest block along the tile chain
     keys_are_mx: bool  # the streaming keys are the longest context itself
     waves: list[tuple[float, ...]]  # (count, the four above) per wave, as plain floats
+    # const, then per wave (two, a missing second one all zeros) its count, FLOP slope, byte
+    # slope, longest-block slope and Q/O seconds, column by column: the curve's columns in
+    # ``decode_stretch_durations``; None where that cannot price it (a tile term, streaming
+    # keys other than the longest context, or more than two waves).
+    row: tuple[float, ...] | None
+
+
+def _joint_row(const: float, waves: list[tuple[float, ...]], g: DecodeGeometry,
+               a_tile: float) -> tuple[float, ...] | None:
+    if a_tile or not (g.exact_keys and not g.cta_tiles) or not 1 <= len(waves) <= 2:
+        return None
+    a, b = [*waves, (0.0, 0.0, 0.0, 0.0, 0.0)][:2]
+    return (const, a[0], b[0], a[1], b[1], a[2], b[2], a[4], b[4], a[3], b[3])
 
 
 def _knee2_arrays(x: np.ndarray, y: np.ndarray, p: float) -> np.ndarray:

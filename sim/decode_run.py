@@ -46,7 +46,8 @@ class DecodeRun:
     """See the module docstring. ``members`` is in arrival order (the running set's order)."""
 
     __slots__ = ("block_size", "steps", "_times", "_base", "members", "ids", "tables", "_cols",
-                 "next_bound", "ctx0_sum", "ctx0_max", "complete", "scheduled_at")
+                 "next_bound", "ctx0_sum", "ctx0_max", "complete", "scheduled_at",
+                 "step_time")
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
@@ -64,13 +65,19 @@ class DecodeRun:
         # operation, not three; a row is never changed in place but ``bound`` (plans keep
         # ``ctx0``).
         self._cols = np.empty((3, 0), dtype=np.int64)
-        self.next_bound = 0  # min(bound) (no allocation needed before that run step)
+        # At most min(bound): no allocation is needed before that run step. Only a lower
+        # bound (blocks granted and members leaving only raise the minimum), made exact again
+        # when a step finds nobody needing a block, so most steps skip a reduction.
+        self.next_bound = 0
         self.ctx0_sum = 0  # sum and max of ctx0
         self.ctx0_max = 0
         # True when every decoding request of the running set is a member.
         self.complete = True
         # The builder's step (its reset count) in which the whole run was scheduled.
         self.scheduled_at = -1
+        # The last step time of its last jump past finishes: how far the next one prices
+        # ahead (only the number of pricing calls depends on it, never a result).
+        self.step_time = 0.0
 
     def __len__(self) -> int:
         return len(self.members)
@@ -148,18 +155,24 @@ class DecodeRun:
         cols = self._cols
         if len(indices) == 1 and len(self.members):
             i = indices[0]
-            c, _, b = cols[:, i].tolist()
+            c = int(cols[0, i])
             self._cols = np.concatenate((cols[:, :i], cols[:, i + 1:]), axis=1)
-            # The sums move by one member; a minimum or maximum only if it was that member.
+            # The sum moves by one member; the maximum only if it was that member (next_bound
+            # stays a lower bound).
             self.ctx0_sum -= c
             if c == self.ctx0_max:
                 self.ctx0_max = int(self.ctx0.max())
-            if b == self.next_bound:
-                self.next_bound = int(self.bound.min())
-        else:
+        elif self.members:
+            c = cols[0, indices].tolist()
             keep = np.ones(cols.shape[1], dtype=bool)
             keep[indices] = False
-            self._cols = cols[:, keep]
+            self._cols = cols = cols[:, keep]
+            # As for one member: a maximum moves only if it left.
+            self.ctx0_sum -= sum(c)
+            if self.ctx0_max in c:
+                self.ctx0_max = int(cols[0].max())
+        else:
+            self._cols = cols[:, :0]
             self._summarize()
         self._trim()
 
@@ -207,23 +220,31 @@ class DecodeRun:
     # ---- steps --------------------------------------------------------------------------
     def members_needing_blocks(self) -> np.ndarray | None:
         """Indices of the members whose next token needs a new KV block (one each), or None
-        when none does (checked in O(1))."""
+        when none does (checked in O(1) before ``next_bound``)."""
         if self.steps < self.next_bound:
             return None
-        return np.flatnonzero(self.bound <= self.steps)
+        bound = self._cols[2]
+        need = (bound <= self.steps).nonzero()[0]
+        if not len(need):
+            self.next_bound = int(bound.min()) if len(bound) else self.steps + 1
+            return None
+        return need
 
     def add_blocks(self, counts: np.ndarray) -> None:
         """Members got ``counts`` new blocks each."""
         bound = self._cols[2]
         bound += counts * self.block_size
-        self.next_bound = int(bound.min())
+
+    def add_block_each(self, indices: np.ndarray) -> None:
+        """The members at ``indices`` (distinct) got one new block each."""
+        self._cols[2][indices] += self.block_size
 
     def advance(self, end_times: array | list[float] | np.ndarray) -> np.ndarray:
         """Take ``len(end_times)`` run steps ending at those times (every member computes and
         samples one token per step). Returns the indices of members that sampled their last
         token in the final step."""
         self.take_steps(end_times)
-        return np.flatnonzero(self.end == self.steps)
+        return (self._cols[1] == self.steps).nonzero()[0]
 
     def take_steps(self, end_times: array | list[float] | np.ndarray) -> None:
         """``advance`` without looking for who finished (a jump knows it already)."""
@@ -273,7 +294,7 @@ def jump_block_steps(first: np.ndarray, block_size: int, k: int,
     allocates them (step by step, members in order), as two arrays."""
     lim = _limits(first, k, last)
     if k <= block_size:  # each member needs at most one
-        member = np.flatnonzero(first <= lim)
+        member = (first <= lim).nonzero()[0]
         step = first[member]
         order = np.argsort(step, kind="stable")
         return step[order], member[order]

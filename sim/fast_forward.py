@@ -18,7 +18,7 @@ The jump ends at the first of:
 and nothing waits or is swapped out, a policy that declares
 ``Policy.decode_jumps_past_finishes`` would plan the same run minus the finished members
 after a finish (no one can take the freed seat or blocks). The jump then goes on through
-finishes: it is priced as stretches of equal membership (``Executor.decode_run_durations``),
+finishes: it is priced as stretches of equal membership (``Executor.decode_stretch_durations``),
 and the replica stops at the end of each step in which members finish, to finish them at
 their exact time (so routers, callbacks and ``requests.csv`` see what step-by-step
 simulation shows), without planning or pricing anything there.
@@ -56,7 +56,9 @@ class Jump:
     num_steps: int
     durations: np.ndarray  # [num_steps]
     ends: np.ndarray  # [num_steps] absolute end time of each step
-    new_blocks: np.ndarray  # [num_steps] KV blocks newly allocated in each step
+    # The step (1-based, ascending) of each new KV block of steps 2..k (the blocks each step
+    # allocates: ``new_blocks``).
+    block_step_array: np.ndarray
     # The rows (indices into the plan's rows or the run's members) that get the new KV blocks
     # of steps 2..k, in the order the step-by-step loop allocates them (step by step, rows in
     # order), so a jump hands out exactly the block ids single steps would.
@@ -65,17 +67,24 @@ class Jump:
     # at whose end some members finish while the others go on; the batch size of each step;
     # and (filled in at the stops) the blocks freed at each of them.
     stops: list[int] = field(default_factory=list)
-    batch_sizes: np.ndarray | None = None
+    batch_sizes: list[int] | None = None
     freed: list[int] = field(default_factory=list)
     # The step of each of ``block_members``' new blocks (ascending; a list, searched with
     # bisect at every stop), to allocate them stretch by stretch, and (filled in when the
     # jump starts) the request ids of their owners.
     block_steps: list[int] | None = None
     block_owners: list[int] = field(default_factory=list)
-    # A decode-run jump, filled in when it starts: the members (run indices, ascending) that
-    # finish in it, and those of them that finish in its last step.
+    # A decode-run jump: the members (run indices, ascending) that finish in it, and those
+    # of them that finish in its last step.
     finishing: list[int] = field(default_factory=list)
     last_members: list[int] = field(default_factory=list)
+    # The stops with the members (run indices, ascending) that finish at each, in step order.
+    groups: list[tuple[int, list[int]]] = field(default_factory=list)
+
+    def new_blocks(self) -> np.ndarray:
+        """[num_steps] KV blocks newly allocated in each step (for ``steps.csv``)."""
+        k = self.num_steps
+        return np.bincount(self.block_step_array - 1, minlength=k)[:k]
 
 
 def _price_until(price, start: float, length: int, horizon: float,
@@ -140,23 +149,27 @@ def _jump_length(durations_fn, plan: StepPlan, k_max: int, start: float,
 
 def plan_run_jump(plan: StepPlan, block: DecodeBlock, run: DecodeRun, durations_fn,
                   start: float, horizon: float, free_blocks: int,
-                  max_steps: int = 1 << 16, run_durations_fn=None) -> Jump | None:
+                  max_steps: int = 1 << 16, stretch_durations_fn=None) -> Jump | None:
     """``plan_jump`` for a plan that is one decode block scheduling the whole decode run:
-    the same jump, from the run's arrays (no per-row work). With ``run_durations_fn``
-    (``Executor.decode_run_durations``) the jump may run past finishes (module docstring);
-    the caller passes it only when that is safe."""
+    the same jump, from the run's arrays (no per-row work). With ``stretch_durations_fn``
+    (``Executor.decode_stretch_durations``) the jump may run past finishes (module
+    docstring); the caller passes it only when that is safe."""
     # Run step s computes each member's token ctx0 + s + 1; this plan is run step
     # block.run_step, so jump step j (1-based) first needs a new block when
     # block.run_step + j - 1 >= bound.
     first = run.bound - (block.run_step - 1)
-    if run_durations_fn is not None:
-        return _run_jump_past_finishes(block, run, first, run_durations_fn, start, horizon,
-                                       free_blocks, max_steps)
+    if stretch_durations_fn is not None:
+        return _run_jump_past_finishes(block, run, first, stretch_durations_fn, start,
+                                       horizon, free_blocks, max_steps)
     k_max = min(run.steps_left(), max_steps)
     if k_max < 2:
         return None
-    return _sized_jump(plan, first, run.block_size, durations_fn, k_max, start, horizon,
+    jump = _sized_jump(plan, first, run.block_size, durations_fn, k_max, start, horizon,
                        free_blocks)
+    if jump is not None:  # members finish only in its last step
+        jump.finishing = jump.last_members = (
+            run.end <= block.run_step + jump.num_steps).nonzero()[0].tolist()
+    return jump
 
 
 def _kv_cap(first: np.ndarray, bs: int, k_max: int, free_blocks: int,
@@ -175,8 +188,86 @@ def _kv_cap(first: np.ndarray, bs: int, k_max: int, free_blocks: int,
     return lo
 
 
+class _Stretches:
+    """The stretches of equal membership of a decode-run jump past finishes, priced on
+    demand into one list of step durations and one of end times (global jump steps 1, 2,
+    ...). A step's price does not depend on how many steps are priced with it, so pricing
+    many stretches in one call (``Executor.decode_stretch_durations``) gives the floats
+    pricing them one at a time gives, and the end times are the same sequential additions
+    from the jump's start."""
+
+    def __init__(self, run: DecodeRun, last: np.ndarray, s0: int, k_max: int,
+                 price, start: float) -> None:
+        self.run, self.last, self.s0, self.k_max, self.price = run, last, s0, k_max, price
+        self.n = len(last)
+        self.first_finish = int(last.min())
+        self.start = start
+        self.durations: list[float] = []
+        self.ends: list[float] = []
+        # Members sorted by last step (stable: ascending index among equals) and their ctx0
+        # in that order: made only when a stretch after the first is needed.
+        self.order: list[int] | None = None
+        self.last_sorted: list[int] = []
+        self.ctx_sorted: list[int] = []
+
+    def sort(self) -> None:
+        order = self.last.argsort(kind="stable")
+        self.last_sorted = self.last[order].tolist()
+        self.ctx_sorted = self.run.ctx0[order].tolist()
+        self.order = order.tolist()
+
+    def members_after(self, i: int) -> tuple[int, int]:
+        """Sum and maximum of ctx0 over the members left once the first ``i`` in finishing
+        order are gone: the run's own, less the few gone (a maximum is looked for again only
+        if its member left)."""
+        run = self.run
+        if not i:
+            return run.ctx0_sum, run.ctx0_max
+        gone = self.ctx_sorted[:i]
+        mx = run.ctx0_max
+        if mx in gone:
+            mx = max(self.ctx_sorted[i:])
+        return run.ctx0_sum - sum(gone), mx
+
+    def at(self, j: int) -> tuple[int, int]:
+        """(members gone before jump step ``j``, the last step of ``j``'s stretch, uncapped)."""
+        if j <= self.first_finish:
+            return 0, self.first_finish
+        if self.order is None:
+            self.sort()
+        i = bisect.bisect_left(self.last_sorted, j)
+        return i, self.last_sorted[i] if i < self.n else self.k_max
+
+    def price_to(self, b: int) -> bool:
+        """Price jump steps up to ``b`` (at most ``k_max``); False if the executor cannot."""
+        s0, n = self.s0, self.n
+        j = len(self.durations) + 1
+        b = min(b, self.k_max)
+        if j > b:
+            return True
+        parts = []
+        while j <= b:
+            i, f = self.at(j)
+            f = min(f, b)
+            nd = n - i
+            ctx, mx = self.members_after(i)
+            # Context (new token included) in step j: ctx0 + s0 + j per member.
+            parts.append((nd, ctx + nd * (s0 + j), mx + s0 + j, f - j + 1))
+            j = f + 1
+        priced = self.price(parts)
+        if priced is None:
+            return False
+        self.durations += priced
+        # Same sequential float additions as env.now += duration, step after step (and as
+        # np.cumsum, which adds left to right).
+        ends = list(accumulate(priced, initial=self.ends[-1] if self.ends else self.start))
+        del ends[0]
+        self.ends += ends
+        return True
+
+
 def _run_jump_past_finishes(block: DecodeBlock, run: DecodeRun, first: np.ndarray,
-                            run_durations_fn, start: float, horizon: float,
+                            stretch_durations_fn, start: float, horizon: float,
                             free_blocks: int, max_steps: int) -> Jump | None:
     s0 = block.run_step
     last = run.end - s0  # the jump step in which each member samples its last token (>= 1)
@@ -188,61 +279,82 @@ def _run_jump_past_finishes(block: DecodeBlock, run: DecodeRun, first: np.ndarra
     k_max = _kv_cap(first, bs, min(int(last.max()), max_steps), free_blocks, last)
     if k_max < 2:
         return None
-    n = len(last)
-    # Members finishing at or after a step are a suffix of them sorted by last step; sorted
-    # only when the jump gets past its first stretch (all members, the run's own sums).
-    last_sorted: list[int] = []
-    ctx_suffix = [run.ctx0_sum]
-    max_suffix = [run.ctx0_max]
-    first_finish = int(last.min())
-    durations: list[float] = []  # of the stretches so far, one after the other
-    ends: list[float] = []
+    st = _Stretches(run, last, s0, k_max, stretch_durations_fn, start)
+    inf = math.isinf(horizon)
+    # How far the jump goes is decided stretch by stretch, as _price_until decides it for
+    # each (a first estimate, then as many steps as can start before the horizon); the
+    # steps are priced ahead in one call, as many as the last jump's step time says reach
+    # the horizon, and at least the first stretch's first estimate (a step's price does not
+    # depend on it: only the number of calls does; one call per jump in 99.7% of them).
+    d_prev = run.step_time
+    if not st.price_to(k_max if inf else 8 if d_prev <= 0 else
+                       max(min(st.first_finish, 8), int((horizon - start) / d_prev * 1.15) + 3)):
+        return None
+    durations, ends = st.durations, st.ends
     t = start
-    i, j0 = 0, 1  # active members: sorted[i:]; the stretch starts at jump step j0
+    j0 = 1  # the stretch starts at jump step j0
     d_last = 0.0
+    p = 0  # steps priced for the jump
     while j0 <= k_max:
-        f = min(last_sorted[i] if i else first_finish, k_max)  # the stretch ends with step f
-        nd = n - i
-        # Context (new token included) in step j0: ctx0 + s0 + j0 per member.
-        ctx = ctx_suffix[i] + nd * (s0 + j0)
-        mx = max_suffix[i] + s0 + j0
+        f = min(st.at(j0)[1], k_max)  # the stretch ends with step f
         length = f - j0 + 1
         # The last stretch's step time estimates this one's (it has fewer rows).
-        priced = _price_until(lambda m: run_durations_fn(nd, ctx, mx, m), t, length,
-                              horizon, d_last)
-        if priced is None:
+        m = min(length, 8 if d_last <= 0 or inf else
+                int((horizon - t) / d_last * 1.25) + 2)
+        if j0 - 1 + m > len(durations) and not st.price_to(max(j0 - 1 + m, 2 * len(ends))):
             return None
-        part, part_ends = priced
-        durations += part
-        ends += part_ends
-        d_last = part[-1]
-        if part_ends[-1] >= horizon or len(part) < length or f >= k_max:
+        if m < length and ends[j0 - 2 + m] < horizon:
+            d1 = durations[j0 - 1]
+            m2 = length if d1 <= 0 or inf else min(length, int((horizon - t) / d1) + 2)
+            if m2 > m:
+                m = m2
+                if j0 - 1 + m > len(durations) and not st.price_to(
+                        max(j0 - 1 + m, 2 * len(ends))):
+                    return None
+        p = j0 - 1 + m
+        d_last = durations[p - 1]
+        if ends[p - 1] >= horizon or m < length or f >= k_max:
             break
-        t = part_ends[-1]
+        t = ends[p - 1]
         j0 = f + 1
-        if not last_sorted:
-            order = np.argsort(last, kind="stable")
-            last_sorted = last[order].tolist()
-            ctx_sorted = run.ctx0[order]
-            ctx_suffix = np.cumsum(ctx_sorted[::-1])[::-1].tolist()
-            max_suffix = np.maximum.accumulate(ctx_sorted[::-1])[::-1].tolist()
-        while i < n and last_sorted[i] <= f:
-            i += 1
-        if i >= n:
-            break
-    k = _steps_before(ends, horizon)
+    run.step_time = d_last
+    # Steps that start strictly before the horizon (_steps_before over the priced ones).
+    k = min(p, 1 + bisect.bisect_left(ends, horizon, 0, p - 1))
     if k < 2:
         return None
     steps, members = jump_block_steps(first, bs, k, last)
-    new_blocks = np.bincount(steps - 1, minlength=k)[:k]
     durations_k, ends_k = np.array(durations[:k]), np.array(ends[:k])
+    first_finish = st.first_finish
     if k <= first_finish:  # nobody finishes before the last step: a plain jump
-        return Jump(k, durations_k, ends_k, new_blocks, members)
-    # Batch size of step j: the members whose last step is j or later.
-    gone = np.searchsorted(np.asarray(last_sorted), np.arange(1, k + 1), side="left")
-    stops = sorted({f for f in last_sorted if f < k})
-    return Jump(k, durations_k, ends_k, new_blocks, members, stops, n - gone,
-                block_steps=steps.tolist())
+        done = (last == k).nonzero()[0].tolist() if k == first_finish else []
+        return Jump(k, durations_k, ends_k, steps, members, finishing=done,
+                    last_members=done)
+    # Who finishes where, from the members sorted by last step (ascending index among
+    # equals, the order they finish in): the stops before the last step, the batch size of
+    # every step (the members whose last step is it or later), and the last step's members.
+    if st.order is None:
+        st.sort()
+    last_sorted = st.last_sorted
+    cnt = bisect.bisect_right(last_sorted, k)
+    order = st.order[:cnt]  # type: ignore[index]
+    groups: list[tuple[int, list[int]]] = []
+    sizes: list[int] = []
+    size, prev, g = st.n, 0, 0
+    while g < cnt:
+        f = last_sorted[g]
+        h = bisect.bisect_right(last_sorted, f, g, cnt)
+        if f == k:
+            break
+        sizes += [size] * (f - prev)
+        size -= h - g
+        prev = f
+        groups.append((f, order[g:h]))
+        g = h
+    sizes += [size] * (k - prev)
+    jump = Jump(k, durations_k, ends_k, steps, members, [f for f, _ in groups], sizes,
+                block_steps=steps.tolist(), finishing=sorted(order),
+                last_members=order[g:cnt], groups=groups)
+    return jump
 
 
 def _sized_jump(plan: StepPlan, first: np.ndarray, bs: int, durations_fn, k_max: int,
@@ -256,8 +368,7 @@ def _sized_jump(plan: StepPlan, first: np.ndarray, bs: int, durations_fn, k_max:
         return None
     k, durations, ends = sized
     steps, members = jump_block_steps(first, bs, k)
-    new_blocks = np.bincount(steps - 1, minlength=k)[:k]
-    return Jump(k, durations, ends, new_blocks, members)
+    return Jump(k, durations, ends, steps, members)
 
 
 def plan_jump(plan: StepPlan, requests: list[Request], durations_fn, start: float,

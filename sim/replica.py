@@ -227,7 +227,8 @@ class Replica:
                     jump = plan_run_jump(
                         plan, block, block.run, self.executor.decode_durations, start,
                         self.horizon(), self.kv.num_free_blocks,
-                        run_durations_fn=self.executor.decode_run_durations if past else None)
+                        stretch_durations_fn=(self.executor.decode_stretch_durations
+                                              if past else None))
                 else:
                     jump = plan_jump(plan, requests, self.executor.decode_durations, start,
                                      self.horizon(), self.kv.num_free_blocks, self.kv.block_size)
@@ -320,7 +321,10 @@ class Replica:
             block = plan.decode_block
             if block is not None:
                 run = block.run  # finished members leave it only when the jump ends
-                run.add_blocks(np.bincount(members, minlength=len(run.ids)))
+                if jump.num_steps <= run.block_size:  # at most one block each
+                    run.add_block_each(members)
+                else:
+                    run.add_blocks(np.bincount(members, minlength=len(run.ids)))
                 ids = run.ids
             else:
                 ids = [r.request_id for r in requests]
@@ -334,25 +338,12 @@ class Replica:
             raise AssertionError("decode jump overran the KV pool")  # planned so
 
     def _finish_groups(self, block: DecodeBlock, jump: Jump) -> list[tuple[int, list[int]]]:
-        """Note who finishes in a decode-run jump (``jump.finishing``, member indices
-        ascending, and ``jump.last_members``, those finishing in its last step); returns the
-        stops before the last step: (jump step, indices of the members that sample their
-        last token in it), in step order."""
-        run = block.run
-        s0 = run.steps
-        if s0 != block.run_step:
+        """The stops of a decode-run jump before its last step: (jump step, indices of the
+        members that sample their last token in it), in step order (planned with the jump,
+        from the run as it is now)."""
+        if block.run.steps != block.run_step:
             raise AssertionError("a decode jump applied out of step with its run")
-        end = run.end
-        done = np.flatnonzero(end <= s0 + jump.num_steps)
-        jump.finishing = done.tolist()
-        if not jump.stops:
-            jump.last_members = jump.finishing
-            return []
-        groups: dict[int, list[int]] = {}
-        for step, i in sorted(zip((end[done] - s0).tolist(), jump.finishing)):
-            groups.setdefault(step, []).append(i)
-        jump.last_members = groups.pop(jump.num_steps, [])
-        return list(groups.items())
+        return jump.groups
 
     def _finish_jump_members(self, run: DecodeRun, jump: Jump, done: int, stop: int,
                              members: list[int]) -> None:
@@ -402,24 +393,23 @@ class Replica:
         sizes = jump.batch_sizes
         if self.steps_sink.enabled:
             waiting, running, swapped = queue_lengths
-            change = jump.new_blocks[:m]
+            change = jump.new_blocks()[:m]
             if jump.stops:  # blocks freed at the stops, after their step's new ones
-                change = change.copy()
                 change[np.asarray(jump.stops) - 1] -= jump.freed  # distinct steps
             used = (used0 + np.cumsum(change)).tolist()
             if sizes is None:
                 rows: int | list[int] = len(requests)
                 runs: int | list[int] = running
             else:  # the batch shrinks after each stop, and the running set with it
-                rows = sizes[:m].tolist()
-                gone = int(sizes[0]) - running  # members leave the running set as they finish
-                runs = [s - gone for s in sizes[1:k].tolist()]
+                rows = sizes[:m]
+                gone = sizes[0] - running  # members leave the running set as they finish
+                runs = [s - gone for s in sizes[1:k]]
             self.step_rows.write(self.num_steps + 1, [start] + ends[:m - 1].tolist(),
                                  jump.durations[:m].tolist(), rows, waiting, runs, swapped,
                                  used)
         self.num_steps += m
         self._record_step(float(ends[-2]), float(jump.durations[-1]), plan,
-                          None if sizes is None else int(sizes[-1]))
+                          None if sizes is None else sizes[-1])
         self.num_jumps += 1
 
     def _finish(self, req: Request, now: float) -> None:

@@ -24,8 +24,6 @@ from enum import Enum
 from operator import attrgetter
 from typing import TYPE_CHECKING, Generic, TypeVar
 
-import numpy as np
-
 from sim.decode_run import DecodeRun
 from sim.plan import DecodeBlock, ScheduledRequest, StepPlan
 from sim.request import Request, RequestStatus
@@ -337,7 +335,7 @@ class StepBuilder:
                 return False
             ids = run.ids
             self.kv.grow([ids[i] for i in need.tolist()])
-            run.add_blocks(np.bincount(need, minlength=n))  # one block each
+            run.add_block_each(need)
         s = run.steps
         self._plan.add_block(DecodeBlock(list(run.ids), run.ctx0, s, list(run.tables),
                                          run.ctx0_sum + n * s, run.ctx0_max + s, run, s))

@@ -1,0 +1,150 @@
+"""A decode jump past finishes prices its stretches ahead in one call
+(``Executor.decode_stretch_durations``): the cost model's joint pass must give, bit for bit,
+the floats pricing each stretch on its own gives, and a jump's stops, batch sizes and
+finishing members must be what the run's own counters say."""
+
+import math
+from dataclasses import replace
+
+import numpy as np
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from executors.base import Executor
+from executors.cost_model import RooflineCostModel
+from sim.fast_forward import plan_run_jump
+from sim.kv_manager import KVBlockManager
+from sim.request import Request, RequestStatus
+from sim.step_builder import ReplicaQueues, StepBuilder
+from tests.test_decode_run import MODELS, _cost_models
+
+
+def _joint_models() -> list[RooflineCostModel]:
+    """MODELS plus fitted profiles without a tile term (their curves take the joint pass)
+    at sharpness 3 (the generic knee) and infinity (max)."""
+    fitted = _cost_models()[4]
+    out = list(MODELS)
+    for p in (3.0, math.inf):
+        ex = _cost_models()[4]
+        ex._coefficients = replace(fitted._coefficients, s_per_kv_tile=0.0, sharpness=p)
+        ex._clear_terms()
+        out.append(ex)
+    return out
+
+
+JOINT = _joint_models()
+
+
+def test_the_joint_pass_covers_every_knee():
+    # The default roofline (hypot), and sharpness 3 and infinity: rows for large batches.
+    joint = [ex for ex in JOINT if ex._run_curve(128, None).row is not None]
+    assert {ex._coefficients.sharpness for ex in joint} >= {2.0, 3.0, math.inf}
+
+
+stretch_st = st.tuples(st.sampled_from([1, 2, 5, 10, 11, 12, 27, 54, 55, 82, 128, 300]),
+                       st.integers(1, 9000), st.integers(0, 50), st.integers(1, 40))
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(which=st.integers(0, len(JOINT) - 1), raw=st.lists(stretch_st, min_size=1, max_size=8))
+def test_stretches_priced_at_once_are_priced_one_by_one_bit_for_bit(which, raw):
+    ex = JOINT[which]
+    # The longest context mx, the total at most nd x mx (the others are shorter).
+    stretches = [(nd, nd * mx - min(short, nd - 1), mx, m) for nd, mx, short, m in raw]
+    got = ex.decode_stretch_durations(stretches)
+    want = Executor.decode_stretch_durations(ex, stretches)  # stretch by stretch
+    assert len(got) == sum(m for *_, m in stretches)
+    assert np.array(got).tobytes() == np.array(want).tobytes()
+
+
+def test_the_joint_pass_is_taken_where_every_curve_has_a_row(monkeypatch):
+    ex = JOINT[0]
+    calls = []
+    monkeypatch.setattr(ex, "decode_run_durations", lambda *a: calls.append(a))
+    ex.decode_stretch_durations([(45, 45 * 900, 1000, 6), (44, 44 * 900, 1006, 3)])
+    assert calls == []  # one pass, not stretch by stretch
+    # A batch whose geometry varies (5 rows) goes stretch by stretch (and gives up with the
+    # first stretch the executor cannot price).
+    assert ex.decode_stretch_durations([(45, 45 * 900, 1000, 6), (5, 5 * 900, 1006, 3)]) is None
+    assert calls == [(45, 45 * 900, 1000, 6)]
+
+
+def _run_of(contexts: list[int], remaining: list[int]) -> tuple[StepBuilder, KVBlockManager]:
+    """A builder whose decode run holds requests that computed ``contexts[i]`` tokens (one
+    pending) and have ``remaining[i]`` tokens left to sample."""
+    kv = KVBlockManager(4000, 16)
+    queues = ReplicaQueues()
+    builder = StepBuilder(queues, kv)
+    builder.enable_decode_run()
+    for i, (ctx, left) in enumerate(zip(contexts, remaining)):
+        r = Request(i, float(i), ctx, left + 1)
+        r.transition(RequestStatus.RUNNING)
+        r.num_computed_tokens = ctx
+        r.num_output_tokens = 1
+        assert kv.allocate_slots(i, ctx) is not None
+        queues.add_running(r)
+    builder.run.rebuild(queues.running, kv.block_tables)
+    return builder, kv
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(remaining=st.lists(st.integers(1, 60), min_size=12, max_size=40),
+       horizon=st.one_of(st.just(math.inf), st.floats(0.01, 3.0)))
+def test_a_jumps_stops_batch_sizes_and_finishers_follow_the_runs_counters(remaining, horizon):
+    contexts = [100 + 37 * i for i in range(len(remaining))]
+    builder, kv = _run_of(contexts, remaining)
+    run = builder.run
+    builder.reset(0.0)
+    assert builder.schedule_decode_run(builder.running, 4096)
+    block = builder.build().decode_block
+    ex = JOINT[0]
+    jump = plan_run_jump(None, block, run, ex.decode_durations, 0.0, horizon,
+                         kv.num_free_blocks, stretch_durations_fn=ex.decode_stretch_durations)
+    if jump is None:
+        assert min(remaining) < 2 or horizon < 0.1
+        return
+    k = jump.num_steps
+    last = (run.end - block.run_step).tolist()  # each member's last jump step
+    assert jump.finishing == [i for i, f in enumerate(last) if f <= k]
+    assert jump.last_members == [i for i, f in enumerate(last) if f == k]
+    stops = sorted({f for f in last if f < k})
+    assert jump.stops == stops
+    assert jump.groups == [(s, [i for i, f in enumerate(last) if f == s]) for s in stops]
+    if stops:
+        assert jump.batch_sizes == [sum(f >= j for f in last) for j in range(1, k + 1)]
+    # The durations: each step priced alone by its batch (members still there).
+    for j in (1, k // 2 + 1, k):
+        alive = [i for i, f in enumerate(last) if f >= j]
+        ctx = sum(int(run.ctx0[i]) + block.run_step + j for i in alive)
+        mx = max(int(run.ctx0[i]) for i in alive) + block.run_step + j
+        assert jump.durations[j - 1] == ex.decode_run_durations(len(alive), ctx, mx, 1)[0]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(remaining=st.lists(st.integers(1, 40), min_size=1, max_size=30),
+       steps=st.integers(1, 60))
+def test_next_bound_stays_a_lower_bound_and_grants_find_exactly_who_needs_a_block(remaining,
+                                                                                  steps):
+    # Grants, steps and members finishing: next_bound never exceeds the smallest bound, so
+    # the O(1) check never skips a member that needs a block.
+    contexts = [16 * (i % 3) + 5 + i for i in range(len(remaining))]
+    builder, kv = _run_of(contexts, remaining)
+    run = builder.run
+    for _ in range(steps):
+        if not len(run):
+            break
+        bound = run.bound.copy()
+        assert run.next_bound <= bound.min()
+        want = np.flatnonzero(bound <= run.steps)
+        need = run.members_needing_blocks()
+        assert (need.tolist() if need is not None else []) == want.tolist()
+        builder.reset(0.0)
+        assert builder.schedule_decode_run(builder.running, 4096)
+        block = builder.build().decode_block
+        assert run.bound.min() > run.steps  # every member holds a slot for its token
+        done = run.advance([float(block.run_step + 1)])
+        if len(done):
+            out = run.remove_at(done.tolist())
+            for req in out:
+                builder._q.remove_running(req)
+                kv.free(req.request_id)
