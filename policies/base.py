@@ -15,6 +15,7 @@ derived from it).
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -85,6 +86,13 @@ class Policy(ABC):
                 f"then prompt chunks in the same step); use policy=chunked_prefill"))
         self.config = config
         self.seed = seed
+
+    def next_decision_time(self, now: float) -> float:
+        """The earliest simulated time after ``now`` at which this policy could plan a
+        different step although nothing arrived, finished or changed in the KV pool: a
+        deadline of its own (SJF's aging). Decode jumps stop at the first step that ends at
+        or after it, as at an arrival. Default: none (infinity)."""
+        return math.inf
 
     def on_arrival(self, req: Request) -> None:
         """A request was accepted and appended to the waiting queue (called by the replica's

@@ -17,6 +17,7 @@ running request with the longest predicted remaining work. Steps otherwise as ``
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -106,6 +107,21 @@ class SJFPolicy(OrderedPolicy):
     def unindex(self, req: Request) -> None:
         super().unindex(req)
         self.by_arrival.discard(req)
+
+    def next_decision_time(self, now: float) -> float:
+        """When the oldest waiting request not yet aged will be: from then on it heads the
+        admission order (``candidates``), which may admit it, so decode jumps stop there."""
+        aging = self.config.aging_s
+        if aging is None:
+            return math.inf
+        with self.by_arrival.ordered() as oldest_first:
+            for req in oldest_first:
+                if now - req.arrival_time < aging:  # the test ``candidates`` makes
+                    due = req.arrival_time + aging
+                    # A hair early: a step ending just before ``due`` may already pass the
+                    # test above by rounding; stopping a step early only plans once more.
+                    return due - 1e-9 * max(1.0, abs(due))
+        return math.inf
 
     def candidates(self, step: StepBuilder, in_order: Iterator[Request]) -> Iterator[Request]:
         aging = self.config.aging_s

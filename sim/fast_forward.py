@@ -12,7 +12,8 @@ The jump ends at the first of:
   the jump may run past finishes (below);
 - the last step whose new KV blocks still fit the free pool (the next would need a preemption);
 - the last step that starts before the next external event (``horizon``): an arrival, which
-  may change what the policy schedules or what a router sees.
+  may change what the policy schedules or what a router sees, or a deadline of the policy's
+  own (``Policy.next_decision_time``: SJF's aging) if that comes first.
 
 **Past finishes.** When the plan is the whole decode run, every running request is a member
 and nothing waits or is swapped out, a policy that declares
@@ -286,7 +287,7 @@ def _run_jump_past_finishes(block: DecodeBlock, run: DecodeRun, first: np.ndarra
     # steps are priced ahead in one call, as many as the last jump's step time says reach
     # the horizon, and at least the first stretch's first estimate (a step's price does not
     # depend on it: only the number of calls does; one call per jump in 99.7% of them).
-    d_prev = run.step_time
+    d_prev = run.last_jump_step_time
     if not st.price_to(k_max if inf else 8 if d_prev <= 0 else
                        max(min(st.first_finish, 8), int((horizon - start) / d_prev * 1.15) + 3)):
         return None
@@ -317,7 +318,7 @@ def _run_jump_past_finishes(block: DecodeBlock, run: DecodeRun, first: np.ndarra
             break
         t = ends[p - 1]
         j0 = f + 1
-    run.step_time = d_last
+    run.last_jump_step_time = d_last
     # Steps that start strictly before the horizon (_steps_before over the priced ones).
     k = min(p, 1 + bisect.bisect_left(ends, horizon, 0, p - 1))
     if k < 2:

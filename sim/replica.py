@@ -79,7 +79,8 @@ class Replica:
         self.on_finished = on_finished
         self.handoff = handoff
         # Time of the next event from outside this replica (an arrival); decode jumps stop
-        # before it. Without one, jumps are off.
+        # before it, or before the policy's own next deadline (Policy.next_decision_time)
+        # if that comes first. Without one, jumps are off.
         self.horizon = horizon
         # A prefill replica hands requests off after their first token (disaggregation): every
         # step's membership changes, and the handoff happens in _apply, so no jumps there.
@@ -221,17 +222,19 @@ class Replica:
             if self.fast_forward and not self.check_integrity and is_steady_decode(plan):
                 block = plan.decode_block
                 q = self.queues
+                # The next arrival, or the policy's own next deadline if that comes first.
+                horizon = min(self.horizon(), self.policy.next_decision_time(start))
                 if block is not None:
                     past = self.jump_past_finishes and not q.waiting and not q.swapped and (
                         len(block.run) == len(q.running))
                     jump = plan_run_jump(
                         plan, block, block.run, self.executor.decode_durations, start,
-                        self.horizon(), self.kv.num_free_blocks,
+                        horizon, self.kv.num_free_blocks,
                         stretch_durations_fn=(self.executor.decode_stretch_durations
                                               if past else None))
                 else:
                     jump = plan_jump(plan, requests, self.executor.decode_durations, start,
-                                     self.horizon(), self.kv.num_free_blocks, self.kv.block_size)
+                                     horizon, self.kv.num_free_blocks, self.kv.block_size)
                 if jump is not None:
                     # Queue lengths and blocks in use as the intermediate steps saw them
                     # (arrivals during the final step are processed before this process
@@ -339,8 +342,9 @@ class Replica:
 
     def _finish_groups(self, block: DecodeBlock, jump: Jump) -> list[tuple[int, list[int]]]:
         """The stops of a decode-run jump before its last step: (jump step, indices of the
-        members that sample their last token in it), in step order (planned with the jump,
-        from the run as it is now)."""
+        members that sample their last token in it), in step order. They were planned with
+        the jump from the run's counters; the run must still be at the step the jump was
+        planned for."""
         if block.run.steps != block.run_step:
             raise AssertionError("a decode jump applied out of step with its run")
         return jump.groups

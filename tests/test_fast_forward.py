@@ -137,3 +137,18 @@ def test_state_seen_at_a_jump_stop_is_step_by_step(monkeypatch, load):
         # have not counted this step's token yet when it finishes; nothing is further ahead.
         for rid, n in running.items():
             assert n - running_exact[rid] in (0, 1), (t, rid)
+
+
+@pytest.mark.parametrize("seed,qps,aging", [(0, 20, 0.3), (1, 60, 1.0), (4, 20, 0.3)])
+@pytest.mark.parametrize("preemptive", [False, True])
+def test_sjf_aging_deadlines_stop_jumps(seed, qps, aging, preemptive):
+    """SJF's aging puts a waiting request first once it has waited ``aging_s``: a deadline of
+    the policy's own (``Policy.next_decision_time``) that no arrival or finish marks. Jumps
+    must stop at it, or fast mode admits the aged request later than step-by-step (these
+    cases took 1 to 11 steps more or fewer before they did)."""
+    s = _assert_same(["policy=sjf", "model=tiny", f"seed={seed}", "kv.num_gpu_blocks=60",
+                      f"workload.qps={qps}", "workload.num_requests=80",
+                      "workload.prompt_len.max=400", "workload.output_len.max=300",
+                      f"policy.aging_s={aging}", "policy.max_num_seqs=8",
+                      f"policy.preemptive={str(preemptive).lower()}"])
+    assert s["num_decode_jumps"] > 0
