@@ -46,8 +46,9 @@ class Executor(ABC):
                              num_steps: int) -> "np.ndarray | None":
         """``decode_durations`` for a decode-only batch given by its numbers: ``num_decode``
         rows whose contexts (new token included) total ``ctx`` in the first step, the longest
-        ``max_ctx``. The replica prices a decode run whose members finish one after another
-        this way, one stretch of equal membership at a time. None: step by step."""
+        ``max_ctx``: one stretch of equal membership of a decode run whose members finish
+        one after another (``decode_stretch_durations`` prices a jump's stretches with it
+        unless the executor prices them jointly). None: step by step."""
         return None
 
     def decode_stretch_durations(self, stretches: list[tuple[int, int, int, int]],

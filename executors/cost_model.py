@@ -318,6 +318,8 @@ class RooflineCostModel(Executor):
         knees and wave-by-wave sums are the ones ``_decode_run`` makes for it (a missing
         second wave adds an exact 0.0), so the same floats in a fraction of the numpy
         calls; otherwise stretch by stretch."""
+        if not stretches:
+            return []
         if len(stretches) == 1:  # nothing to share: the stretch's own path
             nd, ctx, mx, m = stretches[0]
             return self.decode_run_durations(nd, ctx, mx, m).tolist()

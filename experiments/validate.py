@@ -59,6 +59,7 @@ import copy
 import dataclasses
 import json
 import logging
+import math
 import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
@@ -84,8 +85,10 @@ log = logging.getLogger(__name__)
 ROOT = Path(__file__).resolve().parent.parent
 METRICS = (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2el", "E2E"))
 STATS = (("mean", "mean"), ("median", "p50"), ("p90", "p90"), ("p99", "p99"))
-METRICS_BY_LABEL = tuple((label, m) for m, label in METRICS)
-STATS_BY_LABEL = tuple((label, s) for s, label in STATS)
+#: The issue's end-to-end figures: each within its target on p50 and p90.
+TARGET_STATS = tuple((m, s) for m in ("TTFT", "TPOT", "E2E") for s in ("p50", "p90"))
+#: A table row's (metric, stat) labels -> the summary key they come from.
+SUMMARY_KEY = {(label, s_label): f"{s}_{m}_ms" for m, label in METRICS for s, s_label in STATS}
 THROUGHPUTS = ("request_throughput", "output_throughput")
 RUN_KEYS = ("num_steps", "num_preemptions", "simulated_duration_s", "wall_time_s",
             "median_ttft_ms", "p90_ttft_ms", "median_tpot_ms", "p90_tpot_ms", "median_e2el_ms",
@@ -160,24 +163,32 @@ def replay_summary(rep: Replay, arrivals: dict[int, float], completed: set[int])
 REFERENCE_LEVEL = 0.95
 
 
-def median_interval(values: Sequence[float], level: float = REFERENCE_LEVEL,
-                    ) -> tuple[float, float, float]:
-    """A distribution-free confidence interval for the median of the population ``values``
-    were drawn from: (lo, hi, coverage) with lo, hi the k-th smallest and k-th largest value,
-    k the largest with coverage ``1 - 2 P(Binomial(n, 1/2) < k)`` at least ``level`` (the
-    order-statistic interval; with too few values for the level, k = 1, the range, and its
-    own coverage). How far the reference, the runs' median, may lie from the median of the
-    runs the host would give: the real runs' noise, which no simulator can remove."""
+def reference_order(n: int, level: float = REFERENCE_LEVEL) -> tuple[int, float]:
+    """(k, coverage) of the order-statistic interval for the median of ``n`` values: the k-th
+    smallest to the k-th largest value covers the population median with probability
+    ``1 - 2 P(Binomial(n, 1/2) < k)``; k is the largest whose coverage is at least ``level``
+    (with too few values for the level, k = 1, the range, at its own coverage)."""
     from scipy.stats import binom
 
-    v = sorted(float(x) for x in values)
-    n = len(v)
-    if not n:
-        raise ValueError("median_interval needs at least one value")
+    if n < 1:
+        raise ValueError("the reference's interval needs at least one run")
     k = 1
     while k < (n + 1) // 2 and 1.0 - 2.0 * binom.cdf(k, n, 0.5) >= level:
         k += 1
-    return v[k - 1], v[n - k], float(1.0 - 2.0 * binom.cdf(k - 1, n, 0.5))
+    return k, float(1.0 - 2.0 * binom.cdf(k - 1, n, 0.5))
+
+
+def median_interval(values: Sequence[float], level: float = REFERENCE_LEVEL,
+                    ) -> tuple[float, float, float]:
+    """A distribution-free confidence interval for the median of the population ``values``
+    were drawn from: (lo, hi, coverage), lo and hi the k-th smallest and k-th largest value
+    (``reference_order``). How far the reference, the runs' median, may lie from the median
+    of the runs the host would give: the real runs' noise, which no simulator can remove."""
+    v = sorted(float(x) for x in values)
+    if any(math.isnan(x) for x in v):
+        raise ValueError("median_interval: a run's figure is NaN")
+    k, coverage = reference_order(len(v), level)
+    return v[k - 1], v[len(v) - k], coverage
 
 
 def _rel(pred: float, ref: float) -> float:
@@ -281,11 +292,11 @@ def format_table(result: ValidationResult) -> str:
     if n > 1:
         lines.append(f"real: median of {n} runs; spread% = (max - min) / median over the runs; "
                      f"replay err%: median over the runs of each replay vs its own run")
-        k_cover = median_interval(range(n))[2]
-        inside = sum(in_reference(r) for r in result.rows if r["stat"] in ("p50", "p90")
-                     and r["metric"] in ("TTFT", "TPOT", "E2E"))
+        coverage = reference_order(n)[1]
+        inside = sum(in_reference(r) for r in result.rows
+                     if (r["metric"], r["stat"]) in TARGET_STATS)
         lines.append(f"ref% = the reference's own interval as errors (order statistics of the "
-                     f"{n} runs, coverage {100 * k_cover:.1f}%): the simulated p50/p90 TTFT, "
+                     f"{n} runs, coverage {100 * coverage:.1f}%): the simulated p50/p90 TTFT, "
                      f"TPOT and E2E lie inside it in {inside} of 6")
     hs = result.host_speed
     if has_paired:
@@ -313,10 +324,6 @@ def format_table(result: ValidationResult) -> str:
     return "\n".join(lines)
 
 
-#: The issue's end-to-end figures: each within its target on p50 and p90.
-TARGET_STATS = tuple((m, s) for m in ("TTFT", "TPOT", "E2E") for s in ("p50", "p90"))
-
-
 def summary_table(folders: Sequence[str | Path], target_pct: float = 5.0) -> str:
     """One table over finished validations (their Hydra folders, named by their last path
     part): the issue's six figures per configuration as the docs quote them, then per
@@ -340,14 +347,17 @@ def summary_table(folders: Sequence[str | Path], target_pct: float = 5.0) -> str
         doc = json.loads(js.read_text())
         within = within_paired = inside = 0
         runs = doc.get("real_runs") or []
+        # One run places the median nowhere: no interval then.
+        n_runs = len(runs) or int(doc.get("real_repeats", 1))
+        has_ref = n_runs >= 2 and ("real_lo" in rows or bool(runs))
         for metric, stat in TARGET_STATS:
             r = rows[(rows.metric == metric) & (rows.stat == stat)].iloc[0].to_dict()
             within += abs(r["sim_err_pct"]) <= target_pct
-            if "real_lo" not in r and runs:  # saved before the interval: from the runs
-                key = f"{dict(STATS_BY_LABEL)[stat]}_{dict(METRICS_BY_LABEL)[metric]}_ms"
+            if has_ref and "real_lo" not in r:  # saved before the interval: from the runs
+                key = SUMMARY_KEY[(metric, stat)]
                 r["real_lo"], r["real_hi"], _ = median_interval([run[key] for run in runs])
             ref = " " * 9
-            if "real_lo" in r:
+            if has_ref:
                 inside += in_reference(r)
                 ref = "{:>9}".format("{:+.0f}/{:+.0f}".format(*reference_pct(r)))
             replay = f"{r['replay_err_pct']:>+11.1f}" if "replay_err_pct" in r else " " * 11
@@ -365,8 +375,8 @@ def summary_table(folders: Sequence[str | Path], target_pct: float = 5.0) -> str
         hs = doc.get("host_speed") or {}
         paired_note = (f" (paired at the host's speed: {within_paired}, host_speed="
                        f"{hs.get('mode')})" if "paired_err_pct" in rows else "")
-        ref_note = (f", {inside} inside the reference's interval (ref%)"
-                    if "real_lo" in rows or runs else "")
+        ref_note = (f", {inside} inside the reference's interval (ref%, coverage "
+                    f"{100 * reference_order(n_runs)[1]:.1f}%)" if has_ref else "")
         notes.append(
             f"{name}: {within} of {len(TARGET_STATS)} within {target_pct:g}%{paired_note}"
             f"{ref_note}; "
@@ -822,6 +832,9 @@ def write_outputs(result: ValidationResult, out_dir: Path, cfg: dict[str, Any]) 
         "shapes_fit": result.shapes_fit or result.profile_fit,
         "rows": result.rows,
         "real_repeats": max(1, len(result.real_runs)),
+        # How often real_lo..real_hi covers the median of the host's runs (2 runs or more).
+        "reference_coverage": (reference_order(len(result.real_runs))[1]
+                               if len(result.real_runs) >= 2 else None),
         "real_runs": [{k: s.get(k) for k in RUN_KEYS} for s in result.real_runs],
         # Each real run simulated at its time's host speed (experiments/host_speed.py).
         "host_speed": result.host_speed,

@@ -47,7 +47,7 @@ class DecodeRun:
 
     __slots__ = ("block_size", "steps", "_times", "_base", "members", "ids", "tables", "_cols",
                  "next_bound", "ctx0_sum", "ctx0_max", "complete", "scheduled_at",
-                 "step_time")
+                 "last_jump_step_time")
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
@@ -77,7 +77,7 @@ class DecodeRun:
         self.scheduled_at = -1
         # The last step time of its last jump past finishes: how far the next one prices
         # ahead (only the number of pricing calls depends on it, never a result).
-        self.step_time = 0.0
+        self.last_jump_step_time = 0.0
 
     def __len__(self) -> int:
         return len(self.members)

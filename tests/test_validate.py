@@ -110,8 +110,10 @@ def test_reference_interval_is_the_order_statistic_interval(n, k, coverage):
     if n >= 6:  # enough runs for the level: at least it, and one k more would fall short
         assert cov >= validate_mod.REFERENCE_LEVEL
         assert 1 - 2 * binom.cdf(k, n, 0.5) < validate_mod.REFERENCE_LEVEL
-    with pytest.raises(ValueError, match="at least one value"):
+    with pytest.raises(ValueError, match="needs at least one run"):
         validate_mod.median_interval([])
+    with pytest.raises(ValueError, match="is NaN"):
+        validate_mod.median_interval([1.0, float("nan"), 2.0])
 
 
 def test_several_real_runs_compare_by_their_median():
@@ -355,18 +357,29 @@ def test_refit_split_names_what_a_folder_lacks(tmp_path):
 
 def test_summary_table_places_folders_saved_before_the_interval(tmp_path):
     """A validation saved without real_lo / real_hi gets the reference's interval from the
-    real runs' figures in validation.json."""
-    runs = [{k: float(v) for k in validate_mod.RUN_KEYS} for v in (90, 100, 110, 120, 130, 140)]
-    rows = [{"metric": m, "stat": s, "real": 115.0, "real_min": 90.0, "real_max": 140.0,
-             "sim": 150.0 if (m, s) == ("TPOT", "p90") else 116.0,
-             "sim_err_pct": 100 * (150.0 if (m, s) == ("TPOT", "p90") else 116.0) / 115 - 100}
-            for m, s in validate_mod.TARGET_STATS]
+    real runs' figures in validation.json, each row from its own key."""
+    # Each key its own scale, so a row read from another key would be placed elsewhere.
+    scale = {key: 1.0 + i / 10 for i, key in enumerate(validate_mod.RUN_KEYS)}
+    runs = [{k: v * scale[k] for k in validate_mod.RUN_KEYS} for v in (90, 100, 110, 120, 130,
+                                                                         140)]
+    rows = []
+    for m, s in validate_mod.TARGET_STATS:
+        f = scale[validate_mod.SUMMARY_KEY[(m, s)]]
+        sim = 150.0 if (m, s) == ("TPOT", "p90") else 116.0
+        rows.append({"metric": m, "stat": s, "real": 100.0 * f, "real_min": 90.0 * f,
+                     "real_max": 140.0 * f, "sim": sim * f, "sim_err_pct": sim - 100.0})
     folder = tmp_path / "old"
     folder.mkdir()
     pd.DataFrame(rows).to_csv(folder / "validation.csv", index=False)
-    (folder / "validation.json").write_text(json.dumps(
-        {"policy": "fcfs", "qps": 9.0, "real_runs": runs}))
-    table = validate_mod.summary_table([folder], target_pct=10.0).splitlines()
-    # Six runs: the interval is their range (coverage 96.9%), -22% .. +22% of 115.
-    assert table[1].split()[5] == "-22/+22"
-    assert table[-1].startswith("old: 5 of 6 within 10%, 5 inside the reference's interval")
+    doc = {"policy": "fcfs", "qps": 9.0, "real_runs": runs}
+    (folder / "validation.json").write_text(json.dumps(doc))
+    table = validate_mod.summary_table([folder], target_pct=20.0).splitlines()
+    # Six runs: the interval is their range (coverage 96.9%), -10% .. +40% of each row's 100.
+    assert [line.split()[5] for line in table[1:7]] == ["-10/+40"] * 6
+    assert table[-1].startswith("old: 5 of 6 within 20%, 5 inside the reference's interval "
+                                "(ref%, coverage 96.9%)")
+    # One real run: no interval.
+    (folder / "validation.json").write_text(json.dumps({**doc, "real_runs": runs[:1]}))
+    table = validate_mod.summary_table([folder], target_pct=20.0).splitlines()
+    assert "inside the reference" not in table[-1]
+    assert table[1].split()[5] == f"{116.0 * scale['median_ttft_ms']:.2f}"  # ref% left blank
