@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -93,6 +94,15 @@ class Policy(ABC):
         deadline of its own (SJF's aging). Decode jumps stop at the first step that ends at
         or after it, as at an arrival. Default: none (infinity)."""
         return math.inf
+
+    def decode_order_steps(self, running: Sequence[Request], limit: int) -> int:
+        """How many decode-only steps, counting the one being planned, give ``running`` (its
+        rows, in the order this policy gives them tokens) their tokens in that same order if
+        nothing else happens; at most ``limit``. A decode jump allocates every step's new KV
+        blocks, and finishes the members of its last step, in its first step's row order, so
+        it stops where the order would change. Default: the order does not depend on the
+        requests' progress (arrival or priority order), so ``limit``."""
+        return limit
 
     def on_arrival(self, req: Request) -> None:
         """A request was accepted and appended to the waiting queue (called by the replica's

@@ -18,7 +18,7 @@ running request with the longest predicted remaining work. Steps otherwise as ``
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from policies.base import POLICIES, PolicyConfig
@@ -107,6 +107,42 @@ class SJFPolicy(OrderedPolicy):
     def unindex(self, req: Request) -> None:
         super().unindex(req)
         self.by_arrival.discard(req)
+
+    def decode_order_steps(self, running: Sequence[Request], limit: int) -> int:
+        """Decode step j (1: the one planned now) orders by max(1, p - (n + j - 1)), p the
+        predicted total and n the tokens generated now: every key falls by one per step
+        until it is clamped at 1 (the prediction is used up), and clamped requests go by
+        arrival. Two requests therefore swap only at the step where the later of them
+        becomes clamped, and stay swapped: the order is step 1's up to some step and
+        differs from it ever after, so the last such step is found by bisection."""
+        if limit <= 1 or len(running) < 2:
+            return limit
+
+        def clamped_at(j: int) -> int:  # requests whose key is clamped in step j
+            return sum(1 for r in running
+                       if r.extra["predicted_output_len"] - (r.num_output_tokens + j - 1) <= 1)
+
+        if clamped_at(limit) < 2:  # nobody shares the clamp: every pair keeps its order
+            return limit
+
+        def order_at(j: int) -> list[int]:
+            keys = [(max(1.0, r.extra["predicted_output_len"] - (r.num_output_tokens + j - 1)),
+                     r.arrival_time, r.request_id) for r in running]
+            return sorted(range(len(keys)), key=keys.__getitem__)
+
+        first = list(range(len(running)))
+        if order_at(1) != first:
+            raise ValueError("decode_order_steps: running is not in this policy's order")
+        lo, hi = 1, limit  # order_at(lo) is step 1's; find the last such step
+        if order_at(hi) == first:
+            return hi
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if order_at(mid) == first:
+                lo = mid
+            else:
+                hi = mid
+        return lo
 
     def next_decision_time(self, now: float) -> float:
         """When the oldest waiting request not yet aged will be: from then on it heads the

@@ -374,12 +374,20 @@ def _sized_jump(plan: StepPlan, first: np.ndarray, bs: int, durations_fn, k_max:
 
 def plan_jump(plan: StepPlan, requests: list[Request], durations_fn, start: float,
               horizon: float, free_blocks: int, block_size: int,
-              max_steps: int = 1 << 16) -> Jump | None:
-    """Size a jump starting with ``plan`` at time ``start``; None if it would be one step."""
+              max_steps: int = 1 << 16, order_steps=None) -> Jump | None:
+    """Size a jump starting with ``plan`` at time ``start``; None if it would be one step.
+    ``order_steps(requests, limit)``: how many steps keep the rows in their order
+    (``Policy.decode_order_steps``; default: all)."""
     remaining = min(r.max_output_len - r.num_output_tokens for r in requests)
     k_max = min(remaining, max_steps)
     if k_max < 2:
         return None
+    if order_steps is not None:
+        # Every step's new blocks go to the rows in this order, and the last step's
+        # finishers finish in it: the jump ends before a step whose order differs.
+        k_max = order_steps(requests, k_max)
+        if k_max < 2:
+            return None
     ctx = np.fromiter((s.start_position for s in plan.scheduled), dtype=np.int64,
                       count=len(plan.scheduled))
     have = np.fromiter((len(s.block_table) for s in plan.scheduled), dtype=np.int64,

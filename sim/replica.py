@@ -234,7 +234,8 @@ class Replica:
                                               if past else None))
                 else:
                     jump = plan_jump(plan, requests, self.executor.decode_durations, start,
-                                     horizon, self.kv.num_free_blocks, self.kv.block_size)
+                                     horizon, self.kv.num_free_blocks, self.kv.block_size,
+                                     order_steps=self.policy.decode_order_steps)
                 if jump is not None:
                     # Queue lengths and blocks in use as the intermediate steps saw them
                     # (arrivals during the final step are processed before this process

@@ -152,3 +152,73 @@ def test_sjf_aging_deadlines_stop_jumps(seed, qps, aging, preemptive):
                       f"policy.aging_s={aging}", "policy.max_num_seqs=8",
                       f"policy.preemptive={str(preemptive).lower()}"])
     assert s["num_decode_jumps"] > 0
+
+
+def _sjf_running(specs):
+    """SJF's policy and running requests (id, arrival, predicted total, generated)."""
+    from policies.base import make_policy
+    from sim.request import Request
+
+    reqs = []
+    for rid, arrival, predicted, generated in specs:
+        r = Request(rid, arrival, 4, 500)
+        r.extra = {"predicted_output_len": predicted}
+        r.num_output_tokens = generated
+        reqs.append(r)
+    policy = make_policy({"name": "sjf"})
+    return policy, sorted(reqs, key=policy.running_key)
+
+
+@pytest.mark.parametrize("specs,limit,expected", [
+    # Remaining predictions 5 and 9 (unclamped for 4 and 8 more steps): the order holds.
+    ([(0, 0.0, 15, 10), (1, 1.0, 9, 0)], 50, 50),
+    # 1 arrived later but predicts less: first until 0's key is clamped too, in step 3
+    # (0: 13 - (10 + 2) = 1), where arrival order puts 0 first: two steps keep the order.
+    ([(0, 0.0, 13, 10), (1, 1.0, 7, 6)], 50, 2),
+    ([(0, 0.0, 13, 10), (1, 1.0, 7, 6)], 2, 2),
+    # Fractional predictions: 0's keys are 3.5, 2.5, 1.5, then clamped from step 4.
+    ([(0, 0.0, 3.5, 0), (1, 1.0, 1.0, 0)], 50, 3),
+    # Both clamped from the start (predictions used up): arrival order, for good.
+    ([(0, 0.0, 2, 5), (1, 1.0, 3, 9)], 50, 50),
+    # Clamped together but already in arrival order: nothing changes.
+    ([(0, 0.0, 4, 0), (1, 1.0, 6, 1)], 50, 50),
+    # A third request changes place only when the latest-arriving short one is caught up.
+    ([(0, 0.0, 40, 0), (1, 1.0, 12, 0), (2, 2.0, 3, 0)], 100, 11),
+])
+def test_sjf_decode_order_steps(specs, limit, expected):
+    """SJF's running order changes while it decodes when a prediction is used up (its key
+    is clamped at 1 and it then goes by arrival among the clamped ones); a decode jump must
+    end before the first step whose order differs (``Policy.decode_order_steps``)."""
+    policy, running = _sjf_running(specs)
+    assert policy.decode_order_steps(running, limit) == expected
+
+    # Brute force: the order each step j would give, from the requests' own keys.
+    def order(j):
+        for r in running:
+            r.num_output_tokens += j - 1
+        out = [r.request_id for r in sorted(running, key=policy.running_key)]
+        for r in running:
+            r.num_output_tokens -= j - 1
+        return out
+
+    same = [order(j) == order(1) for j in range(1, limit + 1)]
+    assert same == [True] * expected + [False] * (limit - expected)
+
+
+@pytest.mark.parametrize("seed,blocks,qps,mode", [
+    (4243, 188, 41.43, "swap"), (6176, 47, 13.629, "recompute")])
+def test_sjf_noisy_predictions_same_blocks_and_finish_order(seed, blocks, qps, mode):
+    """With noisy predictions SJF's running order changes as predictions are used up; jumps
+    end there, so fast mode hands out the same block ids and finishes requests in the same
+    order as step by step (these two cases differed before)."""
+    overrides = ["policy=sjf", "policy.predictor=noisy", "model=tiny", f"seed={seed}",
+                 f"kv.num_gpu_blocks={blocks}", "kv.num_cpu_blocks=64", f"workload.qps={qps}",
+                 "workload.num_requests=40", "workload.prompt_len.max=200",
+                 "workload.output_len.max=120", f"policy.preemption_mode={mode}"]
+    fast = Simulation(compose_cfg("step_mode=fast", *overrides)).run()
+    exact = Simulation(compose_cfg("step_mode=exact", *overrides)).run()
+    assert fast.summary["num_decode_jumps"] > 0
+    assert fast.replicas[0].kv._gpu.free_blocks() == exact.replicas[0].kv._gpu.free_blocks()
+    assert ([r[0] for r in fast.requests_sink.rows]
+            == [r[0] for r in exact.requests_sink.rows])
+    _assert_same(overrides)
