@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -95,13 +95,22 @@ class Policy(ABC):
         or after it, as at an arrival. Default: none (infinity)."""
         return math.inf
 
-    def decode_order_steps(self, running: Sequence[Request], limit: int) -> int:
+    def decode_run_key(self) -> Callable[[Request], Any] | None:
+        """The key of the order in which this policy gives the running requests their decode
+        tokens, when that is not arrival order (None): a fast-mode replica keeps its decode
+        run (``sim/decode_run.py``) in this order, so the run can be granted as one block."""
+        return None
+
+    def decode_order_steps(self, running: Sequence[Request], limit: int,
+                           last_steps: Sequence[int] | None = None) -> int:
         """How many decode-only steps, counting the one being planned, give ``running`` (its
         rows, in the order this policy gives them tokens) their tokens in that same order if
-        nothing else happens; at most ``limit``. A decode jump allocates every step's new KV
-        blocks, and finishes the members of its last step, in its first step's row order, so
-        it stops where the order would change. Default: the order does not depend on the
-        requests' progress (arrival or priority order), so ``limit``."""
+        nothing else happens; at most ``limit``. ``last_steps``: the step in which each of
+        them samples its last token and leaves (None: none leaves before ``limit``). A
+        decode jump allocates every step's new KV blocks, and finishes the members of a step,
+        in its first step's row order, so it stops where the order would change. Default:
+        the order does not depend on the requests' progress (arrival or priority order), so
+        ``limit``."""
         return limit
 
     def on_arrival(self, req: Request) -> None:

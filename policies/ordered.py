@@ -11,7 +11,7 @@ so a big request at the head is never bypassed forever by smaller ones behind it
 from __future__ import annotations
 
 from abc import abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import closing
 from typing import Any
 
@@ -72,6 +72,9 @@ class OrderedPolicy(FCFSPolicy):
 
     def running_order(self, step: StepBuilder) -> Sequence[Request]:
         return sorted(step.running, key=self.running_key)
+
+    def decode_run_key(self) -> Callable[[Request], Any]:
+        return self.running_key
 
     def victim_picker(self, step: StepBuilder, order: Sequence[Request]) -> VictimPicker:
         return victim_from_end(order)

@@ -21,6 +21,8 @@ import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from policies.base import POLICIES, PolicyConfig
 from policies.ordered import OrderedPolicy
 from policies.predictors import PREDICTORS, make_predictor
@@ -108,41 +110,52 @@ class SJFPolicy(OrderedPolicy):
         super().unindex(req)
         self.by_arrival.discard(req)
 
-    def decode_order_steps(self, running: Sequence[Request], limit: int) -> int:
+    def decode_order_steps(self, running: Sequence[Request], limit: int,
+                           last_steps: Sequence[int] | None = None) -> int:
         """Decode step j (1: the one planned now) orders by max(1, p - (n + j - 1)), p the
         predicted total and n the tokens generated now: every key falls by one per step
         until it is clamped at 1 (the prediction is used up), and clamped requests go by
-        arrival. Two requests therefore swap only at the step where the later of them
-        becomes clamped, and stay swapped: the order is step 1's up to some step and
-        differs from it ever after, so the last such step is found by bisection."""
-        if limit <= 1 or len(running) < 2:
+        arrival. So two requests can change places only in the first step in which both are
+        clamped (and both still running), and only if they were not in arrival order: the
+        order holds until the first such step."""
+        n = len(running)
+        if limit <= 1 or n < 2 or self.config.predictor == "oracle":
+            # The oracle's prediction is the true length: a request's key reaches 1 in its
+            # last step only, so two requests are clamped together only in a last step they
+            # share, having had equal keys (hence arrival order) all along.
             return limit
-
-        def clamped_at(j: int) -> int:  # requests whose key is clamped in step j
-            return sum(1 for r in running
-                       if r.extra["predicted_output_len"] - (r.num_output_tokens + j - 1) <= 1)
-
-        if clamped_at(limit) < 2:  # nobody shares the clamp: every pair keeps its order
+        p = np.fromiter((r.extra["predicted_output_len"] for r in running), np.float64, n)
+        out = np.fromiter((r.num_output_tokens for r in running), np.int64, n)
+        # The first step t >= 1 whose key is clamped, by the key's own float test.
+        t = np.maximum(1, np.ceil(p - out)).astype(np.int64)
+        while True:
+            early = (t > 1) & (p - (out + t - 2) <= 1)
+            if not early.any():
+                break
+            t -= early
+        while True:
+            late = p - (out + t - 1) > 1
+            if not late.any():
+                break
+            t += late
+        last = np.full(n, limit, dtype=np.int64) if last_steps is None else np.minimum(
+            np.asarray(last_steps, dtype=np.int64), limit)
+        # Only requests clamped while they still run can change places.
+        idx = (t <= last).nonzero()[0]
+        if len(idx) < 2:
             return limit
-
-        def order_at(j: int) -> list[int]:
-            keys = [(max(1.0, r.extra["predicted_output_len"] - (r.num_output_tokens + j - 1)),
-                     r.arrival_time, r.request_id) for r in running]
-            return sorted(range(len(keys)), key=keys.__getitem__)
-
-        first = list(range(len(running)))
-        if order_at(1) != first:
-            raise ValueError("decode_order_steps: running is not in this policy's order")
-        lo, hi = 1, limit  # order_at(lo) is step 1's; find the last such step
-        if order_at(hi) == first:
-            return hi
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            if order_at(mid) == first:
-                lo = mid
-            else:
-                hi = mid
-        return lo
+        t, last = t[idx], last[idx]
+        keys = [(running[i].arrival_time, running[i].request_id) for i in idx.tolist()]
+        rank = np.empty(len(keys), dtype=np.int64)
+        rank[sorted(range(len(keys)), key=keys.__getitem__)] = np.arange(len(keys))
+        # Each pair's first step clamped together, if both still run then; pairs out of
+        # arrival order (in this step's order: ascending idx) change places there.
+        both = np.maximum.outer(t, t)
+        swap = (rank[:, None] > rank) & (both <= np.minimum.outer(last, last))
+        swap &= idx[:, None] < idx
+        if not swap.any():
+            return limit
+        return int(both[swap].min()) - 1
 
     def next_decision_time(self, now: float) -> float:
         """When the oldest waiting request not yet aged will be: from then on it heads the

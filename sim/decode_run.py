@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import bisect
 from array import array
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -43,14 +45,20 @@ def is_decoding(req: Request) -> bool:
 
 
 class DecodeRun:
-    """See the module docstring. ``members`` is in arrival order (the running set's order)."""
+    """See the module docstring. ``members`` is in arrival order (the running set's order),
+    or in the order of ``key`` (a policy's own running order, e.g. SJF's) if given: the order
+    the policy gives them their tokens, so the whole run can be granted as one block."""
 
-    __slots__ = ("block_size", "steps", "_times", "_base", "members", "ids", "tables", "_cols",
-                 "next_bound", "ctx0_sum", "ctx0_max", "complete", "scheduled_at",
+    __slots__ = ("block_size", "key", "steps", "_times", "_base", "members", "ids", "tables",
+                 "_cols", "next_bound", "ctx0_sum", "ctx0_max", "complete", "scheduled_at",
                  "last_jump_step_time")
 
-    def __init__(self, block_size: int) -> None:
+    def __init__(self, block_size: int, key: Callable[[Request], Any] | None = None) -> None:
         self.block_size = block_size
+        # A key that reads a member's progress (SJF's remaining work) may reorder members as
+        # the run steps; the step builder checks the order against the policy's before it
+        # grants the run as a block and sorts the run again when it changed.
+        self.key = key
         self.steps = 0  # run steps taken so far
         self._times = array("d")  # end times of run steps [_base, steps)
         self._base = 0
@@ -105,15 +113,16 @@ class DecodeRun:
 
     # ---- membership ---------------------------------------------------------------------
     def join(self, req: Request, table: list[int]) -> None:
-        """Add a decoding request (its live block table ``table``) in arrival order."""
+        """Add a decoding request (its live block table ``table``) in the run's order."""
         if req._run is not None:
             raise ValueError(f"request {req.request_id} is already in a decode run")
+        key = self.key or _arrival_key
+        i = bisect.bisect_right(self.members, key(req), key=key)
         s = self.steps
         req._computed -= s
         req._outputs -= s
         req._joined = s
         req._run = self
-        i = bisect.bisect_right(self.members, _arrival_key(req), key=_arrival_key)
         self.members.insert(i, req)
         self.ids.insert(i, req.request_id)
         self.tables.insert(i, table)
@@ -189,18 +198,21 @@ class DecodeRun:
         self._trim()
 
     def rebuild(self, running: list[Request], tables: dict[int, list[int]]) -> None:
-        """Make every decoding request of ``running`` (arrival order) a member."""
+        """Make every decoding request of ``running`` (arrival order) a member, in the run's
+        order."""
         self.dissolve()
         s = self.steps
-        for req in running:
-            if is_decoding(req):
-                req._computed -= s
-                req._outputs -= s
-                req._joined = s
-                req._run = self
-                self.members.append(req)
-                self.ids.append(req.request_id)
-                self.tables.append(tables[req.request_id])
+        decoding = [req for req in running if is_decoding(req)]
+        if self.key is not None:
+            decoding.sort(key=self.key)  # the keys read each request's own counters
+        for req in decoding:
+            req._computed -= s
+            req._outputs -= s
+            req._joined = s
+            req._run = self
+            self.members.append(req)
+            self.ids.append(req.request_id)
+            self.tables.append(tables[req.request_id])
         n = len(self.members)
         ctx0 = np.fromiter((r._computed for r in self.members), np.int64, n)
         end = np.fromiter((r.max_output_len - r._outputs for r in self.members), np.int64, n)
@@ -208,6 +220,24 @@ class DecodeRun:
         self._cols = np.stack((ctx0, end, nblk * self.block_size - ctx0))
         self._summarize()
         self.complete = True
+
+    def reorder(self, order: list[Request]) -> bool:
+        """Put the members in ``order``, if it holds each of them once (False, nothing
+        changes, otherwise): a run kept in a policy's order whose keys moved past each other
+        as they decoded. Members stay members, with the same counters and arrays."""
+        n = len(self.members)
+        if len(order) != n or any(r._run is not self for r in order):
+            return False
+        pos = dict(zip(self.ids, range(n)))
+        perm = [pos[r.request_id] for r in order]
+        if len(set(perm)) != n:
+            return False
+        self.members[:] = order
+        ids, tables = self.ids, self.tables
+        self.ids[:] = [ids[i] for i in perm]
+        self.tables[:] = [tables[i] for i in perm]
+        self._cols = self._cols[:, perm]
+        return True
 
     def _summarize(self) -> None:
         if len(self.ctx0):

@@ -97,7 +97,7 @@ class Replica:
         self.builder = StepBuilder(self.queues, kv, cfg.preemption_mode, cfg.kv_watermark)
         if self.fast_forward:
             # Decoding requests as one persistent block (sim/decode_run.py).
-            self.builder.enable_decode_run()
+            self.builder.enable_decode_run(policy.decode_run_key())
         self.num_steps = 0
         self.num_unfinished = 0
         self.busy_time = 0.0
@@ -225,11 +225,16 @@ class Replica:
                 # The next arrival, or the policy's own next deadline if that comes first.
                 horizon = min(self.horizon(), self.policy.next_decision_time(start))
                 if block is not None:
+                    run = block.run
                     past = self.jump_past_finishes and not q.waiting and not q.swapped and (
-                        len(block.run) == len(q.running))
+                        len(run) == len(q.running))
+                    max_steps = 1 << 16
+                    if run.key is not None:  # a policy's order, which may change as they decode
+                        max_steps = self.policy.decode_order_steps(
+                            run.members, max_steps, (run.end - block.run_step).tolist())
                     jump = plan_run_jump(
-                        plan, block, block.run, self.executor.decode_durations, start,
-                        horizon, self.kv.num_free_blocks,
+                        plan, block, run, self.executor.decode_durations, start,
+                        horizon, self.kv.num_free_blocks, max_steps,
                         stretch_durations_fn=(self.executor.decode_stretch_durations
                                               if past else None))
                 else:

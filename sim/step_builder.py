@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import bisect
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from enum import Enum
 from operator import attrgetter
-from typing import TYPE_CHECKING, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from sim.decode_run import DecodeRun
 from sim.plan import DecodeBlock, ScheduledRequest, StepPlan
@@ -125,10 +125,12 @@ class StepBuilder:
         self._step_index = 0
         self.reset(0.0)
 
-    def enable_decode_run(self) -> None:
+    def enable_decode_run(self, order_key: Callable[[Request], Any] | None = None) -> None:
         """Keep the decoding requests as a persistent decode run (step_mode=fast with a
-        closed-form executor). Plans then hold a ``DecodeBlock`` where the whole run decodes."""
-        self.run = DecodeRun(self.kv.block_size)
+        closed-form executor), in arrival order or by ``order_key`` (the policy's running
+        order, ``Policy.decode_run_key``). Plans then hold a ``DecodeBlock`` where the whole
+        run decodes."""
+        self.run = DecodeRun(self.kv.block_size, order_key)
         self._run_view = ReadOnly(self.run.members)
 
     def reset(self, now: float, in_flight: set[int] | None = None) -> None:
@@ -309,21 +311,32 @@ class StepBuilder:
     def schedule_decode_run(self, order: Sequence[Request], max_tokens: int) -> bool:
         """Grant one token to every request of ``order`` as one ``DecodeBlock``, when
         ``order`` is the decode run (``split_running``'s decodes, or ``running`` when every
-        running request decodes), nothing of it is scheduled yet, ``max_tokens`` holds them
+        running request decodes; for a run kept in a policy's order, a list of every running
+        request in the run's order), nothing of it is scheduled yet, ``max_tokens`` holds them
         and the pool holds their new blocks. Exactly what ``schedule(req, 1)`` in order would
         do then (the same blocks, in the same order). False (nothing changes) otherwise: the
         caller goes row by row."""
         run = self.run
         if run is None or self._in_flight:
             return False
-        if order is not self._run_view and order is not self.running:
+        keyed = run.key is not None
+        if not keyed and order is not self._run_view and order is not self.running:
             return False
         if not run.complete:
             if self._granted:
                 return False
             run.rebuild(self._q.running, self.kv.block_tables)
         n = len(run)
-        if order is self.running and n != len(self._q.running):
+        if keyed:
+            if n != len(self._q.running) or not isinstance(order, list):
+                return False
+            if order != run.members:  # the same requests, compared by identity
+                # Members' keys moved past each other as they decoded (an SJF prediction
+                # used up): the run takes the policy's new order.
+                if (self._granted or run.scheduled_at == self._step_index
+                        or not run.reorder(order)):
+                    return False
+        elif order is self.running and n != len(self._q.running):
             return False
         if n == 0:
             return True

@@ -25,14 +25,14 @@ from tests.helpers import compose_cfg
 
 
 def _decoding_replica(contexts: list[int], outputs: list[int], num_blocks: int, bs: int,
-                      with_run: bool) -> tuple[StepBuilder, list[Request]]:
+                      with_run: bool, order_key=None) -> tuple[StepBuilder, list[Request]]:
     """Running requests that each computed ``contexts[i]`` tokens and sampled ``outputs[i]``
     (so one token is pending), holding exactly the blocks for their context."""
     kv = KVBlockManager(num_blocks, bs)
     queues = ReplicaQueues()
     builder = StepBuilder(queues, kv)
     if with_run:
-        builder.enable_decode_run()
+        builder.enable_decode_run(order_key)
     reqs = []
     for i, (ctx, out) in enumerate(zip(contexts, outputs)):
         r = Request(i, float(i), ctx + 1 - out, out + 50)
@@ -73,6 +73,62 @@ def test_bulk_decode_scheduling_equals_row_by_row(contexts, bs, spare):
             assert (plan.decode_block is not None) == fits
         states.append(_state(builder, plan, preempted))
     assert states[0] == states[1]
+
+
+def _longest_context_first(r: Request) -> tuple[int, int]:
+    """A policy's own running order (not arrival order) that moves as requests decode."""
+    return (-r.num_computed_tokens, r.request_id)
+
+
+@settings(max_examples=60, deadline=None)
+@given(contexts=st.lists(st.integers(1, 70), min_size=1, max_size=12),
+       bs=st.sampled_from([1, 4, 16]), spare=st.integers(0, 6))
+def test_bulk_scheduling_in_a_policys_order_equals_row_by_row(contexts, bs, spare):
+    """A run kept in a policy's order (``Policy.decode_run_key``, e.g. SJF's) is granted as
+    one block when the policy passes the running requests in that order: the same rows in
+    the same order, the same blocks, as ``schedule(req, 1)`` row by row."""
+    outputs = [min(c, 1 + c % 3) for c in contexts]
+    held = sum(-(-c // bs) for c in contexts)
+    states = []
+    for with_run in (True, False):
+        builder, _ = _decoding_replica(contexts, outputs, held + spare, bs, with_run,
+                                       _longest_context_first)
+        builder.reset(0.0)
+        order = sorted(builder.running, key=_longest_context_first)
+        preempted = schedule_running(builder, Budget(builder, 4096, 256), order=order)
+        plan = builder.build()
+        if with_run:
+            fits = sum(c % bs == 0 for c in contexts) <= spare
+            assert (plan.decode_block is not None) == fits
+            if fits:
+                assert builder.run.members == order
+        states.append(_state(builder, plan, preempted))
+    assert states[0] == states[1]
+
+
+def test_a_run_in_a_policys_order_follows_it_when_it_changes():
+    """The policy's order moved (here: a key the test changes): the run takes the new order
+    and grants it as one block; an order that is not the running set goes row by row."""
+    flip = {"on": False}
+
+    def key(r: Request) -> tuple[int, int]:
+        return (-r.request_id if flip["on"] else r.request_id, 0)
+
+    builder, reqs = _decoding_replica([16, 20, 32], [1, 1, 1], 12, 16, True, key)
+    run = builder.run
+    assert run.members == reqs and run.ids == [0, 1, 2]
+    flip["on"] = True
+    builder.reset(0.0)
+    assert not builder.schedule_decode_run(reqs[:2], 100)  # not every running request
+    assert not builder.schedule_decode_run(builder.running, 100)  # not a list in its order
+    order = sorted(builder.running, key=key)
+    assert builder.schedule_decode_run(order, 100)
+    assert run.members == order and run.ids == [2, 1, 0]
+    assert [t is builder.kv.block_tables[i] for t, i in zip(run.tables, run.ids)] == [True] * 3
+    # 2 and 0 hold full blocks: in the new order 2 gets the first free block (5), then 0.
+    assert run.ctx0.tolist() == [32, 20, 16]
+    assert builder.kv.block_tables[2] == [3, 4, 5] and builder.kv.block_tables[0] == [0, 6]
+    assert builder.build().decode_block.start_positions.tolist() == [32, 20, 16]
 
 
 def test_bulk_path_is_taken_and_a_single_row_operation_dissolves_the_run():

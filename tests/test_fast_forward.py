@@ -85,6 +85,14 @@ def test_random_small_workloads_under_kv_pressure(policy, seed, blocks, qps, swa
                          "kv.num_gpu_blocks=120")),
     # One batch of all requests at once: nothing waits while its members finish.
     ("static", ("workload.qps=1000", "workload.num_requests=12", "kv.num_gpu_blocks=2000")),
+    # Runs kept in the policy's own order (Policy.decode_run_key); noisy predictions reorder
+    # SJF's as they are used up.
+    ("sjf", ("workload.qps=3", "workload.num_requests=60", "kv.num_gpu_blocks=120",
+             "policy.predictor=noisy")),
+    ("sjf", ("workload.qps=1000", "workload.num_requests=12", "kv.num_gpu_blocks=2000",
+             "policy.predictor=noisy")),
+    ("priority", ("workload.qps=3", "workload.num_requests=60", "kv.num_gpu_blocks=120",
+                  "workload.priorities=[2,1,1,0]")),
 ])
 def test_jumps_past_finishes_equal_exact_with_the_same_blocks(policy, load):
     """Nothing waits, so decode jumps run past finishes (members leave at the end of their
@@ -154,7 +162,7 @@ def test_sjf_aging_deadlines_stop_jumps(seed, qps, aging, preemptive):
     assert s["num_decode_jumps"] > 0
 
 
-def _sjf_running(specs):
+def _sjf_running(specs, predictor="noisy"):
     """SJF's policy and running requests (id, arrival, predicted total, generated)."""
     from policies.base import make_policy
     from sim.request import Request
@@ -165,7 +173,7 @@ def _sjf_running(specs):
         r.extra = {"predicted_output_len": predicted}
         r.num_output_tokens = generated
         reqs.append(r)
-    policy = make_policy({"name": "sjf"})
+    policy = make_policy({"name": "sjf", "predictor": predictor})
     return policy, sorted(reqs, key=policy.running_key)
 
 
@@ -191,18 +199,54 @@ def test_sjf_decode_order_steps(specs, limit, expected):
     end before the first step whose order differs (``Policy.decode_order_steps``)."""
     policy, running = _sjf_running(specs)
     assert policy.decode_order_steps(running, limit) == expected
-
-    # Brute force: the order each step j would give, from the requests' own keys.
-    def order(j):
-        for r in running:
-            r.num_output_tokens += j - 1
-        out = [r.request_id for r in sorted(running, key=policy.running_key)]
-        for r in running:
-            r.num_output_tokens -= j - 1
-        return out
-
-    same = [order(j) == order(1) for j in range(1, limit + 1)]
+    same = [_sjf_order(policy, running, j) == _sjf_order(policy, running, 1)
+            for j in range(1, limit + 1)]
     assert same == [True] * expected + [False] * (limit - expected)
+
+
+def _sjf_order(policy, running, j, present=None):
+    """The order SJF gives ``running`` in decode step j (brute force from its own keys)."""
+    for r in running:
+        r.num_output_tokens += j - 1
+    out = [r.request_id for r in sorted(running, key=policy.running_key)
+           if present is None or r.request_id in present]
+    for r in running:
+        r.num_output_tokens -= j - 1
+    return out
+
+
+def test_sjf_decode_order_steps_counts_only_requests_still_running():
+    """1 arrived later but is first (2 to go against 3); it leaves after step 2, so 0 is
+    alone when its own prediction is used up in step 3: the order never changes."""
+    policy, running = _sjf_running([(0, 0.0, 3, 0), (1, 1.0, 2, 0)])
+    assert [r.request_id for r in running] == [1, 0]
+    assert policy.decode_order_steps(running, 50) == 2  # if both stayed
+    assert policy.decode_order_steps(running, 50, [2, 3]) == 50  # 1's last step is 2
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), st.floats(1.0, 30.0), st.integers(0, 20),
+                          st.integers(1, 40)), min_size=2, max_size=7),
+       st.integers(2, 40), st.booleans())
+def test_sjf_decode_order_steps_matches_brute_force(specs, limit, oracle):
+    """Random predictions, progress and last steps: the steps returned are exactly those in
+    which the requests still running go in step 1's order. With the oracle predictor (the
+    prediction is the true length, each request's last step) the order never changes."""
+    rows = [(i, float(a), float(out + left) if oracle else pred, out)
+            for i, (a, pred, out, left) in enumerate(specs)]
+    policy, running = _sjf_running(rows, "oracle" if oracle else "noisy")
+    by_id = {i: left for i, (_, _, _, left) in enumerate(specs)}
+    last = [by_id[r.request_id] for r in running] if oracle else [
+        by_id[r.request_id] % 25 + 1 for r in running]
+    got = policy.decode_order_steps(running, limit, last)
+    expected = limit
+    for j in range(2, limit + 1):
+        present = {r.request_id for r, lj in zip(running, last) if lj >= j}
+        if _sjf_order(policy, running, j, present) != [
+                i for i in _sjf_order(policy, running, 1) if i in present]:
+            expected = j - 1
+            break
+    assert got == expected
 
 
 @pytest.mark.parametrize("seed,blocks,qps,mode", [
