@@ -76,6 +76,20 @@ class WaitingHeap:
                 else:
                     self._drop(entry)
 
+    def first(self, expired: Callable[[Request], bool]) -> Request | None:
+        """The first waiting request in key order that is not ``expired``, or None. Entries
+        before it, stale or expired, are dropped for good, so ``expired`` must stay true of a
+        request while it waits (e.g. it has waited some time; pushing it again after it
+        waits anew makes a fresh entry). Amortized O(log W) per call."""
+        heap = self._heap
+        while heap:
+            entry = heap[0]
+            if self._is_live(entry) and not expired(entry[2]):
+                return entry[2]
+            heapq.heappop(heap)
+            self._drop(entry)
+        return None
+
     def __len__(self) -> int:
         """Entries held, live or not yet found stale (an upper bound on those waiting)."""
         return len(self._heap)

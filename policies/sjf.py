@@ -77,6 +77,10 @@ class SJFPolicy(OrderedPolicy):
         self.predict = make_predictor(c.predictor, seed, c.noise_sigma, c.bucket_edges,
                                       c.bucket_accuracy)
         self.by_arrival = WaitingHeap(lambda r: (r.arrival_time, r.request_id))
+        # The same requests, less those found aged (they stay aged while they wait): the
+        # oldest one not yet aged is the next aging deadline, found without walking past
+        # every aged request at each step (an overloaded replica can hold thousands).
+        self.not_aged = WaitingHeap(lambda r: (r.arrival_time, r.request_id))
 
     def on_arrival(self, req: Request) -> None:
         self._predict(req)
@@ -105,10 +109,12 @@ class SJFPolicy(OrderedPolicy):
     def index(self, req: Request) -> None:
         super().index(req)
         self.by_arrival.push(req)
+        self.not_aged.push(req)
 
     def unindex(self, req: Request) -> None:
         super().unindex(req)
         self.by_arrival.discard(req)
+        self.not_aged.discard(req)
 
     def decode_order_steps(self, running: Sequence[Request], limit: int,
                            last_steps: Sequence[int] | None = None) -> int:
@@ -163,14 +169,14 @@ class SJFPolicy(OrderedPolicy):
         aging = self.config.aging_s
         if aging is None:
             return math.inf
-        with self.by_arrival.ordered() as oldest_first:
-            for req in oldest_first:
-                if now - req.arrival_time < aging:  # the test ``candidates`` makes
-                    due = req.arrival_time + aging
-                    # A hair early: a step ending just before ``due`` may already pass the
-                    # test above by rounding; stopping a step early only plans once more.
-                    return due - 1e-9 * max(1.0, abs(due))
-        return math.inf
+        # The test ``candidates`` makes, negated: aged. ``now`` only grows, so aged stays.
+        req = self.not_aged.first(lambda r: now - r.arrival_time >= aging)
+        if req is None:
+            return math.inf
+        due = req.arrival_time + aging
+        # A hair early: a step ending just before ``due`` may already pass the test above by
+        # rounding; stopping a step early only plans once more.
+        return due - 1e-9 * max(1.0, abs(due))
 
     def candidates(self, step: StepBuilder, in_order: Iterator[Request]) -> Iterator[Request]:
         aging = self.config.aging_s

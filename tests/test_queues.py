@@ -52,3 +52,27 @@ def test_waiting_heap_forgets_a_discarded_request_even_if_it_waits_again_elsewhe
     with heap.ordered() as it:
         assert list(it) == [b]
     assert len(heap) == 1  # a's entry was dropped, b's put back
+
+
+def test_waiting_heap_first_drops_expired_and_stale_entries_for_good():
+    """``WaitingHeap.first`` (SJF's next aging deadline): the first waiting request in key
+    order that is not expired; expired and stale entries before it are dropped, a request
+    pushed again after it waits anew counts again."""
+    from policies.queues import WaitingHeap
+    from sim.request import RequestStatus
+
+    reqs = [Request(i, float(t), 4, 2) for i, t in enumerate([0.0, 1.0, 2.0, 3.0])]
+    heap = WaitingHeap(lambda r: (r.arrival_time, r.request_id))
+    for r in reqs:
+        heap.push(r)
+    assert heap.first(lambda r: False) is reqs[0]
+    assert heap.first(lambda r: 2.5 - r.arrival_time >= 2.0) is reqs[1]  # 0 has aged
+    assert len(heap) == 3  # its entry is gone
+    reqs[1].transition(RequestStatus.RUNNING)  # admitted: stale
+    assert heap.first(lambda r: False) is reqs[2] and len(heap) == 2
+    heap.discard(reqs[2])  # left the replica
+    assert heap.first(lambda r: False) is reqs[3]
+    reqs[1].transition(RequestStatus.PREEMPTED)  # waits again: a fresh entry counts
+    heap.push(reqs[1])
+    assert heap.first(lambda r: False) is reqs[1]
+    assert heap.first(lambda r: True) is None and len(heap) == 0
