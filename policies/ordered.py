@@ -13,6 +13,7 @@ from __future__ import annotations
 from abc import abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import closing
+from itertools import takewhile
 from typing import Any
 
 from policies.base import PolicyConfig
@@ -38,7 +39,9 @@ class OrderedPolicy(FCFSPolicy):
         """Running order: smallest gets its tokens first; the largest is preempted first."""
 
     def may_preempt(self, candidate: Request, victim: Request) -> bool:
-        """Whether waiting ``candidate`` may displace running ``victim`` (if preemptive)."""
+        """Whether waiting ``candidate`` may displace running ``victim`` (if preemptive).
+        Monotone in ``running_key``: if it allows a victim, it allows every running request
+        with a larger key (the victims are walked largest first, up to the first refused)."""
         return False
 
     def index(self, req: Request) -> None:
@@ -70,7 +73,17 @@ class OrderedPolicy(FCFSPolicy):
             with closing(self._making_room(step, budget, self.candidates(step, in_order))) as c:
                 return admit(step, budget, c)
 
+    def order_fixed_while_decoding(self) -> bool:
+        """True if decoding cannot change the running order (the keys of running requests
+        keep their relative order as they generate tokens): the running set is then taken in
+        the decode run's order instead of sorted every step."""
+        return False
+
     def running_order(self, step: StepBuilder) -> Sequence[Request]:
+        if self.order_fixed_while_decoding():
+            in_order = step.decode_run_order()
+            if in_order is not None:
+                return in_order
         return sorted(step.running, key=self.running_key)
 
     def decode_run_key(self) -> Callable[[Request], Any]:
@@ -89,7 +102,8 @@ class OrderedPolicy(FCFSPolicy):
         for req in candidates:
             if preemptive:
                 def victims(req: Request = req) -> Iterator[Request]:
-                    ranked = sorted(step.running, key=self.running_key, reverse=True)
-                    return (v for v in ranked if self.may_preempt(req, v))
+                    # Most preemptible first, while allowed (``may_preempt`` is monotone).
+                    return takewhile(lambda v: self.may_preempt(req, v),
+                                     reversed(self.running_order(step)))
                 self.requeue(preempt_for(step, budget, req, victims))
             yield req

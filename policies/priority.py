@@ -32,5 +32,8 @@ class PriorityPolicy(OrderedPolicy):
 
     running_key = waiting_key
 
+    def order_fixed_while_decoding(self) -> bool:
+        return True  # classes and arrival times do not move
+
     def may_preempt(self, candidate: Request, victim: Request) -> bool:
         return victim.priority > candidate.priority

@@ -116,6 +116,12 @@ class SJFPolicy(OrderedPolicy):
         self.by_arrival.discard(req)
         self.not_aged.discard(req)
 
+    def order_fixed_while_decoding(self) -> bool:
+        # The oracle predicts the true remaining length, at least 1 for a running request:
+        # every key falls by one per decode step and none is clamped, so none moves past
+        # another (see ``decode_order_steps``).
+        return self.config.predictor == "oracle"
+
     def decode_order_steps(self, running: Sequence[Request], limit: int,
                            last_steps: Sequence[int] | None = None) -> int:
         """Decode step j (1: the one planned now) orders by max(1, p - (n + j - 1)), p the

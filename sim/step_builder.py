@@ -295,6 +295,17 @@ class StepBuilder:
         return ([r for r in running if r.num_pending_tokens == 1],
                 [r for r in running if r.num_pending_tokens > 1])
 
+    def decode_run_order(self) -> list[Request] | None:
+        """The running requests in the decode run's order (a copy), when the run is complete,
+        kept in a policy's order (``Policy.decode_run_key``) and holds every running request;
+        else None. A policy whose order decoding cannot change may take this for its sorted
+        running set (the run was sorted by its key, and joins keep it so)."""
+        run = self.run
+        if (run is None or run.key is None or not run.complete
+                or len(run) != len(self._q.running)):
+            return None
+        return list(run.members)
+
     def num_pending_after_step(self) -> int:
         """Running requests that will still have tokens pending after this step (those not
         scheduled, or granted less than they have pending)."""

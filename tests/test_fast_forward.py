@@ -266,3 +266,27 @@ def test_sjf_noisy_predictions_same_blocks_and_finish_order(seed, blocks, qps, m
     assert ([r[0] for r in fast.requests_sink.rows]
             == [r[0] for r in exact.requests_sink.rows])
     _assert_same(overrides)
+
+
+@pytest.mark.parametrize("extra", [
+    ("policy=sjf",), ("policy=sjf", "policy.preemptive=true"),
+    ("policy=priority", "workload.priorities=[0,1,2]"),
+    ("policy=priority", "workload.priorities=[0,1,2]", "policy.preemption_mode=swap"),
+])
+@pytest.mark.parametrize("seed,blocks,qps", [(0, 40, 40.0), (1, 400, 12.0)])
+def test_orders_the_run_keeps_fast_equals_exact(extra, seed, blocks, qps):
+    """SJF with the oracle and priority never reorder while decoding, so they take their
+    running order from the decode run instead of sorting it (``order_fixed_while_decoding``)
+    and walk preemption victims only while ``may_preempt`` allows: the same schedule, block
+    ids and finish order as step by step, under KV pressure and preemption."""
+    overrides = [*extra, "model=tiny", f"seed={seed}", f"kv.num_gpu_blocks={blocks}",
+                 "kv.num_cpu_blocks=64", f"workload.qps={qps}", "workload.num_requests=60",
+                 "workload.prompt_len.max=200", "workload.output_len.max=120",
+                 "policy.max_num_seqs=16"]
+    fast = Simulation(compose_cfg("step_mode=fast", *overrides)).run()
+    exact = Simulation(compose_cfg("step_mode=exact", *overrides)).run()
+    assert fast.summary["num_decode_jumps"] > 0
+    assert fast.replicas[0].kv._gpu.free_blocks() == exact.replicas[0].kv._gpu.free_blocks()
+    assert ([r[0] for r in fast.requests_sink.rows]
+            == [r[0] for r in exact.requests_sink.rows])
+    _assert_same(overrides)
