@@ -21,6 +21,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import numpy as np
+
 from sim.config_types import typed_fields
 from sim.errors import ConfigError, require, require_known_fields
 from sim.plan import StepPlan
@@ -98,11 +100,13 @@ class Policy(ABC):
     def decode_run_key(self) -> Callable[[Request], Any] | None:
         """The key of the order in which this policy gives the running requests their decode
         tokens, when that is not arrival order (None): a fast-mode replica keeps its decode
-        run (``sim/decode_run.py``) in this order, so the run can be granted as one block."""
+        run (``sim/decode_run.py``) in this order, so the run can be granted as one block
+        when the policy passes ``schedule_running`` a ``list`` of every running request in
+        that order (anything else goes row by row: the same results, slower)."""
         return None
 
     def decode_order_steps(self, running: Sequence[Request], limit: int,
-                           last_steps: Sequence[int] | None = None) -> int:
+                           last_steps: Sequence[int] | np.ndarray | None = None) -> int:
         """How many decode-only steps, counting the one being planned, give ``running`` (its
         rows, in the order this policy gives them tokens) their tokens in that same order if
         nothing else happens; at most ``limit``. ``last_steps``: the step in which each of

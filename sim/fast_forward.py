@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import bisect
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import accumulate
 
@@ -37,6 +38,10 @@ import numpy as np
 from sim.decode_run import DecodeRun, jump_block_steps, jump_new_blocks
 from sim.plan import DecodeBlock, StepPlan
 from sim.request import Request
+
+# The most steps one jump takes (a bound on pricing ahead, not a result: a longer stretch
+# simply takes two jumps).
+MAX_JUMP_STEPS = 1 << 16
 
 
 def is_steady_decode(plan: StepPlan) -> bool:
@@ -150,7 +155,7 @@ def _jump_length(durations_fn, plan: StepPlan, k_max: int, start: float,
 
 def plan_run_jump(plan: StepPlan, block: DecodeBlock, run: DecodeRun, durations_fn,
                   start: float, horizon: float, free_blocks: int,
-                  max_steps: int = 1 << 16, stretch_durations_fn=None) -> Jump | None:
+                  max_steps: int = MAX_JUMP_STEPS, stretch_durations_fn=None) -> Jump | None:
     """``plan_jump`` for a plan that is one decode block scheduling the whole decode run:
     the same jump, from the run's arrays (no per-row work). With ``stretch_durations_fn``
     (``Executor.decode_stretch_durations``) the jump may run past finishes (module
@@ -374,7 +379,8 @@ def _sized_jump(plan: StepPlan, first: np.ndarray, bs: int, durations_fn, k_max:
 
 def plan_jump(plan: StepPlan, requests: list[Request], durations_fn, start: float,
               horizon: float, free_blocks: int, block_size: int,
-              max_steps: int = 1 << 16, order_steps=None) -> Jump | None:
+              max_steps: int = MAX_JUMP_STEPS,
+              order_steps: Callable[[list[Request], int], int] | None = None) -> Jump | None:
     """Size a jump starting with ``plan`` at time ``start``; None if it would be one step.
     ``order_steps(requests, limit)``: how many steps keep the rows in their order
     (``Policy.decode_order_steps``; default: all)."""

@@ -21,7 +21,7 @@ import simpy
 from executors.base import Executor
 from policies.base import Policy
 from sim.decode_run import DecodeRun, is_decoding
-from sim.fast_forward import Jump, is_steady_decode, plan_jump, plan_run_jump
+from sim.fast_forward import MAX_JUMP_STEPS, Jump, is_steady_decode, plan_jump, plan_run_jump
 from sim.kv_manager import KVBlockManager, blocks_for
 from sim.metrics import MetricsCollector
 from sim.outputs import STEP_ROW_FORMAT, CsvSink, DecodeStepRows, request_row
@@ -228,10 +228,10 @@ class Replica:
                     run = block.run
                     past = self.jump_past_finishes and not q.waiting and not q.swapped and (
                         len(run) == len(q.running))
-                    max_steps = 1 << 16
+                    max_steps = MAX_JUMP_STEPS
                     if run.key is not None:  # a policy's order, which may change as they decode
                         max_steps = self.policy.decode_order_steps(
-                            run.members, max_steps, (run.end - block.run_step).tolist())
+                            run.members, max_steps, run.end - block.run_step)
                     jump = plan_run_jump(
                         plan, block, run, self.executor.decode_durations, start,
                         horizon, self.kv.num_free_blocks, max_steps,

@@ -135,3 +135,20 @@ def test_predictors_predict_what_remains_after_the_tokens_already_sampled(kind):
     # The true remainders are 600 and 50 (a long and a short class with edges 128, 512).
     assert (p(fresh), p(later)) == {"oracle": (600.0, 50.0), "noisy": (600.0, 50.0),
                                     "bucket": (1024.0, 64.0)}[kind]
+
+
+@pytest.mark.parametrize("mode", ["fast", "exact"])
+@pytest.mark.parametrize("aging", ["0.5", "null"])
+def test_sjf_aging_heaps_stay_bounded_over_a_run(mode, aging):
+    """SJF's arrival-ordered heaps (aged-first admission, next aging deadline) hold only
+    requests that waited recently: admitted and aged entries are dropped as steps go by, in
+    both modes, and without aging nothing is indexed there at all."""
+    res = Simulation(small_cfg("policy=sjf", f"policy.aging_s={aging}", f"step_mode={mode}",
+                               "model=tiny", "workload.num_requests=400",
+                               "workload.qps=40")).run()
+    policy = res.replicas[0].policy
+    assert res.summary["completed"] + res.summary["rejected"] == 400
+    if aging == "null":
+        assert len(policy.by_arrival) == 0 and len(policy.not_aged) == 0
+    else:  # at most the requests of the last aging_s seconds (~20) and a few stale ones
+        assert len(policy.not_aged) < 60 and len(policy.by_arrival) < 60
