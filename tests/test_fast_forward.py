@@ -162,6 +162,17 @@ def test_sjf_aging_deadlines_stop_jumps(seed, qps, aging, preemptive):
     assert s["num_decode_jumps"] > 0
 
 
+def _assert_same_blocks_and_finish_order(overrides: list[str]) -> None:
+    """``_assert_same``, and the same free block queue and ``requests.csv`` row order."""
+    fast = Simulation(compose_cfg("step_mode=fast", *overrides)).run()
+    exact = Simulation(compose_cfg("step_mode=exact", *overrides)).run()
+    assert fast.summary["num_decode_jumps"] > 0
+    assert fast.replicas[0].kv._gpu.free_blocks() == exact.replicas[0].kv._gpu.free_blocks()
+    assert ([r[0] for r in fast.requests_sink.rows]
+            == [r[0] for r in exact.requests_sink.rows])
+    _assert_same(overrides)
+
+
 def _sjf_running(specs, predictor="noisy"):
     """SJF's policy and running requests (id, arrival, predicted total, generated)."""
     from policies.base import make_policy
@@ -259,13 +270,7 @@ def test_sjf_noisy_predictions_same_blocks_and_finish_order(seed, blocks, qps, m
                  f"kv.num_gpu_blocks={blocks}", "kv.num_cpu_blocks=64", f"workload.qps={qps}",
                  "workload.num_requests=40", "workload.prompt_len.max=200",
                  "workload.output_len.max=120", f"policy.preemption_mode={mode}"]
-    fast = Simulation(compose_cfg("step_mode=fast", *overrides)).run()
-    exact = Simulation(compose_cfg("step_mode=exact", *overrides)).run()
-    assert fast.summary["num_decode_jumps"] > 0
-    assert fast.replicas[0].kv._gpu.free_blocks() == exact.replicas[0].kv._gpu.free_blocks()
-    assert ([r[0] for r in fast.requests_sink.rows]
-            == [r[0] for r in exact.requests_sink.rows])
-    _assert_same(overrides)
+    _assert_same_blocks_and_finish_order(overrides)
 
 
 @pytest.mark.parametrize("extra", [
@@ -283,10 +288,4 @@ def test_orders_the_run_keeps_fast_equals_exact(extra, seed, blocks, qps):
                  "kv.num_cpu_blocks=64", f"workload.qps={qps}", "workload.num_requests=60",
                  "workload.prompt_len.max=200", "workload.output_len.max=120",
                  "policy.max_num_seqs=16"]
-    fast = Simulation(compose_cfg("step_mode=fast", *overrides)).run()
-    exact = Simulation(compose_cfg("step_mode=exact", *overrides)).run()
-    assert fast.summary["num_decode_jumps"] > 0
-    assert fast.replicas[0].kv._gpu.free_blocks() == exact.replicas[0].kv._gpu.free_blocks()
-    assert ([r[0] for r in fast.requests_sink.rows]
-            == [r[0] for r in exact.requests_sink.rows])
-    _assert_same(overrides)
+    _assert_same_blocks_and_finish_order(overrides)
