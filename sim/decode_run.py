@@ -57,7 +57,8 @@ class DecodeRun:
         self.block_size = block_size
         # A key that reads a member's progress (SJF's remaining work) may reorder members as
         # the run steps; the step builder checks the order against the policy's before it
-        # grants the run as a block and sorts the run again when it changed.
+        # grants the run as a block and puts the run in the policy's order when it changed
+        # (``reorder``).
         self.key = key
         self.steps = 0  # run steps taken so far
         self._times = array("d")  # end times of run steps [_base, steps)
