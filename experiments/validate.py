@@ -45,7 +45,9 @@ the policy settings the validation workload needs (a chunk budget that makes
 Writes into the Hydra folder: ``validation.csv`` (metric, statistic, real median and range,
 simulated, replayed, relative errors), ``validation.json`` (that plus each run's and the
 step-time figures), ``validation.html`` (the CDFs overlaid, predicted vs measured step times),
-``replay_steps.csv``, and ``real/``, ``real_2/``..., ``calibration/``..., ``sim/``,
+``replay_steps.csv`` (each real run's steps: shape, measured and predicted seconds, run),
+``calibration_steps.csv`` (the same for the calibration runs, priced by the simulated
+profile, with each run's seed), and ``real/``, ``real_2/``..., ``calibration/``..., ``sim/``,
 ``saturation/``, ``saturation_2/`` and ``saturation.json`` (``qps: auto``),
 ``sim_profile/``, ``paired/real``, ``paired/real_2``... (each run's ``requests.csv``,
 ``steps.csv``, ``summary.json``; a paired run's scaled ``hardware_profile.yaml``), plus
@@ -115,6 +117,9 @@ class ValidationResult:
     shapes_fit: dict[str, Any] = field(default_factory=dict)
     real_runs: list[dict[str, Any]] = field(default_factory=list)  # each real run's summary
     replays: list[Replay] = field(default_factory=list)  # each real run's replay
+    # Each calibration run's steps priced by the simulated profile (``calibration_steps.csv``):
+    # whether a seed's step mix or the host's speed during the run moves its pricing error.
+    calibration_replays: list[Replay] = field(default_factory=list)
     # Each real run simulated at the host's speed of its time (experiments/host_speed.py):
     # the summaries (one per real run, in order) and how the speeds were taken.
     paired_runs: list[dict[str, Any]] = field(default_factory=list)
@@ -759,6 +764,9 @@ def _validate(cfg: dict[str, Any], base: dict[str, Any], opts: dict[str, Any],
             done = {r.request_id for r in res.requests if r.status.name == "FINISHED"}
             reps.append(replay(steps, simulated.executor, arrivals))
             replayed_runs.append(replay_summary(reps[-1], {k: arrivals[k] for k in done}, done))
+    # The calibration runs' steps as the simulated profile prices them (no token times).
+    calibration_reps = [replay(steps, simulated.executor, {})
+                        for _, steps in schedule.done["calibration"]]
     paired, host = pair_by_host_speed(str(opts.get("host_speed", "own")), schedule,
                                       simulated.executor, profile_path, simulate, out_dir)
     real_median = median_summary(summaries)
@@ -769,7 +777,8 @@ def _validate(cfg: dict[str, Any], base: dict[str, Any], opts: dict[str, Any],
             row["sim_profile"] = base_row["sim"]
             row["sim_profile_err_pct"] = base_row["sim_err_pct"]
     return ValidationResult(rows, real_median, sim.summary, replayed, pooled(reps),
-                            profile_path, fit, shapes_fit, summaries, reps, paired, host)
+                            profile_path, fit, shapes_fit, summaries, reps, calibration_reps,
+                            paired, host)
 
 
 def pair_by_host_speed(mode: str, schedule: RunSchedule, executor: Any, profile_path: Path,
@@ -864,6 +873,12 @@ def write_outputs(result: ValidationResult, out_dir: Path, cfg: dict[str, Any]) 
     if result.replays:
         frames = [replay_frame(r).assign(run=i + 1) for i, r in enumerate(result.replays)]
         pd.concat(frames, ignore_index=True).to_csv(out_dir / "replay_steps.csv", index=False)
+    if result.calibration_replays:
+        seed = int(cfg.get("seed", 0)) + CALIBRATION_SEED_OFFSET
+        frames = [replay_frame(r).assign(run=i + 1, seed=seed + i)
+                  for i, r in enumerate(result.calibration_replays)]
+        pd.concat(frames, ignore_index=True).to_csv(out_dir / "calibration_steps.csv",
+                                                    index=False)
     (out_dir / "validation.html").write_text(_page(result, out_dir))
 
 

@@ -12,7 +12,7 @@ import yaml
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from executors.recording import RecordingExecutor, replay
+from executors.recording import RecordingExecutor, replay, serving_rows
 import experiments.validate as validate_mod
 from experiments.host_speed import pair_saved
 from experiments.refit_split import split_errors
@@ -312,6 +312,15 @@ def test_whole_loop_on_the_real_cpu_executor(tmp_path):
             f"{inside} of 6") in text
     steps = pd.read_csv(tmp_path / "replay_steps.csv")
     assert steps.groupby("run").size().tolist() == steps_per_run
+    # The calibration runs' steps, priced by the simulated profile: their measured / predicted
+    # serving time is each calibration run's host speed.
+    cal = serving_rows(pd.read_csv(tmp_path / "calibration_steps.csv"))
+    by_run = cal.groupby("run")[["measured_s", "predicted_s"]].sum()
+    assert by_run.index.tolist() == list(range(1, len(hs["calibration"]) + 1))
+    assert cal.groupby("run").seed.first().tolist() == [
+        cfg["seed"] + validate_mod.CALIBRATION_SEED_OFFSET + i for i in range(len(by_run))]
+    assert (by_run.measured_s / by_run.predicted_s).tolist() == pytest.approx(
+        hs["calibration"], rel=1e-9)
     # The saved folder refits on run 1 and prices run 2 (python -m experiments.refit_split).
     for knee in (0, None):
         split = split_errors(tmp_path, knee, cfg)
