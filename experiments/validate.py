@@ -389,10 +389,25 @@ def summary_table(folders: Sequence[str | Path], target_pct: float = 5.0) -> str
             f"at {doc['qps']:.2f} req/s ({how}) on {doc.get('device')} (hardware="
             f"{doc.get('hardware')}); held-out step-time MAPE {fit.get('mape_heldout_pct')}% "
             f"({fit.get('rows_heldout')} shapes); replay busy "
-            f"{doc.get('replay_busy_error_pct', float('nan')):+.2f}%; preemptions real "
+            f"{doc.get('replay_busy_error_pct', float('nan')):+.2f}%{level_note(hs)}; "
+            f"preemptions real "
             f"{[r.get('num_preemptions') for r in doc['real_runs']]} sim "
             f"{doc.get('sim_num_preemptions')}")
     return "\n".join(lines + notes)
+
+
+def level_note(host_speed: dict[str, Any]) -> str:
+    """``, real runs' median speed vs the calibration runs' +X%``: how far the real runs' median
+    measured / predicted time lies from the calibration runs' median, the level the refit
+    leaves the profile at (``validate.calibration_level``). Positive: the real runs ran
+    slower than the level. Near saturation the queue multiplies it about fourfold into
+    latency, so it says how much of an error the host's run-to-run speed alone explains.
+    Empty without both lists (``validate.host_speed=none``, no calibration runs)."""
+    own, cal = host_speed.get("own"), host_speed.get("calibration")
+    if not own or not cal:
+        return ""
+    gap = 100.0 * (float(np.median(own)) / float(np.median(cal)) - 1.0)
+    return f", real runs' median speed vs the calibration runs' {gap:+.2f}%"
 
 
 # ---- the runs ---------------------------------------------------------------------------------

@@ -387,6 +387,16 @@ def test_summary_table_places_folders_saved_before_the_interval(tmp_path):
     assert [line.split()[5] for line in table[1:7]] == ["-10/+40"] * 6
     assert table[-1].startswith("old: 5 of 6 within 20%, 5 inside the reference's interval "
                                 "(ref%, coverage 96.9%)")
+    assert "median speed" not in table[-1]  # saved without host speeds
+    # The real runs' median speed against the calibration runs' (the level the refit keeps):
+    # medians 1.02 and 1.005 (an even count: the middle two's mean).
+    speeds = {"own": [1.04, 1.0, 1.02], "calibration": [1.2, 0.99, 1.01, 1.0]}
+    (folder / "validation.json").write_text(json.dumps({**doc, "host_speed": speeds}))
+    table = validate_mod.summary_table([folder], target_pct=20.0).splitlines()
+    assert "%, real runs' median speed vs the calibration runs' +1.49%; preemptions" in table[-1]
+    (folder / "validation.json").write_text(json.dumps({**doc, "host_speed": {
+        "mode": "own", "own": speeds["own"]}}))  # validate.calibration_runs=0
+    assert "median speed" not in validate_mod.summary_table([folder]).splitlines()[-1]
     # One real run: no interval.
     (folder / "validation.json").write_text(json.dumps({**doc, "real_runs": runs[:1]}))
     table = validate_mod.summary_table([folder], target_pct=20.0).splitlines()
