@@ -118,8 +118,10 @@ class ValidationResult:
     real_runs: list[dict[str, Any]] = field(default_factory=list)  # each real run's summary
     replays: list[Replay] = field(default_factory=list)  # each real run's replay
     # Each calibration run's steps priced by the simulated profile (``calibration_steps.csv``):
-    # whether a seed's step mix or the host's speed during the run moves its pricing error.
+    # whether a seed's step mix or the host's speed during the run moves its pricing error;
+    # and each one's seed, as the run reported it.
     calibration_replays: list[Replay] = field(default_factory=list)
+    calibration_seeds: list[int] = field(default_factory=list)
     # Each real run simulated at the host's speed of its time (experiments/host_speed.py):
     # the summaries (one per real run, in order) and how the speeds were taken.
     paired_runs: list[dict[str, Any]] = field(default_factory=list)
@@ -397,17 +399,17 @@ def summary_table(folders: Sequence[str | Path], target_pct: float = 5.0) -> str
 
 
 def level_note(host_speed: dict[str, Any]) -> str:
-    """``, real runs' median speed vs the calibration runs' +X%``: how far the real runs' median
-    measured / predicted time lies from the calibration runs' median, the level the refit
-    leaves the profile at (``validate.calibration_level``). Positive: the real runs ran
-    slower than the level. Near saturation the queue multiplies it about fourfold into
-    latency, so it says how much of an error the host's run-to-run speed alone explains.
-    Empty without both lists (``validate.host_speed=none``, no calibration runs)."""
-    own, cal = host_speed.get("own"), host_speed.get("calibration")
-    if not own or not cal:
+    """``, real runs' median time vs the profile +X% (+: slower)``: the median over the real
+    runs of measured / predicted step time (``host_speed.own``, priced by the simulated
+    profile) minus one. The refit leaves the profile at the calibration runs' median speed
+    (``validate.calibration_level=median``), so this is how far the validated runs' host
+    speed lay from the calibration runs'; near saturation the queue multiplies it about
+    fourfold into latency. Empty without the real runs' speeds (``validate.host_speed=none``)."""
+    own = host_speed.get("own")
+    if not own:
         return ""
-    gap = 100.0 * (float(np.median(own)) / float(np.median(cal)) - 1.0)
-    return f", real runs' median speed vs the calibration runs' {gap:+.2f}%"
+    gap = 100.0 * (float(np.median(own)) - 1.0)
+    return f", real runs' median time vs the profile {gap:+.2f}% (+: slower)"
 
 
 # ---- the runs ---------------------------------------------------------------------------------
@@ -782,6 +784,7 @@ def _validate(cfg: dict[str, Any], base: dict[str, Any], opts: dict[str, Any],
     # The calibration runs' steps as the simulated profile prices them (no token times).
     calibration_reps = [replay(steps, simulated.executor, {})
                         for _, steps in schedule.done["calibration"]]
+    calibration_seeds = [int(res.summary["seed"]) for res, _ in schedule.done["calibration"]]
     paired, host = pair_by_host_speed(str(opts.get("host_speed", "own")), schedule,
                                       simulated.executor, profile_path, simulate, out_dir)
     real_median = median_summary(summaries)
@@ -792,8 +795,10 @@ def _validate(cfg: dict[str, Any], base: dict[str, Any], opts: dict[str, Any],
             row["sim_profile"] = base_row["sim"]
             row["sim_profile_err_pct"] = base_row["sim_err_pct"]
     return ValidationResult(rows, real_median, sim.summary, replayed, pooled(reps),
-                            profile_path, fit, shapes_fit, summaries, reps, calibration_reps,
-                            paired, host)
+                            profile_path, fit, shapes_fit, real_runs=summaries, replays=reps,
+                            calibration_replays=calibration_reps,
+                            calibration_seeds=calibration_seeds, paired_runs=paired,
+                            host_speed=host)
 
 
 def pair_by_host_speed(mode: str, schedule: RunSchedule, executor: Any, profile_path: Path,
@@ -889,9 +894,8 @@ def write_outputs(result: ValidationResult, out_dir: Path, cfg: dict[str, Any]) 
         frames = [replay_frame(r).assign(run=i + 1) for i, r in enumerate(result.replays)]
         pd.concat(frames, ignore_index=True).to_csv(out_dir / "replay_steps.csv", index=False)
     if result.calibration_replays:
-        seed = int(cfg.get("seed", 0)) + CALIBRATION_SEED_OFFSET
-        frames = [replay_frame(r).assign(run=i + 1, seed=seed + i)
-                  for i, r in enumerate(result.calibration_replays)]
+        frames = [replay_frame(r).assign(run=i + 1, seed=seed) for i, (r, seed) in
+                  enumerate(zip(result.calibration_replays, result.calibration_seeds))]
         pd.concat(frames, ignore_index=True).to_csv(out_dir / "calibration_steps.csv",
                                                     index=False)
     (out_dir / "validation.html").write_text(_page(result, out_dir))

@@ -317,8 +317,11 @@ def test_whole_loop_on_the_real_cpu_executor(tmp_path):
     cal = serving_rows(pd.read_csv(tmp_path / "calibration_steps.csv"))
     by_run = cal.groupby("run")[["measured_s", "predicted_s"]].sum()
     assert by_run.index.tolist() == list(range(1, len(hs["calibration"]) + 1))
-    assert cal.groupby("run").seed.first().tolist() == [
-        cfg["seed"] + validate_mod.CALIBRATION_SEED_OFFSET + i for i in range(len(by_run))]
+    # Each run's seed as its own summary.json reports it (calibration/, calibration_2/...).
+    seeds = [json.loads((tmp_path / ("calibration" if i == 0 else f"calibration_{i + 1}")
+                         / "summary.json").read_text())["seed"] for i in range(len(by_run))]
+    assert cal.groupby("run").seed.first().tolist() == seeds
+    assert seeds[0] == cfg["seed"] + validate_mod.CALIBRATION_SEED_OFFSET
     assert (by_run.measured_s / by_run.predicted_s).tolist() == pytest.approx(
         hs["calibration"], rel=1e-9)
     # The saved folder refits on run 1 and prices run 2 (python -m experiments.refit_split).
@@ -387,16 +390,15 @@ def test_summary_table_places_folders_saved_before_the_interval(tmp_path):
     assert [line.split()[5] for line in table[1:7]] == ["-10/+40"] * 6
     assert table[-1].startswith("old: 5 of 6 within 20%, 5 inside the reference's interval "
                                 "(ref%, coverage 96.9%)")
-    assert "median speed" not in table[-1]  # saved without host speeds
-    # The real runs' median speed against the calibration runs' (the level the refit keeps):
-    # medians 1.02 and 1.005 (an even count: the middle two's mean).
-    speeds = {"own": [1.04, 1.0, 1.02], "calibration": [1.2, 0.99, 1.01, 1.0]}
+    assert "median time" not in table[-1]  # saved without host speeds
+    # The real runs' median measured / predicted time against the profile (the refit keeps
+    # the calibration runs' median): 1.02, +2.00%, slower than priced.
+    speeds = {"mode": "own", "own": [1.04, 1.0, 1.02], "calibration": [1.2, 0.99, 1.01, 1.0]}
     (folder / "validation.json").write_text(json.dumps({**doc, "host_speed": speeds}))
     table = validate_mod.summary_table([folder], target_pct=20.0).splitlines()
-    assert "%, real runs' median speed vs the calibration runs' +1.49%; preemptions" in table[-1]
-    (folder / "validation.json").write_text(json.dumps({**doc, "host_speed": {
-        "mode": "own", "own": speeds["own"]}}))  # validate.calibration_runs=0
-    assert "median speed" not in validate_mod.summary_table([folder]).splitlines()[-1]
+    assert "%, real runs' median time vs the profile +2.00% (+: slower); preemptions" in table[-1]
+    (folder / "validation.json").write_text(json.dumps({**doc, "host_speed": {"mode": "none"}}))
+    assert "median time" not in validate_mod.summary_table([folder]).splitlines()[-1]
     # One real run: no interval.
     (folder / "validation.json").write_text(json.dumps({**doc, "real_runs": runs[:1]}))
     table = validate_mod.summary_table([folder], target_pct=20.0).splitlines()
