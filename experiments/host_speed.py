@@ -92,7 +92,8 @@ def own_speeds_from_csv(replay_steps_csv: Path) -> list[float]:
 
     from executors.recording import serving_rows
 
-    sums = serving_rows(pd.read_csv(replay_steps_csv)).groupby("run")[["measured_s", "predicted_s"]].sum().sort_index()
+    serving = serving_rows(pd.read_csv(replay_steps_csv))
+    sums = serving.groupby("run")[["measured_s", "predicted_s"]].sum().sort_index()
     return (sums.measured_s / sums.predicted_s).tolist()
 
 

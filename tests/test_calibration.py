@@ -23,8 +23,8 @@ from executors.calibration import (
     split_rows,
 )
 from executors.cost_model import RooflineCostModel
-from executors.step_terms import (ATTENTION_TILE, StepDecomposer, StepDrivers, StepShape, first_rows,
-                                  step_shape)
+from executors.step_terms import (ATTENTION_TILE, StepDecomposer, StepDrivers, StepShape,
+                                  first_rows, step_shape)
 from experiments.profile import ProfileGrid, blocks_needed, profile_executor, write_csv
 from sim.errors import ConfigError
 from sim.plan import ScheduledRequest, StepPlan, StepResult
