@@ -11,6 +11,7 @@ interpreter and imports included) is its own. Results: docs/performance.md.
     python -m experiments.bench_sim --sizes 10000 100000 1000000     # the full table
     python -m experiments.bench_sim --policies fcfs --sizes 10000 --step-mode exact
     python -m experiments.bench_sim --policies fcfs sjf sjf_noisy priority --sizes 10000
+    python -m experiments.bench_sim --sizes 100000 --steps-csv off   # the loop without steps.csv
 """
 
 from __future__ import annotations
@@ -42,21 +43,28 @@ POLICY_OVERRIDES = {
                  "policy.max_num_batched_tokens=4096"],
 }
 DEFAULT_POLICIES = ["fcfs", "chunked_prefill"]  # the issue's two
+STEPS_CSV = ("auto", "on", "off")
 
 
-def case_overrides(policy: str, n: int, step_mode: str, out_dir: Path) -> list[str]:
+def case_overrides(policy: str, n: int, step_mode: str, out_dir: Path,
+                   steps_csv: str = "auto") -> list[str]:
+    """The run's overrides. ``steps_csv``: auto (``steps.csv`` up to 200k requests), on, off."""
+    if steps_csv not in STEPS_CSV:
+        raise ValueError(f"steps_csv must be one of {STEPS_CSV}, got {steps_csv!r}")
     # Exact ITL percentiles keep 8 bytes per token (230 MB at 100k requests, and a copy to
     # sort): from 100k on the ITL distribution is a streaming histogram (0.1% relative).
     # Million-request runs keep no per-step history either.
-    streaming, big = n >= 100_000, n > 200_000
+    streaming = n >= 100_000
+    no_steps = n > 200_000 if steps_csv == "auto" else steps_csv == "off"
     return ["model=llama3_8b", "hardware=a100_80gb", "cluster.tensor_parallel=1",
             "kv.block_size=16", "workload=vidur_bench", f"workload.num_requests={n}",
             "workload.qps=6", "seed=42", f"step_mode={step_mode}", "progress=false",
             f"itl_quantiles={'streaming' if streaming else 'exact'}",
-            f"record_steps={'false' if big else 'true'}", *POLICY_OVERRIDES[policy]]
+            f"record_steps={'false' if no_steps else 'true'}", *POLICY_OVERRIDES[policy]]
 
 
-def run_case(policy: str, n: int, step_mode: str, out_dir: Path) -> dict:
+def run_case(policy: str, n: int, step_mode: str, out_dir: Path,
+             steps_csv: str = "auto") -> dict:
     """Runs in a child process: build, simulate (rows written as requests finish), report."""
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
@@ -65,7 +73,7 @@ def run_case(policy: str, n: int, step_mode: str, out_dir: Path) -> dict:
 
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = compose(config_name="config",
-                      overrides=case_overrides(policy, n, step_mode, out_dir))
+                      overrides=case_overrides(policy, n, step_mode, out_dir, steps_csv))
     container = OmegaConf.to_container(cfg, resolve=True)
     container.pop("hydra", None)
     t0 = time.perf_counter()
@@ -87,20 +95,23 @@ def main() -> None:
     ap.add_argument("--policies", nargs="+", default=DEFAULT_POLICIES,
                     choices=list(POLICY_OVERRIDES))
     ap.add_argument("--step-mode", default="fast", choices=["fast", "exact"])
+    ap.add_argument("--steps-csv", default="auto", choices=STEPS_CSV,
+                    help="write steps.csv: auto (up to 200k requests, the default), on, off")
     ap.add_argument("--out", default=str(ROOT / "outputs" / "bench_sim"))
     ap.add_argument("--one", nargs=2, metavar=("POLICY", "N"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
         policy, n = args.one[0], int(args.one[1])
         out = Path(args.out) / f"{policy}_{n}_{args.step_mode}"
-        print(json.dumps(run_case(policy, n, args.step_mode, out)))
+        print(json.dumps(run_case(policy, n, args.step_mode, out, args.steps_csv)))
         return
 
     rows = []
     for n in args.sizes:
         for policy in args.policies:
             p = subprocess.run([sys.executable, "-m", "experiments.bench_sim", "--one", policy,
-                                str(n), "--step-mode", args.step_mode, "--out", args.out],
+                                str(n), "--step-mode", args.step_mode, "--steps-csv",
+                                args.steps_csv, "--out", args.out],
                                cwd=ROOT, capture_output=True, text=True)
             if p.returncode != 0:
                 sys.exit(f"{policy} x {n} failed:\n{p.stderr}")
