@@ -172,31 +172,36 @@ class SJFPolicy(OrderedPolicy):
             return limit
         return int(both[swap].min()) - 1
 
+    def _aged(self, req: Request, now: float) -> bool:
+        """Whether waiting ``req`` has waited ``aging_s`` by ``now``: it then heads the
+        admission order. ``now`` only grows, so an aged request stays aged."""
+        return now - req.arrival_time >= self.config.aging_s
+
+    def _oldest_not_aged(self, now: float) -> Request | None:
+        """The oldest waiting request not yet aged (entries before it dropped for good)."""
+        return self.not_aged.first(lambda r: self._aged(r, now))
+
     def next_decision_time(self, now: float) -> float:
         """When the oldest waiting request not yet aged will be: from then on it heads the
         admission order (``candidates``), which may admit it, so decode jumps stop there."""
-        aging = self.config.aging_s
-        if aging is None:
+        if self.config.aging_s is None:
             return math.inf
-        # The test ``candidates`` makes, negated: aged. ``now`` only grows, so aged stays.
-        req = self.not_aged.first(lambda r: now - r.arrival_time >= aging)
+        req = self._oldest_not_aged(now)
         if req is None:
             return math.inf
-        due = req.arrival_time + aging
-        # A hair early: a step ending just before ``due`` may already pass the test above by
+        due = req.arrival_time + self.config.aging_s
+        # A hair early: a step ending just before ``due`` may already pass ``_aged`` by
         # rounding; stopping a step early only plans once more.
         return due - 1e-9 * max(1.0, abs(due))
 
     def candidates(self, step: StepBuilder, in_order: Iterator[Request]) -> Iterator[Request]:
-        aging = self.config.aging_s
-        if aging is not None:
+        if self.config.aging_s is not None:
             # Drop the entries of requests aged or admitted since (also where no decode jump
             # asks for the next deadline, as in step_mode=exact), so the heap stays bounded.
-            now = step.now
-            self.not_aged.first(lambda r: now - r.arrival_time >= aging)
+            self._oldest_not_aged(step.now)
             with self.by_arrival.ordered() as oldest_first:
                 for req in oldest_first:
-                    if step.now - req.arrival_time < aging:
+                    if not self._aged(req, step.now):
                         break
                     yield req
         yield from in_order
