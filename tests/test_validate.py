@@ -325,9 +325,15 @@ def test_whole_loop_on_the_real_cpu_executor(tmp_path):
     assert (by_run.measured_s / by_run.predicted_s).tolist() == pytest.approx(
         hs["calibration"], rel=1e-9)
     # The saved folder refits on run 1 and prices run 2 (python -m experiments.refit_split).
+    # Run 2's summed price is off by how much faster or slower the host ran it than run 1
+    # (the pairing's factors; a burst on a shared CI host once made it +48%, while the same
+    # factors put the refit itself within 1% in eight runs here) plus the refit's own error:
+    # judge the latter, loosely, and the steps' spread beyond that shift.
+    relative_speed = hs["own"][1] / hs["own"][0]
     for knee in (0, None):
         split = split_errors(tmp_path, knee, cfg)
-        assert split["mape_pct"] < 60.0 and abs(split["busy_pct"]) < 40.0
+        assert abs((1 + split["busy_pct"] / 100) * relative_speed - 1) < 0.25, split
+        assert split["mape_pct"] < 60.0 + abs(split["busy_pct"]), split
         assert split["decode_1"] is not None and split["with_prompt"] is not None
     assert split_errors(tmp_path, 0, cfg)["seq_knee"] == 0
     assert (steps.measured_s > 0).all()
