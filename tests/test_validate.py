@@ -257,16 +257,28 @@ def test_whole_loop_on_the_real_cpu_executor(tmp_path):
     assert res.shapes_fit["mape_heldout_pct"] < 30.0
     assert res.profile_fit["mape_steps_heldout_pct"] < 30.0
     assert res.profile_fit["mape_heldout_pct"] < 60.0
-    assert abs(res.replay.busy_error()) < 40.0
-    assert res.replay.step_mape() < 60.0
+    # Every figure below that compares real runs with the profile's prices also measures the
+    # host's speed during those runs against the calibration run's: on a shared CI host the
+    # real runs once ran 1.5 to 1.9x faster than the calibration run (replayed busy time
+    # +67%). So the steps are judged at each real run's own level (its measured / predicted
+    # time, ``hs["factors"]`` below), the simulation by the paired runs (each real run
+    # simulated at that level), and the level itself only against a range that a unit or
+    # scale bug would leave; the level-true figures come from the benchmark.
+    levels = [rep.measured.sum() / rep.predicted.sum() for rep in res.replays]
+    for level, rep in zip(levels, res.replays):
+        assert 1 / 3 < level < 3
+        assert np.mean(np.abs(rep.predicted * level / rep.measured - 1)) < 0.4
     for metric in ("TPOT", "E2E"):
-        assert abs(res.error(metric, "p50")) < 50.0, metric
+        assert abs(res.error(metric, "p50", "paired")) < 50.0, metric
+    # The calibrated simulation itself (at the calibration run's level): its decode steps'
+    # price, TPOT, at the real runs' level.
+    assert abs((1 + res.error("TPOT", "p50") / 100) * np.median(levels) - 1) < 0.35
     # Replayed E2E includes TTFT, which a replay near saturation accumulates (a timeline that
     # falls behind never catches up; docs/calibration.md): it went +56% once on a loaded CI
     # host whose real runs ran 19% faster than the calibration run. TPOT is the replay's
-    # step-pricing check.
-    assert abs(res.error("TPOT", "p50", "replay")) < 50.0
-    assert abs(res.error("request_throughput", "")) < 15.0
+    # step-pricing check, at the runs' level.
+    assert abs((1 + res.error("TPOT", "p50", "replay") / 100) * np.median(levels) - 1) < 0.35
+    assert abs(res.error("request_throughput", "", "paired")) < 15.0
     table = pd.read_csv(tmp_path / "validation.csv")
     assert list(table.columns) == ["metric", "stat", "real", "real_min", "real_max", "real_lo",
                                    "real_hi", "sim", "sim_err_pct", "replay", "replay_err_pct",
@@ -291,13 +303,11 @@ def test_whole_loop_on_the_real_cpu_executor(tmp_path):
     assert hs["factors"] == hs["own"] and len(hs["own"]) == 2
     for factor, rep in zip(hs["factors"], res.replays):
         assert factor == pytest.approx(rep.measured.sum() / rep.predicted.sum())
-        assert 0.5 < factor < 2.0
     assert len(doc["paired_runs"]) == 2 and len(res.paired_runs) == 2
     for sub, factor in zip(("paired/real", "paired/real_2"), hs["factors"]):
         prof = yaml.safe_load((tmp_path / sub / "hardware_profile.yaml").read_text())
         assert prof["fit"]["host_speed_factor"] == pytest.approx(factor)
         assert (tmp_path / sub / "requests.csv").exists()
-    assert abs(res.error("E2E", "p50", "paired")) < 50.0
     # The saved folder alone gives the same paired runs (python -m experiments.host_speed).
     again, speeds = pair_saved(tmp_path, cfg)
     assert speeds == pytest.approx(hs["own"], rel=1e-12)
