@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from sim.plan import StepPlan, StepResult
@@ -49,6 +49,13 @@ class Executor(ABC):
         ``max_ctx``: one stretch of equal membership of a decode run whose members finish
         one after another (``decode_stretch_durations`` prices a jump's stretches with it
         unless the executor prices them jointly). None: step by step."""
+        return None
+
+    def decode_step_pricer(self, num_decode: int) -> Callable[[int, int], float] | None:
+        """The duration of one decode-only step of ``num_decode`` rows as a plain function of
+        the total and the longest context (new token included), for pricing a decode jump
+        one step at a time as far as the next event; None: price it by stretches
+        (``decode_stretch_durations``)."""
         return None
 
     def decode_stretch_durations(self, stretches: list[tuple[int, int, int, int]],

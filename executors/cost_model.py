@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -200,6 +201,7 @@ class RooflineCostModel(Executor):
         self._decode_consts: dict[int, tuple] = {}
         self._decode_split_consts: dict[tuple[int, int, int], tuple] = {}
         self._decode_curves: dict[tuple, tuple] = {}
+        self._step_pricers: dict[int, Callable[[int, int], float] | None] = {}
         # Durations of steps without decode rows, by shape: a prompt-only step's shape
         # repeats with its prompt length (a few thousand shapes per run, unlike decode
         # contexts, which grow every step); at most NO_DECODE_SHAPES_KEPT of them (~26 MB).
@@ -222,6 +224,7 @@ class RooflineCostModel(Executor):
         self._decode_consts.clear()
         self._decode_split_consts.clear()
         self._decode_curves.clear()
+        self._step_pricers.clear()
         self._no_decode.clear()
 
     # ---- Executor interface -------------------------------------------------------------
@@ -357,6 +360,30 @@ class RooflineCostModel(Executor):
         out = x[0] + knees[0]
         out += knees[1]
         return out.tolist()
+
+    def decode_step_pricer(self, num_decode: int) -> Callable[[int, int], float] | None:
+        """The price of one decode-only step of ``num_decode`` rows as a plain-float function
+        of the total and the longest context (new token included): the folded run curve of
+        ``decode_run_durations`` evaluated per step, with ``math.hypot`` for the p = 2 knee
+        (a tenth of numpy's scalar call; it rounds differently from ``np.hypot`` in the last
+        bit for ~0.5% of pairs, so a price may differ from ``decode_run_durations``' by one
+        ulp). Decode jumps past finishes price their steps one at a time with it, as far as
+        the horizon (sim/fast_forward.py). None where the curve has no plain-float form: a
+        decode geometry that varies with the context, a tile term, streaming keys other than
+        the longest context, more than two waves, or a knee other than p = 2 or max."""
+        pricer = self._step_pricers.get(num_decode, _UNSET)
+        if pricer is _UNSET:
+            pricer = self._step_pricers[num_decode] = self._make_step_pricer(num_decode)
+        return pricer  # type: ignore[return-value]
+
+    def _make_step_pricer(self, nd: int) -> Callable[[int, int], float] | None:
+        if not nd or self.decomposer.decode_splits_vary(nd):
+            return None
+        curve = self._decode_curves.get((nd, None)) or self._run_curve(nd, None)
+        p = self._coefficients.sharpness
+        if curve.row is None or p not in (2.0, math.inf):
+            return None
+        return _step_pricer(curve.const, curve.waves, math.hypot if p == 2.0 else max)
 
     def _geometry_runs(self, nd: int, max_ctx: int, num_steps: int,
                        ) -> list[tuple[int, int, tuple[int, int]]] | None:
@@ -615,6 +642,42 @@ def _joint_row(const: float, waves: list[tuple[float, ...]], g: DecodeGeometry,
         return None
     a, b = [*waves, (0.0, 0.0, 0.0, 0.0, 0.0)][:2]
     return (const, a[0], b[0], a[1], b[1], a[2], b[2], a[4], b[4], a[3], b[3])
+
+
+_UNSET = object()
+
+
+def _step_pricer(const: float, waves: list[tuple[float, ...]],
+                 knee: Callable[[float, float], float]) -> Callable[[int, int], float]:
+    """``_decode_run``'s arithmetic for one step in plain floats, wave by wave in its order:
+    per wave (count, FLOP slope, byte slope, Q/O seconds, longest-block slope), the knee of
+    the FLOP seconds and the larger of the byte and longest-block seconds, times the count
+    (a count of 1.0 multiplies exactly), added to the constant. Integer contexts convert to
+    floats exactly, as numpy's float aranges of them do."""
+    if len(waves) == 1:
+        (c0, f0, b0, q0, m0), = waves
+        if c0 == 1.0:
+            def price(ctx: int, mx: int) -> float:
+                byte = b0 * ctx + q0
+                keys = m0 * mx
+                return const + knee(f0 * ctx, byte if byte >= keys else keys)
+        else:
+            def price(ctx: int, mx: int) -> float:
+                byte = b0 * ctx + q0
+                keys = m0 * mx
+                return const + c0 * knee(f0 * ctx, byte if byte >= keys else keys)
+        return price
+    (c0, f0, b0, q0, m0), (c1, f1, b1, q1, m1) = waves
+
+    def price2(ctx: int, mx: int) -> float:
+        byte = b0 * ctx + q0
+        keys = m0 * mx
+        k0 = knee(f0 * ctx, byte if byte >= keys else keys)
+        byte = b1 * ctx + q1
+        keys = m1 * mx
+        k1 = knee(f1 * ctx, byte if byte >= keys else keys)
+        return const + (k0 if c0 == 1.0 else c0 * k0) + (k1 if c1 == 1.0 else c1 * k1)
+    return price2
 
 
 def _knee2_arrays(x: np.ndarray, y: np.ndarray, p: float) -> np.ndarray:

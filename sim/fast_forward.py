@@ -155,18 +155,20 @@ def _jump_length(durations_fn, plan: StepPlan, k_max: int, start: float,
 
 def plan_run_jump(plan: StepPlan, block: DecodeBlock, run: DecodeRun, durations_fn,
                   start: float, horizon: float, free_blocks: int,
-                  max_steps: int = MAX_JUMP_STEPS, stretch_durations_fn=None) -> Jump | None:
+                  max_steps: int = MAX_JUMP_STEPS, stretch_durations_fn=None,
+                  step_pricer=None) -> Jump | None:
     """``plan_jump`` for a plan that is one decode block scheduling the whole decode run:
     the same jump, from the run's arrays (no per-row work). With ``stretch_durations_fn``
     (``Executor.decode_stretch_durations``) the jump may run past finishes (module
-    docstring); the caller passes it only when that is safe."""
+    docstring); the caller passes it only when that is safe. ``step_pricer``
+    (``Executor.decode_step_pricer``), if given, prices such a jump one step at a time."""
     # Run step s computes each member's token ctx0 + s + 1; this plan is run step
     # block.run_step, so jump step j (1-based) first needs a new block when
     # block.run_step + j - 1 >= bound.
     first = run.bound - (block.run_step - 1)
     if stretch_durations_fn is not None:
         return _run_jump_past_finishes(block, run, first, stretch_durations_fn, start,
-                                       horizon, free_blocks, max_steps)
+                                       horizon, free_blocks, max_steps, step_pricer)
     k_max = min(run.steps_left(), max_steps)
     if k_max < 2:
         return None
@@ -271,21 +273,47 @@ class _Stretches:
         self.ends += ends
         return True
 
+    def price_steps(self, pricer_for, horizon: float) -> bool:
+        """Price jump steps one at a time, ``pricer_for(rows)(ctx, mx)`` each
+        (``Executor.decode_step_pricer``), up to the first that ends at or after the horizon,
+        or ``k_max``: every step priced starts before the horizon, and none past it is. False
+        (nothing priced) if some stretch's batch has no such pricer."""
+        s0, n, k = self.s0, self.n, self.k_max
+        durations, ends = self.durations, self.ends
+        t = self.start
+        j = 1
+        while True:
+            i, f = self.at(j)
+            nd = n - i
+            price = pricer_for(nd)
+            if price is None:
+                durations.clear()
+                ends.clear()
+                return False
+            ctx, mx = self.members_after(i)
+            # Steps j..f have one membership: contexts (new token included) ctx0 + s0 + j.
+            f = min(f, k)
+            c, x = ctx + nd * (s0 + j), mx + s0 + j
+            while True:
+                d = price(c, x)
+                t += d  # the same sequential additions as env.now += duration
+                durations.append(d)
+                ends.append(t)
+                if t >= horizon or j == k:
+                    return True
+                j += 1
+                if j > f:
+                    break
+                c += nd
+                x += 1
 
-def _run_jump_past_finishes(block: DecodeBlock, run: DecodeRun, first: np.ndarray,
-                            stretch_durations_fn, start: float, horizon: float,
-                            free_blocks: int, max_steps: int) -> Jump | None:
-    s0 = block.run_step
-    last = run.end - s0  # the jump step in which each member samples its last token (>= 1)
-    bs = run.block_size
-    # Blocks freed by finishing members go to the back of the free queue and the jump's
-    # blocks come from its front, so as long as they fit the blocks free now, the jump hands
-    # out exactly the blocks step-by-step allocation would (stretch by stretch, so the pool's
-    # peak use is the same too).
-    k_max = _kv_cap(first, bs, min(int(last.max()), max_steps), free_blocks, last)
-    if k_max < 2:
-        return None
-    st = _Stretches(run, last, s0, k_max, stretch_durations_fn, start)
+
+def _price_jump_stretches(st: _Stretches, run: DecodeRun, horizon: float,
+                          k_max: int) -> int | None:
+    """Price a jump past finishes stretch by stretch with ``Executor.decode_stretch_durations``
+    (where no per-step pricer serves); returns how many steps are priced, None if the
+    executor cannot price them."""
+    start = st.start
     inf = math.isinf(horizon)
     # How far the jump goes is decided stretch by stretch, as _price_until decides it for
     # each (a first estimate, then as many steps as can start before the horizon); the
@@ -324,6 +352,33 @@ def _run_jump_past_finishes(block: DecodeBlock, run: DecodeRun, first: np.ndarra
         t = ends[p - 1]
         j0 = f + 1
     run.last_jump_step_time = d_last
+    return p
+
+
+def _run_jump_past_finishes(block: DecodeBlock, run: DecodeRun, first: np.ndarray,
+                            stretch_durations_fn, start: float, horizon: float,
+                            free_blocks: int, max_steps: int,
+                            step_pricer=None) -> Jump | None:
+    s0 = block.run_step
+    last = run.end - s0  # the jump step in which each member samples its last token (>= 1)
+    bs = run.block_size
+    # Blocks freed by finishing members go to the back of the free queue and the jump's
+    # blocks come from its front, so as long as they fit the blocks free now, the jump hands
+    # out exactly the blocks step-by-step allocation would (stretch by stretch, so the pool's
+    # peak use is the same too).
+    k_max = _kv_cap(first, bs, min(int(last.max()), max_steps), free_blocks, last)
+    if k_max < 2:
+        return None
+    st = _Stretches(run, last, s0, k_max, stretch_durations_fn, start)
+    if step_pricer is not None and st.price_steps(step_pricer, horizon):
+        # Every step that starts before the horizon, priced and no more.
+        p = len(st.durations)
+        run.last_jump_step_time = st.durations[-1]
+    else:
+        p = _price_jump_stretches(st, run, horizon, k_max)
+        if p is None:
+            return None
+    durations, ends = st.durations, st.ends
     # Steps that start strictly before the horizon (_steps_before over the priced ones).
     k = min(p, 1 + bisect.bisect_left(ends, horizon, 0, p - 1))
     if k < 2:

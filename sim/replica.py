@@ -236,7 +236,8 @@ class Replica:
                         plan, block, run, self.executor.decode_durations, start,
                         horizon, self.kv.num_free_blocks, max_steps,
                         stretch_durations_fn=(self.executor.decode_stretch_durations
-                                              if past else None))
+                                              if past else None),
+                        step_pricer=self.executor.decode_step_pricer if past else None)
                 else:
                     jump = plan_jump(plan, requests, self.executor.decode_durations, start,
                                      horizon, self.kv.num_free_blocks, self.kv.block_size,

@@ -1,12 +1,15 @@
-"""A decode jump past finishes prices its stretches ahead in one call
+"""A decode jump past finishes prices its steps one at a time
+(``Executor.decode_step_pricer``) or its stretches ahead in one call
 (``Executor.decode_stretch_durations``): the cost model's joint pass must give, bit for bit,
-the floats pricing each stretch on its own gives, and a jump's stops, batch sizes and
+the floats pricing each stretch on its own gives, the per-step pricer the same curve's
+floats (to the last bit but for math.hypot's rounding), and a jump's stops, batch sizes and
 finishing members must be what the run's own counters say."""
 
 import math
 from dataclasses import replace
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -89,8 +92,9 @@ def _run_of(contexts: list[int], remaining: list[int]) -> tuple[StepBuilder, KVB
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(remaining=st.lists(st.integers(1, 60), min_size=12, max_size=40),
-       horizon=st.one_of(st.just(math.inf), st.floats(0.01, 3.0)))
-def test_a_jumps_stops_batch_sizes_and_finishers_follow_the_runs_counters(remaining, horizon):
+       horizon=st.one_of(st.just(math.inf), st.floats(0.01, 3.0)), per_step=st.booleans())
+def test_a_jumps_stops_batch_sizes_and_finishers_follow_the_runs_counters(remaining, horizon,
+                                                                          per_step):
     contexts = [100 + 37 * i for i in range(len(remaining))]
     builder, kv = _run_of(contexts, remaining)
     run = builder.run
@@ -98,9 +102,23 @@ def test_a_jumps_stops_batch_sizes_and_finishers_follow_the_runs_counters(remain
     assert builder.schedule_decode_run(builder.running, 4096)
     block = builder.build().decode_block
     ex = JOINT[0]
+    by_stretches: list[int] = []  # calls of the stretch pricer (the per-step one gave up)
+
+    def stretch_prices(parts):
+        by_stretches.append(len(parts))
+        return ex.decode_stretch_durations(parts)
+
     jump = plan_run_jump(None, block, run, ex.decode_durations, 0.0, horizon,
-                         kv.num_free_blocks, stretch_durations_fn=ex.decode_stretch_durations)
+                         kv.num_free_blocks, stretch_durations_fn=stretch_prices,
+                         step_pricer=ex.decode_step_pricer if per_step else None)
     last = (run.end - block.run_step).tolist()  # each member's last jump step
+    # Priced one step at a time unless a batch size on the way has no per-step pricer (ten
+    # rows or fewer here: their decode geometry varies with the context).
+    gave_up = per_step and bool(by_stretches)
+    if gave_up:
+        assert any(ex.decode_step_pricer(sum(f >= j for f in last)) is None
+                   for j in range(1, max(last) + 1))
+    per_step = per_step and not gave_up
     if jump is None:
         # No second step: nobody decodes past the first, or the second would start at or
         # after the horizon (the pool is large enough for every token here).
@@ -122,7 +140,13 @@ def test_a_jumps_stops_batch_sizes_and_finishers_follow_the_runs_counters(remain
         alive = [i for i, f in enumerate(last) if f >= j]
         ctx = sum(int(run.ctx0[i]) + block.run_step + j for i in alive)
         mx = max(int(run.ctx0[i]) for i in alive) + block.run_step + j
-        assert jump.durations[j - 1] == ex.decode_run_durations(len(alive), ctx, mx, 1)[0]
+        want = (ex.decode_step_pricer(len(alive))(ctx, mx) if per_step
+                else ex.decode_run_durations(len(alive), ctx, mx, 1)[0])
+        assert jump.durations[j - 1] == want
+    ends = np.cumsum(jump.durations)  # left to right, as the jump adds them from 0.0
+    assert np.array_equal(ends, jump.ends) and (k < 2 or ends[k - 2] < horizon)
+    if per_step:  # every step that starts before the horizon, and none after
+        assert ends[k - 1] >= horizon or k == max(last)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -153,3 +177,42 @@ def test_next_bound_stays_a_lower_bound_and_grants_find_exactly_who_needs_a_bloc
             for req in out:
                 builder._q.remove_running(req)
                 kv.free(req.request_id)
+
+
+@pytest.mark.parametrize("which", range(len(JOINT)))
+def test_the_per_step_pricer_is_the_run_curve_step_by_step(which):
+    # decode_step_pricer evaluates decode_run_durations' folded curve one step at a time:
+    # the same floats but for math.hypot's rounding (p = 2: within an ulp; max: exactly),
+    # and no pricer where the curve has no plain-float form.
+    ex = JOINT[which]
+    p = ex._coefficients.sharpness
+    rng = np.random.default_rng(7 + which)
+    equal = total = 0
+    for nd in (1, 2, 5, 10, 11, 12, 27, 44, 45, 54, 55, 82, 128, 300):
+        pricer = ex.decode_step_pricer(nd)
+        plain = (not ex.decomposer.decode_splits_vary(nd)
+                 and ex._run_curve(nd, None).row is not None and p in (2.0, math.inf))
+        assert (pricer is not None) == plain, nd
+        if pricer is None:
+            continue
+        assert ex.decode_step_pricer(nd) is pricer  # memoized
+        for _ in range(10):
+            mx = int(rng.integers(1, 9000))
+            ctx = nd * mx - int(rng.integers(0, nd))
+            want = ex.decode_run_durations(nd, ctx, mx, 6)
+            got = [pricer(ctx + nd * i, mx + i) for i in range(6)]
+            assert got == pytest.approx(want.tolist(), rel=5e-16, abs=0)
+            if p == math.inf:
+                assert got == want.tolist()
+            equal += sum(a == b for a, b in zip(got, want.tolist()))
+            total += 6
+    assert total == 0 or equal / total > 0.95  # an ulp apart only where the hypots round apart
+
+
+def test_new_coefficients_give_new_per_step_pricers():
+    ex = _joint_models()[0]
+    before = ex.decode_step_pricer(45)(45 * 900, 1000)
+    ex.coefficients = replace(ex.coefficients, s_per_attn_kernel=ex.coefficients.s_per_attn_kernel
+                              + 1e-3)
+    after = ex.decode_step_pricer(45)(45 * 900, 1000)
+    assert after == pytest.approx(before + 1e-3 * ex._decode_constants(45, None)[6], rel=1e-9)
