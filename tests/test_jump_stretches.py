@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from executors.base import Executor
 from executors.cost_model import RooflineCostModel
-from sim.fast_forward import plan_run_jump
+from sim.fast_forward import _Stretches, plan_run_jump
 from sim.kv_manager import KVBlockManager
 from sim.request import Request, RequestStatus
 from sim.step_builder import ReplicaQueues, StepBuilder
@@ -124,7 +124,8 @@ def test_a_jumps_stops_batch_sizes_and_finishers_follow_the_runs_counters(remain
         # after the horizon (the pool is large enough for every token here).
         ctx = sum(int(c) + block.run_step + 1 for c in run.ctx0)
         mx = max(int(c) for c in run.ctx0) + block.run_step + 1
-        first_end = ex.decode_run_durations(len(last), ctx, mx, 1)[0]
+        first_end = (ex.decode_step_pricer(len(last))(ctx, mx) if per_step
+                     else ex.decode_run_durations(len(last), ctx, mx, 1)[0])
         assert max(last) < 2 or first_end >= horizon
         return
     k = jump.num_steps
@@ -182,7 +183,7 @@ def test_next_bound_stays_a_lower_bound_and_grants_find_exactly_who_needs_a_bloc
 @pytest.mark.parametrize("which", range(len(JOINT)))
 def test_the_per_step_pricer_is_the_run_curve_step_by_step(which):
     # decode_step_pricer evaluates decode_run_durations' folded curve one step at a time:
-    # the same floats but for math.hypot's rounding (p = 2: within an ulp; max: exactly),
+    # the same floats but for math.hypot's rounding (p = 2: an ulp or two; max: exactly),
     # and no pricer where the curve has no plain-float form.
     ex = JOINT[which]
     p = ex._coefficients.sharpness
@@ -206,13 +207,65 @@ def test_the_per_step_pricer_is_the_run_curve_step_by_step(which):
                 assert got == want.tolist()
             equal += sum(a == b for a, b in zip(got, want.tolist()))
             total += 6
-    assert total == 0 or equal / total > 0.95  # an ulp apart only where the hypots round apart
+    assert total == 0 or equal / total > 0.95  # apart only where the hypots round apart
 
 
 def test_new_coefficients_give_new_per_step_pricers():
-    ex = _joint_models()[0]
+    ex = _cost_models()[0]  # its own instance: the shared ones stay as they are
     before = ex.decode_step_pricer(45)(45 * 900, 1000)
     ex.coefficients = replace(ex.coefficients, s_per_attn_kernel=ex.coefficients.s_per_attn_kernel
                               + 1e-3)
     after = ex.decode_step_pricer(45)(45 * 900, 1000)
     assert after == pytest.approx(before + 1e-3 * ex._decode_constants(45, None)[6], rel=1e-9)
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(remaining=st.lists(st.integers(1, 40), min_size=1, max_size=30),
+       horizon=st.one_of(st.just(math.inf), st.floats(0.0, 0.5)), s0_steps=st.integers(0, 5),
+       k_cap=st.integers(2, 50), rows_without=st.integers(0, 12))
+def test_priced_step_by_step_every_step_that_starts_before_the_horizon(
+        remaining, horizon, s0_steps, k_cap, rows_without):
+    # price_steps against a brute force: step j's batch is the members whose last step is j
+    # or later, their contexts ctx0 + s0 + j; steps are priced until one ends at or after
+    # the horizon (or k_max), each end the sum of the ones before; a batch of up to
+    # ``rows_without`` rows has no pricer, and then nothing is priced.
+    contexts = [50 + 29 * i for i in range(len(remaining))]
+    builder, kv = _run_of(contexts, [r + s0_steps for r in remaining])
+    run = builder.run
+    run.take_steps([0.001 * (i + 1) for i in range(s0_steps)])  # a run some steps along
+    last = run.end - run.steps
+    k_max = min(int(last.max()), k_cap)
+
+    def pricer_for(nd):
+        if nd <= rows_without:
+            return None
+        return lambda ctx, mx: 1e-3 * nd + 1e-7 * ctx + 3e-7 * mx
+
+    st_ = _Stretches(run, last, run.steps, k_max, None, 1.0)
+    priced = st_.price_steps(pricer_for, 1.0 + horizon)
+    want, ends, t = [], [], 1.0
+    for j in range(1, k_max + 1):
+        alive = [i for i, f in enumerate(last.tolist()) if f >= j]
+        if len(alive) <= rows_without:
+            assert not priced and st_.durations == [] and st_.ends == []
+            return
+        ctx = sum(int(run.ctx0[i]) + run.steps + j for i in alive)
+        mx = max(int(run.ctx0[i]) for i in alive) + run.steps + j
+        want.append(pricer_for(len(alive))(ctx, mx))
+        t += want[-1]
+        ends.append(t)
+        if t >= 1.0 + horizon:
+            break
+    assert priced and st_.durations == want and st_.ends == ends
+
+
+def test_a_step_ending_exactly_at_the_horizon_is_the_last_priced():
+    # The next step would start at the horizon, where an arrival may change the batch.
+    builder, _ = _run_of([100 + 29 * i for i in range(20)], [30] * 20)
+    run = builder.run
+    last = run.end - run.steps
+    price = {20: lambda ctx, mx: 0.25}.get  # exact binary fractions: ends 1.25, 1.5, ...
+    for horizon, k in ((1.5, 2), (1.5000001, 3), (1.25, 1)):
+        st_ = _Stretches(run, last, run.steps, 30, None, 1.0)
+        assert st_.price_steps(price, horizon)
+        assert st_.ends == [1.0 + 0.25 * j for j in range(1, k + 1)], horizon
