@@ -19,8 +19,10 @@ The jump ends at the first of:
 and nothing waits or is swapped out, a policy that declares
 ``Policy.decode_jumps_past_finishes`` would plan the same run minus the finished members
 after a finish (no one can take the freed seat or blocks). The jump then goes on through
-finishes: it is priced as stretches of equal membership (``Executor.decode_stretch_durations``),
-and the replica stops at the end of each step in which members finish, to finish them at
+finishes: it is priced one step at a time as far as the horizon
+(``Executor.decode_step_pricer``), or, for batches without a plain-float price, as stretches
+of equal membership (``Executor.decode_stretch_durations``), and the replica stops at the end
+of each step in which members finish, to finish them at
 their exact time (so routers, callbacks and ``requests.csv`` see what step-by-step
 simulation shows), without planning or pricing anything there.
 """
