@@ -27,8 +27,8 @@ With ``executor.profile=<file>`` the prices come from a fitted hardware profile 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
 from collections.abc import Callable
+from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -379,7 +379,7 @@ class RooflineCostModel(Executor):
     def _make_step_pricer(self, nd: int) -> Callable[[int, int], float] | None:
         if not nd or self.decomposer.decode_splits_vary(nd):
             return None
-        curve = self._decode_curves.get((nd, None)) or self._run_curve(nd, None)
+        curve = self._run_curve(nd, None)
         p = self._coefficients.sharpness
         if curve.row is None or p not in (2.0, math.inf):
             return None
@@ -415,25 +415,15 @@ class RooflineCostModel(Executor):
         return curve
 
     def _decode_step(self, curve: _RunCurve, ctx: float, mx: float) -> np.ndarray:
-        """``_decode_run`` of one step (one stretch in eight) in plain floats: the same
-        products, sums and maxima, and numpy's own hypot on two floats (Python's math.hypot
-        rounds differently), so the same float. Curves whose keys are the longest context
-        and with no tile term."""
-        out = curve.const
+        """``_decode_run`` of one step (one stretch in eight) in plain floats
+        (``_step_pricer``'s arithmetic, with numpy's own hypot on two floats: Python's
+        math.hypot rounds differently), so the same float. Curves whose keys are the longest
+        context and with no tile term."""
         p = self._coefficients.sharpness
-        for count, a_flop, a_byte, b_byte, a_max in curve.waves:
-            flop = a_flop * ctx
-            byte = a_byte * ctx + b_byte
-            keys = a_max * mx
-            hbm = max(byte, keys)  # np.maximum's value
-            if p == 2.0:
-                knee = float(np.hypot(flop, hbm))
-            elif p == math.inf:
-                knee = max(flop, hbm)
-            else:  # the generic p-norm: leave it to the array path
-                return self._decode_run(curve, np.array([ctx]), np.array([mx]))
-            out = out + (knee if count == 1.0 else count * knee)
-        return np.array([out])
+        if p not in (2.0, math.inf):  # the generic p-norm: leave it to the array path
+            return self._decode_run(curve, np.array([ctx]), np.array([mx]))
+        knee = _np_hypot if p == 2.0 else max
+        return np.array([_step_pricer(curve.const, curve.waves, knee)(ctx, mx)])
 
     def _decode_run(self, curve: _RunCurve, ctx: np.ndarray, mx: np.ndarray) -> np.ndarray:
         """Durations of decode-only steps of one ``_run_curve`` at total contexts ``ctx`` and
@@ -645,6 +635,10 @@ def _joint_row(const: float, waves: list[tuple[float, ...]], g: DecodeGeometry,
 
 
 _UNSET = object()
+
+
+def _np_hypot(x: float, y: float) -> float:
+    return float(np.hypot(x, y))
 
 
 def _step_pricer(const: float, waves: list[tuple[float, ...]],
