@@ -20,7 +20,7 @@ waiting requests to admit and how, the running order, and the memory-pressure vi
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from policies.base import POLICIES, Policy
 from policies.budget import (
@@ -42,6 +42,7 @@ class FCFSPolicy(Policy):
     # budget stay), so a decode-only step repeats until an arrival, finish or KV shortage.
     supports_decode_jumps = True
     decode_jumps_past_finishes = True
+    array_core = True
 
     def schedule(self, step: StepBuilder) -> StepPlan:
         cfg = self.config
@@ -55,6 +56,23 @@ class FCFSPolicy(Policy):
         if not preempted and step.swapped:
             resume_swapped(step, budget, self.swapped_order(step))
         return step.build()
+
+    def head_admissions(self, pending: Iterable[int], seats: int) -> tuple[int, int]:
+        """The array core's admission (sim/array_core.py): how many requests from the head
+        of the waiting queue, whose pending prefill tokens ``pending`` gives in queue order,
+        the next step admits, and their tokens; ``seats``: free places under
+        ``max_num_seqs``. It runs only where the KV pool can never bind and nothing is ever
+        preempted or swapped, and there this is ``admit``'s rule in strict order: whole
+        prompts while the seats and the step's token budget last, stopping at the first that
+        does not fit (tests/test_array_core.py checks the two agree)."""
+        budget = self.config.max_num_batched_tokens
+        count = tokens = 0
+        for n in pending:
+            if count >= seats or tokens + n > budget:
+                break
+            count += 1
+            tokens += n
+        return count, tokens
 
     # ---- hooks --------------------------------------------------------------------------
     def admit_waiting(self, step: StepBuilder, budget: Budget) -> list[Request]:

@@ -25,6 +25,8 @@ from sim.step_builder import StepBuilder
 
 
 class OrderedPolicy(FCFSPolicy):
+    array_core = False  # admits in its own order, not the queue's head (FCFS's rule)
+
     def __init__(self, config: PolicyConfig, seed: int = 0) -> None:
         super().__init__(config, seed)
         self.queue = WaitingHeap(self.waiting_key)

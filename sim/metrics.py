@@ -173,6 +173,28 @@ class MetricsCollector:
         if req.finish_time > self.last_finish:
             self.last_finish = req.finish_time
 
+    def add_finished(self, prompt_len: int, arrival: float, first: float, finish: float,
+                     later_times: array) -> None:
+        """``on_finished`` for a request given as values (the array core, sim/array_core.py):
+        it never was preempted or swapped, sampled its first token at ``first`` and one more
+        at each time of ``later_times`` (the last at ``finish``)."""
+        self.completed += 1
+        self.input_tokens += prompt_len
+        n = len(later_times) + 1
+        self.output_tokens += n
+        self.ttft.append(first - arrival)
+        if n > 1:
+            self.tpot.append((later_times[-1] - first) / (n - 1))
+            buf = self._times
+            buf.append(first)
+            buf.extend(later_times)
+            self._ends.append(len(buf))
+            if len(buf) >= _ITL_BATCH:
+                self._flush_itl()
+        self.e2el.append(finish - arrival)
+        if finish > self.last_finish:
+            self.last_finish = finish
+
     def _flush_itl(self) -> None:
         """Move the gaps of the requests finished since the last call into ``_itl``."""
         if not self._ends:

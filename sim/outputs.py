@@ -196,7 +196,7 @@ def request_row(req: Request) -> tuple:
 # ``%d`` and ``%s`` write what the writer's str() does for the integer columns, ``%r`` the
 # same repr() request_row applies to the time columns, and no field needs quoting (integer
 # ids, no reject reason, times and space-separated token ids only).
-_FINISHED_LINE = "%d,%d,finished,,%d,%r,%s,%s,%s,%r,%r,%r,%r,%r,%s,%r,%s,%s,%s,%s\r\n"
+FINISHED_REQUEST_LINE = "%d,%d,finished,,%d,%r,%s,%s,%s,%r,%r,%r,%r,%r,%s,%r,%s,%s,%s,%s\r\n"
 _FINISHED = RequestStatus.FINISHED
 
 
@@ -215,7 +215,7 @@ def finished_request_line(req: Request) -> str | None:
     if scheduled is None or first is None or finish is None:
         return None
     ids = req.output_token_ids
-    return _FINISHED_LINE % (
+    return FINISHED_REQUEST_LINE % (
         req.request_id, req.replica_id, req.priority, arrival, req.prompt_len,
         req.max_output_len, n, float(scheduled), float(first), float(finish),
         scheduled - arrival, first - arrival,

@@ -20,6 +20,7 @@ import executors
 import policies
 import workloads
 from executors.base import Executor
+from sim.array_core import ArrayCore, WorkloadArrays, array_core_blocker, pool_blocker
 from sim.cluster.colocated import Colocated
 from sim.cluster.config import ClusterConfig, DisaggregatedConfig, cluster_config_from
 from sim.cluster.disaggregated import Disaggregated
@@ -40,7 +41,7 @@ from sim.specs import (HardwareSpec, ModelSpec, hardware_spec_from, load_hardwar
 
 SECTIONS = ("model", "hardware", "policy", "workload", "executor", "cluster", "kv")
 TOP_LEVEL = {*SECTIONS, "seed", "progress", "check_integrity", "output_dir", "step_mode",
-             "device", "itl_quantiles", "record_steps"}
+             "device", "itl_quantiles", "record_steps", "array_core"}
 
 
 @dataclass(frozen=True)
@@ -112,6 +113,10 @@ class Simulation:
         require(self.itl_quantiles in ("exact", "streaming"), "itl_quantiles",
                 f"must be exact or streaming, got {self.itl_quantiles!r}")
         self.record_steps = as_bool(cfg.get("record_steps", True), "record_steps")
+        # step_mode=fast on the array core where it applies (sim/array_core.py).
+        self.array_core = as_bool(cfg.get("array_core", True), "array_core")
+        # Why the last run did not use the array core (None: it did, or no run yet).
+        self.array_core_skipped: str | None = None
 
         self.model: ModelSpec = model_spec_from(_section(cfg, "model"), "model config")
         self.hardware: HardwareSpec = hardware_spec_from(_section(cfg, "hardware"), "hardware config")
@@ -245,6 +250,9 @@ class Simulation:
 
     # ---- run ----------------------------------------------------------------------------
     def run(self) -> SimulationResult:
+        core = self._array_core()
+        if core is not None:
+            return core.run()
         wall0 = time.perf_counter()
         env = simpy.Environment()
         out = self.out_dir
@@ -292,11 +300,17 @@ class Simulation:
         if deployment.num_unfinished:
             raise SimulationStalled(deployment.stall_message())
         wall = time.perf_counter() - wall0
-        summary = self._summary(metrics, deployment.replicas, env.now, wall)
+        reps = deployment.replicas
+        summary = self._summary(
+            metrics, env.now, wall, kv_peak_blocks=None,
+            kv_peak_usage=max(r.kv.peak_used_blocks / r.kv.num_gpu_blocks for r in reps),
+            num_steps=sum(r.num_steps for r in reps),
+            num_decode_jumps=sum(r.num_jumps for r in reps),
+            num_swap_fallbacks=sum(r.builder.num_swap_fallbacks for r in reps),
+            engine="replica")
         if self.is_cluster:
             summary.update(cluster_summary(self.cluster, self.pools, deployment, env.now))
-        if out is not None:
-            (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        self._write_summary(summary)
         return SimulationResult(summary, metrics, deployment.replicas, self.memory, kept,
                                 req_sink, step_sink, deployment)
 
@@ -343,20 +357,39 @@ class Simulation:
             rows.extra = deployment.extra_columns
         return deployment
 
-    def _summary(self, metrics: MetricsCollector, replicas: list[Replica], sim_end: float,
-                 wall: float) -> dict[str, Any]:
+    def _array_core(self) -> ArrayCore | None:
+        """The array core for this run, or None (the reason in ``array_core_skipped``)."""
+        reason = array_core_blocker(self)
+        if reason is None:
+            arrays = WorkloadArrays.collect(self.workload)
+            reason = arrays if isinstance(arrays, str) else pool_blocker(self, arrays)
+        self.array_core_skipped = reason
+        return None if reason is not None else ArrayCore(self, arrays)  # type: ignore[arg-type]
+
+    def _write_summary(self, summary: dict[str, Any]) -> None:
+        if self.out_dir is not None:
+            (self.out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+
+    def _summary(self, metrics: MetricsCollector, sim_end: float, wall: float, *,
+                 kv_peak_blocks: int | None, num_steps: int, num_decode_jumps: int,
+                 num_swap_fallbacks: int, engine: str,
+                 kv_peak_usage: float | None = None) -> dict[str, Any]:
         s = metrics.summary()
-        kv = replicas[0].kv
+        mem = self.memory
+        if kv_peak_usage is None:
+            kv_peak_usage = (kv_peak_blocks or 0) / mem.num_gpu_blocks
         s.update({
-            "kv_block_size": kv.block_size,
-            "kv_num_gpu_blocks": kv.num_gpu_blocks,
-            "kv_num_cpu_blocks": kv.num_cpu_blocks,
+            "kv_block_size": self.kv_cfg.block_size,
+            "kv_num_gpu_blocks": mem.num_gpu_blocks,
+            "kv_num_cpu_blocks": mem.num_cpu_blocks,
             "kv_bytes_per_token": int(self.model.kv_bytes_per_token),
-            "kv_peak_usage": max(r.kv.peak_used_blocks / r.kv.num_gpu_blocks for r in replicas),
-            "num_steps": sum(r.num_steps for r in replicas),
-            "num_decode_jumps": sum(r.num_jumps for r in replicas),
+            "kv_peak_usage": kv_peak_usage,
+            "num_steps": num_steps,
+            "num_decode_jumps": num_decode_jumps,
             "step_mode": self.step_mode,
-            "num_swap_fallbacks": sum(r.builder.num_swap_fallbacks for r in replicas),
+            # The loop that ran: the replica (simpy) or the array core (sim/array_core.py).
+            "step_engine": engine,
+            "num_swap_fallbacks": num_swap_fallbacks,
             "simulated_duration_s": sim_end,
             "wall_time_s": wall,
             "model": self.model.name,

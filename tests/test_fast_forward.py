@@ -129,8 +129,10 @@ def test_state_seen_at_a_jump_stop_is_step_by_step(monkeypatch, load):
             seen[round(now, 9)] = (self.kv.num_used_blocks, running)
 
         monkeypatch.setattr(Replica, "_finish", spy)
+        # The replica loop's jump stops (the array core has no Replica to watch).
         res = Simulation(compose_cfg(f"step_mode={mode}", "policy=fcfs", "model=tiny",
-                                     "workload.output_len.max=120", *load)).run()
+                                     "array_core=false", "workload.output_len.max=120",
+                                     *load)).run()
         monkeypatch.setattr(Replica, "_finish", finish)
         return seen, res.replicas[0].num_jump_stops
 

@@ -1,0 +1,443 @@
+"""The array core: step_mode=fast for one replica whose KV pool can never run short, with no
+per-request object, no simpy event and no block id in the loop.
+
+Where every request a policy may run at once fits the pool together (``max_num_seqs`` times
+the largest request's blocks, above the watermark), nothing is ever preempted, swapped or
+refused a block, and a run is a chain of prefill steps (admissions) and decode stretches
+(every member gains one token per step). That chain is computed here on plain numbers:
+
+* the batch sits in fixed slots; the finishing order comes from a heap keyed by (last decode
+  step, arrival index), the running order's ties as the replica breaks them; the total and
+  the longest context are kept as a running sum and a lazy max-heap, since a member's context
+  is its prompt plus the decode steps taken since its admission;
+* each decode step is priced in plain floats (``Executor.decode_step_pricer``, else the
+  cost model's ``decode_run_durations``) up to the first step that ends at or after the next
+  arrival; members finishing on the way leave at the end of their last step, as in decode
+  jumps past finishes (sim/fast_forward.py);
+* KV blocks are counted, not handed out: a member holds ceil(context / block size) blocks, and
+  the blocks in use at any step follow in closed form from the members' contexts modulo the
+  block size (``_BlockCount``);
+* each request's token times are the end times of the decode steps it took part in, kept
+  once per step (not per member) until its last member leaves.
+
+The policy still decides: it admits through ``Policy.head_admissions`` (FCFS's rule on
+arrays), and only policies with ``array_core = True`` run here. The outputs (requests.csv,
+steps.csv, summary.json) are the replica loop's to 1e-9 relative in the times (decode steps
+are priced one at a time here, by other paths than the replica's jumps: the last bits of a
+duration may differ), except ``num_decode_jumps``, which counts this core's stretches, and
+``wall_time_s``. ``Simulation.run`` uses it when ``array_core_blocker`` finds nothing in the
+way and falls back to the replica loop otherwise. tests/test_array_core.py checks it
+against step-by-step simulation.
+"""
+
+from __future__ import annotations
+
+import time
+from array import array
+from bisect import bisect_left, bisect_right
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from heapq import heappop, heappush, nlargest
+from itertools import accumulate
+from typing import TYPE_CHECKING, Any
+
+from sim.kv_manager import blocks_for
+from sim.metrics import MetricsCollector
+from sim.outputs import (FINISHED_REQUEST_LINE, REQUEST_COLUMNS, STEP_COLUMNS, STEP_ROW_FORMAT,
+                         CsvSink, DecodeStepRows, NullSink)
+from sim.plan import ScheduledRequest, StepPlan
+from sim.progress import Progress
+
+if TYPE_CHECKING:
+    from sim.simulation import Simulation, SimulationResult
+
+# Heap keys pack (step, arrival index, slot) into one int: slots and indices have these bits.
+_SLOT_BITS = 20
+_INDEX_BITS = 32
+_INDEX_MASK = (1 << _INDEX_BITS) - 1
+# Contexts stored as offsets from the decode step count may be negative: shift them positive.
+_CTX_OFFSET = 1 << 62
+# Decode step end times older than every member's admission are dropped past this many.
+_TIMES_KEPT = 1 << 20
+
+
+def array_core_blocker(sim: Simulation) -> str | None:
+    """Why this run cannot use the array core before looking at its requests, or None."""
+    from executors.cost_model import RooflineCostModel
+
+    if not sim.array_core:
+        return "array_core=false"
+    if sim.step_mode != "fast":
+        return "step_mode=exact"
+    if sim.is_cluster:
+        return "a cluster (several replicas, pipeline stages or disaggregation)"
+    if sim.check_integrity:
+        return "check_integrity=true"
+    if sim.keep_requests:
+        return "keep_requests (Request objects wanted)"
+    if not getattr(sim.policy, "array_core", False):
+        return f"policy {sim.policy.config.name!r} does not decide on arrays"
+    ex = sim.executor
+    if type(ex) is not RooflineCostModel or ex.produces_tokens:
+        return f"executor {type(ex).__name__} (the array core prices with the cost model)"
+    return None
+
+
+@dataclass
+class WorkloadArrays:
+    """A workload's requests as columns, in arrival order."""
+
+    request_ids: array
+    priorities: array
+    arrivals: array
+    prompt_lens: array
+    output_lens: array
+
+    @classmethod
+    def collect(cls, requests: Any) -> WorkloadArrays | str:
+        """The columns of ``requests`` (an iterable of Request), or why they cannot be kept as
+        plain numbers (ids or priorities that are not ints, token ids given)."""
+        out = cls(array("q"), array("q"), array("d"), array("q"), array("q"))
+        ids, pri, arr, pl, ol = (out.request_ids.append, out.priorities.append,
+                                 out.arrivals.append, out.prompt_lens.append,
+                                 out.output_lens.append)
+        for r in requests:
+            rid, p = r.request_id, r.priority
+            if type(rid) is not int or type(p) is not int or r.prompt_token_ids is not None:
+                return f"request {rid!r}: ids and priorities other than ints, or token ids"
+            ids(rid)
+            pri(p)
+            arr(r.arrival_time)
+            pl(r.prompt_len)
+            ol(r.max_output_len)
+        return out
+
+
+def pool_blocker(sim: Simulation, w: WorkloadArrays) -> str | None:
+    """Why the KV pool could bind on this workload (or a request be refused), or None: the
+    array core counts blocks and never preempts, so every request the policy may run at once
+    must fit the pool together, above the admission watermark."""
+    if not len(w.arrivals):
+        return "no requests"
+    cfg = sim.policy.config
+    totals = [p + o for p, o in zip(w.prompt_lens, w.output_lens)]
+    if max(totals) > sim.model.max_model_len:
+        return "a request longer than model.max_model_len (refused at arrival)"
+    if max(w.prompt_lens) > cfg.max_num_batched_tokens:
+        return "a prompt longer than policy.max_num_batched_tokens (refused at arrival)"
+    blocks = sim.memory.num_gpu_blocks
+    watermark = int(cfg.kv_watermark * blocks)  # StepBuilder.watermark_blocks
+    # The most a full batch can ever hold: its members' blocks at their last tokens
+    # (full_length: prompt + output - 1), for the max_num_seqs largest requests.
+    bs = sim.kv_cfg.block_size
+    largest = nlargest(cfg.max_num_seqs, totals)
+    need = sum(blocks_for(n - 1, bs) for n in largest)
+    if need > blocks - watermark:
+        return (f"the KV pool can bind (the {len(largest)} largest requests hold {need} blocks "
+                f"> {blocks} - {watermark} watermark blocks)")
+    return None
+
+
+class _BlockCount:
+    """The KV blocks the members hold, in closed form: a member whose context at decode step
+    count k is ``c + k`` holds ceil((c + k) / B) blocks; with c = B q + r (0 <= r < B) and
+    k = B Q + R that is q + Q + (0 if r + R == 0, 1 if r + R <= B, else 2), so the sum needs
+    only the members' sum of q and their count per residue r."""
+
+    __slots__ = ("bs", "count", "sum_q", "members")
+
+    def __init__(self, block_size: int) -> None:
+        self.bs = block_size
+        self.count = [0] * block_size
+        self.sum_q = 0
+        self.members = 0
+
+    def add(self, c: int, sign: int) -> None:
+        q, r = divmod(c, self.bs)
+        self.count[r] += sign
+        self.sum_q += sign * q
+        self.members += sign
+
+    def at(self, k: int) -> int:
+        bs = self.bs
+        q, r = divmod(k, bs)
+        n = self.members
+        if r == 0:
+            return self.sum_q + n * q + n - self.count[0]
+        return self.sum_q + n * q + n + sum(self.count[bs + 1 - r:])
+
+
+class ArrayCore:
+    """One run of the array core (see the module docstring); ``run`` returns what
+    ``Simulation.run`` does."""
+
+    def __init__(self, sim: Simulation, w: WorkloadArrays) -> None:
+        self.sim = sim
+        self.w = w
+        self.executor = sim.executor
+        self.policy = sim.policy
+        self.block_size = sim.kv_cfg.block_size
+        self.num_gpu_blocks = sim.memory.num_gpu_blocks
+        self._prefill_prices: dict[tuple[int, ...], float] = {}
+
+    def prefill_seconds(self, prompts: tuple[int, ...]) -> float:
+        """A prefill-only step of these whole prompts, nothing cached, as the executor prices
+        the replica's plan for it (memoized: the same prompts give the same step)."""
+        d = self._prefill_prices.get(prompts)
+        if d is None:
+            plan = StepPlan([ScheduledRequest(i, 0, p, [], True) for i, p in enumerate(prompts)])
+            d = self._prefill_prices[prompts] = self.executor.execute(plan).duration
+        return d
+
+    def run(self) -> SimulationResult:
+        from sim.simulation import SimulationResult
+
+        sim = self.sim
+        wall0 = time.perf_counter()
+        out = sim.out_dir
+        if out is not None:
+            out.mkdir(parents=True, exist_ok=True)
+        req_sink = CsvSink(out / "requests.csv" if out else None, REQUEST_COLUMNS)
+        step_sink = (CsvSink(out / "steps.csv" if out else None, STEP_COLUMNS)
+                     if sim.record_steps else NullSink(STEP_COLUMNS))
+        metrics = MetricsCollector(sim.itl_quantiles)
+        progress = Progress(len(self.w.arrivals), sim.progress_enabled)
+        try:
+            end, steps, stretches, peak = self._loop(metrics, req_sink, step_sink, progress)
+        finally:
+            progress.close()
+            req_sink.close()
+            step_sink.close()
+        metrics.first_arrival = self.w.arrivals[0]
+        summary = sim._summary(metrics, end, time.perf_counter() - wall0, kv_peak_blocks=peak,
+                               num_steps=steps, num_decode_jumps=stretches,
+                               num_swap_fallbacks=0, engine="array_core")
+        sim._write_summary(summary)
+        return SimulationResult(summary, metrics, [], sim.memory, [], req_sink, step_sink, None)
+
+    def _loop(self, metrics: MetricsCollector, req_sink: CsvSink, step_sink: CsvSink,
+              progress: Progress) -> tuple[float, int, int, int]:
+        """The run itself, in one function on local names (the hot loop). Returns the
+        simulated end, the steps, the decode stretches and the peak KV blocks in use."""
+        w = self.w
+        ARR, PL, OL = w.arrivals, w.prompt_lens, w.output_lens
+        RID, PRI = w.request_ids, w.priorities
+        N = len(ARR)
+        INF = float("inf")
+        cfg = self.policy.config
+        seats_total = cfg.max_num_seqs
+        admit = self.policy.head_admissions
+        ex = self.executor
+        step_pricer = ex.decode_step_pricer
+        run_prices = ex.decode_run_durations
+        prefill_seconds = self.prefill_seconds
+        record = step_sink.enabled
+        rows = DecodeStepRows(step_sink, 0, self.num_gpu_blocks)
+        write_rows = rows.write
+        to_file = req_sink.to_file
+        write_text = req_sink.write_text
+        line_fmt = FINISHED_REQUEST_LINE
+        lines: list[str] = []
+        add_finished = metrics.add_finished
+        blocks = _BlockCount(self.block_size)
+        blocks_at = blocks.at
+        add_blocks = blocks.add
+
+        # Members in slots.
+        slot_ctx = [0] * seats_total  # context at decode step count 0 (prompt - admission S)
+        slot_start = [0] * seats_total  # the decode step count at admission
+        slot_first = [0.0] * seats_total
+        slot_sched = [0.0] * seats_total
+        free_slots = list(range(seats_total - 1, -1, -1))
+        ends_heap: list[int] = []  # last step << (INDEX + SLOT) | index << SLOT | slot
+        max_heap: list[int] = []  # -((ctx + OFFSET) << INDEX | index), lazily cleaned
+        alive = bytearray(N)
+        shift = _INDEX_BITS + _SLOT_BITS
+        slot_mask = (1 << _SLOT_BITS) - 1
+        members = 0
+        ctx_sum = 0
+        # End times of decode steps: step s ends at times[s - 1 - times_off].
+        times = array("d")
+        times_off = 0
+        pricers: dict[int, Callable[[int, int], float] | None] = {}
+
+        waiting: deque[int] = deque()
+        t = 0.0
+        S = 0  # decode steps taken so far
+        nxt = 0
+        num_steps = 0
+        stretches = 0
+        done = 0
+        peak = 0
+        last_d = 0.0
+
+        def finish(i: int, first: float, sched: float, end: float, later: array) -> None:
+            arrival = ARR[i]
+            o = OL[i]
+            tpot = repr((end - first) / (o - 1)) if o > 1 else ""
+            if to_file:
+                lines.append(line_fmt % (RID[i], 0, PRI[i], arrival, PL[i], o, o, sched, first,
+                                         end, sched - arrival, first - arrival, tpot,
+                                         end - arrival, 0, 0, 0, ""))
+            else:  # request_row's tuple (tests keep rows in memory)
+                req_sink.write((RID[i], 0, "finished", "", PRI[i], repr(arrival), PL[i], o, o,
+                                repr(sched), repr(first), repr(end), repr(sched - arrival),
+                                repr(first - arrival), tpot, repr(end - arrival), 0, 0, 0, ""))
+            add_finished(PL[i], arrival, first, end, later)
+
+        empty = array("d")
+        while done < N:
+            while nxt < N and ARR[nxt] <= t:
+                waiting.append(nxt)
+                nxt += 1
+            if not waiting and not members:
+                t = ARR[nxt]
+                continue
+            if waiting:
+                k, tokens = admit(map(PL.__getitem__, waiting), seats_total - members)
+                if k:
+                    batch = [waiting.popleft() for _ in range(k)]
+                    d = prefill_seconds(tuple([PL[i] for i in batch]))
+                    start = t
+                    t += d
+                    num_steps += 1
+                    gone = 0  # blocks of prompts done with their first token
+                    for i in batch:
+                        if OL[i] == 1:  # done with its first token: it holds no blocks
+                            gone += blocks_for(PL[i], self.block_size)
+                            finish(i, t, start, t, empty)
+                            done += 1
+                            continue
+                        c = PL[i] - S
+                        slot = free_slots.pop()
+                        slot_ctx[slot] = c
+                        slot_start[slot] = S
+                        slot_first[slot] = t
+                        slot_sched[slot] = start
+                        heappush(ends_heap, (S + OL[i] - 1) << shift | i << _SLOT_BITS | slot)
+                        heappush(max_heap, -((c + _CTX_OFFSET) << _INDEX_BITS | i))
+                        alive[i] = 1
+                        ctx_sum += c
+                        add_blocks(c, 1)
+                        members += 1
+                    used = blocks_at(S)
+                    if used + gone > peak:
+                        peak = used + gone
+                    if record:
+                        queued = len(waiting) + bisect_right(ARR, t, nxt) - nxt
+                        step_sink.write_formatted(
+                            (num_steps, 0, repr(start), repr(d), k, tokens, 0, k, queued,
+                             members, 0, used, round(used / self.num_gpu_blocks, 6), 0, 0, 0, 0),
+                            STEP_ROW_FORMAT)
+                    if lines and len(lines) >= 4096:
+                        write_text("".join(lines))
+                        lines.clear()
+                    continue
+            if not members:
+                # Waiting requests that cannot be admitted with nobody running: impossible
+                # where the pool cannot bind (every prompt fits the budget alone).
+                raise RuntimeError(f"array core: request {RID[waiting[0]]} can never be admitted")
+            # Decode until the next arrival (the steps that start before it), members
+            # finishing on the way while nothing waits.
+            horizon = ARR[nxt] if nxt < N else INF
+            cur = S
+            while not alive[-max_heap[0] & _INDEX_MASK]:
+                heappop(max_heap)
+            longest = ((-max_heap[0]) >> _INDEX_BITS) - _CTX_OFFSET
+            while True:
+                last = ends_heap[0] >> shift
+                length = last - cur
+                nd = members
+                pricer = pricers.get(nd, 0)
+                if pricer == 0:
+                    pricer = pricers[nd] = step_pricer(nd)
+                stretches += 1
+                if pricer is not None:
+                    # Contexts include each member's new token: step cur + 1 first.
+                    x = ctx_sum + nd * (cur + 1)
+                    y = longest + cur + 1
+                    durs: list[float] = []
+                    ends: list[float] = []
+                    tt = t
+                    j = 0
+                    while j < length:
+                        dd = pricer(x, y)
+                        tt += dd
+                        durs.append(dd)
+                        ends.append(tt)
+                        j += 1
+                        if tt >= horizon:
+                            break
+                        x += nd
+                        y += 1
+                else:
+                    # Priced ahead in arrays, sized from the last step's duration.
+                    m = length if horizon == INF else (
+                        min(length, int((horizon - t) / last_d * 1.25) + 2) if last_d > 0
+                        else min(length, 8))
+                    while True:
+                        durs = run_prices(nd, ctx_sum + nd * (cur + 1), longest + cur + 1,
+                                          m).tolist()
+                        ends = list(accumulate(durs, initial=t))
+                        del ends[0]
+                        if ends[-1] >= horizon or m == length:
+                            break
+                        m = min(length, max(m + 1, int((horizon - t) / durs[0]) + 2))
+                    j = bisect_left(ends, horizon, 0, len(ends) - 1) + 1
+                    if j < m:
+                        del ends[j:]
+                        del durs[j:]
+                times.extend(ends)
+                if record and j > 1:
+                    starts = [t]
+                    starts += ends[:-2]
+                    write_rows(num_steps + 1, starts, durs[:-1], nd, len(waiting), nd, 0,
+                               [blocks_at(s) for s in range(cur + 1, cur + j)])
+                step_start = ends[-2] if j > 1 else t
+                num_steps += j
+                last_d = durs[-1]
+                t = ends[-1]
+                cur += j
+                used = blocks_at(cur)
+                if used > peak:
+                    peak = used
+                if cur == last:
+                    # Members whose last step this is leave (by arrival on ties).
+                    while ends_heap and ends_heap[0] >> shift == last:
+                        key = heappop(ends_heap)
+                        slot = key & slot_mask
+                        i = (key >> _SLOT_BITS) & _INDEX_MASK
+                        free_slots.append(slot)
+                        alive[i] = 0
+                        c = slot_ctx[slot]
+                        ctx_sum -= c
+                        add_blocks(c, -1)
+                        members -= 1
+                        finish(i, slot_first[slot], slot_sched[slot], t,
+                               times[slot_start[slot] - times_off:last - times_off])
+                        done += 1
+                        if not done & 63:
+                            progress.update(done, t)
+                    used = blocks_at(cur)
+                if record:
+                    queued = len(waiting) + bisect_right(ARR, t, nxt) - nxt
+                    write_rows(num_steps, [step_start], [last_d], nd, queued, members, 0, [used])
+                if lines and len(lines) >= 4096:
+                    write_text("".join(lines))
+                    lines.clear()
+                if cur != last or not members or t >= horizon or waiting:
+                    break
+                while not alive[-max_heap[0] & _INDEX_MASK]:
+                    heappop(max_heap)
+                longest = ((-max_heap[0]) >> _INDEX_BITS) - _CTX_OFFSET
+            S = cur
+            if len(times) > _TIMES_KEPT:  # drop the step times no member needs any more
+                taken = set(free_slots)
+                low = min((slot_start[s] for s in range(seats_total) if s not in taken),
+                          default=S)
+                del times[:low - times_off]
+                times_off = low
+        if lines:
+            write_text("".join(lines))
+        return t, num_steps, stretches, peak

@@ -1,0 +1,174 @@
+"""The array core (sim/array_core.py) must give what step-by-step simulation gives, and what
+the replica loop's fast mode gives, wherever it runs; and run only where it applies."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from executors.recording import RecordingExecutor
+from policies import make_policy
+from sim.array_core import _BlockCount
+from sim.kv_manager import KVBlockManager
+from sim.request import Request, RequestStatus
+from sim.simulation import Simulation
+from sim.step_builder import ReplicaQueues, StepBuilder
+from tests.helpers import compose_cfg
+from tests.test_fast_forward import _assert_same
+
+# A small eligible run: the tiny model, a pool that holds every batch the policy may form.
+TINY = ("model=tiny", "workload.prompt_len.max=200", "workload.output_len.max=120",
+        "kv.num_gpu_blocks=20000")
+
+
+def _engine(*overrides: str) -> str:
+    sim = Simulation(compose_cfg(*overrides))
+    return sim.run().summary["step_engine"]
+
+
+def test_random_eligible_runs_equal_exact_and_use_the_core():
+    # _assert_same: step columns equal, step and request times to 1e-9, summary keys.
+    s = _assert_same([*TINY, "policy=fcfs", "workload.num_requests=200", "workload.qps=40",
+                      "workload.output_len.min=1"])
+    assert s["step_engine"] == "array_core"
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10_000), qps=st.floats(1.0, 400.0), seqs=st.integers(1, 40),
+       budget=st.integers(200, 2000), out_min=st.integers(1, 4), block=st.sampled_from([1, 16]),
+       itl=st.sampled_from(["exact", "streaming"]))
+def test_core_equals_exact_on_random_small_workloads(seed, qps, seqs, budget, out_min, block, itl):
+    s = _assert_same([*TINY, "policy=fcfs", f"seed={seed}", f"workload.qps={qps}",
+                      "workload.num_requests=60", f"policy.max_num_seqs={seqs}",
+                      f"policy.max_num_batched_tokens={budget}", f"kv.block_size={block}",
+                      f"workload.output_len.min={out_min}", f"itl_quantiles={itl}"])
+    assert s["step_engine"] == "array_core"
+
+
+def _files(tmp: Path, core: bool, overrides: tuple[str, ...]) -> tuple[pd.DataFrame, ...]:
+    out = tmp / f"core_{core}"
+    res = Simulation(compose_cfg(f"array_core={str(core).lower()}", *overrides), out).run()
+    assert res.summary["step_engine"] == ("array_core" if core else "replica")
+    summary = json.loads((out / "summary.json").read_text())
+    return pd.read_csv(out / "requests.csv"), pd.read_csv(out / "steps.csv"), summary
+
+
+@pytest.mark.parametrize("overrides", [
+    # The benchmark's workload (Llama-3-8B on an A100), small: long jumps past finishes.
+    ("model=llama3_8b", "hardware=a100_80gb", "workload=vidur_bench", "seed=42",
+     "workload.num_requests=1500", "workload.qps=6", "policy.max_num_seqs=128",
+     "policy.max_num_batched_tokens=4096"),
+    # Batches of ten rows or fewer: decode geometry varies with the context there, priced
+    # in arrays ahead of the horizon.
+    ("model=llama3_8b", "hardware=a100_80gb", "workload=vidur_bench", "seed=3",
+     "workload.num_requests=300", "workload.qps=2", "policy.max_num_seqs=6",
+     "policy.max_num_batched_tokens=4096", "itl_quantiles=streaming"),
+    # Many at once, one-token outputs among them, seats full with a queue.
+    (*TINY, "workload.num_requests=300", "workload.qps=500", "workload.output_len.min=1",
+     "policy.max_num_seqs=16"),
+])
+def test_files_equal_the_replica_loop(tmp_path, overrides):
+    """requests.csv, steps.csv and summary.json as the replica loop's fast mode writes them:
+    integers equal, times to 1e-9 relative (decode steps priced by other paths), every
+    summary key but the loop's own counters."""
+    ra, sa, ja = _files(tmp_path, True, overrides)
+    rb, sb, jb = _files(tmp_path, False, overrides)
+    for a, b in ((ra, rb), (sa, sb)):
+        assert list(a.columns) == list(b.columns) and len(a) == len(b)
+        for c in a.columns:
+            if a[c].dtype.kind == "f":
+                assert np.allclose(a[c].fillna(-1), b[c].fillna(-1), rtol=1e-9, atol=0), c
+            else:
+                assert a[c].equals(b[c]), c
+    assert ja.keys() == jb.keys()
+    for k in ja.keys() - {"wall_time_s", "num_decode_jumps", "step_engine"}:
+        if isinstance(ja[k], float):
+            assert ja[k] == pytest.approx(jb[k], rel=1e-9), k
+        else:
+            assert ja[k] == jb[k], k
+
+
+def test_same_seed_same_bytes(tmp_path):
+    cfg = (*TINY, "workload.num_requests=150", "workload.qps=60", "seed=7")
+    texts = []
+    for run in range(2):
+        out = tmp_path / str(run)
+        Simulation(compose_cfg(*cfg), out).run()
+        texts.append([(out / f).read_bytes() for f in ("requests.csv", "steps.csv")])
+    assert texts[0] == texts[1]
+
+
+@pytest.mark.parametrize("overrides,reason", [
+    (("step_mode=exact",), "step_mode=exact"),
+    (("array_core=false",), "array_core=false"),
+    (("policy=sjf",), "does not decide on arrays"),
+    (("policy=priority",), "does not decide on arrays"),
+    (("policy=chunked_prefill",), "does not decide on arrays"),
+    (("check_integrity=true", "kv.num_gpu_blocks=500"), "check_integrity"),
+    (("cluster.num_replicas=2",), "a cluster"),
+    (("kv.num_gpu_blocks=300",), "the KV pool can bind"),
+    (("model.max_model_len=300",), "longer than model.max_model_len"),
+])
+def test_runs_it_cannot_take_go_to_the_replica_loop(overrides, reason):
+    sim = Simulation(compose_cfg(*TINY, "workload.num_requests=30", *overrides))
+    s = sim.run().summary
+    assert s["step_engine"] == "replica" and reason in sim.array_core_skipped
+    assert s["completed"] + s["rejected"] == 30
+
+
+def test_wrapped_executor_and_kept_requests_go_to_the_replica_loop():
+    sim = Simulation(compose_cfg(*TINY, "workload.num_requests=20"), keep_requests=True)
+    res = sim.run()
+    assert res.summary["step_engine"] == "replica" and len(res.requests) == 20
+    sim = Simulation(compose_cfg(*TINY, "workload.num_requests=20"))
+    sim.replace_executor(RecordingExecutor(sim.executor))
+    assert sim.run().summary["step_engine"] == "replica"
+    assert "RecordingExecutor" in sim.array_core_skipped
+
+
+@settings(max_examples=200, deadline=None)
+@given(ctx=st.lists(st.integers(-300, 300), max_size=12), k=st.integers(300, 700),
+       bs=st.sampled_from([1, 2, 16, 32]))
+def test_block_count_in_closed_form(ctx, k, bs):
+    count = _BlockCount(bs)
+    for c in ctx:
+        count.add(c, 1)
+    count.add(5, 1)
+    count.add(5, -1)
+    assert count.at(k) == sum(-(-(c + k) // bs) for c in ctx)
+
+
+@settings(max_examples=150, deadline=None)
+@given(prompts=st.lists(st.integers(1, 300), min_size=1, max_size=12),
+       running=st.integers(0, 5), seqs=st.integers(1, 8), budget=st.integers(8, 700))
+def test_head_admissions_is_admits_rule_where_the_pool_cannot_bind(prompts, running, seqs,
+                                                                    budget):
+    """What FCFS's schedule admits from a queue (a pool that never binds, ``running``
+    requests decoding) is what head_admissions says, in count and tokens."""
+    running = min(running, seqs)
+    budget = max(budget, seqs)
+    prompts = [min(p, budget) for p in prompts]  # longer ones are refused at arrival
+    policy = make_policy({"name": "fcfs", "max_num_seqs": seqs,
+                          "max_num_batched_tokens": budget})
+    kv = KVBlockManager(10_000, 16)
+    queues = ReplicaQueues()
+    builder = StepBuilder(queues, kv)
+    for i in range(running):
+        r = Request(100 + i, 0.0, 10, 50)
+        r.transition(RequestStatus.RUNNING)
+        r.num_computed_tokens = 10
+        r.num_output_tokens = 1
+        assert kv.allocate_slots(r.request_id, 10) is not None
+        queues.add_running(r)
+    for i, p in enumerate(prompts):
+        queues.waiting.append(Request(i, 1.0, p, 5))
+    plan = policy.schedule(builder)
+    admitted = [s for s in plan.scheduled if s.start_position == 0]
+    count, tokens = policy.head_admissions(prompts, seqs - running)
+    assert len(admitted) == count
+    assert sum(s.num_new_tokens for s in admitted) == tokens
+    assert [s.request_id for s in admitted] == list(range(count))
