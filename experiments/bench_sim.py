@@ -85,7 +85,7 @@ def run_case(policy: str, n: int, step_mode: str, out_dir: Path,
             "steps": s["num_steps"], "jumps": s.get("num_decode_jumps", 0), "peak_mb": peak_mb,
             "completed": s["completed"], "median_ttft_ms": s["median_ttft_ms"],
             "median_tpot_ms": s["median_tpot_ms"], "median_e2e_ms": s["median_e2el_ms"],
-            "record_steps": container["record_steps"],
+            "record_steps": container["record_steps"], "engine": s["step_engine"],
             "streaming": container["itl_quantiles"] == "streaming"}
 
 
@@ -138,7 +138,8 @@ def main() -> None:
               f"{r['steps'] / wall:>10,.0f}{r['peak_mb']:>9.0f}{ratio:>10}  "
               f"{r['median_ttft_ms']:.0f} / {r['median_tpot_ms']:.1f} / {r['median_e2e_ms']:.0f}"
               + ("" if r["record_steps"] else "   (no steps.csv)")
-              + ("   (streaming ITL)" if r.get("streaming") else ""))
+              + ("   (streaming ITL)" if r.get("streaming") else "")
+              + ("   (array core)" if r.get("engine") == "array_core" else ""))
     print("\nvs Vidur: Vidur's wall time / ours (10k: 37 s, 100k: 292 s; * = at Vidur's 100k "
           "rate of 342 req/s). Vidur's own medians for orientation: TTFT ~100 ms, TPOT ~34 ms, "
           "E2E ~9.8 s (its attention model is its own).")

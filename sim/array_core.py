@@ -39,7 +39,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from heapq import heappop, heappush, nlargest
-from itertools import accumulate
+from itertools import accumulate, cycle, islice
 from typing import TYPE_CHECKING, Any
 
 from sim.kv_manager import blocks_for
@@ -235,6 +235,8 @@ class ArrayCore:
         record = step_sink.enabled
         rows = DecodeStepRows(step_sink, 0, self.num_gpu_blocks)
         write_rows = rows.write
+        write_row = rows.write_step
+        bs = self.block_size
         to_file = req_sink.to_file
         write_text = req_sink.write_text
         line_fmt = FINISHED_REQUEST_LINE
@@ -392,8 +394,16 @@ class ArrayCore:
                 if record and j > 1:
                     starts = [t]
                     starts += ends[:-2]
+                    # Blocks in use after each step but the last: a member's count grows
+                    # by one in step k + 1 when its context at k is a multiple of the block
+                    # size, i.e. its residue is (-k) mod B; so the growth per step walks
+                    # the residue counts backwards, cyclically.
+                    rev = blocks.count[::-1]
+                    grow = islice(cycle(rev), bs - 1 - (-cur) % bs, bs - 2 - (-cur) % bs + j)
+                    used_list = list(accumulate(grow, initial=blocks_at(cur)))
+                    del used_list[0]
                     write_rows(num_steps + 1, starts, durs[:-1], nd, len(waiting), nd, 0,
-                               [blocks_at(s) for s in range(cur + 1, cur + j)])
+                               used_list)
                 step_start = ends[-2] if j > 1 else t
                 num_steps += j
                 last_d = durs[-1]
@@ -422,7 +432,7 @@ class ArrayCore:
                     used = blocks_at(cur)
                 if record:
                     queued = len(waiting) + bisect_right(ARR, t, nxt) - nxt
-                    write_rows(num_steps, [step_start], [last_d], nd, queued, members, 0, [used])
+                    write_row(num_steps, step_start, last_d, nd, queued, members, used)
                 if lines and len(lines) >= 4096:
                     write_text("".join(lines))
                     lines.clear()

@@ -46,13 +46,8 @@ class DecodeStepRows:
         self.sink = sink
         self.replica_id = replica_id
         self.num_gpu_blocks = num_gpu_blocks
-        self._usage: dict[int, str] = {}
-
-    def _usage_text(self, used: int) -> str:
-        text = self._usage.get(used)
-        if text is None:
-            text = self._usage[used] = repr(round(used / self.num_gpu_blocks, 6))
-        return text
+        # kv_usage's text per block count, made on first use (``usage_text[used]``).
+        self.usage_text = _UsageTexts(num_gpu_blocks)
 
     def write(self, first_id: int, starts: list[float], durations: list[float],
               batch: int | list[int], waiting: int, running: int | list[int], swapped: int,
@@ -76,13 +71,41 @@ class DecodeStepRows:
         if isinstance(batch, int) and isinstance(running, int):
             fmt = (f"%d,{rid},%s,%s,{batch},0,{batch},{batch},{waiting},{running},{swapped},"
                    + tail)
-            args = zip(ids, *times, used, map(self._usage_text, used))
+            args = zip(ids, *times, used, map(self.usage_text.__getitem__, used))
         else:
             rows = [batch] * len(durations) if isinstance(batch, int) else batch
             runs = [running] * len(durations) if isinstance(running, int) else running
             fmt = f"%d,{rid},%s,%s,%d,0,%d,%d,{waiting},%d,{swapped}," + tail
-            args = zip(ids, *times, rows, rows, rows, runs, used, map(self._usage_text, used))
+            args = zip(ids, *times, rows, rows, rows, runs, used,
+                       map(self.usage_text.__getitem__, used))
         self.sink.write_text("".join(map(fmt.__mod__, args)))
+
+    def write_step(self, step_id: int, start: float, duration: float, batch: int, waiting: int,
+                   running: int, used: int) -> None:
+        """``write`` of one step with nothing swapped, without its per-call set-up."""
+        if not self.sink.to_file:
+            self.write(step_id, [start], [duration], batch, waiting, running, 0, [used])
+            return
+        self.sink.write_text(_ONE_DECODE_ROW % (
+            step_id, self.replica_id, start, duration, batch, batch, batch, waiting, running,
+            used, self.usage_text[used]))
+
+
+# One decode-only row: DecodeStepRows.write's row with every column filled in per call.
+_ONE_DECODE_ROW = "%d,%d,%r,%r,%d,0,%d,%d,%d,%d,0,%d,%s,0,0,0,0\r\n"
+
+
+class _UsageTexts(dict):
+    """Block count -> the kv_usage text of a steps.csv row (``repr`` of the rounded
+    fraction), each made once."""
+
+    def __init__(self, num_gpu_blocks: int) -> None:
+        super().__init__()
+        self.num_gpu_blocks = num_gpu_blocks
+
+    def __missing__(self, used: int) -> str:
+        text = self[used] = repr(round(used / self.num_gpu_blocks, 6))
+        return text
 
 
 def _fmt(x: float | None) -> str:
