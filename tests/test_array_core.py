@@ -108,7 +108,7 @@ def test_same_seed_same_bytes(tmp_path):
     (("policy=sjf",), "does not decide on arrays"),
     (("policy=priority",), "does not decide on arrays"),
     (("policy=chunked_prefill",), "does not decide on arrays"),
-    (("check_integrity=true", "kv.num_gpu_blocks=500"), "check_integrity"),
+    (("check_integrity=true", "kv.num_gpu_blocks=500", "kv.num_cpu_blocks=16"), "check_integrity"),
     (("cluster.num_replicas=2",), "a cluster"),
     (("kv.num_gpu_blocks=300",), "the KV pool can bind"),
     (("model.max_model_len=300",), "longer than model.max_model_len"),
