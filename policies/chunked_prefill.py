@@ -26,6 +26,7 @@ share always starts.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from policies.base import POLICIES, Policy, PolicyConfig
@@ -61,6 +62,7 @@ class ChunkedPrefillPolicy(Policy):
     supports_decode_jumps = True
     decode_jumps_past_finishes = True
     implements_chunked_prefill = True
+    array_core = True
 
     config_class = ChunkedPrefillConfig
     config: ChunkedPrefillConfig
@@ -85,3 +87,47 @@ class ChunkedPrefillPolicy(Policy):
             admit(step, budget, step.waiting, chunked=True, max_partial=max(0, k - open_partials),
                   max_chunk=max(1, share))
         return step.build()
+
+    def chunk_plan(self, decode_tokens: int, partials: Sequence[int], waiting: Iterable[int],
+                   num_waiting: int, seats: int) -> tuple[list[int], list[int]]:
+        """The array core's step (sim/array_core.py), where the KV pool can never bind and
+        nothing is preempted or swapped: ``schedule``'s decisions on plain numbers. Given
+        the step's ``decode_tokens`` (every running request with one pending token),
+        the pending prefill tokens of the running requests mid-prefill (``partials``, more
+        than one each, in arrival order), the waiting requests' prompt lengths in queue
+        order (``waiting``, ``num_waiting`` of them) and the free seats, returns the chunks
+        the partials get (in order; fewer entries once the budget is spent) and the chunks
+        of the waiting requests admitted (the first ``len`` of the queue).
+        tests/test_array_core.py checks it against ``schedule``."""
+        cfg = self.config
+        remaining = cfg.max_num_batched_tokens - decode_tokens
+        k = cfg.max_num_partial_prefills
+        share = max(1, remaining // max(1, min(k, len(partials) + num_waiting)))
+        chunks: list[int] = []
+        open_partials = 0
+        for pending in partials:
+            n = min(pending, remaining)
+            if n <= 0:
+                break
+            n = min(n, share)
+            chunks.append(n)
+            remaining -= n
+            open_partials += n < pending
+        open_partials += len(partials) - len(chunks)
+        max_partial = max(0, k - open_partials)
+        admitted: list[int] = []
+        partial = 0
+        for pending in waiting:
+            if remaining <= 0 or seats <= 0:
+                break
+            n = pending
+            limit = min(remaining, share)
+            if n > limit:
+                if partial >= max_partial:
+                    break
+                n = limit
+                partial += 1
+            admitted.append(n)
+            remaining -= n
+            seats -= 1
+        return chunks, admitted

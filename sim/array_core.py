@@ -46,7 +46,7 @@ from sim.kv_manager import blocks_for
 from sim.metrics import MetricsCollector
 from sim.outputs import (FINISHED_REQUEST_LINE, REQUEST_COLUMNS, STEP_COLUMNS, STEP_ROW_FORMAT,
                          CsvSink, DecodeStepRows, NullSink)
-from sim.plan import ScheduledRequest, StepPlan
+from sim.plan import DecodeBlock, ScheduledRequest, StepPlan
 from sim.progress import Progress
 
 if TYPE_CHECKING:
@@ -124,7 +124,7 @@ def pool_blocker(sim: Simulation, w: WorkloadArrays) -> str | None:
     totals = [p + o for p, o in zip(w.prompt_lens, w.output_lens)]
     if max(totals) > sim.model.max_model_len:
         return "a request longer than model.max_model_len (refused at arrival)"
-    if max(w.prompt_lens) > cfg.max_num_batched_tokens:
+    if not cfg.chunked_prefill and max(w.prompt_lens) > cfg.max_num_batched_tokens:
         return "a prompt longer than policy.max_num_batched_tokens (refused at arrival)"
     blocks = sim.memory.num_gpu_blocks
     watermark = int(cfg.kv_watermark * blocks)  # StepBuilder.watermark_blocks
@@ -225,10 +225,14 @@ class ArrayCore:
         RID, PRI = w.request_ids, w.priorities
         N = len(ARR)
         INF = float("inf")
-        cfg = self.policy.config
-        seats_total = cfg.max_num_seqs
-        admit = self.policy.head_admissions
+        policy = self.policy
+        seats_total = policy.config.max_num_seqs
+        # The policy's step structure: whole prompts in prefill-only steps (head_admissions)
+        # or decodes first, then prompt chunks in the same step (chunk_plan).
+        chunk_plan = getattr(policy, "chunk_plan", None)
+        admit = None if chunk_plan is not None else policy.head_admissions
         ex = self.executor
+        execute = ex.execute
         step_pricer = ex.decode_step_pricer
         run_prices = ex.decode_run_durations
         prefill_seconds = self.prefill_seconds
@@ -236,19 +240,20 @@ class ArrayCore:
         rows = DecodeStepRows(step_sink, 0, self.num_gpu_blocks)
         write_rows = rows.write
         write_row = rows.write_step
+        usage_of = rows.usage_text
         bs = self.block_size
         to_file = req_sink.to_file
         write_text = req_sink.write_text
         line_fmt = FINISHED_REQUEST_LINE
         lines: list[str] = []
         add_finished = metrics.add_finished
-        blocks = _BlockCount(self.block_size)
+        blocks = _BlockCount(bs)
         blocks_at = blocks.at
         add_blocks = blocks.add
 
-        # Members in slots.
-        slot_ctx = [0] * seats_total  # context at decode step count 0 (prompt - admission S)
-        slot_start = [0] * seats_total  # the decode step count at admission
+        # Members (prompt done, decoding) in slots.
+        slot_ctx = [0] * seats_total  # context at decode step count 0 (prompt - joining S)
+        slot_start = [0] * seats_total  # the decode step count when it joined
         slot_first = [0.0] * seats_total
         slot_sched = [0.0] * seats_total
         free_slots = list(range(seats_total - 1, -1, -1))
@@ -259,6 +264,12 @@ class ArrayCore:
         slot_mask = (1 << _SLOT_BITS) - 1
         members = 0
         ctx_sum = 0
+        # Running requests mid-prefill (chunked prefill), in arrival order: prompt tokens
+        # computed, and when first scheduled. Each holds its whole prompt's blocks.
+        prefilling: list[int] = []
+        computed: dict[int, int] = {}
+        scheduled_at: dict[int, float] = {}
+        prefill_blocks = 0
         # End times of decode steps: step s ends at times[s - 1 - times_off].
         times = array("d")
         times_off = 0
@@ -266,13 +277,14 @@ class ArrayCore:
 
         waiting: deque[int] = deque()
         t = 0.0
-        S = 0  # decode steps taken so far
+        S = 0  # steps in which every member decoded, so far
         nxt = 0
         num_steps = 0
         stretches = 0
         done = 0
         peak = 0
         last_d = 0.0
+        empty = array("d")
 
         def finish(i: int, first: float, sched: float, end: float, later: array) -> None:
             arrival = ARR[i]
@@ -288,17 +300,66 @@ class ArrayCore:
                                 repr(first - arrival), tpot, repr(end - arrival), 0, 0, 0, ""))
             add_finished(PL[i], arrival, first, end, later)
 
-        empty = array("d")
+        def join(i: int, first: float, sched: float) -> None:
+            """Request ``i`` sampled its first token at ``first`` (end of the step that
+            finished its prompt; S counts that step's decodes): it decodes from the next."""
+            nonlocal members, ctx_sum
+            c = PL[i] - S
+            slot = free_slots.pop()
+            slot_ctx[slot] = c
+            slot_start[slot] = S
+            slot_first[slot] = first
+            slot_sched[slot] = sched
+            heappush(ends_heap, (S + OL[i] - 1) << shift | i << _SLOT_BITS | slot)
+            heappush(max_heap, -((c + _CTX_OFFSET) << _INDEX_BITS | i))
+            alive[i] = 1
+            ctx_sum += c
+            add_blocks(c, 1)
+            members += 1
+
+        def leave(end: float, also: list[int] | None = None) -> list[int]:
+            """The members whose last step is S leave (by arrival on ties); their indices.
+            ``also``: requests (ascending) that finish with their first token in the same
+            decode rows (chunked prefill), finished among them in arrival order."""
+            nonlocal members, ctx_sum
+            gone = []
+            while ends_heap and ends_heap[0] >> shift == S:
+                key = heappop(ends_heap)
+                slot = key & slot_mask
+                i = (key >> _SLOT_BITS) & _INDEX_MASK
+                while also and also[0] < i:
+                    first = also.pop(0)
+                    finish(first, end, scheduled_at.pop(first), end, empty)
+                    gone.append(first)
+                free_slots.append(slot)
+                alive[i] = 0
+                c = slot_ctx[slot]
+                ctx_sum -= c
+                add_blocks(c, -1)
+                members -= 1
+                finish(i, slot_first[slot], slot_sched[slot], end,
+                       times[slot_start[slot] - times_off:S - times_off])
+                gone.append(i)
+            for first in also or ():
+                finish(first, end, scheduled_at.pop(first), end, empty)
+                gone.append(first)
+            return gone
+
+        def longest_ctx() -> int:
+            while not alive[-max_heap[0] & _INDEX_MASK]:
+                heappop(max_heap)
+            return ((-max_heap[0]) >> _INDEX_BITS) - _CTX_OFFSET
+
         while done < N:
             while nxt < N and ARR[nxt] <= t:
                 waiting.append(nxt)
                 nxt += 1
-            if not waiting and not members:
+            if not waiting and not members and not prefilling:
                 t = ARR[nxt]
                 continue
-            if waiting:
+            if admit is not None and waiting:
                 k, tokens = admit(map(PL.__getitem__, waiting), seats_total - members)
-                if k:
+                if k:  # a prefill-only step of whole prompts
                     batch = [waiting.popleft() for _ in range(k)]
                     d = prefill_seconds(tuple([PL[i] for i in batch]))
                     start = t
@@ -307,22 +368,11 @@ class ArrayCore:
                     gone = 0  # blocks of prompts done with their first token
                     for i in batch:
                         if OL[i] == 1:  # done with its first token: it holds no blocks
-                            gone += blocks_for(PL[i], self.block_size)
+                            gone += blocks_for(PL[i], bs)
                             finish(i, t, start, t, empty)
                             done += 1
-                            continue
-                        c = PL[i] - S
-                        slot = free_slots.pop()
-                        slot_ctx[slot] = c
-                        slot_start[slot] = S
-                        slot_first[slot] = t
-                        slot_sched[slot] = start
-                        heappush(ends_heap, (S + OL[i] - 1) << shift | i << _SLOT_BITS | slot)
-                        heappush(max_heap, -((c + _CTX_OFFSET) << _INDEX_BITS | i))
-                        alive[i] = 1
-                        ctx_sum += c
-                        add_blocks(c, 1)
-                        members += 1
+                        else:
+                            join(i, t, start)
                     used = blocks_at(S)
                     if used + gone > peak:
                         peak = used + gone
@@ -332,21 +382,92 @@ class ArrayCore:
                             (num_steps, 0, repr(start), repr(d), k, tokens, 0, k, queued,
                              members, 0, used, round(used / self.num_gpu_blocks, 6), 0, 0, 0, 0),
                             STEP_ROW_FORMAT)
-                    if lines and len(lines) >= 4096:
+                    if len(lines) >= 4096:
                         write_text("".join(lines))
                         lines.clear()
+                    continue
+            elif chunk_plan is not None and (waiting or prefilling):
+                # Decodes first (members, and prompts one token from done), then chunks.
+                ones = [i for i in prefilling if PL[i] - computed[i] == 1]
+                multi = [i for i in prefilling if PL[i] - computed[i] > 1]
+                chunks, admitted = chunk_plan(
+                    members + len(ones), [PL[i] - computed[i] for i in multi],
+                    map(PL.__getitem__, waiting), len(waiting),
+                    seats_total - members - len(prefilling))
+                if ones or chunks or admitted:
+                    new = [waiting.popleft() for _ in admitted]
+                    for i in new:
+                        computed[i] = 0
+                        prefilling.append(i)
+                        prefill_blocks += blocks_for(PL[i], bs)
+                    grants = [(i, 1) for i in ones]
+                    grants += zip(multi, chunks)
+                    grants += zip(new, admitted)
+                    plan = StepPlan([ScheduledRequest(i, computed[i], n, [],
+                                                      computed[i] + n == PL[i])
+                                     for i, n in grants])
+                    nd = members
+                    # Rows of one token over a non-empty cache are decode rows (step_shape).
+                    one_token = sum(1 for i, n in grants if n == 1 and computed[i])
+                    prompt_tokens = sum(n for i, n in grants if n > 1 or not computed[i])
+                    completed = [i for i, n in grants if computed[i] + n == PL[i]]
+                    if members:
+                        top = longest_ctx()
+                        # Start positions: each member's context before its new token.
+                        plan.add_block(DecodeBlock(range(members), None, 0, [],  # type: ignore[arg-type]
+                                                   ctx_sum + members * S, top + S))
+                    d = execute(plan).duration
+                    start = t
+                    t += d
+                    num_steps += 1
+                    S += 1  # every member decoded
+                    times.append(t)
+                    used = blocks_at(S) + prefill_blocks
+                    if used > peak:
+                        peak = used
+                    for i in new:
+                        scheduled_at[i] = start
+                    for i, n in grants:
+                        computed[i] += n
+                    for i in completed:
+                        prefilling.remove(i)
+                        del computed[i]
+                        prefill_blocks -= blocks_for(PL[i], bs)
+                    # Sampled in row order: the decode rows in arrival order (members and
+                    # prompts one token from done), then the chunks in grant order.
+                    done += len(leave(t, [i for i in ones if OL[i] == 1]))
+                    for i in completed:
+                        if i in scheduled_at:  # not finished among the decode rows
+                            sched = scheduled_at.pop(i)
+                            if OL[i] == 1:
+                                finish(i, t, sched, t, empty)
+                                done += 1
+                            else:
+                                join(i, t, sched)
+                    used = blocks_at(S) + prefill_blocks
+                    if record:
+                        step_sink.write_formatted(
+                            (num_steps, 0, repr(start), repr(d), nd + len(grants),
+                             prompt_tokens, nd + one_token, nd + len(completed),
+                             len(waiting) + bisect_right(ARR, t, nxt) - nxt,
+                             members + len(prefilling), 0, used,
+                             round(used / self.num_gpu_blocks, 6), 0, 0, 0, 0),
+                            STEP_ROW_FORMAT)
+                    if len(lines) >= 4096:
+                        write_text("".join(lines))
+                        lines.clear()
+                    if not done & 63:
+                        progress.update(done, t)
                     continue
             if not members:
                 # Waiting requests that cannot be admitted with nobody running: impossible
                 # where the pool cannot bind (every prompt fits the budget alone).
                 raise RuntimeError(f"array core: request {RID[waiting[0]]} can never be admitted")
             # Decode until the next arrival (the steps that start before it), members
-            # finishing on the way while nothing waits.
+            # finishing on the way while nothing waits or is mid-prefill.
             horizon = ARR[nxt] if nxt < N else INF
             cur = S
-            while not alive[-max_heap[0] & _INDEX_MASK]:
-                heappop(max_heap)
-            longest = ((-max_heap[0]) >> _INDEX_BITS) - _CTX_OFFSET
+            longest = longest_ctx()
             while True:
                 last = ends_heap[0] >> shift
                 length = last - cur
@@ -391,6 +512,7 @@ class ArrayCore:
                         del ends[j:]
                         del durs[j:]
                 times.extend(ends)
+                running = nd + len(prefilling)
                 if record and j > 1:
                     starts = [t]
                     starts += ends[:-2]
@@ -400,48 +522,34 @@ class ArrayCore:
                     # the residue counts backwards, cyclically.
                     rev = blocks.count[::-1]
                     grow = islice(cycle(rev), bs - 1 - (-cur) % bs, bs - 2 - (-cur) % bs + j)
-                    used_list = list(accumulate(grow, initial=blocks_at(cur)))
+                    used_list = list(accumulate(grow, initial=blocks_at(cur) + prefill_blocks))
                     del used_list[0]
-                    write_rows(num_steps + 1, starts, durs[:-1], nd, len(waiting), nd, 0,
+                    write_rows(num_steps + 1, starts, durs[:-1], nd, len(waiting), running, 0,
                                used_list)
                 step_start = ends[-2] if j > 1 else t
                 num_steps += j
                 last_d = durs[-1]
                 t = ends[-1]
                 cur += j
-                used = blocks_at(cur)
+                S = cur
+                used = blocks_at(cur) + prefill_blocks
                 if used > peak:
                     peak = used
                 if cur == last:
-                    # Members whose last step this is leave (by arrival on ties).
-                    while ends_heap and ends_heap[0] >> shift == last:
-                        key = heappop(ends_heap)
-                        slot = key & slot_mask
-                        i = (key >> _SLOT_BITS) & _INDEX_MASK
-                        free_slots.append(slot)
-                        alive[i] = 0
-                        c = slot_ctx[slot]
-                        ctx_sum -= c
-                        add_blocks(c, -1)
-                        members -= 1
-                        finish(i, slot_first[slot], slot_sched[slot], t,
-                               times[slot_start[slot] - times_off:last - times_off])
-                        done += 1
-                        if not done & 63:
-                            progress.update(done, t)
-                    used = blocks_at(cur)
+                    done += len(leave(t))
+                    if not done & 63:
+                        progress.update(done, t)
+                    used = blocks_at(cur) + prefill_blocks
                 if record:
                     queued = len(waiting) + bisect_right(ARR, t, nxt) - nxt
-                    write_row(num_steps, step_start, last_d, nd, queued, members, used)
-                if lines and len(lines) >= 4096:
+                    write_row(num_steps, step_start, last_d, nd, queued,
+                              members + len(prefilling), used)
+                if len(lines) >= 4096:
                     write_text("".join(lines))
                     lines.clear()
-                if cur != last or not members or t >= horizon or waiting:
+                if cur != last or not members or t >= horizon or waiting or prefilling:
                     break
-                while not alive[-max_heap[0] & _INDEX_MASK]:
-                    heappop(max_heap)
-                longest = ((-max_heap[0]) >> _INDEX_BITS) - _CTX_OFFSET
-            S = cur
+                longest = longest_ctx()
             if len(times) > _TIMES_KEPT:  # drop the step times no member needs any more
                 taken = set(free_slots)
                 low = min((slot_start[s] for s in range(seats_total) if s not in taken),
@@ -450,4 +558,5 @@ class ArrayCore:
                 times_off = low
         if lines:
             write_text("".join(lines))
+        del usage_of
         return t, num_steps, stretches, peak

@@ -49,6 +49,23 @@ def test_core_equals_exact_on_random_small_workloads(seed, qps, seqs, budget, ou
     assert s["step_engine"] == "array_core"
 
 
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10_000), qps=st.floats(1.0, 400.0), seqs=st.integers(1, 40),
+       budget=st.integers(40, 600), partials=st.integers(1, 3), out_min=st.integers(1, 3),
+       prompt_min=st.sampled_from([1, 2, 50]), block=st.sampled_from([1, 16]))
+def test_chunked_core_equals_exact_on_random_small_workloads(seed, qps, seqs, budget, partials,
+                                                             out_min, prompt_min, block):
+    """Prompts longer than the step, shared between partial prefills, one-token prompts
+    and outputs, chunks of one token (decode rows by their shape)."""
+    s = _assert_same([*TINY, "policy=chunked_prefill", f"seed={seed}", f"workload.qps={qps}",
+                      "workload.num_requests=60", f"policy.max_num_seqs={min(seqs, budget)}",
+                      f"policy.max_num_batched_tokens={budget}", f"kv.block_size={block}",
+                      f"policy.max_num_partial_prefills={partials}",
+                      f"workload.prompt_len.min={prompt_min}",
+                      f"workload.output_len.min={out_min}"])
+    assert s["step_engine"] == "array_core"
+
+
 def _files(tmp: Path, core: bool, overrides: tuple[str, ...]) -> tuple[pd.DataFrame, ...]:
     out = tmp / f"core_{core}"
     res = Simulation(compose_cfg(f"array_core={str(core).lower()}", *overrides), out).run()
@@ -67,6 +84,13 @@ def _files(tmp: Path, core: bool, overrides: tuple[str, ...]) -> tuple[pd.DataFr
     ("model=llama3_8b", "hardware=a100_80gb", "workload=vidur_bench", "seed=3",
      "workload.num_requests=300", "workload.qps=2", "policy.max_num_seqs=6",
      "policy.max_num_batched_tokens=4096", "itl_quantiles=streaming"),
+    # Sarathi-Serve with chunk 512 on the benchmark's workload.
+    ("model=llama3_8b", "hardware=a100_80gb", "workload=vidur_bench", "seed=42",
+     "workload.num_requests=1000", "workload.qps=6", "policy=chunked_prefill",
+     "policy.max_num_seqs=128", "policy.max_num_batched_tokens=512"),
+    (*TINY, "workload.num_requests=300", "workload.qps=300", "workload.output_len.min=1",
+     "policy=chunked_prefill", "policy.max_num_seqs=16", "policy.max_num_batched_tokens=64",
+     "policy.max_num_partial_prefills=2"),
     # Many at once, one-token outputs among them, seats full with a queue.
     (*TINY, "workload.num_requests=300", "workload.qps=500", "workload.output_len.min=1",
      "policy.max_num_seqs=16"),
@@ -107,7 +131,7 @@ def test_same_seed_same_bytes(tmp_path):
     (("array_core=false",), "array_core=false"),
     (("policy=sjf",), "does not decide on arrays"),
     (("policy=priority",), "does not decide on arrays"),
-    (("policy=chunked_prefill",), "does not decide on arrays"),
+    (("policy=static",), "does not decide on arrays"),
     (("check_integrity=true", "kv.num_gpu_blocks=500", "kv.num_cpu_blocks=16"), "check_integrity"),
     (("cluster.num_replicas=2",), "a cluster"),
     (("kv.num_gpu_blocks=300",), "the KV pool can bind"),
@@ -172,3 +196,56 @@ def test_head_admissions_is_admits_rule_where_the_pool_cannot_bind(prompts, runn
     assert len(admitted) == count
     assert sum(s.num_new_tokens for s in admitted) == tokens
     assert [s.request_id for s in admitted] == list(range(count))
+
+
+@settings(max_examples=150, deadline=None)
+@given(decoding=st.integers(0, 6), partial=st.lists(st.tuples(st.integers(2, 400),
+                                                              st.integers(0, 399)), max_size=4),
+       prompts=st.lists(st.integers(1, 400), max_size=8), seqs=st.integers(4, 16),
+       budget=st.integers(16, 600), k=st.integers(1, 3))
+def test_chunk_plan_is_schedules_step_where_the_pool_cannot_bind(decoding, partial, prompts,
+                                                                  seqs, budget, k):
+    """chunked_prefill's schedule on a pool that never binds, with requests decoding,
+    prompts mid-prefill (one token or more left) and a queue: the chunks it grants are
+    chunk_plan's."""
+    partial = [(p, min(c, p - 1)) for p, c in partial][:max(0, seqs - decoding)]
+    decoding = min(decoding, seqs - len(partial))
+    budget = max(budget, seqs)
+    policy = make_policy({"name": "chunked_prefill", "max_num_seqs": seqs,
+                          "max_num_batched_tokens": budget, "max_num_partial_prefills": k})
+    kv = KVBlockManager(10_000, 16)
+    queues = ReplicaQueues()
+    builder = StepBuilder(queues, kv)
+    rid = 0
+    for _ in range(decoding):
+        r = Request(rid, 0.0, 10, 50)
+        r.transition(RequestStatus.RUNNING)
+        r.num_computed_tokens = 10
+        r.num_output_tokens = 1
+        assert kv.allocate_slots(rid, 10) is not None
+        queues.add_running(r)
+        rid += 1
+    mids = []
+    for p, c in partial:  # holding its whole prompt's blocks, c tokens computed
+        r = Request(rid, 0.0, p, 5)
+        r.transition(RequestStatus.RUNNING)
+        r.num_computed_tokens = c
+        assert kv.allocate_slots(rid, p) is not None
+        queues.add_running(r)
+        mids.append(r)
+        rid += 1
+    for p in prompts:
+        queues.waiting.append(Request(rid, 1.0, p, 5))
+        rid += 1
+    plan = policy.schedule(builder)
+    grants = {s.request_id: s.num_new_tokens for s in plan.scheduled}
+    ones = [r for r in mids if r.prompt_len - r.num_computed_tokens == 1]
+    multi = [r for r in mids if r.prompt_len - r.num_computed_tokens > 1]
+    chunks, admitted = policy.chunk_plan(
+        decoding + len(ones), [r.prompt_len - r.num_computed_tokens for r in multi], prompts,
+        len(prompts), seqs - decoding - len(mids))
+    assert all(grants[r.request_id] == 1 for r in ones)
+    assert [grants.get(r.request_id, 0) for r in multi] == chunks + [0] * (len(multi) - len(chunks))
+    first_waiting = decoding + len(mids)
+    assert [grants.get(first_waiting + j) for j in range(len(admitted))] == admitted
+    assert first_waiting + len(admitted) not in grants
