@@ -38,8 +38,9 @@ from bisect import bisect_left, bisect_right
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from heapq import heappop, heappush, nlargest
+from heapq import heapify, heappop, heappush, nlargest
 from itertools import accumulate, cycle, islice
+from operator import add
 from typing import TYPE_CHECKING, Any
 
 from sim.kv_manager import blocks_for
@@ -58,6 +59,8 @@ _INDEX_BITS = 32
 _INDEX_MASK = (1 << _INDEX_BITS) - 1
 # Contexts stored as offsets from the decode step count may be negative: shift them positive.
 _CTX_OFFSET = 1 << 62
+# Prefill-only steps priced and kept (the same prompts recur: one-prompt steps mostly).
+_PREFILL_PRICES_KEPT = 1 << 16
 # Decode step end times older than every member's admission are dropped past this many.
 _TIMES_KEPT = 1 << 20
 
@@ -121,8 +124,9 @@ def pool_blocker(sim: Simulation, w: WorkloadArrays) -> str | None:
     if not len(w.arrivals):
         return "no requests"
     cfg = sim.policy.config
-    totals = [p + o for p, o in zip(w.prompt_lens, w.output_lens)]
-    if max(totals) > sim.model.max_model_len:
+    # The max_num_seqs longest requests (prompt + output), without a list of all of them.
+    largest = nlargest(cfg.max_num_seqs, map(add, w.prompt_lens, w.output_lens))
+    if largest[0] > sim.model.max_model_len:
         return "a request longer than model.max_model_len (refused at arrival)"
     if not cfg.chunked_prefill and max(w.prompt_lens) > cfg.max_num_batched_tokens:
         return "a prompt longer than policy.max_num_batched_tokens (refused at arrival)"
@@ -131,7 +135,6 @@ def pool_blocker(sim: Simulation, w: WorkloadArrays) -> str | None:
     # The most a full batch can ever hold: its members' blocks at their last tokens
     # (full_length: prompt + output - 1), for the max_num_seqs largest requests.
     bs = sim.kv_cfg.block_size
-    largest = nlargest(cfg.max_num_seqs, totals)
     need = sum(blocks_for(n - 1, bs) for n in largest)
     if need > blocks - watermark:
         return (f"the KV pool can bind (the {len(largest)} largest requests hold {need} blocks "
@@ -187,7 +190,9 @@ class ArrayCore:
         d = self._prefill_prices.get(prompts)
         if d is None:
             plan = StepPlan([ScheduledRequest(i, 0, p, [], True) for i, p in enumerate(prompts)])
-            d = self._prefill_prices[prompts] = self.executor.execute(plan).duration
+            d = self.executor.execute(plan).duration
+            if len(self._prefill_prices) < _PREFILL_PRICES_KEPT:
+                self._prefill_prices[prompts] = d
         return d
 
     def run(self) -> SimulationResult:
@@ -256,6 +261,8 @@ class ArrayCore:
         slot_start = [0] * seats_total  # the decode step count when it joined
         slot_first = [0.0] * seats_total
         slot_sched = [0.0] * seats_total
+        slot_index = [-1] * seats_total  # the member's request (-1: free)
+        heap_limit = 4 * seats_total + 64
         free_slots = list(range(seats_total - 1, -1, -1))
         ends_heap: list[int] = []  # last step << (INDEX + SLOT) | index << SLOT | slot
         max_heap: list[int] = []  # -((ctx + OFFSET) << INDEX | index), lazily cleaned
@@ -310,6 +317,7 @@ class ArrayCore:
             slot_start[slot] = S
             slot_first[slot] = first
             slot_sched[slot] = sched
+            slot_index[slot] = i
             heappush(ends_heap, (S + OL[i] - 1) << shift | i << _SLOT_BITS | slot)
             heappush(max_heap, -((c + _CTX_OFFSET) << _INDEX_BITS | i))
             alive[i] = 1
@@ -332,6 +340,7 @@ class ArrayCore:
                     finish(first, end, scheduled_at.pop(first), end, empty)
                     gone.append(first)
                 free_slots.append(slot)
+                slot_index[slot] = -1
                 alive[i] = 0
                 c = slot_ctx[slot]
                 ctx_sum -= c
@@ -346,6 +355,13 @@ class ArrayCore:
             return gone
 
         def longest_ctx() -> int:
+            nonlocal max_heap
+            if len(max_heap) > heap_limit:
+                # Entries of members gone are dropped only from the top: rebuild from the
+                # members now and then, or those under a longer one would pile up.
+                max_heap = [-((slot_ctx[s] + _CTX_OFFSET) << _INDEX_BITS | slot_index[s])
+                            for s in range(seats_total) if slot_index[s] >= 0]
+                heapify(max_heap)
             while not alive[-max_heap[0] & _INDEX_MASK]:
                 heappop(max_heap)
             return ((-max_heap[0]) >> _INDEX_BITS) - _CTX_OFFSET
@@ -551,8 +567,7 @@ class ArrayCore:
                     break
                 longest = longest_ctx()
             if len(times) > _TIMES_KEPT:  # drop the step times no member needs any more
-                taken = set(free_slots)
-                low = min((slot_start[s] for s in range(seats_total) if s not in taken),
+                low = min((slot_start[s] for s in range(seats_total) if slot_index[s] >= 0),
                           default=S)
                 del times[:low - times_off]
                 times_off = low
