@@ -45,8 +45,15 @@ from typing import TYPE_CHECKING, Any
 
 from sim.kv_manager import blocks_for
 from sim.metrics import MetricsCollector
-from sim.outputs import (FINISHED_REQUEST_LINE, REQUEST_COLUMNS, STEP_COLUMNS, STEP_ROW_FORMAT,
-                         CsvSink, DecodeStepRows, NullSink)
+from sim.outputs import (
+    FINISHED_REQUEST_LINE,
+    REQUEST_COLUMNS,
+    STEP_COLUMNS,
+    STEP_ROW_FORMAT,
+    CsvSink,
+    DecodeStepRows,
+    NullSink,
+)
 from sim.plan import DecodeBlock, ScheduledRequest, StepPlan
 from sim.progress import Progress
 
@@ -148,7 +155,7 @@ class _BlockCount:
     k = B Q + R that is q + Q + (0 if r + R == 0, 1 if r + R <= B, else 2), so the sum needs
     only the members' sum of q and their count per residue r."""
 
-    __slots__ = ("bs", "count", "sum_q", "members")
+    __slots__ = ("bs", "count", "members", "sum_q")
 
     def __init__(self, block_size: int) -> None:
         self.bs = block_size
@@ -283,7 +290,8 @@ class ArrayCore:
         pricers: dict[int, Callable[[int, int], float] | None] = {}
 
         waiting: deque[int] = deque()
-        t = 0.0
+        # simpy's clock starts at the int 0, and a step row written before it moves says so.
+        t: float = 0
         S = 0  # steps in which every member decoded, so far
         nxt = 0
         num_steps = 0
@@ -291,10 +299,12 @@ class ArrayCore:
         done = 0
         peak = 0
         last_d = 0.0
+        last_start = -INF  # when the step that ended at t started
         empty = array("d")
 
         def finish(i: int, first: float, sched: float, end: float, later: array) -> None:
             arrival = ARR[i]
+            sched = float(sched)  # the clock's int 0 for a step at the start
             o = OL[i]
             tpot = repr((end - first) / (o - 1)) if o > 1 else ""
             if to_file:
@@ -354,6 +364,20 @@ class ArrayCore:
                 gone.append(first)
             return gone
 
+        def arrived(end: float, start: float) -> int:
+            """The index past the last request that has arrived when the step [start, end]
+            ends and the next one is planned. One arriving exactly at ``end`` is there only
+            if its arrival event was scheduled before the step's end event (simpy breaks
+            ties in scheduling order): the replica's arrival process schedules a request's
+            arrival when the one before it (a different time) arrives, so a request whose
+            predecessor arrived during the step comes after the step ends."""
+            hi = bisect_right(ARR, end, nxt)
+            if hi > nxt and ARR[hi - 1] == end:
+                g = bisect_left(ARR, end, nxt, hi)  # the first arriving at ``end``
+                if g and start < ARR[g - 1]:
+                    return g
+            return hi
+
         def longest_ctx() -> int:
             nonlocal max_heap
             if len(max_heap) > heap_limit:
@@ -367,18 +391,19 @@ class ArrayCore:
             return ((-max_heap[0]) >> _INDEX_BITS) - _CTX_OFFSET
 
         while done < N:
-            while nxt < N and ARR[nxt] <= t:
-                waiting.append(nxt)
-                nxt += 1
+            if nxt < N and ARR[nxt] <= t:
+                hi = arrived(t, last_start)
+                waiting.extend(range(nxt, hi))
+                nxt = hi
             if not waiting and not members and not prefilling:
-                t = ARR[nxt]
+                t = last_start = ARR[nxt]  # idle: the arrivals at t wake the replica
                 continue
             if admit is not None and waiting:
                 k, tokens = admit(map(PL.__getitem__, waiting), seats_total - members)
                 if k:  # a prefill-only step of whole prompts
                     batch = [waiting.popleft() for _ in range(k)]
                     d = prefill_seconds(tuple([PL[i] for i in batch]))
-                    start = t
+                    start = last_start = t
                     t += d
                     num_steps += 1
                     gone = 0  # blocks of prompts done with their first token
@@ -393,7 +418,7 @@ class ArrayCore:
                     if used + gone > peak:
                         peak = used + gone
                     if record:
-                        queued = len(waiting) + bisect_right(ARR, t, nxt) - nxt
+                        queued = len(waiting) + arrived(t, start) - nxt
                         step_sink.write_formatted(
                             (num_steps, 0, repr(start), repr(d), k, tokens, 0, k, queued,
                              members, 0, used, round(used / self.num_gpu_blocks, 6), 0, 0, 0, 0),
@@ -433,7 +458,7 @@ class ArrayCore:
                         plan.add_block(DecodeBlock(range(members), None, 0, [],  # type: ignore[arg-type]
                                                    ctx_sum + members * S, top + S))
                     d = execute(plan).duration
-                    start = t
+                    start = last_start = t
                     t += d
                     num_steps += 1
                     S += 1  # every member decoded
@@ -465,7 +490,7 @@ class ArrayCore:
                         step_sink.write_formatted(
                             (num_steps, 0, repr(start), repr(d), nd + len(grants),
                              prompt_tokens, nd + one_token, nd + len(completed),
-                             len(waiting) + bisect_right(ARR, t, nxt) - nxt,
+                             len(waiting) + arrived(t, start) - nxt,
                              members + len(prefilling), 0, used,
                              round(used / self.num_gpu_blocks, 6), 0, 0, 0, 0),
                             STEP_ROW_FORMAT)
@@ -542,7 +567,7 @@ class ArrayCore:
                     del used_list[0]
                     write_rows(num_steps + 1, starts, durs[:-1], nd, len(waiting), running, 0,
                                used_list)
-                step_start = ends[-2] if j > 1 else t
+                step_start = last_start = ends[-2] if j > 1 else t
                 num_steps += j
                 last_d = durs[-1]
                 t = ends[-1]
@@ -557,7 +582,7 @@ class ArrayCore:
                         progress.update(done, t)
                     used = blocks_at(cur) + prefill_blocks
                 if record:
-                    queued = len(waiting) + bisect_right(ARR, t, nxt) - nxt
+                    queued = len(waiting) + arrived(t, step_start) - nxt
                     write_row(num_steps, step_start, last_d, nd, queued,
                               members + len(prefilling), used)
                 if len(lines) >= 4096:

@@ -36,8 +36,13 @@ from sim.outputs import REQUEST_COLUMNS, STEP_COLUMNS, CsvSink, NullSink
 from sim.progress import Progress
 from sim.replica import Replica, SimulationStalled
 from sim.request import Request
-from sim.specs import (HardwareSpec, ModelSpec, hardware_spec_from, load_hardware_spec,
-                       model_spec_from)
+from sim.specs import (
+    HardwareSpec,
+    ModelSpec,
+    hardware_spec_from,
+    load_hardware_spec,
+    model_spec_from,
+)
 
 SECTIONS = ("model", "hardware", "policy", "workload", "executor", "cluster", "kv")
 TOP_LEVEL = {*SECTIONS, "seed", "progress", "check_integrity", "output_dir", "step_mode",

@@ -19,6 +19,7 @@ from sim.simulation import Simulation
 from sim.step_builder import ReplicaQueues, StepBuilder
 from tests.helpers import compose_cfg
 from tests.test_fast_forward import _assert_same
+from workloads.base import Workload
 
 # A small eligible run: the tiny model, a pool that holds every batch the policy may form.
 TINY = ("model=tiny", "workload.prompt_len.max=200", "workload.output_len.max=120",
@@ -249,3 +250,68 @@ def test_chunk_plan_is_schedules_step_where_the_pool_cannot_bind(decoding, parti
     first_waiting = decoding + len(mids)
     assert [grants.get(first_waiting + j) for j in range(len(admitted))] == admitted
     assert first_waiting + len(admitted) not in grants
+
+
+class _ListWorkload(Workload):
+    """Requests (arrival, prompt, output) as given."""
+
+    def __init__(self, rows: list[tuple[float, int, int]]) -> None:
+        self.rows = rows
+
+    def __iter__(self):
+        for rid, (t, p, o) in enumerate(self.rows):
+            yield Request(rid, t, p, o)
+
+    @property
+    def max_prompt_len(self) -> int:
+        return max(p for _, p, _ in self.rows)
+
+
+def _rows_of(mode: str, rows: list, *overrides: str) -> tuple[list, list, str]:
+    sim = Simulation(compose_cfg(f"step_mode={mode}", *TINY, *overrides))
+    sim.workload = _ListWorkload(rows)
+    res = sim.run()
+    steps = [tuple(r[i] for i in (0, 4, 5, 6, 7, 8, 9, 11)) + (float(r[2]),)
+             for r in res.steps_sink.rows]
+    reqs = sorted((r[0], r[9], r[10], r[11]) for r in res.requests_sink.rows)
+    return steps, reqs, res.summary["step_engine"]
+
+
+_EXACT_PRICES = """model: tiny
+device: a100_80gb
+dtype: fp16
+tensor_parallel: 1
+coefficients: {{s_per_step: {step}, s_per_seq: {seq}, s_per_token: 0.0, s_per_flop: 0.0,
+  s_per_weight_byte: 0.0, s_per_attn_flop: 0.0, s_per_diag_flop: 0.0, s_per_kv_byte: 0.0,
+  s_per_cta_byte: 0.0, s_per_sm_byte: 0.0, s_per_attn_wave: 0.0, s_per_attn_kernel: 0.0,
+  s_per_split_partial: 0.0, s_per_kv_tile: 0.0, s_per_prefill_row: 0.0,
+  s_per_first_seq: 0.0, sharpness: null, seq_knee: 0}}
+fit: {{attention_split_rule: flash, attention_decode_placement: launch}}
+source: synthetic
+"""
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "chunked_prefill"])
+@pytest.mark.parametrize("qps,seq", [(2048, 0.0), (8192, 0.0), (1024, 2.0 ** -14)])
+def test_arrivals_exactly_at_step_ends_as_the_replica_orders_them(tmp_path, policy, qps, seq):
+    """Steps priced in whole powers of two and constant arrivals at a power-of-two rate:
+    arrivals land exactly on step ends, and every mode computes the same floats. A request
+    arriving at the very time a step ends is in the queue for the next step only if its
+    arrival event came first (simpy: scheduling order), not when the request before it
+    arrived during that step."""
+    profile = tmp_path / "exact_prices.yaml"
+    profile.write_text(_EXACT_PRICES.format(step=2.0 ** -10, seq=seq))
+    over = [*TINY, f"policy={policy}", f"executor.profile={profile}", "workload.arrival=constant",
+            f"workload.qps={qps}", "workload.num_requests=300"]
+    s = _assert_same(over)
+    assert s["step_engine"] == "array_core"
+
+
+def test_a_request_whose_predecessor_arrived_during_the_step_waits_a_step():
+    over = ("policy.max_num_seqs=256", "policy.max_num_batched_tokens=256")
+    steps, _, _ = _rows_of("exact", [(0.0, 100, 20)], *over)
+    end = steps[1][-1]  # step 1 (the prefill) ends when step 2 starts
+    rows = [(0.0, 100, 20), (1e-4, 7, 5), (end, 37, 5)]
+    core, exact = _rows_of("fast", rows, *over), _rows_of("exact", rows, *over)
+    assert core[2] == "array_core" and core[0][:3] == exact[0][:3]
+    assert [s[2] for s in core[0][:3]] == [100, 7, 37]  # request 2 gets the third step
