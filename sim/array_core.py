@@ -1,33 +1,36 @@
 """The array core: step_mode=fast for one replica whose KV pool can never run short, with no
 per-request object, no simpy event and no block id in the loop.
 
-Where every request a policy may run at once fits the pool together (``max_num_seqs`` times
-the largest request's blocks, above the watermark), nothing is ever preempted, swapped or
-refused a block, and a run is a chain of prefill steps (admissions) and decode stretches
-(every member gains one token per step). That chain is computed here on plain numbers:
+Where every request a policy may run at once fits the pool together (the ``max_num_seqs``
+longest requests' blocks, above the watermark), nothing is ever preempted, swapped or refused
+a block, and a run is a chain of steps that admit or continue prompts (prefill-only steps for
+FCFS, mixed steps for chunked prefill) and decode stretches (every member gains one token per
+step). That chain is computed here on plain numbers:
 
-* the batch sits in fixed slots; the finishing order comes from a heap keyed by (last decode
-  step, arrival index), the running order's ties as the replica breaks them; the total and
-  the longest context are kept as a running sum and a lazy max-heap, since a member's context
-  is its prompt plus the decode steps taken since its admission;
-* each decode step is priced in plain floats (``Executor.decode_step_pricer``, else the
-  cost model's ``decode_run_durations``) up to the first step that ends at or after the next
-  arrival; members finishing on the way leave at the end of their last step, as in decode
-  jumps past finishes (sim/fast_forward.py);
-* KV blocks are counted, not handed out: a member holds ceil(context / block size) blocks, and
-  the blocks in use at any step follow in closed form from the members' contexts modulo the
-  block size (``_BlockCount``);
+* the decoding batch sits in fixed slots; the finishing order comes from a heap keyed by
+  (last decode step, arrival index), the running order's ties as the replica breaks them;
+  the total and the longest context are a running sum and a lazy max-heap, since a member's
+  context is its prompt plus the decode steps taken since it joined;
+* decode steps are priced one at a time in plain floats (``Executor.decode_step_pricer``)
+  up to the first step that ends at or after the next arrival, or, for batches without such
+  a pricer, in arrays ahead of it (``decode_run_durations``); members finishing on the way
+  leave at the end of their last step, as in decode jumps past finishes
+  (sim/fast_forward.py); steps that carry prompts are priced by the executor on their plan;
+* KV blocks are counted, not handed out: a member holds ceil(context / block size) blocks,
+  a prompt mid-prefill all of its prompt's, and the blocks in use at any step follow in
+  closed form from the members' contexts modulo the block size (``_BlockCount``);
 * each request's token times are the end times of the decode steps it took part in, kept
   once per step (not per member) until its last member leaves.
 
-The policy still decides: it admits through ``Policy.head_admissions`` (FCFS's rule on
-arrays), and only policies with ``array_core = True`` run here. The outputs (requests.csv,
-steps.csv, summary.json) are the replica loop's to 1e-9 relative in the times (decode steps
-are priced one at a time here, by other paths than the replica's jumps: the last bits of a
-duration may differ), except ``num_decode_jumps``, which counts this core's stretches, and
-``wall_time_s``. ``Simulation.run`` uses it when ``array_core_blocker`` finds nothing in the
-way and falls back to the replica loop otherwise. tests/test_array_core.py checks it
-against step-by-step simulation.
+The policy still decides: FCFS through ``FCFSPolicy.head_admissions`` and chunked prefill
+through ``ChunkedPrefillPolicy.chunk_plan`` (their rules on plain numbers, tested against
+their ``schedule``); only policy classes that set ``array_core = True`` themselves run here.
+The outputs (requests.csv, steps.csv, summary.json) are the replica loop's to 1e-9 relative
+in the times (the same steps, priced by other paths: a duration's last bits may differ),
+except ``num_decode_jumps`` (this core's stretches), ``step_engine`` and ``wall_time_s``.
+``Simulation.run`` uses it when ``array_core_blocker`` and ``pool_blocker`` find nothing in
+the way and takes the replica loop otherwise. tests/test_array_core.py checks it against
+step-by-step simulation and the replica loop.
 """
 
 from __future__ import annotations
@@ -36,12 +39,12 @@ import time
 from array import array
 from bisect import bisect_left, bisect_right
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from heapq import heapify, heappop, heappush, nlargest
 from itertools import accumulate, cycle, islice
-from operator import add
-from typing import TYPE_CHECKING, Any
+from operator import add, gt
+from typing import TYPE_CHECKING
 
 from sim.kv_manager import blocks_for
 from sim.metrics import MetricsCollector
@@ -58,6 +61,7 @@ from sim.plan import DecodeBlock, ScheduledRequest, StepPlan
 from sim.progress import Progress
 
 if TYPE_CHECKING:
+    from sim.request import Request
     from sim.simulation import Simulation, SimulationResult
 
 # Heap keys pack (step, arrival index, slot) into one int: slots and indices have these bits.
@@ -70,13 +74,17 @@ _CTX_OFFSET = 1 << 62
 _PREFILL_PRICES_KEPT = 1 << 16
 # Decode step end times older than every member's admission are dropped past this many.
 _TIMES_KEPT = 1 << 20
+# The longest-context heap is rebuilt from the members past this many entries per seat
+# (plus the extra): dead entries leave it only from the top.
+_HEAP_PER_SEAT = 4
+_HEAP_EXTRA = 64
 
 
 def array_core_blocker(sim: Simulation) -> str | None:
     """Why this run cannot use the array core before looking at its requests, or None."""
     from executors.cost_model import RooflineCostModel
 
-    if not sim.array_core:
+    if not sim.use_array_core:
         return "array_core=false"
     if sim.step_mode != "fast":
         return "step_mode=exact"
@@ -86,8 +94,11 @@ def array_core_blocker(sim: Simulation) -> str | None:
         return "check_integrity=true"
     if sim.keep_requests:
         return "keep_requests (Request objects wanted)"
-    if not getattr(sim.policy, "array_core", False):
+    # The class's own opt-in: a subclass that decides otherwise must not inherit it.
+    if not type(sim.policy).__dict__.get("array_core", False):
         return f"policy {sim.policy.config.name!r} does not decide on arrays"
+    if sim.policy.config.max_num_seqs >= 1 << _SLOT_BITS:
+        return f"policy.max_num_seqs >= {1 << _SLOT_BITS} (the core's slot numbers)"
     ex = sim.executor
     if type(ex) is not RooflineCostModel or ex.produces_tokens:
         return f"executor {type(ex).__name__} (the array core prices with the cost model)"
@@ -105,7 +116,7 @@ class WorkloadArrays:
     output_lens: array
 
     @classmethod
-    def collect(cls, requests: Any) -> WorkloadArrays | str:
+    def collect(cls, requests: Iterable[Request]) -> WorkloadArrays | str:
         """The columns of ``requests`` (an iterable of Request), or why they cannot be kept as
         plain numbers (ids or priorities that are not ints, token ids given)."""
         out = cls(array("q"), array("q"), array("d"), array("q"), array("q"))
@@ -128,8 +139,13 @@ def pool_blocker(sim: Simulation, w: WorkloadArrays) -> str | None:
     """Why the KV pool could bind on this workload (or a request be refused), or None: the
     array core counts blocks and never preempts, so every request the policy may run at once
     must fit the pool together, above the admission watermark."""
-    if not len(w.arrivals):
+    n = len(w.arrivals)
+    if not n:
         return "no requests"
+    if n >= 1 << _INDEX_BITS:
+        return f"{n} requests (the core numbers them in {_INDEX_BITS} bits)"
+    if any(map(gt, w.arrivals, islice(w.arrivals, 1, None))):
+        return "arrival times that decrease (the replica takes them in the order given)"
     cfg = sim.policy.config
     # The max_num_seqs longest requests (prompt + output), without a list of all of them.
     largest = nlargest(cfg.max_num_seqs, map(add, w.prompt_lens, w.output_lens))
@@ -193,7 +209,8 @@ class ArrayCore:
 
     def prefill_seconds(self, prompts: tuple[int, ...]) -> float:
         """A prefill-only step of these whole prompts, nothing cached, as the executor prices
-        the replica's plan for it (memoized: the same prompts give the same step)."""
+        the replica's plan for it. Memoized by the prompts (the cost model keeps its own memo
+        by step shape, but building the plan and its shape is most of the cost here)."""
         d = self._prefill_prices.get(prompts)
         if d is None:
             plan = StepPlan([ScheduledRequest(i, 0, p, [], True) for i, p in enumerate(prompts)])
@@ -222,10 +239,11 @@ class ArrayCore:
             req_sink.close()
             step_sink.close()
         metrics.first_arrival = self.w.arrivals[0]
-        summary = sim._summary(metrics, end, time.perf_counter() - wall0, kv_peak_blocks=peak,
-                               num_steps=steps, num_decode_jumps=stretches,
-                               num_swap_fallbacks=0, engine="array_core")
-        sim._write_summary(summary)
+        summary = sim.summary(metrics, end, time.perf_counter() - wall0,
+                              kv_peak_usage=peak / self.num_gpu_blocks, num_steps=steps,
+                              num_decode_jumps=stretches, num_swap_fallbacks=0,
+                              engine="array_core")
+        sim.write_summary(summary)
         return SimulationResult(summary, metrics, [], sim.memory, [], req_sink, step_sink, None)
 
     def _loop(self, metrics: MetricsCollector, req_sink: CsvSink, step_sink: CsvSink,
@@ -241,8 +259,9 @@ class ArrayCore:
         seats_total = policy.config.max_num_seqs
         # The policy's step structure: whole prompts in prefill-only steps (head_admissions)
         # or decodes first, then prompt chunks in the same step (chunk_plan).
-        chunk_plan = getattr(policy, "chunk_plan", None)
-        admit = None if chunk_plan is not None else policy.head_admissions
+        chunked = policy.implements_chunked_prefill
+        chunk_plan = policy.chunk_plan if chunked else None  # type: ignore[attr-defined]
+        admit = None if chunked else policy.head_admissions  # type: ignore[attr-defined]
         ex = self.executor
         execute = ex.execute
         step_pricer = ex.decode_step_pricer
@@ -252,7 +271,6 @@ class ArrayCore:
         rows = DecodeStepRows(step_sink, 0, self.num_gpu_blocks)
         write_rows = rows.write
         write_row = rows.write_step
-        usage_of = rows.usage_text
         bs = self.block_size
         to_file = req_sink.to_file
         write_text = req_sink.write_text
@@ -269,7 +287,7 @@ class ArrayCore:
         slot_first = [0.0] * seats_total
         slot_sched = [0.0] * seats_total
         slot_index = [-1] * seats_total  # the member's request (-1: free)
-        heap_limit = 4 * seats_total + 64
+        heap_limit = _HEAP_PER_SEAT * seats_total + _HEAP_EXTRA
         free_slots = list(range(seats_total - 1, -1, -1))
         ends_heap: list[int] = []  # last step << (INDEX + SLOT) | index << SLOT | slot
         max_heap: list[int] = []  # -((ctx + OFFSET) << INDEX | index), lazily cleaned
@@ -287,6 +305,7 @@ class ArrayCore:
         # End times of decode steps: step s ends at times[s - 1 - times_off].
         times = array("d")
         times_off = 0
+        times_kept = _TIMES_KEPT
         pricers: dict[int, Callable[[int, int], float] | None] = {}
 
         waiting: deque[int] = deque()
@@ -300,6 +319,7 @@ class ArrayCore:
         peak = 0
         last_d = 0.0
         last_start = -INF  # when the step that ended at t started
+        next_tick = 64  # the progress line's next update
         empty = array("d")
 
         def finish(i: int, first: float, sched: float, end: float, later: array) -> None:
@@ -391,6 +411,11 @@ class ArrayCore:
             return ((-max_heap[0]) >> _INDEX_BITS) - _CTX_OFFSET
 
         while done < N:
+            if len(times) > times_kept:  # drop the step times no member needs any more
+                low = min((slot_start[s] for s in range(seats_total) if slot_index[s] >= 0),
+                          default=S)
+                del times[:low - times_off]
+                times_off = low
             if nxt < N and ARR[nxt] <= t:
                 hi = arrived(t, last_start)
                 waiting.extend(range(nxt, hi))
@@ -455,8 +480,8 @@ class ArrayCore:
                     if members:
                         top = longest_ctx()
                         # Start positions: each member's context before its new token.
-                        plan.add_block(DecodeBlock(range(members), None, 0, [],  # type: ignore[arg-type]
-                                                   ctx_sum + members * S, top + S))
+                        plan.add_block(DecodeBlock.for_pricing(members, ctx_sum + members * S,
+                                                               top + S))
                     d = execute(plan).duration
                     start = last_start = t
                     t += d
@@ -497,15 +522,17 @@ class ArrayCore:
                     if len(lines) >= 4096:
                         write_text("".join(lines))
                         lines.clear()
-                    if not done & 63:
+                    if done >= next_tick:
                         progress.update(done, t)
+                        next_tick = done + 64
                     continue
             if not members:
                 # Waiting requests that cannot be admitted with nobody running: impossible
                 # where the pool cannot bind (every prompt fits the budget alone).
                 raise RuntimeError(f"array core: request {RID[waiting[0]]} can never be admitted")
             # Decode until the next arrival (the steps that start before it), members
-            # finishing on the way while nothing waits or is mid-prefill.
+            # finishing on the way while nothing waits or is mid-prefill. (A prompt
+            # mid-prefill gets a chunk every step unless the decodes take the whole budget.)
             horizon = ARR[nxt] if nxt < N else INF
             cur = S
             longest = longest_ctx()
@@ -513,8 +540,9 @@ class ArrayCore:
                 last = ends_heap[0] >> shift
                 length = last - cur
                 nd = members
-                pricer = pricers.get(nd, 0)
-                if pricer == 0:
+                if nd in pricers:
+                    pricer = pricers[nd]
+                else:
                     pricer = pricers[nd] = step_pricer(nd)
                 stretches += 1
                 if pricer is not None:
@@ -553,7 +581,6 @@ class ArrayCore:
                         del ends[j:]
                         del durs[j:]
                 times.extend(ends)
-                running = nd + len(prefilling)
                 if record and j > 1:
                     starts = [t]
                     starts += ends[:-2]
@@ -565,7 +592,7 @@ class ArrayCore:
                     grow = islice(cycle(rev), bs - 1 - (-cur) % bs, bs - 2 - (-cur) % bs + j)
                     used_list = list(accumulate(grow, initial=blocks_at(cur) + prefill_blocks))
                     del used_list[0]
-                    write_rows(num_steps + 1, starts, durs[:-1], nd, len(waiting), running, 0,
+                    write_rows(num_steps + 1, starts, durs[:-1], nd, len(waiting), nd, 0,
                                used_list)
                 step_start = last_start = ends[-2] if j > 1 else t
                 num_steps += j
@@ -578,25 +605,19 @@ class ArrayCore:
                     peak = used
                 if cur == last:
                     done += len(leave(t))
-                    if not done & 63:
+                    if done >= next_tick:
                         progress.update(done, t)
+                        next_tick = done + 64
                     used = blocks_at(cur) + prefill_blocks
                 if record:
                     queued = len(waiting) + arrived(t, step_start) - nxt
-                    write_row(num_steps, step_start, last_d, nd, queued,
-                              members + len(prefilling), used)
+                    write_row(num_steps, step_start, last_d, nd, queued, members, used)
                 if len(lines) >= 4096:
                     write_text("".join(lines))
                     lines.clear()
                 if cur != last or not members or t >= horizon or waiting or prefilling:
                     break
                 longest = longest_ctx()
-            if len(times) > _TIMES_KEPT:  # drop the step times no member needs any more
-                low = min((slot_start[s] for s in range(seats_total) if slot_index[s] >= 0),
-                          default=S)
-                del times[:low - times_off]
-                times_off = low
         if lines:
             write_text("".join(lines))
-        del usage_of
         return t, num_steps, stretches, peak

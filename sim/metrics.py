@@ -150,34 +150,19 @@ class MetricsCollector:
         return self._itl
 
     def on_finished(self, req: Request) -> None:
-        self.completed += 1
-        self.input_tokens += req.prompt_len
         times = req.token_times  # syncs a decode-run member's times
-        n = req.num_output_tokens
-        self.output_tokens += n
-        # Synced, the first and last token times are the plain fields (no property reads).
-        first, arrival = req._first_token, req.arrival_time
-        self.ttft.append(first - arrival)
-        if n > 1:
-            self.tpot.append((req._last_token - first) / (n - 1))
-        self.e2el.append(req.finish_time - arrival)
-        if len(times) > 1:
-            buf = self._times
-            buf.extend(times)
-            self._ends.append(len(buf))
-            if len(buf) >= _ITL_BATCH:
-                self._flush_itl()
+        # Synced, the first token time is the plain field (no property read).
+        self.add_finished(req.prompt_len, req.arrival_time, req._first_token, req.finish_time,
+                          times[1:])
         self.num_preemptions += req.num_preemptions
         self.num_swaps += req.num_swaps
         self.num_recomputes += req.num_recomputes
-        if req.finish_time > self.last_finish:
-            self.last_finish = req.finish_time
 
     def add_finished(self, prompt_len: int, arrival: float, first: float, finish: float,
                      later_times: array) -> None:
-        """``on_finished`` for a request given as values (the array core, sim/array_core.py):
-        it never was preempted or swapped, sampled its first token at ``first`` and one more
-        at each time of ``later_times`` (the last at ``finish``)."""
+        """A request that finished at ``finish`` after sampling its first token at ``first``
+        and one more at each time of ``later_times`` (the array core, sim/array_core.py,
+        calls this directly: its requests are never preempted)."""
         self.completed += 1
         self.input_tokens += prompt_len
         n = len(later_times) + 1

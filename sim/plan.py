@@ -59,6 +59,13 @@ class DecodeBlock:
         return cls(request_ids, np.asarray(start_positions, dtype=np.int64), 0, block_tables,
                    sum(start_positions), max(start_positions, default=0))
 
+    @classmethod
+    def for_pricing(cls, num_rows: int, ctx_sum: int, ctx_max: int) -> DecodeBlock:
+        """A block that only states its shape (rows, sum and max of the start positions):
+        what ``step_shape`` reads to price a step (sim/array_core.py, which keeps no ids,
+        contexts or block tables). Its rows cannot be expanded."""
+        return cls(range(num_rows), None, 0, [], ctx_sum, ctx_max)  # type: ignore[arg-type]
+
     @property
     def start_positions(self) -> np.ndarray:
         return self._ctx0 + self._offset

@@ -86,7 +86,7 @@ def _dataclass_from(cls: type, data: dict[str, Any], section: str) -> Any:
 class SimulationResult:
     summary: dict[str, Any]
     metrics: MetricsCollector
-    replicas: list[Replica]
+    replicas: list[Replica]  # empty when the array core ran (summary["step_engine"])
     memory: MemoryPlan
     requests: list[Request]  # finished/rejected requests, when keep_requests=True
     requests_sink: CsvSink
@@ -119,7 +119,7 @@ class Simulation:
                 f"must be exact or streaming, got {self.itl_quantiles!r}")
         self.record_steps = as_bool(cfg.get("record_steps", True), "record_steps")
         # step_mode=fast on the array core where it applies (sim/array_core.py).
-        self.array_core = as_bool(cfg.get("array_core", True), "array_core")
+        self.use_array_core = as_bool(cfg.get("array_core", True), "array_core")
         # Why the last run did not use the array core (None: it did, or no run yet).
         self.array_core_skipped: str | None = None
 
@@ -306,8 +306,8 @@ class Simulation:
             raise SimulationStalled(deployment.stall_message())
         wall = time.perf_counter() - wall0
         reps = deployment.replicas
-        summary = self._summary(
-            metrics, env.now, wall, kv_peak_blocks=None,
+        summary = self.summary(
+            metrics, env.now, wall,
             kv_peak_usage=max(r.kv.peak_used_blocks / r.kv.num_gpu_blocks for r in reps),
             num_steps=sum(r.num_steps for r in reps),
             num_decode_jumps=sum(r.num_jumps for r in reps),
@@ -315,7 +315,7 @@ class Simulation:
             engine="replica")
         if self.is_cluster:
             summary.update(cluster_summary(self.cluster, self.pools, deployment, env.now))
-        self._write_summary(summary)
+        self.write_summary(summary)
         return SimulationResult(summary, metrics, deployment.replicas, self.memory, kept,
                                 req_sink, step_sink, deployment)
 
@@ -371,18 +371,17 @@ class Simulation:
         self.array_core_skipped = reason
         return None if reason is not None else ArrayCore(self, arrays)  # type: ignore[arg-type]
 
-    def _write_summary(self, summary: dict[str, Any]) -> None:
+    def write_summary(self, summary: dict[str, Any]) -> None:
+        """``summary.json`` in the output folder (none without one)."""
         if self.out_dir is not None:
             (self.out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
 
-    def _summary(self, metrics: MetricsCollector, sim_end: float, wall: float, *,
-                 kv_peak_blocks: int | None, num_steps: int, num_decode_jumps: int,
-                 num_swap_fallbacks: int, engine: str,
-                 kv_peak_usage: float | None = None) -> dict[str, Any]:
+    def summary(self, metrics: MetricsCollector, sim_end: float, wall: float, *,
+                kv_peak_usage: float, num_steps: int, num_decode_jumps: int,
+                num_swap_fallbacks: int, engine: str) -> dict[str, Any]:
+        """``summary.json``'s figures for a finished run, whichever loop ran it."""
         s = metrics.summary()
         mem = self.memory
-        if kv_peak_usage is None:
-            kv_peak_usage = (kv_peak_blocks or 0) / mem.num_gpu_blocks
         s.update({
             "kv_block_size": self.kv_cfg.block_size,
             "kv_num_gpu_blocks": mem.num_gpu_blocks,

@@ -24,6 +24,8 @@ from workloads.base import Workload
 # A small eligible run: the tiny model, a pool that holds every batch the policy may form.
 TINY = ("model=tiny", "workload.prompt_len.max=200", "workload.output_len.max=120",
         "kv.num_gpu_blocks=20000")
+# Lengths drawn uniformly between their min and max, so one-token prompts and outputs occur.
+UNIFORM = ("workload.prompt_len.dist=uniform", "workload.output_len.dist=uniform")
 
 
 def _engine(*overrides: str) -> str:
@@ -33,8 +35,9 @@ def _engine(*overrides: str) -> str:
 
 def test_random_eligible_runs_equal_exact_and_use_the_core():
     # _assert_same: step columns equal, step and request times to 1e-9, summary keys.
-    s = _assert_same([*TINY, "policy=fcfs", "workload.num_requests=200", "workload.qps=40",
-                      "workload.output_len.min=1"])
+    s = _assert_same([*TINY, *UNIFORM, "policy=fcfs", "workload.num_requests=200",
+                      "workload.qps=40", "workload.output_len.min=1",
+                      "workload.prompt_len.min=1"])
     assert s["step_engine"] == "array_core"
 
 
@@ -43,7 +46,7 @@ def test_random_eligible_runs_equal_exact_and_use_the_core():
        budget=st.integers(200, 2000), out_min=st.integers(1, 4), block=st.sampled_from([1, 16]),
        itl=st.sampled_from(["exact", "streaming"]))
 def test_core_equals_exact_on_random_small_workloads(seed, qps, seqs, budget, out_min, block, itl):
-    s = _assert_same([*TINY, "policy=fcfs", f"seed={seed}", f"workload.qps={qps}",
+    s = _assert_same([*TINY, *UNIFORM, "policy=fcfs", f"seed={seed}", f"workload.qps={qps}",
                       "workload.num_requests=60", f"policy.max_num_seqs={seqs}",
                       f"policy.max_num_batched_tokens={budget}", f"kv.block_size={block}",
                       f"workload.output_len.min={out_min}", f"itl_quantiles={itl}"])
@@ -58,7 +61,8 @@ def test_chunked_core_equals_exact_on_random_small_workloads(seed, qps, seqs, bu
                                                              out_min, prompt_min, block):
     """Prompts longer than the step, shared between partial prefills, one-token prompts
     and outputs, chunks of one token (decode rows by their shape)."""
-    s = _assert_same([*TINY, "policy=chunked_prefill", f"seed={seed}", f"workload.qps={qps}",
+    s = _assert_same([*TINY, *UNIFORM, "policy=chunked_prefill", f"seed={seed}",
+                      f"workload.qps={qps}",
                       "workload.num_requests=60", f"policy.max_num_seqs={min(seqs, budget)}",
                       f"policy.max_num_batched_tokens={budget}", f"kv.block_size={block}",
                       f"policy.max_num_partial_prefills={partials}",
@@ -89,12 +93,14 @@ def _files(tmp: Path, core: bool, overrides: tuple[str, ...]) -> tuple[pd.DataFr
     ("model=llama3_8b", "hardware=a100_80gb", "workload=vidur_bench", "seed=42",
      "workload.num_requests=1000", "workload.qps=6", "policy=chunked_prefill",
      "policy.max_num_seqs=128", "policy.max_num_batched_tokens=512"),
-    (*TINY, "workload.num_requests=300", "workload.qps=300", "workload.output_len.min=1",
-     "policy=chunked_prefill", "policy.max_num_seqs=16", "policy.max_num_batched_tokens=64",
-     "policy.max_num_partial_prefills=2"),
+    (*TINY, *UNIFORM, "workload.num_requests=300", "workload.qps=300",
+     "workload.output_len.min=1", "workload.prompt_len.min=1", "policy=chunked_prefill",
+     "policy.max_num_seqs=16", "policy.max_num_batched_tokens=64",
+     "policy.max_num_partial_prefills=2", "workload.priorities=[0,1,2]"),
     # Many at once, one-token outputs among them, seats full with a queue.
-    (*TINY, "workload.num_requests=300", "workload.qps=500", "workload.output_len.min=1",
-     "policy.max_num_seqs=16"),
+    (*TINY, *UNIFORM, "workload.num_requests=300", "workload.qps=500",
+     "workload.output_len.min=1", "workload.prompt_len.min=1", "policy.max_num_seqs=16",
+     "workload.priorities=[3,1]"),
 ])
 def test_files_equal_the_replica_loop(tmp_path, overrides):
     """requests.csv, steps.csv and summary.json as the replica loop's fast mode writes them:
@@ -315,3 +321,41 @@ def test_a_request_whose_predecessor_arrived_during_the_step_waits_a_step():
     core, exact = _rows_of("fast", rows, *over), _rows_of("exact", rows, *over)
     assert core[2] == "array_core" and core[0][:3] == exact[0][:3]
     assert [s[2] for s in core[0][:3]] == [100, 7, 37]  # request 2 gets the third step
+
+
+@pytest.mark.parametrize("pool,core", [(44, True), (43, False)])
+def test_a_pool_just_large_enough_takes_the_core_one_block_less_does_not(pool, core):
+    """Twelve requests of 100 + 60 tokens at once, four seats: the four hold 4 x 10 blocks
+    at their last tokens (block 16). 44 blocks less the watermark's int(4.4) = 4 is exactly
+    that: the core, equal to step-by-step simulation; 43 (still 4 kept) goes to the
+    replica loop."""
+    over = ["model=tiny", "workload.prompt_len.dist=uniform", "workload.prompt_len.min=100",
+            "workload.prompt_len.max=100", "workload.output_len.dist=uniform",
+            "workload.output_len.min=60", "workload.output_len.max=60",
+            "workload.num_requests=12", "workload.qps=100000", "policy.max_num_seqs=4",
+            "policy.kv_watermark=0.1", f"kv.num_gpu_blocks={pool}"]
+    sim = Simulation(compose_cfg(*over))
+    assert sim.run().summary["step_engine"] == ("array_core" if core else "replica")
+    _assert_same(over)
+
+
+def test_heap_rebuilds_and_dropped_step_times_change_nothing(monkeypatch):
+    """The longest-context heap rebuilt at every chance and the step times trimmed as soon
+    as they may be: the same outputs as step by step."""
+    import sim.array_core as core
+
+    monkeypatch.setattr(core, "_HEAP_PER_SEAT", 0)
+    monkeypatch.setattr(core, "_HEAP_EXTRA", 1)
+    monkeypatch.setattr(core, "_TIMES_KEPT", 3)
+    for policy in ("fcfs", "chunked_prefill"):
+        s = _assert_same([*TINY, *UNIFORM, f"policy={policy}", "workload.num_requests=120",
+                          "workload.qps=80", "policy.max_num_seqs=16",
+                          "policy.max_num_batched_tokens=256"])
+        assert s["step_engine"] == "array_core"
+
+
+def test_decreasing_arrivals_go_to_the_replica_loop():
+    sim = Simulation(compose_cfg(*TINY))
+    sim.workload = _ListWorkload([(1.0, 10, 5), (0.5, 10, 5)])
+    res = sim.run()
+    assert res.summary["step_engine"] == "replica" and "decrease" in sim.array_core_skipped

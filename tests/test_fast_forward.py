@@ -49,9 +49,10 @@ def _assert_same(overrides: list[str]) -> dict:
 
 
 @pytest.mark.parametrize("policy", JUMPING)
-def test_default_workload_fast_equals_exact(policy):
+@pytest.mark.parametrize("core", ["true", "false"])  # the array core where it applies, or not
+def test_default_workload_fast_equals_exact(policy, core):
     s = _assert_same([f"policy={policy}", "workload.num_requests=300", "workload.qps=8",
-                      *EXTRA.get(policy, ())])
+                      f"array_core={core}", *EXTRA.get(policy, ())])
     assert s["num_decode_jumps"] > 0
 
 
