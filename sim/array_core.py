@@ -588,19 +588,24 @@ class ArrayCore:
                     # by one in step k + 1 when its context at k is a multiple of the block
                     # size, i.e. its residue is (-k) mod B; so the growth per step walks
                     # the residue counts backwards, cyclically.
+                    # (The last entry, after the stretch's last step, is for the peak.)
                     rev = blocks.count[::-1]
-                    grow = islice(cycle(rev), bs - 1 - (-cur) % bs, bs - 2 - (-cur) % bs + j)
+                    grow = islice(cycle(rev), bs - 1 - (-cur) % bs, bs - 1 - (-cur) % bs + j)
                     used_list = list(accumulate(grow, initial=blocks_at(cur) + prefill_blocks))
+                    used = used_list.pop()
                     del used_list[0]
                     write_rows(num_steps + 1, starts, durs[:-1], nd, len(waiting), nd, 0,
                                used_list)
+                else:
+                    used = -1
                 step_start = last_start = ends[-2] if j > 1 else t
                 num_steps += j
                 last_d = durs[-1]
                 t = ends[-1]
                 cur += j
                 S = cur
-                used = blocks_at(cur) + prefill_blocks
+                if used < 0:
+                    used = blocks_at(cur) + prefill_blocks
                 if used > peak:
                     peak = used
                 if cur == last:

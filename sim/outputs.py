@@ -48,6 +48,7 @@ class DecodeStepRows:
         self.num_gpu_blocks = num_gpu_blocks
         # kv_usage's text per block count, made on first use (``usage_text[used]``).
         self.usage_text = _UsageTexts(num_gpu_blocks)
+        self._formats: dict[tuple[int, int, int, int], str] = {}
 
     def write(self, first_id: int, starts: list[float], durations: list[float],
               batch: int | list[int], waiting: int, running: int | list[int], swapped: int,
@@ -69,8 +70,12 @@ class DecodeStepRows:
         tail = "%d,%s,0,0,0,0\r\n"  # kv_blocks_used, kv_usage, nothing recomputed or moved
         times = (map(repr, starts), map(repr, durations))
         if isinstance(batch, int) and isinstance(running, int):
-            fmt = (f"%d,{rid},%s,%s,{batch},0,{batch},{batch},{waiting},{running},{swapped},"
-                   + tail)
+            key = (batch, waiting, running, swapped)
+            fmt = self._formats.get(key)  # consecutive jumps mostly share these columns
+            if fmt is None:
+                fmt = self._formats[key] = (
+                    f"%d,{rid},%s,%s,{batch},0,{batch},{batch},{waiting},{running},{swapped},"
+                    + tail)
             args = zip(ids, *times, used, map(self.usage_text.__getitem__, used))
         else:
             rows = [batch] * len(durations) if isinstance(batch, int) else batch
