@@ -78,9 +78,11 @@ class Policy(ABC):
     #: True if the policy implements chunked prefill's step structure (decodes first, then
     #: prefill chunks in the same step), which ``policy.chunked_prefill=true`` asks for.
     implements_chunked_prefill: ClassVar[bool] = False
-    #: True if the policy also decides on plain arrays (``head_admissions``), so that a fast
-    #: run whose KV pool can never bind may use the array core (sim/array_core.py) instead
-    #: of the replica loop. Policies opt in after the array-core-vs-exact test.
+    #: True if the policy also decides on plain numbers (FCFS's ``head_admissions``, chunked
+    #: prefill's ``chunk_plan``), so that a fast run whose KV pool can never bind may use the
+    #: array core (sim/array_core.py) instead of the replica loop. Read from the class's own
+    #: body only (a subclass that decides otherwise does not inherit it); policies opt in
+    #: after the array-core-vs-exact tests.
     array_core: ClassVar[bool] = False
 
     def __init__(self, config: PolicyConfig, seed: int = 0) -> None:
