@@ -127,8 +127,11 @@ class WorkloadArrays:
             rid, p = r.request_id, r.priority
             if type(rid) is not int or type(p) is not int or r.prompt_token_ids is not None:
                 return f"request {rid!r}: ids and priorities other than ints, or token ids"
-            ids(rid)
-            pri(p)
+            try:
+                ids(rid)
+                pri(p)
+            except OverflowError:
+                return f"request {rid!r}: an id or priority beyond 64 bits"
             arr(r.arrival_time)
             pl(r.prompt_len)
             ol(r.max_output_len)

@@ -359,3 +359,18 @@ def test_decreasing_arrivals_go_to_the_replica_loop():
     sim.workload = _ListWorkload([(1.0, 10, 5), (0.5, 10, 5)])
     res = sim.run()
     assert res.summary["step_engine"] == "replica" and "decrease" in sim.array_core_skipped
+
+
+def test_ids_beyond_64_bits_go_to_the_replica_loop():
+    sim = Simulation(compose_cfg(*TINY))
+
+    class Big(_ListWorkload):
+        def __iter__(self):
+            for r in super().__iter__():
+                r.request_id += 1 << 70
+                yield r
+
+    sim.workload = Big([(0.0, 10, 5), (0.5, 10, 5)])
+    res = sim.run()
+    assert res.summary["step_engine"] == "replica" and "64 bits" in sim.array_core_skipped
+    assert res.summary["completed"] == 2
