@@ -46,19 +46,19 @@ from itertools import accumulate, cycle, islice
 from operator import add, gt
 from typing import TYPE_CHECKING
 
+from sim.fast_forward import _price_until, _steps_before
 from sim.kv_manager import blocks_for
 from sim.metrics import MetricsCollector
 from sim.outputs import (
     FINISHED_REQUEST_LINE,
     REQUEST_COLUMNS,
-    STEP_COLUMNS,
     STEP_ROW_FORMAT,
     CsvSink,
     DecodeStepRows,
-    NullSink,
 )
 from sim.plan import DecodeBlock, ScheduledRequest, StepPlan
 from sim.progress import Progress
+from sim.step_builder import watermark_blocks
 
 if TYPE_CHECKING:
     from sim.request import Request
@@ -157,7 +157,7 @@ def pool_blocker(sim: Simulation, w: WorkloadArrays) -> str | None:
     if not cfg.chunked_prefill and max(w.prompt_lens) > cfg.max_num_batched_tokens:
         return "a prompt longer than policy.max_num_batched_tokens (refused at arrival)"
     blocks = sim.memory.num_gpu_blocks
-    watermark = int(cfg.kv_watermark * blocks)  # StepBuilder.watermark_blocks
+    watermark = watermark_blocks(cfg.kv_watermark, blocks)
     # The most a full batch can ever hold: its members' blocks at their last tokens
     # (full_length: prompt + output - 1), for the max_num_seqs largest requests.
     bs = sim.kv_cfg.block_size
@@ -227,14 +227,8 @@ class ArrayCore:
 
         sim = self.sim
         wall0 = time.perf_counter()
-        out = sim.out_dir
-        if out is not None:
-            out.mkdir(parents=True, exist_ok=True)
-        req_sink = CsvSink(out / "requests.csv" if out else None, REQUEST_COLUMNS)
-        step_sink = (CsvSink(out / "steps.csv" if out else None, STEP_COLUMNS)
-                     if sim.record_steps else NullSink(STEP_COLUMNS))
-        metrics = MetricsCollector(sim.itl_quantiles)
-        progress = Progress(len(self.w.arrivals), sim.progress_enabled)
+        req_sink, step_sink, metrics, progress = sim.open_outputs(REQUEST_COLUMNS,
+                                                                  len(self.w.arrivals))
         try:
             end, steps, stretches, peak = self._loop(metrics, req_sink, step_sink, progress)
         finally:
@@ -334,6 +328,9 @@ class ArrayCore:
                 lines.append(line_fmt % (RID[i], 0, PRI[i], arrival, PL[i], o, o, sched, first,
                                          end, sched - arrival, first - arrival, tpot,
                                          end - arrival, 0, 0, 0, ""))
+                if len(lines) >= 4096:
+                    write_text("".join(lines))
+                    lines.clear()
             else:  # request_row's tuple (tests keep rows in memory)
                 req_sink.write((RID[i], 0, "finished", "", PRI[i], repr(arrival), PL[i], o, o,
                                 repr(sched), repr(first), repr(end), repr(sched - arrival),
@@ -451,9 +448,6 @@ class ArrayCore:
                             (num_steps, 0, repr(start), repr(d), k, tokens, 0, k, queued,
                              members, 0, used, round(used / self.num_gpu_blocks, 6), 0, 0, 0, 0),
                             STEP_ROW_FORMAT)
-                    if len(lines) >= 4096:
-                        write_text("".join(lines))
-                        lines.clear()
                     continue
             elif chunk_plan is not None and (waiting or prefilling):
                 # Decodes first (members, and prompts one token from done), then chunks.
@@ -522,9 +516,6 @@ class ArrayCore:
                              members + len(prefilling), 0, used,
                              round(used / self.num_gpu_blocks, 6), 0, 0, 0, 0),
                             STEP_ROW_FORMAT)
-                    if len(lines) >= 4096:
-                        write_text("".join(lines))
-                        lines.clear()
                     if done >= next_tick:
                         progress.update(done, t)
                         next_tick = done + 64
@@ -567,22 +558,14 @@ class ArrayCore:
                         x += nd
                         y += 1
                 else:
-                    # Priced ahead in arrays, sized from the last step's duration.
-                    m = length if horizon == INF else (
-                        min(length, int((horizon - t) / last_d * 1.25) + 2) if last_d > 0
-                        else min(length, 8))
-                    while True:
-                        durs = run_prices(nd, ctx_sum + nd * (cur + 1), longest + cur + 1,
-                                          m).tolist()
-                        ends = list(accumulate(durs, initial=t))
-                        del ends[0]
-                        if ends[-1] >= horizon or m == length:
-                            break
-                        m = min(length, max(m + 1, int((horizon - t) / durs[0]) + 2))
-                    j = bisect_left(ends, horizon, 0, len(ends) - 1) + 1
-                    if j < m:
-                        del ends[j:]
-                        del durs[j:]
+                    # Priced ahead in arrays as the replica's jumps size them (a stretch
+                    # that falls short of the horizon ends there; the next one goes on).
+                    c0, m0 = ctx_sum + nd * (cur + 1), longest + cur + 1
+                    durs, ends = _price_until(lambda m: run_prices(nd, c0, m0, m), t, length,
+                                              horizon, last_d)  # type: ignore[misc]
+                    j = _steps_before(ends, horizon)
+                    del ends[j:]
+                    del durs[j:]
                 times.extend(ends)
                 if record and j > 1:
                     starts = [t]
@@ -620,9 +603,6 @@ class ArrayCore:
                 if record:
                     queued = len(waiting) + arrived(t, step_start) - nxt
                     write_row(num_steps, step_start, last_d, nd, queued, members, used)
-                if len(lines) >= 4096:
-                    write_text("".join(lines))
-                    lines.clear()
                 if cur != last or not members or t >= horizon or waiting or prefilling:
                     break
                 longest = longest_ctx()

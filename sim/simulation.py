@@ -260,16 +260,10 @@ class Simulation:
             return core.run()
         wall0 = time.perf_counter()
         env = simpy.Environment()
-        out = self.out_dir
-        if out is not None:
-            out.mkdir(parents=True, exist_ok=True)
         columns = REQUEST_COLUMNS + (CLUSTER_REQUEST_COLUMNS if self.is_cluster else ())
-        req_sink = CsvSink(out / "requests.csv" if out else None, columns)
-        step_sink = (CsvSink(out / "steps.csv" if out else None, STEP_COLUMNS)
-                     if self.record_steps else NullSink(STEP_COLUMNS))
-        metrics = MetricsCollector(self.itl_quantiles)
+        req_sink, step_sink, metrics, progress = self.open_outputs(columns,
+                                                                   self.workload.num_requests)
         kept: list[Request] = []
-        progress = Progress(self.workload.num_requests, self.progress_enabled)
         state = {"done": 0}
 
         def on_done(req: Request) -> None:
@@ -370,6 +364,19 @@ class Simulation:
             reason = arrays if isinstance(arrays, str) else pool_blocker(self, arrays)
         self.array_core_skipped = reason
         return None if reason is not None else ArrayCore(self, arrays)  # type: ignore[arg-type]
+
+    def open_outputs(self, request_columns: tuple[str, ...], num_requests: int | None,
+                     ) -> tuple[CsvSink, CsvSink, MetricsCollector, Progress]:
+        """A run's sinks (requests.csv, steps.csv or none), metrics and progress line,
+        whichever loop runs it."""
+        out = self.out_dir
+        if out is not None:
+            out.mkdir(parents=True, exist_ok=True)
+        req_sink = CsvSink(out / "requests.csv" if out else None, request_columns)
+        step_sink = (CsvSink(out / "steps.csv" if out else None, STEP_COLUMNS)
+                     if self.record_steps else NullSink(STEP_COLUMNS))
+        return (req_sink, step_sink, MetricsCollector(self.itl_quantiles),
+                Progress(num_requests, self.progress_enabled))
 
     def write_summary(self, summary: dict[str, Any]) -> None:
         """``summary.json`` in the output folder (none without one)."""

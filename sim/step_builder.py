@@ -104,6 +104,11 @@ class ReplicaQueues:
         del running[i]
 
 
+def watermark_blocks(kv_watermark: float, num_gpu_blocks: int) -> int:
+    """The blocks admission keeps free (vLLM v0's watermark: a fraction of the pool)."""
+    return int(kv_watermark * num_gpu_blocks)
+
+
 class StepBuilder:
     """Built once per replica and reset every step; see the module docstring."""
 
@@ -113,7 +118,7 @@ class StepBuilder:
         self._q = queues
         self.kv = kv
         self.preemption_mode = PreemptionMode(preemption_mode)
-        self.watermark_blocks = int(kv_watermark * kv.num_gpu_blocks)
+        self.watermark_blocks = watermark_blocks(kv_watermark, kv.num_gpu_blocks)
         self.waiting: ReadOnly[Request] = ReadOnly(queues.waiting)
         self.running: ReadOnly[Request] = ReadOnly(queues.running)
         self.swapped: ReadOnly[Request] = ReadOnly(queues.swapped)
