@@ -34,6 +34,7 @@ from executors.step_terms import (
     predict_array,
     step_shape,
 )
+from sim.config_types import as_float, as_int
 from sim.errors import ConfigError
 from sim.plan import ScheduledRequest, StepPlan
 from sim.specs import ModelSpec
@@ -140,25 +141,47 @@ class ShapeSpec:
                 "decode_context": self.decode_context, "num_sampled": self.sampled}
 
 
+_INT_SHAPE_COLUMNS = ("num_prefill_seqs", "prefill_chunk", "prefill_cached", "num_decode_seqs",
+                      "decode_context", "num_sampled")
+
+
+def _cell(row: dict[str, Any], col: str, where: str, integer: bool) -> int | float:
+    """One numeric cell of a profile row: an integer (or integral float) for ``integer``, else a
+    finite number; a numeral string counts (pandas reads a column with one bad cell as text).
+    Errors name the column, the file and the line."""
+    if col not in row:
+        raise ConfigError(f"profile.{col}", f"missing column in {where}")
+    value = row[col]
+    if isinstance(value, str):
+        try:
+            value = float(value.strip())
+        except ValueError:
+            raise ConfigError(f"profile.{col}", f"{where}: not a number: {row[col]!r}") from None
+    try:
+        return as_int(value, col) if integer else as_float(value, col)
+    except ConfigError as e:  # as_* word it; the file and line are ours to add
+        raise ConfigError(f"profile.{col}", f"{where}: {e.message}") from None
+
+
 def shape_from_row(row: dict[str, Any], where: str) -> ShapeSpec:
     """Rebuild a row's shape, checking its redundant columns (batch_size, num_tokens)."""
+    if "kind" not in row:
+        raise ConfigError("profile.kind", f"missing column in {where}")
+    ints = [int(_cell(row, col, where, integer=True)) for col in _INT_SHAPE_COLUMNS]
     try:
-        spec = ShapeSpec(str(row["kind"]), int(row["num_prefill_seqs"]), int(row["prefill_chunk"]),
-                         int(row["prefill_cached"]), int(row["num_decode_seqs"]),
-                         int(row["decode_context"]), int(row["num_sampled"]))
-    except KeyError as e:
-        raise ConfigError(f"profile.{e.args[0]}", f"missing column in {where}") from None
+        spec = ShapeSpec(str(row["kind"]), *ints)
     except ValueError as e:
         raise ConfigError("profile", f"{where}: {e}") from None
     for col in ("batch_size", "num_tokens"):
-        if int(row[col]) != getattr(spec, col):
+        if _cell(row, col, where, integer=True) != getattr(spec, col):
             raise ConfigError(f"profile.{col}", f"{where}: {row[col]} does not match the "
                               f"shape columns ({getattr(spec, col)})")
     return spec
 
 
 def read_profile_csv(path: str | Path) -> list[dict[str, Any]]:
-    """The rows of a profile CSV, validated (errors name the file, line and column)."""
+    """The rows of a profile CSV, validated (errors name the file, line and column); shape
+    columns come back as ints and ``median_s`` as a float, whatever pandas read them as."""
     import pandas as pd
 
     df = pd.read_csv(path)
@@ -169,9 +192,12 @@ def read_profile_csv(path: str | Path) -> list[dict[str, Any]]:
     for i, row in enumerate(rows):
         where = f"{path} line {i + 2}"
         shape_from_row(row, where)
-        t = float(row["median_s"])
-        if not (t > 0 and math.isfinite(t)):
+        for col in SHAPE_COLUMNS[1:]:
+            row[col] = int(_cell(row, col, where, integer=True))
+        t = float(_cell(row, "median_s", where, integer=False))
+        if not t > 0:
             raise ConfigError("profile.median_s", f"{where}: must be > 0, got {row['median_s']}")
+        row["median_s"] = t
     if not rows:
         raise ConfigError("profile", f"{path} has no rows")
     return rows

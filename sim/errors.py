@@ -13,6 +13,7 @@ class ConfigError(ValueError):
 
     def __init__(self, field: str, message: str) -> None:
         self.field = field
+        self.message = message  # without the field, for callers that re-raise it with context
         super().__init__(f"{field}: {message}")
 
 

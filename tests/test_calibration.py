@@ -491,6 +491,22 @@ def test_profile_csv_errors_name_file_line_and_column(tmp_path):
     pd.DataFrame([{**row, "median_s": -1}]).to_csv(p)
     with pytest.raises(ConfigError, match="profile.median_s"):
         read_profile_csv(p)
+    # Cells that are not numbers, or not whole where a count is expected: the column, file
+    # and line, never a bare ValueError (pandas reads such a column as text or floats).
+    good = {**row, "median_s": 0.01}
+    for col, bad, why in [("median_s", "abc", "not a number: 'abc'"),
+                          ("batch_size", "x", "not a number: 'x'"),
+                          ("decode_context", 10.5, "must be an integer, got 10.5"),
+                          ("num_decode_seqs", None, "must be an integer, got nan"),
+                          ("median_s", float("inf"), "must be a finite number")]:
+        pd.DataFrame([good, {**good, col: bad}]).to_csv(p, index=False)
+        with pytest.raises(ConfigError, match=rf"^profile\.{col}: .*p\.csv line 3: {why}"):
+            read_profile_csv(p)
+    # A numeral in a column that pandas read as text still counts, as a number.
+    pd.DataFrame([good, {**good, "median_s": "0.02 "}]).to_csv(p, index=False)
+    parsed = read_profile_csv(p)
+    assert [r["median_s"] for r in parsed] == [0.01, 0.02]
+    assert all(isinstance(r["decode_context"], int) for r in parsed)
 
 
 def test_split_holds_out_interleaved_shapes_of_every_kind():
