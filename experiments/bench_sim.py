@@ -89,9 +89,20 @@ def run_case(policy: str, n: int, step_mode: str, out_dir: Path,
             "streaming": container["itl_quantiles"] == "streaming"}
 
 
+def _request_count(text: str) -> int:
+    """A ``--sizes`` value: a whole number of requests, at least 1 (argparse's error else)."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
+    return n
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--sizes", type=int, nargs="+", default=[10_000, 100_000])
+    ap.add_argument("--sizes", type=_request_count, nargs="+", default=[10_000, 100_000])
     ap.add_argument("--policies", nargs="+", default=DEFAULT_POLICIES,
                     choices=list(POLICY_OVERRIDES))
     ap.add_argument("--step-mode", default="fast", choices=["fast", "exact"])

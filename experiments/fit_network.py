@@ -2,6 +2,8 @@
 
     python -m experiments.fit_network [--profiles ../shared/profiles/vidur/network]
 
+The folder is resolved as data paths are (the working directory, then the project root).
+
 The ``size`` column of Vidur's collective profiles is in bytes: its profiler allocates ``n`` fp16
 elements and records ``size = n * 2  # bytes`` (vidur/profiling/collectives/
 collectives_wrapper.py), and its predictor converts with ``size / embedding_dim / 2``. Read as
@@ -16,6 +18,7 @@ coefficients are what ``conf/network/*.yaml`` holds.
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +26,8 @@ import pandas as pd
 from scipy.optimize import minimize
 
 from executors.network import ring_factor
+from sim.errors import ConfigError
+from workloads.base import resolve_path
 
 MIB = 2**20
 BIN_EDGES = (0, 1 * MIB, 2 * MIB, 4 * MIB, 8 * MIB, 16 * MIB, 32 * MIB, float("inf"))
@@ -30,7 +35,16 @@ BOXES = {"a100_dgx": "a100_80gb", "h100_dgx": "h100_sxm"}
 
 
 def load(folder: Path, op: str) -> pd.DataFrame:
-    df = pd.read_csv(folder / f"{op}.csv")
+    """One of Vidur's collective profiles (``<box>/<op>.csv``), its median column renamed."""
+    path = folder / f"{op}.csv"
+    if not path.is_file():
+        raise ConfigError("--profiles", f"{path} is missing (Vidur's network profiles: "
+                          "<profiles>/{a100_dgx,h100_dgx}/{all_reduce,send_recv}.csv)")
+    df = pd.read_csv(path)
+    need = ["size", "num_workers", "devices_per_node", f"time_stats.{op}.median"]
+    missing = [c for c in need if c not in df.columns]
+    if missing:
+        raise ConfigError("--profiles", f"{path}: missing column {missing[0]!r}")
     return df.rename(columns={f"time_stats.{op}.median": "median_ms"})
 
 
@@ -78,7 +92,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--profiles", default="../shared/profiles/vidur/network")
     args = ap.parse_args()
-    root = Path(args.profiles)
+    try:
+        fit_all(resolve_path(args.profiles, "--profiles"))
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def fit_all(root: Path) -> None:
+    """Fit and print every box's all-reduce and send/recv coefficients (see the module doc)."""
     for box, hw in BOXES.items():
         print(f"# {box} -> conf/network/{hw}.yaml")
         ar = load(root / box, "all_reduce")

@@ -145,6 +145,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(main.__doc__, file=sys.stderr)
         return 2
     folder, overrides = Path(args[0]), args[1:]
+    need = ["validation.json", "replay_steps.csv", "sim/summary.json", "real/summary.json"]
+    missing = [name for name in need if not (folder / name).is_file()]
+    if missing:
+        print(f"config error: folder: {folder} is not a finished validation: {missing[0]} is "
+              "missing (experiments/validate.py writes it)", file=sys.stderr)
+        return 2
     saved = folder / ".hydra" / "overrides.yaml"
     if not overrides and saved.is_file():
         overrides = [o for o in yaml.safe_load(saved.read_text()) if not o.startswith("hydra")]

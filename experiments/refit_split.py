@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -32,21 +33,28 @@ from sim.errors import ConfigError
 DECODE_BANDS = ((1, 1), (2, 4), (5, 8), (9, 16), (17, 1 << 30))
 
 
-def load_folder(folder: Path, cfg: dict | None = None,
-                ) -> tuple[dict, list[dict], pd.DataFrame, object]:
-    """(config, profile rows, serving steps of the real runs, rows-only profile); the config
-    is the folder's ``.hydra/config.yaml`` unless given."""
-    from executors.calibration import load_profile, read_profile_csv
-
+def saved_validation_files(folder: Path, with_config: bool = True) -> list[Path]:
+    """The files of a saved validation this module reads (profile, real steps, fitted
+    profile, then its config when ``with_config``); a config error names the first missing."""
     need = [folder / "profile.csv", folder / "replay_steps.csv",
             folder / "hardware_profile.yaml"]
-    if cfg is None:
+    if with_config:
         need.append(folder / ".hydra" / "config.yaml")
     for p in need:
         if not p.is_file():
             raise ConfigError("folder", f"{folder} is not a saved validation: "
                               f"{p.relative_to(folder)} is missing (experiments/validate.py "
                               "writes it)")
+    return need
+
+
+def load_folder(folder: Path, cfg: dict | None = None,
+                ) -> tuple[dict, list[dict], pd.DataFrame, object]:
+    """(config, profile rows, serving steps of the real runs, rows-only profile); the config
+    is the folder's ``.hydra/config.yaml`` unless given."""
+    from executors.calibration import load_profile, read_profile_csv
+
+    need = saved_validation_files(folder, with_config=cfg is None)
     if cfg is None:
         cfg = yaml.safe_load(need[3].read_text())
     steps = serving_rows(pd.read_csv(need[1])).reset_index(drop=True)
@@ -118,18 +126,24 @@ def main(argv: list[str] | None = None) -> None:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("folders", nargs="+", type=Path, help="validation output folders")
     args = ap.parse_args(argv)
+    try:  # every folder checked before the table starts
+        for folder in args.folders:
+            saved_validation_files(folder)
+        results = [(folder, split_errors(folder, knee)) for folder in args.folders
+                   for knee in (0, None)]
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
     cols = ["decode_1", "decode_2_4", "decode_5_8", "decode_9_16", "decode_17_up", "with_prompt"]
     head = (f"{'folder':<36} {'knee':>4} {'busy%':>6} {'rows-busy':>9} "
             + " ".join(f"{c.replace('decode_', 'd'):>8}" for c in cols) + f" {'MAPE%':>6}")
     print("errors of summed held-out step time, % (decode steps by rows; steps with a prompt)")
     print(head)
     print("-" * len(head))
-    for folder in args.folders:
-        for knee in (0, None):
-            r = split_errors(folder, knee)
-            cells = " ".join("       -" if r[c] is None else f"{r[c]:>+8.1f}" for c in cols)
-            print(f"{_label(folder):<36} {r['seq_knee']:>4} {r['busy_pct']:>+6.2f} "
-                  f"{r['rows_minus_busy_pct']:>+9.2f} {cells} {r['mape_pct']:>6.2f}")
+    for folder, r in results:
+        cells = " ".join("       -" if r[c] is None else f"{r[c]:>+8.1f}" for c in cols)
+        print(f"{_label(folder):<36} {r['seq_knee']:>4} {r['busy_pct']:>+6.2f} "
+              f"{r['rows_minus_busy_pct']:>+9.2f} {cells} {r['mape_pct']:>6.2f}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,58 @@
+"""The analysis commands outside Hydra (fit_network, host_speed, refit_split, bench_sim): a
+missing folder or file, or a bad argument, is one `config error` line (or argparse's usage
+error) and exit 2, never a Python traceback."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import pytest
+
+from experiments import bench_sim, fit_network, host_speed, refit_split
+
+
+def test_fit_network_names_a_missing_folder_or_file(tmp_path: Path, monkeypatch, capsys) -> None:
+    monkeypatch.setattr(sys, "argv", ["fit_network", "--profiles", str(tmp_path / "nowhere")])
+    with pytest.raises(SystemExit) as exit_:
+        fit_network.main()
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.strip() == (
+        f"config error: --profiles: file not found: {tmp_path / 'nowhere'}")
+    monkeypatch.setattr(sys, "argv", ["fit_network", "--profiles", str(tmp_path)])
+    with pytest.raises(SystemExit) as exit_:
+        fit_network.main()
+    assert exit_.value.code == 2
+    assert f"{tmp_path / 'a100_dgx' / 'all_reduce.csv'} is missing" in capsys.readouterr().err
+
+
+def test_fit_network_names_a_missing_column(tmp_path: Path) -> None:
+    (tmp_path / "all_reduce.csv").write_text("size,num_workers\n1024,2\n")
+    with pytest.raises(fit_network.ConfigError, match="missing column 'devices_per_node'"):
+        fit_network.load(tmp_path, "all_reduce")
+
+
+def test_host_speed_refuses_a_folder_that_is_not_a_validation(tmp_path: Path, capsys) -> None:
+    assert host_speed.main([str(tmp_path)]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"config error: folder: {tmp_path} is not a finished validation: validation.json is "
+        "missing (experiments/validate.py writes it)")
+
+
+def test_refit_split_refuses_before_printing_a_table(tmp_path: Path, capsys) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        refit_split.main([str(tmp_path)])
+    assert exit_.value.code == 2
+    out = capsys.readouterr()
+    assert out.out == ""  # no table header above the error
+    assert out.err.startswith(f"config error: folder: {tmp_path} is not a saved validation: "
+                              "profile.csv is missing")
+
+
+@pytest.mark.parametrize("text, why", [("0", "must be >= 1, got 0"), ("-5", "must be >= 1"),
+                                       ("1e5", "not a whole number: '1e5'")])
+def test_bench_sim_sizes_are_whole_positive_counts(text: str, why: str) -> None:
+    with pytest.raises(argparse.ArgumentTypeError, match=why):
+        bench_sim._request_count(text)
+    assert bench_sim._request_count("300") == 300
