@@ -501,11 +501,26 @@ def choose_qps(base: dict[str, Any], opts: dict[str, Any], out_dir: Path) -> Sat
     return sat
 
 
-def apply_policy_overrides(cfg: dict[str, Any], overrides: dict[str, Any] | None) -> None:
+def command_line_policy_keys(task_overrides: Sequence[str]) -> set[str]:
+    """The ``policy.<key>`` names a Hydra job's command line sets (``policy.x=1``, ``+policy.x``,
+    ``++policy.x``; ``policy=<name>`` picks the group and sets none)."""
+    keys = set()
+    for override in task_overrides:
+        name = override.partition("=")[0].lstrip("+~")
+        if name.startswith("policy."):
+            keys.add(name[len("policy."):].split(".")[0])
+    return keys
+
+
+def apply_policy_overrides(cfg: dict[str, Any], overrides: dict[str, Any] | None,
+                           command_line: set[str] | None = None) -> None:
     """Merge ``validate.policy_overrides[<policy name>]`` into ``cfg["policy"]``.
 
-    A key the command line also changed (its value differs from ``conf/policy/<name>.yaml``)
-    is an error, not silently replaced: set it through ``validate.policy_overrides`` instead.
+    A key the command line also set is an error, not silently replaced: set it through
+    ``validate.policy_overrides`` instead. The command line's keys are ``command_line``
+    (``command_line_policy_keys`` of the Hydra job); any key whose value differs from
+    ``conf/policy/<name>.yaml`` counts as set too (a config composed in Python has no
+    command line to read).
     """
     from policies.base import POLICIES
 
@@ -526,7 +541,8 @@ def apply_policy_overrides(cfg: dict[str, Any], overrides: dict[str, Any] | None
     for key, value in table.items():
         field_name = f"validate.policy_overrides.{name}.{key}"
         require(key in policy, field_name, f"policy {name} has no key {key!r}")
-        require(key not in defaults or policy[key] == defaults[key] or policy[key] == value,
+        changed = key in defaults and policy[key] != defaults[key] and policy[key] != value
+        require(key not in (command_line or set()) and not changed,
                 f"policy.{key}", f"set to {policy[key]!r} on the command line, but "
                 f"{field_name}={value!r} would replace it: set {field_name} instead")
         policy[key] = value
@@ -709,11 +725,13 @@ class RunSchedule:
         return len(self.done[name]) > i
 
 
-def validate(cfg: dict[str, Any], out_dir: Path) -> ValidationResult:
-    """Real runs (recorded), profile (given or fitted here), simulated run, replays."""
+def validate(cfg: dict[str, Any], out_dir: Path,
+             command_line: set[str] | None = None) -> ValidationResult:
+    """Real runs (recorded), profile (given or fitted here), simulated run, replays.
+    ``command_line``: the policy keys the command line set (``apply_policy_overrides``)."""
     opts = _options(cfg)
     base = _sim_cfg(cfg)
-    apply_policy_overrides(base, opts.get("policy_overrides"))
+    apply_policy_overrides(base, opts.get("policy_overrides"), command_line)
     require(str(base["executor"].get("name")) == "real", "executor",
             "validate runs the real executor first: use executor=real (conf/validate.yaml)")
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -969,7 +987,8 @@ def main() -> None:
     def _main(cfg: DictConfig) -> None:
         out_dir = Path(HydraConfig.get().runtime.output_dir)
         try:
-            result = validate(OmegaConf.to_container(cfg, resolve=True), out_dir)
+            keys = command_line_policy_keys(HydraConfig.get().overrides.task)
+            result = validate(OmegaConf.to_container(cfg, resolve=True), out_dir, keys)
         except ConfigError as e:
             print(f"config error: {e}", file=sys.stderr)
             raise SystemExit(2) from None

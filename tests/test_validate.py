@@ -183,6 +183,18 @@ def test_policy_overrides_merge_for_their_policy_only():
                                               "policy.max_num_batched_tokens=384"))
     with pytest.raises(ConfigError, match="policy.max_num_batched_tokens: set to 384"):
         apply_policy_overrides(cli, cfg["validate"]["policy_overrides"])
+    # Also when the command line's value equals the policy's default (512 here): the
+    # command line, not the value, says it was set.
+    same = validate_mod._sim_cfg(_validate_cfg("policy=chunked_prefill",
+                                               "policy.max_num_batched_tokens=512"))
+    keys = validate_mod.command_line_policy_keys(
+        ["policy=chunked_prefill", "policy.max_num_batched_tokens=512", "seed=3"])
+    assert keys == {"max_num_batched_tokens"}
+    with pytest.raises(ConfigError, match="policy.max_num_batched_tokens: set to 512"):
+        apply_policy_overrides(same, cfg["validate"]["policy_overrides"], keys)
+    assert validate_mod.command_line_policy_keys(["++policy.max_num_seqs=8", "policy=sjf",
+                                                  "validate.policy_overrides.sjf.x=1"]) == {
+        "max_num_seqs"}
     with pytest.raises(ConfigError, match="validate.policy_overrides.bogus"):
         apply_policy_overrides(base, {"bogus": {}})
     with pytest.raises(ConfigError, match="policy chunked_prefill has no key 'nope'"):
