@@ -20,6 +20,7 @@ Configured by ``conf/compare_policies.yaml`` (the main job's config plus ``varia
 from __future__ import annotations
 
 import copy
+import html
 import json
 import logging
 import sys
@@ -126,11 +127,12 @@ def run(cfg: dict[str, Any], out_dir: Path) -> pd.DataFrame:
         checks = CHECKS[s](part, out_dir / s, sims) if s in CHECKS else []
         check_rows += [{"scenario": s, "claim": c.claim, "holds": c.holds, "detail": c.detail}
                        for c in checks]
-        notes.append(_checks_text(s, cfg["scenarios"][s].get("about", ""), checks))
+        about = describe_scenario(s, cfg)
+        notes.append(_checks_text(s, about, checks))
         frames = {v: pd.read_csv(out_dir / s / v / "requests.csv") for v in part.policy}
         fig = latency_cdf_figure(frames, f"{s}: latency CDFs")
         shown = part.set_index("policy")[list(SHOWN)]
-        sections.append((fig, f"<h3>{s}</h3><p>{cfg['scenarios'][s].get('about', '')}</p>"
+        sections.append((fig, f"<h3>{s}</h3><p>{html.escape(about)}</p>"
                               f"{shown.to_html(float_format=lambda x: f'{x:.4g}')}"
                               f"<pre>{_checks_text(s, '', checks)}</pre>"))
     (out_dir / "checks.md").write_text("\n".join(notes))
@@ -141,6 +143,35 @@ def run(cfg: dict[str, Any], out_dir: Path) -> pd.DataFrame:
     page = html_page("Policies compared", [], figs_html)
     (out_dir / "policies.html").write_text(page)
     return table
+
+
+def _flat(data: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(data, dict):
+        return {prefix: data}
+    out: dict[str, Any] = {}
+    for k, v in data.items():
+        out.update(_flat(v, f"{prefix}.{k}" if prefix else str(k)))
+    return out
+
+
+def describe_scenario(name: str, cfg: dict[str, Any]) -> str:
+    """The scenario's ``about`` text, and after it what this run changed from the preset in
+    ``conf/compare_policies.yaml`` (``about`` describes the preset: a command line that moves
+    ``scenarios.high_load.workload.qps`` must not leave "at 8 req/s" standing unqualified)."""
+    ran = dict(cfg["scenarios"][name] or {})
+    about = str(ran.pop("about", "") or "")
+    preset = dict((OmegaConf.to_container(OmegaConf.load(CONF / "compare_policies.yaml"))
+                   .get("scenarios", {}) or {}).get(name) or {})  # type: ignore[union-attr]
+    preset.pop("about", None)
+    now, before = _flat(ran), _flat(preset)
+    if cfg.get("num_requests") is not None:
+        now["workload.num_requests"] = int(cfg["num_requests"])
+    changed = [f"{k}={now.get(k)}" for k in sorted(set(now) | set(before))
+               if now.get(k) != before.get(k)]
+    if not changed:
+        return about
+    return (f"{about}\n(That describes the preset; this run changed it: "
+            f"{', '.join(changed)}.)")
 
 
 def _checks_text(scenario: str, about: str, checks: list[Check]) -> str:

@@ -10,7 +10,7 @@ import sys
 import pandas as pd
 import pytest
 
-from experiments.compare_policies import plan_runs, run
+from experiments.compare_policies import describe_scenario, plan_runs, run
 from experiments.policy_checks import static_slot_use
 from sim.errors import ConfigError
 from tests.helpers import ROOT, compose_named
@@ -37,6 +37,19 @@ def test_all_scenarios_run_every_variant_and_write_the_table(tmp_path):
     assert all(s in html for s in scenarios) and "plotly" in html.lower()
     checks = (tmp_path / "checks.md").read_text()
     assert "## high_load" in checks and "SJF (oracle) cuts mean E2E" in checks
+    # The preset's description is qualified by what this run changed (num_requests here).
+    assert ("at 8 req/s, above what FCFS sustains" in checks
+            and "this run changed it: workload.num_requests=12." in checks)
+
+
+def test_a_scenario_description_says_what_the_command_line_changed():
+    cfg = compare_cfg()
+    assert describe_scenario("high_load", cfg) == cfg["scenarios"]["high_load"]["about"]
+    moved = describe_scenario("high_load", compare_cfg("scenarios.high_load.workload.qps=10",
+                                                       "+scenarios.high_load.kv.num_gpu_blocks=900"))
+    assert moved.endswith("\n(That describes the preset; this run changed it: "
+                          "kv.num_gpu_blocks=900, workload.qps=10.)")
+    assert moved.startswith("the default chat workload at 8 req/s")
 
 
 def test_one_scenario_from_the_command_line(tmp_path):
