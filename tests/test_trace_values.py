@@ -63,3 +63,29 @@ def test_finite_rows_still_replay(tmp_path):
     w = make_workload({"name": "trace", "path": str(p)}, seed=0)
     assert [(r.arrival_time, r.prompt_len, r.max_output_len) for r in w] == [(0.0, 10, 5),
                                                                             (2.0, 10, 1)]
+
+
+def test_azure_rows_must_have_as_many_cells_as_the_header(tmp_path):
+    p = tmp_path / "t.csv"
+    p.write_text(HEADER + "0,10,5\n1,10,5,7\n")
+    with pytest.raises(TraceFormatError, match=r":3: expected 3 columns \(as the header\), got 4"):
+        make_workload({"name": "trace", "path": str(p)}, seed=0)
+    p.write_text(HEADER + "0,10,5\n1,10\n")
+    with pytest.raises(TraceFormatError, match=r":3: expected 3 columns \(as the header\), got 2"):
+        make_workload({"name": "trace", "path": str(p)}, seed=0)
+    # Columns after the three are the file's own: allowed, row by row.
+    p.write_text("TIMESTAMP,ContextTokens,GeneratedTokens,Model\n0,10,5,a\n1,12,0,b\n")
+    w = make_workload({"name": "trace", "path": str(p)}, seed=0)
+    assert [(r.prompt_len, r.max_output_len) for r in w] == [(10, 5), (12, 1)]
+
+
+@pytest.mark.parametrize("name", ["t.json", "t.txt", "t"])
+def test_a_mooncake_trace_is_read_by_content_whatever_its_suffix(tmp_path, name):
+    p = tmp_path / name
+    p.write_text('\n{"timestamp": 0, "input_length": 10, "output_length": 5}\n'
+                 '{"timestamp": 500, "input_length": 20, "output_length": 3}\n')
+    w = make_workload({"name": "trace", "path": str(p)}, seed=0)
+    assert [(r.arrival_time, r.prompt_len) for r in w] == [(0.0, 10), (0.5, 20)]
+    azure = tmp_path / ("a" + name)  # and a CSV named like JSON is still a CSV
+    azure.write_text(HEADER + "0,10,5\n")
+    assert [r.prompt_len for r in make_workload({"name": "trace", "path": str(azure)}, 0)] == [10]

@@ -1,5 +1,9 @@
 """Replay of a request trace: Azure LLM trace CSV (``TIMESTAMP,ContextTokens,GeneratedTokens``)
-or Mooncake JSONL (``{"timestamp": ms, "input_length", "output_length", ...}``).
+or Mooncake JSONL (``{"timestamp": ms, "input_length", "output_length", ...}``), told apart by
+content (a file whose first line opens a JSON object is JSONL), not by suffix. An Azure file
+may have columns after the three (ignored), but every row has as many cells as its header.
+A request with zero generated tokens is replayed with one: a serving engine samples at least
+the prefill's token.
 
 The file is parsed whole before the run (a few columns of numbers, cheap even for millions of
 rows), so that a malformed row is refused up front with its file and line; Requests are still
@@ -100,6 +104,16 @@ def _positive_int(value: Any, what: str, path: Path, line: int, minimum: int) ->
     return int(f)
 
 
+def is_jsonl(path: Path) -> bool:
+    """Whether the trace is Mooncake JSONL (its first non-blank character opens a JSON
+    object), whatever its suffix; anything else is read as an Azure CSV."""
+    with path.open() as f:
+        for text in f:
+            if text.strip():
+                return text.lstrip().startswith("{")
+    return path.suffix == ".jsonl"
+
+
 def read_azure_csv(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     times, ins, outs = [], [], []
     first: tuple[str, int, str] | None = None  # the first row's time kind, line and value
@@ -113,8 +127,9 @@ def read_azure_csv(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
             line = reader.line_num
             if not row or all(not c.strip() for c in row):
                 continue
-            if len(row) < 3:
-                raise TraceFormatError(path, line, f"expected 3 columns, got {len(row)}")
+            if len(row) != len(header):  # a cell too many is as malformed as one too few
+                raise TraceFormatError(path, line, f"expected {len(header)} columns (as the "
+                                       f"header), got {len(row)}")
             value = row[0].strip()
             t, kind = _parse_time(value, "TIMESTAMP", path, line)
             if first is None:
@@ -171,7 +186,7 @@ class TraceWorkload(Workload):
                 f"must be >= 1 or null, got {max_output_len}")
         self.path = path
         hashes: list[list[int] | None] | None = None
-        if path.suffix == ".jsonl":
+        if is_jsonl(path):
             times, ins, outs, hashes, lines = read_mooncake_jsonl(path)
         else:
             times, ins, outs = read_azure_csv(path)
