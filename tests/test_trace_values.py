@@ -89,3 +89,11 @@ def test_a_mooncake_trace_is_read_by_content_whatever_its_suffix(tmp_path, name)
     azure = tmp_path / ("a" + name)  # and a CSV named like JSON is still a CSV
     azure.write_text(HEADER + "0,10,5\n")
     assert [r.prompt_len for r in make_workload({"name": "trace", "path": str(azure)}, 0)] == [10]
+
+
+def test_a_mooncake_record_missing_a_length_says_which(tmp_path):
+    p = tmp_path / "t.jsonl"
+    p.write_text('{"timestamp": 0, "input_length": 10, "output_length": 5}\n'
+                 '{"timestamp": 5, "output_length": 5}\n')
+    with pytest.raises(TraceFormatError, match=r"t.jsonl:2: missing 'input_length'"):
+        make_workload({"name": "trace", "path": str(p)}, seed=0)

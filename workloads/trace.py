@@ -159,6 +159,10 @@ def read_mooncake_jsonl(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray,
                 raw = row["timestamp"]
             except (ValueError, KeyError, TypeError) as e:
                 raise TraceFormatError(path, line, f"not a Mooncake record ({e})") from None
+            for key in ("input_length", "output_length"):
+                if key not in row:
+                    raise TraceFormatError(path, line, f"missing {key!r} (a Mooncake record "
+                                           "has timestamp, input_length, output_length)")
             ms = _finite(raw, "timestamp", path, line)
             if ms < 0:  # milliseconds from the trace's start
                 raise TraceFormatError(path, line, f"timestamp must be >= 0, got {raw!r}")
