@@ -31,10 +31,26 @@ def format_summary(s: dict[str, Any]) -> str:
     for m in ("ttft", "tpot", "itl", "e2el"):
         lines.append(f"  {m:<6} " + " ".join(
             f"{s[f'{k}_{m}_ms']:>10.1f}" for k in ("mean", "median", "p90", "p99")))
-    lines.append(f"  KV: {s['kv_num_gpu_blocks']} blocks x {s['kv_block_size']} tokens, peak "
+    pools = _pools(s)
+    blocks = f"{s['kv_num_gpu_blocks']} blocks" if len(pools) < 2 else "blocks per pool below"
+    lines.append(f"  KV: {blocks} x {s['kv_block_size']} tokens, peak "
                  f"usage {100 * s['kv_peak_usage']:.1f}%;  simulated {s['simulated_duration_s']:.1f} s "
                  f"in {s['wall_time_s']:.2f} s wall")
+    if len(pools) > 1:  # the head names the first pool's hardware only
+        lines.append("  pools: " + ", ".join(
+            f"{n} {role} on {hw} (TP{tp}{f' PP{pp}' if pp > 1 else ''}, {kv} KV blocks)"
+            for (role, hw, tp, pp, kv), n in pools.items()))
     return "\n".join(lines)
+
+
+def _pools(s: dict[str, Any]) -> dict[tuple[Any, ...], int]:
+    """Replicas of a cluster run grouped by (role, hardware, TP, PP, KV blocks), counted."""
+    pools: dict[tuple[Any, ...], int] = {}
+    for r in s.get("replicas", []):
+        key = (r["role"], r["hardware"], r["tensor_parallel"], r["pipeline_parallel"],
+               r["kv_num_gpu_blocks"])
+        pools[key] = pools.get(key, 0) + 1
+    return pools
 
 
 def _cdf(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -8,6 +8,7 @@ import pytest
 from sim.cluster.outputs import CLUSTER_REQUEST_COLUMNS
 from sim.errors import ConfigError
 from sim.outputs import REQUEST_COLUMNS
+from sim.report import format_summary
 from sim.simulation import Simulation, run_simulation
 from tests.helpers import small_cfg
 
@@ -92,6 +93,14 @@ def test_disaggregated_pools_take_their_own_hardware_tp_and_policy():
     assert pre.first_policy.config.max_num_seqs == 256
     s = sim.run().summary
     assert s["completed"] == 60 and s["num_gpus"] == 6
+    # The printed summary names each pool (the head line names the first pool's hardware).
+    text = format_summary(s)
+    blocks = [r["kv_num_gpu_blocks"] for r in s["replicas"]]
+    assert "KV: blocks per pool below x 16 tokens" in text
+    assert text.splitlines()[-1] == (f"  pools: 1 prefill on h100_sxm (TP4, {blocks[0]} KV "
+                                     f"blocks), 1 decode on h200 (TP2, {blocks[1]} KV blocks)")
+    one = format_summary(Simulation(small_cfg("cluster.num_replicas=2")).run().summary)
+    assert "pools:" not in one and "KV: " in one.splitlines()[-1]
 
 
 @pytest.mark.parametrize("overrides,field", [
