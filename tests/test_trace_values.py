@@ -73,6 +73,9 @@ def test_azure_rows_must_have_as_many_cells_as_the_header(tmp_path):
     p.write_text(HEADER + "0,10,5\n1,10\n")
     with pytest.raises(TraceFormatError, match=r":3: expected 3 columns \(as the header\), got 2"):
         make_workload({"name": "trace", "path": str(p)}, seed=0)
+    # A trailing comma is an empty cell, not a column.
+    p.write_text(HEADER + "0,10,5,\n1,10,5, ,\n")
+    assert len(list(make_workload({"name": "trace", "path": str(p)}, seed=0))) == 2
     # Columns after the three are the file's own: allowed, row by row.
     p.write_text("TIMESTAMP,ContextTokens,GeneratedTokens,Model\n0,10,5,a\n1,12,0,b\n")
     w = make_workload({"name": "trace", "path": str(p)}, seed=0)
@@ -96,4 +99,11 @@ def test_a_mooncake_record_missing_a_length_says_which(tmp_path):
     p.write_text('{"timestamp": 0, "input_length": 10, "output_length": 5}\n'
                  '{"timestamp": 5, "output_length": 5}\n')
     with pytest.raises(TraceFormatError, match=r"t.jsonl:2: missing 'input_length'"):
+        make_workload({"name": "trace", "path": str(p)}, seed=0)
+
+
+def test_a_damaged_jsonl_trace_gets_the_json_readers_error(tmp_path):
+    p = tmp_path / "t.jsonl"
+    p.write_text('[{"timestamp": 0, "input_length": 10, "output_length": 5}]\n')
+    with pytest.raises(TraceFormatError, match=r"t.jsonl:1: not a Mooncake record"):
         make_workload({"name": "trace", "path": str(p)}, seed=0)

@@ -1,7 +1,8 @@
 """Replay of a request trace: Azure LLM trace CSV (``TIMESTAMP,ContextTokens,GeneratedTokens``)
-or Mooncake JSONL (``{"timestamp": ms, "input_length", "output_length", ...}``), told apart by
-content (a file whose first line opens a JSON object is JSONL), not by suffix. An Azure file
-may have columns after the three (ignored), but every row has as many cells as its header.
+or Mooncake JSONL (``{"timestamp": ms, "input_length", "output_length", ...}``): a ``.jsonl``
+file, or any file whose first line opens a JSON object. An Azure file may have columns after
+the three (ignored), but every row has as many cells as its header (trailing empty ones
+aside).
 A request with zero generated tokens is replayed with one: a serving engine samples at least
 the prefill's token.
 
@@ -105,13 +106,16 @@ def _positive_int(value: Any, what: str, path: Path, line: int, minimum: int) ->
 
 
 def is_jsonl(path: Path) -> bool:
-    """Whether the trace is Mooncake JSONL (its first non-blank character opens a JSON
-    object), whatever its suffix; anything else is read as an Azure CSV."""
-    with path.open() as f:
+    """Whether the trace is Mooncake JSONL: a ``.jsonl`` file (so a damaged first record gets
+    the JSON reader's error), or any other file whose first non-blank line opens a JSON
+    object (a ``.json`` name); anything else is read as an Azure CSV."""
+    if path.suffix == ".jsonl":
+        return True
+    with path.open(encoding="utf-8-sig") as f:
         for text in f:
             if text.strip():
                 return text.lstrip().startswith("{")
-    return path.suffix == ".jsonl"
+    return False
 
 
 def read_azure_csv(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -127,6 +131,8 @@ def read_azure_csv(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
             line = reader.line_num
             if not row or all(not c.strip() for c in row):
                 continue
+            while len(row) > len(header) and not row[-1].strip():
+                row.pop()  # a trailing comma (spreadsheet exports) adds an empty cell
             if len(row) != len(header):  # a cell too many is as malformed as one too few
                 raise TraceFormatError(path, line, f"expected {len(header)} columns (as the "
                                        f"header), got {len(row)}")
