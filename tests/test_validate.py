@@ -388,13 +388,6 @@ def test_real_executor_measurement_options():
     assert gc.isenabled()
 
 
-def test_refit_split_names_what_a_folder_lacks(tmp_path):
-    from experiments.refit_split import main
-
-    with pytest.raises(ConfigError, match="not a saved validation: profile.csv is missing"):
-        main([str(tmp_path)])
-
-
 def test_summary_table_places_folders_saved_before_the_interval(tmp_path):
     """A validation saved without real_lo / real_hi gets the reference's interval from the
     real runs' figures in validation.json, each row from its own key."""
