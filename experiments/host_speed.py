@@ -97,11 +97,13 @@ def own_speeds_from_csv(replay_steps_csv: Path) -> list[float]:
     return (sums.measured_s / sums.predicted_s).tolist()
 
 
-def pair_saved(folder: Path, cfg: dict[str, Any]) -> tuple[list[dict[str, Any]], list[float]]:
+def pair_saved(folder: Path, cfg: dict[str, Any], command_line: set[str] | None = None,
+               ) -> tuple[list[dict[str, Any]], list[float]]:
     """Re-simulate a finished validation's real runs (``folder``, composed config ``cfg``) at
     their ``own`` host speeds, read back from its ``replay_steps.csv`` and profile: the paired
     runs' summaries (real-run order) and the speeds. What ``validate`` computes in-run (the
-    figures may differ in the last bits: the sums are taken in another order)."""
+    figures may differ in the last bits: the sums are taken in another order).
+    ``command_line``: the policy keys its overrides set (``apply_policy_overrides``)."""
     import copy
     import json
 
@@ -113,7 +115,7 @@ def pair_saved(folder: Path, cfg: dict[str, Any]) -> tuple[list[dict[str, Any]],
     if not profile.is_file():  # the folder moved: the profile lies beside its outputs
         profile = folder / profile.name
     base = _sim_cfg(cfg)
-    apply_policy_overrides(base, _options(cfg).get("policy_overrides"))
+    apply_policy_overrides(base, _options(cfg).get("policy_overrides"), command_line)
     sim = json.loads((folder / "sim" / "summary.json").read_text())
     speeds = own_speeds_from_csv(folder / "replay_steps.csv")
     out = []
@@ -136,9 +138,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     import yaml
     from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
     from omegaconf import OmegaConf
 
-    from experiments.validate import ROOT, TARGET_STATS
+    from experiments.validate import ROOT, TARGET_STATS, command_line_policy_keys
+    from sim.errors import ConfigError
 
     args = list(sys.argv[1:] if argv is None else argv)
     if not args:
@@ -154,10 +158,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     saved = folder / ".hydra" / "overrides.yaml"
     if not overrides and saved.is_file():
         overrides = [o for o in yaml.safe_load(saved.read_text()) if not o.startswith("hydra")]
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        cfg = OmegaConf.to_container(compose(config_name="validate", overrides=overrides),
-                                     resolve=True)
-    paired, speeds = pair_saved(folder, cfg)
+    try:
+        with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+            cfg = OmegaConf.to_container(compose(config_name="validate", overrides=overrides),
+                                         resolve=True)
+        paired, speeds = pair_saved(folder, cfg, command_line_policy_keys(overrides))
+    except (ConfigError, HydraException) as e:  # a bad folder, or an override Hydra refuses
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
     real = [json.loads((folder / name / "summary.json").read_text()) for name in
             ["real"] + [f"real_{i}" for i in range(2, len(paired) + 1)]]
     keys = {"TTFT": "ttft", "TPOT": "tpot", "E2E": "e2el"}

@@ -40,6 +40,14 @@ def test_host_speed_refuses_a_folder_that_is_not_a_validation(tmp_path: Path, ca
         "missing (experiments/validate.py writes it)")
 
 
+def test_host_speed_names_an_override_hydra_refuses(tmp_path: Path, capsys) -> None:
+    for name in ["validation.json", "replay_steps.csv", "sim/summary.json", "real/summary.json"]:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("{}")  # never read: the override fails first
+    assert host_speed.main([str(tmp_path), "workload.qpss=3"]) == 2
+    assert capsys.readouterr().err.startswith("config error: Could not override 'workload.qpss'")
+
+
 def test_refit_split_refuses_before_printing_a_table(tmp_path: Path, capsys) -> None:
     with pytest.raises(SystemExit) as exit_:
         refit_split.main([str(tmp_path)])
