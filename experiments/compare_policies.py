@@ -25,6 +25,7 @@ import json
 import logging
 import sys
 from concurrent.futures import ProcessPoolExecutor
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -102,8 +103,10 @@ def _run(task: tuple[str, str, dict[str, Any], Path]) -> dict[str, Any]:
     return Simulation(sim_cfg, out).run().summary
 
 
-def run(cfg: dict[str, Any], out_dir: Path) -> pd.DataFrame:
-    """Run every (scenario, variant), write the outputs, return the table."""
+def run(cfg: dict[str, Any], out_dir: Path, command_line: Sequence[str] = ()) -> pd.DataFrame:
+    """Run every (scenario, variant), write the outputs, return the table. ``command_line``:
+    the Hydra job's overrides, named at the top of ``checks.md`` (the scenarios' texts
+    describe the presets)."""
     runs = plan_runs(cfg)
     sims = {(s, v): Simulation(c) for s, v, c in runs}  # validate everything before running
     tasks = [(s, v, c, out_dir / s / v) for s, v, c in runs]
@@ -135,6 +138,9 @@ def run(cfg: dict[str, Any], out_dir: Path) -> pd.DataFrame:
         sections.append((fig, f"<h3>{s}</h3><p>{html.escape(about)}</p>"
                               f"{shown.to_html(float_format=lambda x: f'{x:.4g}')}"
                               f"<pre>{_checks_text(s, '', checks)}</pre>"))
+    if command_line:
+        notes.insert(0, f"Command line: {' '.join(command_line)} (the scenario texts below "
+                        "describe conf/compare_policies.yaml's presets)\n")
     (out_dir / "checks.md").write_text("\n".join(notes))
     pd.DataFrame(check_rows, columns=["scenario", "claim", "holds", "detail"]).to_csv(
         out_dir / "checks.csv", index=False)
@@ -170,8 +176,8 @@ def describe_scenario(name: str, cfg: dict[str, Any]) -> str:
                if now.get(k) != before.get(k)]
     if not changed:
         return about
-    return (f"{about}\n(That describes the preset; this run changed it: "
-            f"{', '.join(changed)}.)")
+    note = f"this run changed the scenario's settings: {', '.join(changed)}."
+    return f"{about}\n(That describes the preset; {note})" if about else note[0].upper() + note[1:]
 
 
 def _checks_text(scenario: str, about: str, checks: list[Check]) -> str:
@@ -186,7 +192,8 @@ def main(cfg: DictConfig) -> None:
     out_dir = Path(HydraConfig.get().runtime.output_dir)
     container = OmegaConf.to_container(cfg, resolve=True)
     try:
-        table = run(container, out_dir)  # type: ignore[arg-type]
+        table = run(container, out_dir,  # type: ignore[arg-type]
+                    list(HydraConfig.get().overrides.task))
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         raise SystemExit(2) from None

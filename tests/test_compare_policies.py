@@ -39,7 +39,7 @@ def test_all_scenarios_run_every_variant_and_write_the_table(tmp_path):
     assert "## high_load" in checks and "SJF (oracle) cuts mean E2E" in checks
     # The preset's description is qualified by what this run changed (num_requests here).
     assert ("at 8 req/s, above what FCFS sustains" in checks
-            and "this run changed it: workload.num_requests=12." in checks)
+            and "this run changed the scenario's settings: workload.num_requests=12." in checks)
 
 
 def test_a_scenario_description_says_what_the_command_line_changed():
@@ -47,9 +47,12 @@ def test_a_scenario_description_says_what_the_command_line_changed():
     assert describe_scenario("high_load", cfg) == cfg["scenarios"]["high_load"]["about"]
     moved = describe_scenario("high_load", compare_cfg("scenarios.high_load.workload.qps=10",
                                                        "+scenarios.high_load.kv.num_gpu_blocks=900"))
-    assert moved.endswith("\n(That describes the preset; this run changed it: "
-                          "kv.num_gpu_blocks=900, workload.qps=10.)")
+    assert moved.endswith("\n(That describes the preset; this run changed the scenario's "
+                          "settings: kv.num_gpu_blocks=900, workload.qps=10.)")
     assert moved.startswith("the default chat workload at 8 req/s")
+    new = compare_cfg("+scenarios.mine.workload.qps=3")
+    assert describe_scenario("mine", new) == ("This run changed the scenario's settings: "
+                                              "workload.qps=3.")
 
 
 def test_one_scenario_from_the_command_line(tmp_path):
@@ -58,6 +61,8 @@ def test_one_scenario_from_the_command_line(tmp_path):
                         f"hydra.run.dir={tmp_path}"], cwd=ROOT, capture_output=True,
                        text=True, timeout=300)
     assert p.returncode == 0, p.stderr
+    assert (tmp_path / "checks.md").read_text().startswith(
+        "Command line: scenario=long_prompts num_requests=8 jobs=1 (the scenario texts below")
     t = pd.read_csv(tmp_path / "policies.csv")
     assert set(t.scenario) == {"long_prompts"} and "chunked_prefill" in set(t.policy)
     assert "chunked prefill cuts p99 ITL" in p.stdout
