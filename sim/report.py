@@ -32,8 +32,9 @@ def format_summary(s: dict[str, Any]) -> str:
         lines.append(f"  {m:<6} " + " ".join(
             f"{s[f'{k}_{m}_ms']:>10.1f}" for k in ("mean", "median", "p90", "p99")))
     pools = _pools(s)
-    blocks = f"{s['kv_num_gpu_blocks']} blocks" if len(pools) < 2 else "blocks per pool below"
-    lines.append(f"  KV: {blocks} x {s['kv_block_size']} tokens, peak "
+    blocks = (f"{s['kv_num_gpu_blocks']} blocks x {s['kv_block_size']} tokens" if len(pools) < 2
+              else f"{s['kv_block_size']}-token blocks (per pool below)")
+    lines.append(f"  KV: {blocks}, peak "
                  f"usage {100 * s['kv_peak_usage']:.1f}%;  simulated {s['simulated_duration_s']:.1f} s "
                  f"in {s['wall_time_s']:.2f} s wall")
     if len(pools) > 1:  # the head names the first pool's hardware only

@@ -96,7 +96,7 @@ def test_disaggregated_pools_take_their_own_hardware_tp_and_policy():
     # The printed summary names each pool (the head line names the first pool's hardware).
     text = format_summary(s)
     blocks = [r["kv_num_gpu_blocks"] for r in s["replicas"]]
-    assert "KV: blocks per pool below x 16 tokens" in text
+    assert "KV: 16-token blocks (per pool below), peak usage" in text
     assert text.splitlines()[-1] == (f"  pools: 1 prefill on h100_sxm (TP4, {blocks[0]} KV "
                                      f"blocks), 1 decode on h200 (TP2, {blocks[1]} KV blocks)")
     one = format_summary(Simulation(small_cfg("cluster.num_replicas=2")).run().summary)
