@@ -191,9 +191,8 @@ def read_profile_csv(path: str | Path) -> list[dict[str, Any]]:
     rows = df.to_dict("records")
     for i, row in enumerate(rows):
         where = f"{path} line {i + 2}"
-        shape_from_row(row, where)
-        for col in SHAPE_COLUMNS[1:]:
-            row[col] = int(_cell(row, col, where, integer=True))
+        spec = shape_from_row(row, where)
+        row.update({col: getattr(spec, col) for col in SHAPE_COLUMNS[1:]})  # typed, checked
         t = float(_cell(row, "median_s", where, integer=False))
         if not t > 0:
             raise ConfigError("profile.median_s", f"{where}: must be > 0, got {row['median_s']}")
