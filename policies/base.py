@@ -64,6 +64,10 @@ class Policy(ABC):
     """Base class. Subclasses set ``config_class`` and register with ``@POLICIES.register``."""
 
     config_class: ClassVar[type[PolicyConfig]] = PolicyConfig
+    # The three fast-path flags below are read from a class's own body only: a subclass that
+    # overrides hooks must restate them (after tests/test_fast_forward.py and, for the array
+    # core, tests/test_array_core.py pass for it), or its runs take the per-step loop, which
+    # is exact for any policy (``__init_subclass__`` resets them).
     #: True if, while nothing arrives, finishes or runs out of KV, a decode-only plan would be
     #: planned again unchanged (one more token each): the replica may then take many such
     #: steps at once (sim/fast_forward.py). Policies opt in after the fast-vs-exact test.
@@ -80,10 +84,18 @@ class Policy(ABC):
     implements_chunked_prefill: ClassVar[bool] = False
     #: True if the policy also decides on plain numbers (FCFS's ``head_admissions``, chunked
     #: prefill's ``chunk_plan``), so that a fast run whose KV pool can never bind may use the
-    #: array core (sim/array_core.py) instead of the replica loop. Read from the class's own
-    #: body only (a subclass that decides otherwise does not inherit it); policies opt in
-    #: after the array-core-vs-exact tests.
+    #: array core (sim/array_core.py) instead of the replica loop. Policies opt in after the
+    #: array-core-vs-exact tests.
     array_core: ClassVar[bool] = False
+
+    FAST_PATH_FLAGS: ClassVar[tuple[str, ...]] = (
+        "supports_decode_jumps", "decode_jumps_past_finishes", "array_core")
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        for flag in Policy.FAST_PATH_FLAGS:
+            if flag not in cls.__dict__:  # what the parent certified, its hooks may break
+                setattr(cls, flag, False)
 
     def __init__(self, config: PolicyConfig, seed: int = 0) -> None:
         # vLLM v0's flag switches the whole scheduler to decode-first chunking; a policy with

@@ -14,8 +14,12 @@ then prompt chunks), which is ``policy=chunked_prefill``. The one chunked case l
 recomputed request whose prompt + generated tokens exceed a whole step's budget: it
 re-prefills in budget-sized chunks, holding all its blocks from admission.
 
-Orderings (``sjf``, ``priority``) subclass this and override the three hooks below: which
-waiting requests to admit and how, the running order, and the memory-pressure victim.
+Orderings (``sjf``, ``priority``) subclass this and override the five hooks below: which
+waiting requests to admit and how (``admit_waiting``), the running order (``running_order``),
+the memory-pressure victim (``victim_picker``), the order swapped requests come back in
+(``swapped_order``) and what to do with those preempted (``requeue``). A subclass does not
+inherit the fast-path flags (``Policy.FAST_PATH_FLAGS``): it states its own once
+tests/test_fast_forward.py passes for it.
 """
 
 from __future__ import annotations

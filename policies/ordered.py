@@ -25,7 +25,8 @@ from sim.step_builder import StepBuilder
 
 
 class OrderedPolicy(FCFSPolicy):
-    array_core = False  # admits in its own order, not the queue's head (FCFS's rule)
+    # No fast-path flags of its own (Policy.__init_subclass__): each ordered policy states
+    # its own; none runs on the array core, which admits from the queue's head (FCFS's rule).
 
     def __init__(self, config: PolicyConfig, seed: int = 0) -> None:
         super().__init__(config, seed)

@@ -94,8 +94,8 @@ def array_core_blocker(sim: Simulation) -> str | None:
         return "check_integrity=true"
     if sim.keep_requests:
         return "keep_requests (Request objects wanted)"
-    # The class's own opt-in: a subclass that decides otherwise must not inherit it.
-    if not type(sim.policy).__dict__.get("array_core", False):
+    # The class's own opt-in (Policy.__init_subclass__: a subclass does not inherit it).
+    if not sim.policy.array_core:
         return f"policy {sim.policy.config.name!r} does not decide on arrays"
     if sim.policy.config.max_num_seqs >= 1 << _SLOT_BITS:
         return f"policy.max_num_seqs >= {1 << _SLOT_BITS} (the core's slot numbers)"

@@ -296,3 +296,55 @@ class KVBlockManager:
         both = self.block_tables.keys() & self.cpu_tables.keys()
         if both:
             raise KVIntegrityError(f"requests {sorted(both)} hold both GPU and CPU blocks")
+
+
+class KVView:
+    """What a policy may read of a replica's KV pool (``StepBuilder.kv``): sizes, counts and
+    block tables. Not the manager: every KV operation goes through the step builder, the one
+    home of KV and request state changes, so a policy cannot allocate or free behind it."""
+
+    __slots__ = ("_kv",)
+
+    def __init__(self, kv: KVBlockManager) -> None:
+        self._kv = kv
+
+    @property
+    def block_size(self) -> int:
+        return self._kv.block_size
+
+    @property
+    def num_gpu_blocks(self) -> int:
+        return self._kv.num_gpu_blocks
+
+    @property
+    def num_cpu_blocks(self) -> int:
+        return self._kv.num_cpu_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self._kv.num_free_blocks
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self._kv.num_used_blocks
+
+    @property
+    def num_free_cpu_blocks(self) -> int:
+        return self._kv.num_free_cpu_blocks
+
+    @property
+    def usage(self) -> float:
+        return self._kv.usage
+
+    def blocks_needed(self, request_id: Hashable, num_tokens: int) -> int:
+        return self._kv.blocks_needed(request_id, num_tokens)
+
+    def can_allocate(self, num_blocks: int, watermark_blocks: int = 0) -> bool:
+        return self._kv.can_allocate(num_blocks, watermark_blocks)
+
+    def has_blocks(self, request_id: Hashable) -> bool:
+        return self._kv.has_blocks(request_id)
+
+    def block_table(self, request_id: Hashable) -> tuple[int, ...]:
+        """A copy of the request's GPU block table."""
+        return tuple(self._kv.block_table(request_id))

@@ -25,6 +25,7 @@ from operator import attrgetter
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from sim.decode_run import DecodeRun
+from sim.kv_manager import KVView
 from sim.plan import DecodeBlock, ScheduledRequest, StepPlan
 from sim.request import Request, RequestStatus
 
@@ -116,7 +117,9 @@ class StepBuilder:
                  preemption_mode: PreemptionMode = PreemptionMode.RECOMPUTE,
                  kv_watermark: float = 0.0) -> None:
         self._q = queues
-        self.kv = kv
+        self._kv = kv
+        #: What a policy reads of the pool; it changes the pool only through this builder.
+        self.kv = KVView(kv)
         self.preemption_mode = PreemptionMode(preemption_mode)
         self.watermark_blocks = watermark_blocks(kv_watermark, kv.num_gpu_blocks)
         self.waiting: ReadOnly[Request] = ReadOnly(queues.waiting)
@@ -135,7 +138,7 @@ class StepBuilder:
         closed-form executor), in arrival order or by ``order_key`` (the policy's running
         order, ``Policy.decode_run_key``). Plans then hold a ``DecodeBlock`` where the whole
         run decodes."""
-        self.run = DecodeRun(self.kv.block_size, order_key)
+        self.run = DecodeRun(self._kv.block_size, order_key)
         self._run_view = ReadOnly(self.run.members)
 
     def reset(self, now: float, in_flight: set[int] | None = None) -> None:
@@ -169,11 +172,11 @@ class StepBuilder:
         return len(self.scheduled_requests)
 
     def blocks_needed(self, req: Request, num_new_tokens: int) -> int:
-        return self.kv.blocks_needed(req.request_id, req.num_computed_tokens + num_new_tokens)
+        return self._kv.blocks_needed(req.request_id, req.num_computed_tokens + num_new_tokens)
 
     def can_allocate(self, req: Request, num_new_tokens: int, use_watermark: bool = False) -> bool:
         wm = self.watermark_blocks if use_watermark else 0
-        return self.kv.can_allocate(self.blocks_needed(req, num_new_tokens), wm)
+        return self._kv.can_allocate(self.blocks_needed(req, num_new_tokens), wm)
 
     # ---- actions ------------------------------------------------------------------------
     def schedule(self, req: Request, num_new_tokens: int) -> bool:
@@ -195,7 +198,7 @@ class StepBuilder:
         if status is RequestStatus.SWAPPED:
             raise ValueError(f"request {rid} is swapped out; swap_in first")
         computed = req.num_computed_tokens  # not a run member (any run was dissolved above)
-        kv = self.kv
+        kv = self._kv
         if kv.allocate_slots(rid, computed + num_new_tokens) is None:
             return False
         if status is not RequestStatus.RUNNING:  # admitted from the waiting queue
@@ -224,7 +227,7 @@ class StepBuilder:
             self._dissolve_run()
         if rid not in self._granted:
             raise ValueError(f"request {rid} must be scheduled in this step before it reserves")
-        return self.kv.allocate_slots(rid, num_tokens) is not None
+        return self._kv.allocate_slots(rid, num_tokens) is not None
 
     def preempt(self, req: Request, mode: PreemptionMode | None = None) -> PreemptionMode:
         """Take a running request off the GPU. Swap falls back to recompute (and is counted)
@@ -243,7 +246,7 @@ class StepBuilder:
         self._q.remove_running(req)
         req.num_preemptions += 1
         if mode is PreemptionMode.SWAP:
-            pairs = self.kv.swap_out(rid)
+            pairs = self._kv.swap_out(rid)
             if pairs is not None:
                 req.transition(RequestStatus.SWAPPED)
                 req.num_swaps += 1
@@ -253,7 +256,7 @@ class StepBuilder:
                 self._plan.swapped_out.append(rid)
                 return PreemptionMode.SWAP
             self.num_swap_fallbacks += 1
-        self.kv.free(rid)
+        self._kv.free(rid)
         req.num_computed_tokens = 0
         req.num_recomputes += 1
         req.transition(RequestStatus.PREEMPTED)
@@ -267,9 +270,9 @@ class StepBuilder:
         if req.status is not RequestStatus.SWAPPED:
             raise ValueError(f"request {rid} is {req.status.name}, not SWAPPED")
         wm = self.watermark_blocks if use_watermark else 0
-        if not self.kv.can_swap_in(rid, wm):
+        if not self._kv.can_swap_in(rid, wm):
             return False
-        pairs = self.kv.swap_in(rid)
+        pairs = self._kv.swap_in(rid)
         assert pairs is not None
         self._q.swapped.remove(req)
         req.transition(RequestStatus.RUNNING)
@@ -290,7 +293,7 @@ class StepBuilder:
         run = self.run
         if run is not None and not self._granted and not self._in_flight:
             if not run.complete:
-                run.rebuild(running, self.kv.block_tables)
+                run.rebuild(running, self._kv.block_tables)
             if len(run) == len(running):
                 return self._run_view, []  # type: ignore[return-value]
             others = [r for r in running if r._run is None]
@@ -341,7 +344,7 @@ class StepBuilder:
         if not run.complete:
             if self._granted:
                 return False
-            run.rebuild(self._q.running, self.kv.block_tables)
+            run.rebuild(self._q.running, self._kv.block_tables)
         n = len(run)
         if keyed:
             if n != len(self._q.running) or not isinstance(order, list):
@@ -360,10 +363,10 @@ class StepBuilder:
             return False
         need = run.members_needing_blocks()
         if need is not None:
-            if len(need) > self.kv.num_free_blocks:
+            if len(need) > self._kv.num_free_blocks:
                 return False
             ids = run.ids
-            self.kv.grow([ids[i] for i in need.tolist()])
+            self._kv.grow([ids[i] for i in need.tolist()])
             run.add_block_each(need)
         s = run.steps
         self._plan.add_block(DecodeBlock(list(run.ids), run.ctx0, s, list(run.tables),
@@ -396,7 +399,7 @@ class StepBuilder:
 
     def free_handed_off(self, req: Request) -> None:
         """Prefill side: the transfer is done; release the source blocks."""
-        self.kv.free(req.request_id)
+        self._kv.free(req.request_id)
 
     def reserve_transfer(self, req: Request, num_tokens: int | None = None,
                          use_watermark: bool = True) -> bool:
@@ -408,17 +411,17 @@ class StepBuilder:
             raise ValueError(f"request {req.request_id}: cannot reserve {n} tokens for "
                              f"{req.num_computed_tokens} transferred ones")
         wm = self.watermark_blocks if use_watermark else 0
-        if not self.kv.can_allocate(self.kv.blocks_needed(req.request_id, n), wm):
+        if not self._kv.can_allocate(self._kv.blocks_needed(req.request_id, n), wm):
             return False
-        return self.kv.allocate_slots(req.request_id, n) is not None
+        return self._kv.allocate_slots(req.request_id, n) is not None
 
     def accept_transferred(self, req: Request) -> None:
         """Decode side: the KV has arrived in the reserved blocks; the request joins the
         running set (still RUNNING) and decodes from its next step."""
         if req.status is not RequestStatus.RUNNING:
             raise ValueError(f"request {req.request_id} is {req.status.name}, not RUNNING")
-        have = len(self.kv.block_table(req.request_id))
-        if have * self.kv.block_size < req.num_computed_tokens:
+        have = len(self._kv.block_table(req.request_id))
+        if have * self._kv.block_size < req.num_computed_tokens:
             raise ValueError(f"request {req.request_id}: {have} reserved blocks cannot hold "
                              f"{req.num_computed_tokens} transferred tokens")
         self._q.add_running(req)

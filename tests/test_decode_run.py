@@ -50,7 +50,7 @@ def _decoding_replica(contexts: list[int], outputs: list[int], num_blocks: int, 
 def _state(builder: StepBuilder, plan: StepPlan, preempted: list[Request]) -> tuple:
     rows = [(s.request_id, s.start_position, s.num_new_tokens, list(s.block_table), s.sample)
             for s in plan.scheduled]
-    kv = builder.kv
+    kv = builder._kv
     return (rows, {k: list(v) for k, v in kv.block_tables.items()}, kv._gpu.free_blocks(),
             [r.request_id for r in preempted], [r.num_computed_tokens for r in builder.running])
 
@@ -124,10 +124,10 @@ def test_a_run_in_a_policys_order_follows_it_when_it_changes():
     order = sorted(builder.running, key=key)
     assert builder.schedule_decode_run(order, 100)
     assert run.members == order and run.ids == [2, 1, 0]
-    assert [t is builder.kv.block_tables[i] for t, i in zip(run.tables, run.ids)] == [True] * 3
+    assert [t is builder._kv.block_tables[i] for t, i in zip(run.tables, run.ids)] == [True] * 3
     # 2 and 0 hold full blocks: in the new order 2 gets the first free block (5), then 0.
     assert run.ctx0.tolist() == [32, 20, 16]
-    assert builder.kv.block_tables[2] == [3, 4, 5] and builder.kv.block_tables[0] == [0, 6]
+    assert builder._kv.block_tables[2] == [3, 4, 5] and builder._kv.block_tables[0] == [0, 6]
     assert builder.build().decode_block.start_positions.tolist() == [32, 20, 16]
 
 
@@ -140,7 +140,7 @@ def test_bulk_path_is_taken_and_a_single_row_operation_dissolves_the_run():
     assert isinstance(block, DecodeBlock) and len(block) == 3
     assert block.start_positions.tolist() == [15, 16, 17] and block.ctx_max == 17
     assert all(builder.is_scheduled(r) and builder.granted(r) == 1 for r in reqs)
-    assert builder.kv.block_tables[1] == [1, 4]  # 16 tokens held: the 17th needs a block
+    assert builder._kv.block_tables[1] == [1, 4]  # 16 tokens held: the 17th needs a block
     # Preempting a member turns the block back into rows and the run into plain requests.
     builder.preempt(reqs[2])
     assert plan.decode_block is None and [s.request_id for s in plan.scheduled] == [0, 1]

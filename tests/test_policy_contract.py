@@ -1,0 +1,72 @@
+"""What a policy may rely on and what it may touch: a subclass does not inherit its parent's
+fast-path certificates (decode jumps, jumps past finishes, the array core), and a policy sees
+the KV pool only through a read-only view (every change goes through the step builder)."""
+
+from __future__ import annotations
+
+import pytest
+import simpy
+
+from policies.base import Policy, PolicyConfig
+from policies.budget import Budget, admit
+from policies.fcfs import FCFSPolicy
+from sim.kv_manager import KVBlockManager, KVView
+from sim.metrics import MetricsCollector
+from sim.outputs import REQUEST_COLUMNS, STEP_COLUMNS, CsvSink
+from sim.replica import Replica
+from sim.request import Request
+from sim.step_builder import ReplicaQueues, StepBuilder
+from tests.harness import RecordingExecutor
+
+
+class NewestFirst(FCFSPolicy):
+    """A newcomer's policy: FCFS's hooks, one changed, no flags restated."""
+
+    def admit_waiting(self, step: StepBuilder, budget: Budget) -> list[Request]:
+        return admit(step, budget, list(reversed(step.waiting)))  # not FCFS's head rule
+
+
+class Certified(FCFSPolicy):
+    supports_decode_jumps = True
+    decode_jumps_past_finishes = True
+
+
+def test_a_subclass_restates_the_fast_path_flags_or_has_none() -> None:
+    assert FCFSPolicy.supports_decode_jumps and FCFSPolicy.array_core
+    for flag in Policy.FAST_PATH_FLAGS:
+        assert getattr(NewestFirst, flag) is False, flag
+    assert Certified.supports_decode_jumps and Certified.decode_jumps_past_finishes
+    assert Certified.array_core is False  # not restated: not certified
+
+
+class _ClosedForm(RecordingExecutor):
+    closed_form_decode = True
+
+
+@pytest.mark.parametrize("cls, jumps", [(NewestFirst, False), (Certified, True)])
+def test_an_uncertified_subclass_takes_the_per_step_loop_in_fast_mode(cls, jumps) -> None:
+    env = simpy.Environment()
+    kv = KVBlockManager(64, 4)
+    replica = Replica(env, 0, cls(PolicyConfig()), _ClosedForm(), kv,
+                      MetricsCollector(), CsvSink(None, REQUEST_COLUMNS),
+                      CsvSink(None, STEP_COLUMNS), max_model_len=1000,
+                      horizon=lambda: float("inf"), fast_forward=True)
+    assert replica.fast_forward is jumps and replica.jump_past_finishes is jumps
+
+
+def test_a_policy_reads_the_pool_through_a_view_that_cannot_change_it() -> None:
+    kv = KVBlockManager(8, 4)
+    step = StepBuilder(ReplicaQueues(), kv)
+    assert isinstance(step.kv, KVView)
+    for name in ("allocate_slots", "free", "grow", "swap_out", "swap_in", "fork",
+                 "block_tables", "_gpu"):
+        assert not hasattr(step.kv, name), name
+    kv.allocate_slots("a", 6)
+    table = step.kv.block_table("a")
+    assert table == (0, 1) and isinstance(table, tuple)  # a copy: the live list stays put
+    assert (step.kv.num_free_blocks, step.kv.num_used_blocks, step.kv.usage) == (6, 2, 0.25)
+    assert step.kv.blocks_needed("a", 9) == 1 and step.kv.can_allocate(6)
+    assert not step.kv.can_allocate(6, watermark_blocks=1)
+    assert (step.kv.block_size, step.kv.num_gpu_blocks, step.kv.num_cpu_blocks) == (4, 8, 0)
+    with pytest.raises(AttributeError):
+        step.kv.num_gpu_blocks = 99  # type: ignore[misc]
