@@ -1,9 +1,9 @@
 """The policy interface: one decision method over a read-only view of the replica.
 
 A policy only decides. It reads ``step.waiting``, ``step.running``, ``step.swapped`` and
-``step.kv`` and acts through ``step.schedule / reserve / preempt / swap_in`` (see
-``sim/step_builder.py``), then returns ``step.build()``. It never touches the KV manager or
-request state directly.
+``step.kv`` (read-only views; ``step.kv`` is a ``KVView``, not the manager) and acts through
+``step.schedule / reserve / preempt / swap_in`` (see ``sim/step_builder.py``), then returns
+``step.build()``. It never changes request state directly.
 
 Optional hooks: ``on_arrival(req)`` is called by the replica once per accepted request,
 after it joined the waiting queue (a policy keeps its own ordered index there, e.g. a heap, so

@@ -94,6 +94,8 @@ def admit(step: StepBuilder, budget: Budget, candidates: Iterable[Request], *,
           max_partial: int | None = None, max_chunk: int | None = None,
           reserve_full: bool = False) -> list[Request]:
     """Admit waiting requests in the given order while tokens, seats and free blocks last.
+    ``candidates``: ``step.waiting`` itself, a list, or a lazy iterator over the policy's own
+    index, never a lazy view of ``step.waiting`` (admitting removes requests from it).
 
     Without chunking a request is admitted only with its whole pending prefill (a recomputed
     request re-prefills prompt + generated tokens); with chunking the last one admitted may

@@ -1,7 +1,8 @@
 """What a policy sees and may do while it builds one step.
 
-A policy reads the replica's queues through read-only views and acts only through the methods
-below, which are the single home of request state transitions and KV operations:
+A policy reads the replica's queues through read-only views, and the KV pool through a
+read-only ``KVView`` (``step.kv``), and acts only through the methods below, which are the
+single home of request state transitions and KV operations:
 
     schedule(req, n)   grant n new tokens (allocates slots; moves a waiting request to running)
     reserve(req, n)    hold slots for a scheduled request's first n tokens now (static batching)
