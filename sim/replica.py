@@ -271,6 +271,7 @@ class Replica:
             self._record_step(start, result.duration, plan)
             if self.check_integrity:
                 self.kv.check_integrity()
+                self.builder.check_holders()
 
     def _apply(self, plan: StepPlan, requests: list[Request], result: StepResult) -> None:
         now = self.env.now

@@ -26,7 +26,7 @@ from operator import attrgetter
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from sim.decode_run import DecodeRun
-from sim.kv_manager import KVView
+from sim.kv_manager import KVIntegrityError, KVView
 from sim.plan import DecodeBlock, ScheduledRequest, StepPlan
 from sim.request import Request, RequestStatus
 
@@ -389,6 +389,33 @@ class StepBuilder:
         run.dissolve()
 
     # ---- handoff between replicas (disaggregation), called between steps ------------------
+    def check_holders(self) -> None:
+        """``check_integrity``'s second half (the block manager checks its own books): every
+        running request holds GPU blocks for the tokens it has computed, every swapped one
+        CPU blocks only, and no waiting request holds any, each in the status its queue
+        implies. A policy that changed request state behind the builder's back fails here,
+        at the step it did so, naming the request."""
+        kv, size = self._kv, self._kv.block_size
+        gpu, cpu = kv.block_tables, kv.cpu_tables
+        for req in self._q.running:
+            held = len(gpu.get(req.request_id, ())) * size
+            if req.status is not RequestStatus.RUNNING or held < req.num_computed_tokens:
+                raise KVIntegrityError(
+                    f"running request {req.request_id} is {req.status.name} and holds GPU "
+                    f"slots for {held} of its {req.num_computed_tokens} computed tokens")
+        for req in self._q.swapped:
+            rid = req.request_id
+            if req.status is not RequestStatus.SWAPPED or rid not in cpu or rid in gpu:
+                raise KVIntegrityError(f"swapped request {rid} is {req.status.name} and holds "
+                                       f"{'no ' if rid not in cpu else ''}CPU blocks"
+                                       f"{' and GPU blocks' if rid in gpu else ''}")
+        for req in self._q.waiting:
+            rid = req.request_id
+            if (req.status not in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+                    or rid in gpu or rid in cpu):
+                raise KVIntegrityError(f"waiting request {rid} is {req.status.name} and holds "
+                                       f"{'blocks' if rid in gpu or rid in cpu else 'none'}")
+
     def release_for_handoff(self, req: Request) -> None:
         """Prefill side: take a RUNNING request out of the running set, keeping its blocks
         (they are the transfer's source until ``free_handed_off``)."""

@@ -1,6 +1,7 @@
 """What a policy may rely on and what it may touch: a subclass does not inherit its parent's
-fast-path certificates (decode jumps, jumps past finishes, the array core), and a policy sees
-the KV pool only through a read-only view (every change goes through the step builder)."""
+fast-path certificates (decode jumps, jumps past finishes, the array core), a policy sees the
+KV pool only through a read-only view (every change goes through the step builder), and
+``check_integrity`` names a request whose state was changed behind the builder's back."""
 
 from __future__ import annotations
 
@@ -10,11 +11,11 @@ import simpy
 from policies.base import Policy, PolicyConfig
 from policies.budget import Budget, admit
 from policies.fcfs import FCFSPolicy
-from sim.kv_manager import KVBlockManager, KVView
+from sim.kv_manager import KVBlockManager, KVIntegrityError, KVView
 from sim.metrics import MetricsCollector
 from sim.outputs import REQUEST_COLUMNS, STEP_COLUMNS, CsvSink
 from sim.replica import Replica
-from sim.request import Request
+from sim.request import Request, RequestStatus
 from sim.step_builder import ReplicaQueues, StepBuilder
 from tests.harness import RecordingExecutor
 
@@ -70,3 +71,22 @@ def test_a_policy_reads_the_pool_through_a_view_that_cannot_change_it() -> None:
     assert (step.kv.block_size, step.kv.num_gpu_blocks, step.kv.num_cpu_blocks) == (4, 8, 0)
     with pytest.raises(AttributeError):
         step.kv.num_gpu_blocks = 99  # type: ignore[misc]
+
+
+def test_check_integrity_names_a_request_whose_state_was_changed_behind_the_builder() -> None:
+    queues, kv = ReplicaQueues(), KVBlockManager(8, 4)
+    step = StepBuilder(queues, kv)
+    first, second = Request(0, 0.0, 8, 4), Request(1, 0.0, 8, 4)
+    queues.waiting.extend([first, second])
+    step.reset(0.0)
+    assert step.schedule(first, 8)
+    first.num_computed_tokens = 8  # what the replica applies after the step
+    step.check_holders()
+    first.num_computed_tokens = 9  # a policy skipping a token it holds no slot for
+    with pytest.raises(KVIntegrityError, match="running request 0 is RUNNING and holds GPU "
+                                               "slots for 8 of its 9 computed tokens"):
+        step.check_holders()
+    first.num_computed_tokens = 8
+    second.status = RequestStatus.RUNNING  # a policy setting state instead of scheduling
+    with pytest.raises(KVIntegrityError, match="waiting request 1 is RUNNING and holds none"):
+        step.check_holders()

@@ -51,6 +51,7 @@ class PipelinedReplica(Replica):
                 self._record_step(start, leave - start, plan)
                 if self.check_integrity:
                     self.kv.check_integrity()
+                    self.builder.check_holders()
             if len(in_flight) < pp and stage_free[0] <= now and self._has_work():
                 self.builder.reset(now, busy)
                 plan = self.policy.schedule(self.builder)
