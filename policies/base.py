@@ -96,6 +96,14 @@ class Policy(ABC):
         for flag in Policy.FAST_PATH_FLAGS:
             if flag not in cls.__dict__:  # what the parent certified, its hooks may break
                 setattr(cls, flag, False)
+        if cls.decode_jumps_past_finishes and not cls.supports_decode_jumps:
+            raise TypeError(f"{cls.__name__}: decode_jumps_past_finishes is a kind of decode "
+                            "jump; it needs supports_decode_jumps = True")
+        # The array core asks the policy on plain numbers, by its step structure.
+        rule = "chunk_plan" if cls.implements_chunked_prefill else "head_admissions"
+        if cls.array_core and not callable(getattr(cls, rule, None)):
+            raise TypeError(f"{cls.__name__}: array_core = True needs a {rule} method "
+                            "(sim/array_core.py)")
 
     def __init__(self, config: PolicyConfig, seed: int = 0) -> None:
         # vLLM v0's flag switches the whole scheduler to decode-first chunking; a policy with

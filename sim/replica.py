@@ -158,6 +158,11 @@ class Replica:
         if self._wakeup is not None and not self._wakeup.triggered:
             self._wakeup.succeed()
 
+    def verify(self) -> None:
+        """``check_integrity``: the KV books, then who holds blocks in which state."""
+        self.kv.check_integrity()
+        self.builder.check_holders()
+
     # ---- disaggregation -------------------------------------------------------------------
     def reserve_transfer(self, req: Request) -> bool:
         """Decode side: reserve blocks for ``req``'s KV before it moves here; False (nothing
@@ -207,6 +212,8 @@ class Replica:
             self.builder.reset(env.now)
             plan = self.policy.schedule(self.builder)
             if plan.is_empty:
+                if self.check_integrity:  # a plan that only preempted changed state too
+                    self.verify()
                 empty_plans += 1
                 if not (plan.recomputed or plan.swapped_out) or empty_plans > 10_000:
                     # Nothing can run until something changes: wait for the next arrival.
@@ -270,8 +277,7 @@ class Replica:
             self._apply(plan, requests, result)
             self._record_step(start, result.duration, plan)
             if self.check_integrity:
-                self.kv.check_integrity()
-                self.builder.check_holders()
+                self.verify()
 
     def _apply(self, plan: StepPlan, requests: list[Request], result: StepResult) -> None:
         now = self.env.now

@@ -121,6 +121,10 @@ class StepBuilder:
         self._kv = kv
         #: What a policy reads of the pool; it changes the pool only through this builder.
         self.kv = KVView(kv)
+        # Requests holding blocks here while in no queue (disaggregation: a prefill replica's
+        # handed-off requests until their KV has left, a decode replica's reserved transfers
+        # until they arrive), for check_holders.
+        self._in_transit: set[Any] = set()
         self.preemption_mode = PreemptionMode(preemption_mode)
         self.watermark_blocks = watermark_blocks(kv_watermark, kv.num_gpu_blocks)
         self.waiting: ReadOnly[Request] = ReadOnly(queues.waiting)
@@ -393,10 +397,21 @@ class StepBuilder:
         """``check_integrity``'s second half (the block manager checks its own books): every
         running request holds GPU blocks for the tokens it has computed, every swapped one
         CPU blocks only, and no waiting request holds any, each in the status its queue
-        implies. A policy that changed request state behind the builder's back fails here,
-        at the step it did so, naming the request."""
+        implies; no request sits in two queues, and every block holder is in a queue or in
+        transit (disaggregation). A policy that changed request state behind the builder's
+        back fails here, at the step it did so, naming the request."""
         kv, size = self._kv, self._kv.block_size
         gpu, cpu = kv.block_tables, kv.cpu_tables
+        q = self._q
+        queued = [r.request_id for part in (q.running, q.swapped, q.waiting) for r in part]
+        ids = set(queued)
+        if len(ids) != len(queued):
+            twice = sorted({i for i in queued if queued.count(i) > 1})
+            raise KVIntegrityError(f"requests {twice} are in two queues (or one twice)")
+        stray = (gpu.keys() | cpu.keys()) - ids - self._in_transit
+        if stray:
+            raise KVIntegrityError(f"requests {sorted(stray, key=str)} hold blocks but are in "
+                                   "no queue and not in transit (finished, yet never freed?)")
         for req in self._q.running:
             held = len(gpu.get(req.request_id, ())) * size
             if req.status is not RequestStatus.RUNNING or held < req.num_computed_tokens:
@@ -424,9 +439,11 @@ class StepBuilder:
         if req.status is not RequestStatus.RUNNING:
             raise ValueError(f"request {req.request_id} is {req.status.name}, not RUNNING")
         self._q.remove_running(req)
+        self._in_transit.add(req.request_id)
 
     def free_handed_off(self, req: Request) -> None:
         """Prefill side: the transfer is done; release the source blocks."""
+        self._in_transit.discard(req.request_id)
         self._kv.free(req.request_id)
 
     def reserve_transfer(self, req: Request, num_tokens: int | None = None,
@@ -441,7 +458,10 @@ class StepBuilder:
         wm = self.watermark_blocks if use_watermark else 0
         if not self._kv.can_allocate(self._kv.blocks_needed(req.request_id, n), wm):
             return False
-        return self._kv.allocate_slots(req.request_id, n) is not None
+        if self._kv.allocate_slots(req.request_id, n) is None:
+            return False
+        self._in_transit.add(req.request_id)
+        return True
 
     def accept_transferred(self, req: Request) -> None:
         """Decode side: the KV has arrived in the reserved blocks; the request joins the
@@ -452,6 +472,7 @@ class StepBuilder:
         if have * self._kv.block_size < req.num_computed_tokens:
             raise ValueError(f"request {req.request_id}: {have} reserved blocks cannot hold "
                              f"{req.num_computed_tokens} transferred tokens")
+        self._in_transit.discard(req.request_id)
         self._q.add_running(req)
 
     # ---- internals ----------------------------------------------------------------------

@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from executors.recording import RecordingExecutor
-from policies import make_policy
+from policies import POLICIES, make_policy
 from sim.array_core import _BlockCount
 from sim.kv_manager import KVBlockManager
 from sim.request import Request, RequestStatus
@@ -26,6 +26,12 @@ TINY = ("model=tiny", "workload.prompt_len.max=200", "workload.output_len.max=12
         "kv.num_gpu_blocks=20000")
 # Lengths drawn uniformly between their min and max, so one-token prompts and outputs occur.
 UNIFORM = ("workload.prompt_len.dist=uniform", "workload.output_len.dist=uniform")
+# Every policy that states ``array_core`` (a new one is checked by the tests that take this).
+ARRAY_CORE = [n for n in POLICIES.names() if POLICIES.get(n).array_core]
+
+
+def test_the_array_core_policies_are_collected():
+    assert {"fcfs", "chunked_prefill"} <= set(ARRAY_CORE)
 
 
 def _engine(*overrides: str) -> str:
@@ -297,7 +303,7 @@ source: synthetic
 """
 
 
-@pytest.mark.parametrize("policy", ["fcfs", "chunked_prefill"])
+@pytest.mark.parametrize("policy", ARRAY_CORE)
 @pytest.mark.parametrize("qps,seq", [(2048, 0.0), (8192, 0.0), (1024, 2.0 ** -14)])
 def test_arrivals_exactly_at_step_ends_as_the_replica_orders_them(tmp_path, policy, qps, seq):
     """Steps priced in whole powers of two and constant arrivals at a power-of-two rate:
@@ -347,7 +353,7 @@ def test_heap_rebuilds_and_dropped_step_times_change_nothing(monkeypatch):
     monkeypatch.setattr(core, "_HEAP_PER_SEAT", 0)
     monkeypatch.setattr(core, "_HEAP_EXTRA", 1)
     monkeypatch.setattr(core, "_TIMES_KEPT", 3)
-    for policy in ("fcfs", "chunked_prefill"):
+    for policy in ARRAY_CORE:
         s = _assert_same([*TINY, *UNIFORM, f"policy={policy}", "workload.num_requests=120",
                           "workload.qps=80", "policy.max_num_seqs=16",
                           "policy.max_num_batched_tokens=256"])

@@ -10,8 +10,6 @@ import json
 import re
 from pathlib import Path
 
-import pytest
-
 from sim.simulation import Simulation
 from tests.helpers import compose_cfg
 
@@ -23,7 +21,8 @@ def _documented_names(text: str) -> set[str]:
     expanded (``mean/p99_{ttft,itl}_ms``: each alternative before the first ``_`` with each
     choice in braces; ``mean/p99_kv_time_ms``: each alternative with the rest)."""
     names: set[str] = set()
-    text = re.sub(r"```.*?```", "", text, flags=re.S)  # code blocks would pair backticks wrongly
+    # Code blocks would pair the backticks wrongly.
+    text = re.sub(r"```.*?```", "", text, flags=re.DOTALL)
     for span in re.findall(r"`([^`]+)`", text):
         for item in (s.replace(" ", "").strip() for s in re.split(r",(?![^{]*\})", span)):
             if not re.fullmatch(r"[a-z0-9_/{},]+", item) or item.endswith("/"):  # not paths

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import simpy
 
+import policies
 from policies.base import Policy, PolicyConfig
 from policies.budget import Budget, admit
 from policies.fcfs import FCFSPolicy
@@ -16,8 +17,10 @@ from sim.metrics import MetricsCollector
 from sim.outputs import REQUEST_COLUMNS, STEP_COLUMNS, CsvSink
 from sim.replica import Replica
 from sim.request import Request, RequestStatus
+from sim.simulation import Simulation
 from sim.step_builder import ReplicaQueues, StepBuilder
-from tests.harness import RecordingExecutor
+from tests.harness import RecordingExecutor, run_requests
+from tests.helpers import small_cfg
 
 
 class NewestFirst(FCFSPolicy):
@@ -38,6 +41,14 @@ def test_a_subclass_restates_the_fast_path_flags_or_has_none() -> None:
         assert getattr(NewestFirst, flag) is False, flag
     assert Certified.supports_decode_jumps and Certified.decode_jumps_past_finishes
     assert Certified.array_core is False  # not restated: not certified
+
+
+def test_inconsistent_certificates_are_refused_when_the_class_is_defined() -> None:
+    with pytest.raises(TypeError, match="Past: decode_jumps_past_finishes .* needs "
+                                        "supports_decode_jumps"):
+        type("Past", (Policy,), {"decode_jumps_past_finishes": True, "schedule": None})
+    with pytest.raises(TypeError, match="Core: array_core = True needs a head_admissions"):
+        type("Core", (Policy,), {"array_core": True, "schedule": None})
 
 
 class _ClosedForm(RecordingExecutor):
@@ -89,4 +100,49 @@ def test_check_integrity_names_a_request_whose_state_was_changed_behind_the_buil
     first.num_computed_tokens = 8
     second.status = RequestStatus.RUNNING  # a policy setting state instead of scheduling
     with pytest.raises(KVIntegrityError, match="waiting request 1 is RUNNING and holds none"):
+        step.check_holders()
+
+
+class SetsStatus(FCFSPolicy):
+    """Breaks the contract: marks the requests it leaves waiting as RUNNING itself."""
+
+    def schedule(self, step: StepBuilder):
+        plan = super().schedule(step)
+        for req in step.waiting:
+            req.status = RequestStatus.RUNNING
+        return plan
+
+
+def test_a_run_with_check_integrity_stops_at_the_step_a_policy_broke_the_state(monkeypatch):
+    monkeypatch.setattr(policies, "make_policy",
+                        lambda cfg, seed=0: SetsStatus(PolicyConfig(max_num_seqs=1)))
+    reqs = [Request(0, 0.0, 4, 2), Request(1, 0.0, 4, 2)]
+    with pytest.raises(KVIntegrityError, match="waiting request 1 is RUNNING"):
+        run_requests({}, reqs, num_gpu_blocks=8, block_size=4)
+    # And on pipelined replicas (their own step loop).
+    cfg = small_cfg("model=llama3_70b", "hardware=h100_sxm", "cluster.tensor_parallel=2",
+                    "cluster.pipeline_parallel=2", "check_integrity=true")
+    with pytest.raises(KVIntegrityError, match=r"waiting request \d+ is RUNNING"):
+        Simulation(cfg).run()
+
+
+def test_every_block_holder_is_queued_once_or_in_transit() -> None:
+    queues, kv = ReplicaQueues(), KVBlockManager(8, 4)
+    step = StepBuilder(queues, kv)
+    req = Request(0, 0.0, 4, 2)
+    queues.waiting.append(req)
+    step.reset(0.0)
+    assert step.schedule(req, 4)
+    req.num_computed_tokens = 4
+    step.release_for_handoff(req)  # disaggregation: its KV is the transfer's source
+    step.check_holders()
+    step.free_handed_off(req)
+    step.check_holders()
+    kv.allocate_slots(7, 4)  # held by nobody this replica knows of
+    with pytest.raises(KVIntegrityError, match=r"requests \[7\] hold blocks but are in no queue"):
+        step.check_holders()
+    kv.free(7)
+    other = Request(1, 0.0, 4, 2)
+    queues.waiting.extend([other, other])
+    with pytest.raises(KVIntegrityError, match=r"requests \[1\] are in two queues"):
         step.check_holders()

@@ -50,8 +50,7 @@ class PipelinedReplica(Replica):
                 self._apply(plan, requests, result)
                 self._record_step(start, leave - start, plan)
                 if self.check_integrity:
-                    self.kv.check_integrity()
-                    self.builder.check_holders()
+                    self.verify()
             if len(in_flight) < pp and stage_free[0] <= now and self._has_work():
                 self.builder.reset(now, busy)
                 plan = self.policy.schedule(self.builder)
@@ -71,6 +70,8 @@ class PipelinedReplica(Replica):
                     self.busy_time += share
                     continue
                 if plan.recomputed or plan.swapped_out:
+                    if self.check_integrity:  # a plan that only preempted changed state too
+                        self.verify()
                     empty_plans += 1
                     if empty_plans > 10_000:
                         raise SimulationStalled(self._stall_message())
