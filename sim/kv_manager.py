@@ -298,6 +298,10 @@ class KVBlockManager:
             raise KVIntegrityError(f"requests {sorted(both)} hold both GPU and CPU blocks")
 
 
+def _read_only(name: str) -> property:
+    return property(lambda view: getattr(view._kv, name), doc=f"The pool's ``{name}``.")
+
+
 class KVView:
     """What a policy may read of a replica's KV pool (``StepBuilder.kv``): sizes, counts and
     block tables. Not the manager: every KV operation goes through the step builder, the one
@@ -305,36 +309,16 @@ class KVView:
 
     __slots__ = ("_kv",)
 
+    block_size = _read_only("block_size")
+    num_gpu_blocks = _read_only("num_gpu_blocks")
+    num_cpu_blocks = _read_only("num_cpu_blocks")
+    num_free_blocks = _read_only("num_free_blocks")
+    num_used_blocks = _read_only("num_used_blocks")
+    num_free_cpu_blocks = _read_only("num_free_cpu_blocks")
+    usage = _read_only("usage")
+
     def __init__(self, kv: KVBlockManager) -> None:
         self._kv = kv
-
-    @property
-    def block_size(self) -> int:
-        return self._kv.block_size
-
-    @property
-    def num_gpu_blocks(self) -> int:
-        return self._kv.num_gpu_blocks
-
-    @property
-    def num_cpu_blocks(self) -> int:
-        return self._kv.num_cpu_blocks
-
-    @property
-    def num_free_blocks(self) -> int:
-        return self._kv.num_free_blocks
-
-    @property
-    def num_used_blocks(self) -> int:
-        return self._kv.num_used_blocks
-
-    @property
-    def num_free_cpu_blocks(self) -> int:
-        return self._kv.num_free_cpu_blocks
-
-    @property
-    def usage(self) -> float:
-        return self._kv.usage
 
     def blocks_needed(self, request_id: Hashable, num_tokens: int) -> int:
         return self._kv.blocks_needed(request_id, num_tokens)
