@@ -241,12 +241,16 @@ def test_validate_config_errors_name_the_field(tmp_path):
         validate(_validate_cfg("validate.profile=conf/validate.yaml"), tmp_path)
 
 
-# A grid covering the loop workload's steps, small enough for CI (~10 s of profiling).
-SMALL_GRID = ("profile.decode_batch_sizes=[1,4,12]", "profile.decode_contexts=[32,160]",
-              "profile.prefill_chunks=[16,128,512]", "profile.prefill_cached=[0]",
-              "profile.prefill_batch_sizes=[1,3]", "profile.mixed_decode_batch_sizes=[4]",
-              "profile.mixed_decode_contexts=[64]", "profile.mixed_prefill_chunks=[64]",
-              "profile.warmup=1", "profile.repeats=3")
+# A grid covering the loop workload's steps, small enough for CI (a few seconds of profiling)
+# but with more shapes than the fit has prices: 29 shapes, 15 fitted, 14 held out. (With 14
+# shapes, 7 fitted, the held-out MAPE was 14 to 22% on a quiet host and once 310% on a loaded
+# one; refitting that profile with its medians jittered by 15% gave 16 to 149%. This grid: 6
+# to 7% quiet, 11 to 16% beside two matrix-multiply hogs, 13 to 20% for the same jitter.)
+SMALL_GRID = ("profile.decode_batch_sizes=[1,2,4,8,12]", "profile.decode_contexts=[32,96,160]",
+              "profile.prefill_chunks=[16,64,128,256,512]", "profile.prefill_cached=[0]",
+              "profile.prefill_batch_sizes=[1,3]", "profile.mixed_decode_batch_sizes=[4,8]",
+              "profile.mixed_decode_contexts=[64]", "profile.mixed_prefill_chunks=[32,64]",
+              "profile.mixed_prefill_cached=[0]", "profile.warmup=1", "profile.repeats=2")
 
 
 def test_whole_loop_on_the_real_cpu_executor(tmp_path):
@@ -264,7 +268,7 @@ def test_whole_loop_on_the_real_cpu_executor(tmp_path):
     assert res.profile_fit["steps_fit"] > 0 and res.profile_fit["steps_heldout"] > 0
     # Issue 6's held-out shapes figure is the profile's own fit; the serving refit is judged
     # on the serving steps it holds out. (The refit's price of the profile's held-out shapes is
-    # looser, 6 to 30% here: with 13 shapes against ~280 steps it may move collinear prices,
+    # looser, 10 to 29% here: with 29 shapes against ~280 steps it may move collinear prices,
     # decode FLOPs vs KV bytes, that only the rare cached-prefix prompts tell apart.)
     assert res.shapes_fit["mape_heldout_pct"] < 30.0
     assert res.profile_fit["mape_steps_heldout_pct"] < 30.0
