@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import copy
 import csv
-import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -14,7 +13,7 @@ from typing import Any
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from sim.errors import ConfigError
+from sim.errors import ConfigError, exit_on_config_error
 
 from sim.request import Request, RequestStatus
 from sim.simulation import Simulation, SimulationResult
@@ -62,6 +61,17 @@ def write_tables(out_dir: Path, runs: list[dict[str, Any]], rows: list[dict[str,
     (out_dir / "results.md").write_text(markdown_table(rows) + "\n")
 
 
+def validation_files(folder: Path, names: Sequence[str], what: str) -> list[Path]:
+    """``folder``'s files ``names`` (relative paths), all present, or a config error naming
+    the first missing: ``folder`` is not ``what`` (a saved / finished validation)."""
+    paths = [folder / name for name in names]
+    for name, path in zip(names, paths):
+        if not path.is_file():
+            raise ConfigError("folder", f"{folder} is not {what}: {name} is missing "
+                              "(experiments/validate.py writes it)")
+    return paths
+
+
 def markdown_table(rows: list[dict[str, Any]]) -> str:
     cols = list(rows[0])
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
@@ -76,11 +86,8 @@ def run_hydra_experiment(cfg: DictConfig,
     container = OmegaConf.to_container(cfg, resolve=True)
     container.pop("hydra", None)
     out = Path(HydraConfig.get().runtime.output_dir)
-    try:
+    with exit_on_config_error():
         rows = run(container, out)
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
     print(markdown_table(rows))
     print(f"outputs: {out}")
 

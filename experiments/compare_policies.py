@@ -23,7 +23,6 @@ import copy
 import html
 import json
 import logging
-import sys
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -35,7 +34,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from experiments.policy_checks import CHECKS, Check
-from sim.errors import ConfigError
+from sim.errors import ConfigError, exit_on_config_error
 from sim.report import html_page, latency_cdf_figure
 from sim.simulation import Simulation
 
@@ -191,12 +190,9 @@ def _checks_text(scenario: str, about: str, checks: list[Check]) -> str:
 def main(cfg: DictConfig) -> None:
     out_dir = Path(HydraConfig.get().runtime.output_dir)
     container = OmegaConf.to_container(cfg, resolve=True)
-    try:
+    with exit_on_config_error():
         table = run(container, out_dir,  # type: ignore[arg-type]
                     list(HydraConfig.get().overrides.task))
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
     with pd.option_context("display.width", 200, "display.max_columns", 20):
         print(table.set_index(["scenario", "policy"])[list(SHOWN[:8])].round(2))
     print((out_dir / "checks.md").read_text())

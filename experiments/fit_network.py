@@ -18,7 +18,6 @@ coefficients are what ``conf/network/*.yaml`` holds.
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -26,7 +25,7 @@ import pandas as pd
 from scipy.optimize import minimize
 
 from executors.network import ring_factor
-from sim.errors import ConfigError
+from sim.errors import ConfigError, exit_on_config_error
 from workloads.base import resolve_path
 
 MIB = 2**20
@@ -92,11 +91,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--profiles", default="../shared/profiles/vidur/network")
     args = ap.parse_args()
-    try:
+    with exit_on_config_error():
         fit_all(resolve_path(args.profiles, "--profiles"))
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
 
 
 def fit_all(root: Path) -> None:

@@ -141,6 +141,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from hydra.errors import HydraException
     from omegaconf import OmegaConf
 
+    from experiments.common import validation_files
     from experiments.validate import ROOT, TARGET_STATS, command_line_policy_keys
     from sim.errors import ConfigError
 
@@ -149,16 +150,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(main.__doc__, file=sys.stderr)
         return 2
     folder, overrides = Path(args[0]), args[1:]
-    need = ["validation.json", "replay_steps.csv", "sim/summary.json", "real/summary.json"]
-    missing = [name for name in need if not (folder / name).is_file()]
-    if missing:
-        print(f"config error: folder: {folder} is not a finished validation: {missing[0]} is "
-              "missing (experiments/validate.py writes it)", file=sys.stderr)
-        return 2
     saved = folder / ".hydra" / "overrides.yaml"
     if not overrides and saved.is_file():
         overrides = [o for o in yaml.safe_load(saved.read_text()) if not o.startswith("hydra")]
     try:
+        validation_files(folder, ["validation.json", "replay_steps.csv", "sim/summary.json",
+                                  "real/summary.json"], "a finished validation")
         with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
             cfg = OmegaConf.to_container(compose(config_name="validate", overrides=overrides),
                                          resolve=True)

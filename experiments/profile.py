@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import sys
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -33,7 +32,7 @@ import executors
 from executors.base import Executor
 from executors.calibration import PROFILE_COLUMNS, ShapeSpec
 from executors.step_terms import ATTENTION_TILE
-from sim.errors import ConfigError, require, require_known_fields
+from sim.errors import ConfigError, exit_on_config_error, require, require_known_fields
 from sim.kv_manager import KVBlockManager, blocks_for
 from sim.memory import check_block_size
 from sim.specs import ModelSpec, hardware_spec_from, model_spec_from
@@ -293,11 +292,8 @@ def main() -> None:
     @hydra.main(version_base="1.3", config_path="../conf", config_name="profile")
     def _main(cfg: DictConfig) -> None:
         out_dir = Path(HydraConfig.get().runtime.output_dir)
-        try:
+        with exit_on_config_error():
             path = run(OmegaConf.to_container(cfg, resolve=True), out_dir)
-        except ConfigError as e:
-            print(f"config error: {e}", file=sys.stderr)
-            raise SystemExit(2) from None
         print(f"profile: {path}")
 
     _main()

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -28,7 +27,8 @@ import pandas as pd
 import yaml
 
 from executors.recording import serving_rows
-from sim.errors import ConfigError
+from experiments.common import validation_files
+from sim.errors import ConfigError, exit_on_config_error
 
 DECODE_BANDS = ((1, 1), (2, 4), (5, 8), (9, 16), (17, 1 << 30))
 
@@ -36,16 +36,10 @@ DECODE_BANDS = ((1, 1), (2, 4), (5, 8), (9, 16), (17, 1 << 30))
 def saved_validation_files(folder: Path, with_config: bool = True) -> list[Path]:
     """The files of a saved validation this module reads (profile, real steps, fitted
     profile, then its config when ``with_config``); a config error names the first missing."""
-    need = [folder / "profile.csv", folder / "replay_steps.csv",
-            folder / "hardware_profile.yaml"]
+    names = ["profile.csv", "replay_steps.csv", "hardware_profile.yaml"]
     if with_config:
-        need.append(folder / ".hydra" / "config.yaml")
-    for p in need:
-        if not p.is_file():
-            raise ConfigError("folder", f"{folder} is not a saved validation: "
-                              f"{p.relative_to(folder)} is missing (experiments/validate.py "
-                              "writes it)")
-    return need
+        names.append(".hydra/config.yaml")
+    return validation_files(folder, names, "a saved validation")
 
 
 def load_folder(folder: Path, cfg: dict | None = None,
@@ -126,14 +120,11 @@ def main(argv: list[str] | None = None) -> None:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("folders", nargs="+", type=Path, help="validation output folders")
     args = ap.parse_args(argv)
-    try:  # every folder checked before the table starts
+    with exit_on_config_error():  # every folder checked before the table starts
         for folder in args.folders:
             saved_validation_files(folder)
         results = [(folder, split_errors(folder, knee)) for folder in args.folders
                    for knee in (0, None)]
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
     cols = ["decode_1", "decode_2_4", "decode_5_8", "decode_9_16", "decode_17_up", "with_prompt"]
     head = (f"{'folder':<36} {'knee':>4} {'busy%':>6} {'rows-busy':>9} "
             + " ".join(f"{c.replace('decode_', 'd'):>8}" for c in cols) + f" {'MAPE%':>6}")

@@ -11,14 +11,13 @@ Writes requests.csv, steps.csv, summary.json and report.html into Hydra's output
 from __future__ import annotations
 
 import logging
-import sys
 from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from sim.errors import ConfigError
+from sim.errors import exit_on_config_error
 from sim.report import format_summary, write_report
 from sim.simulation import Simulation
 
@@ -28,11 +27,8 @@ log = logging.getLogger(__name__)
 def run(cfg: DictConfig) -> dict:
     out_dir = Path(HydraConfig.get().runtime.output_dir)
     container = OmegaConf.to_container(cfg, resolve=True)
-    try:
+    with exit_on_config_error():
         sim = Simulation(container, out_dir)
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
     result = sim.run()
     write_report(out_dir, result.summary)
     print(format_summary(result.summary))

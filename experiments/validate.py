@@ -79,7 +79,7 @@ from executors.step_terms import ATTENTION_TILE
 from experiments.host_speed import MODES as HOST_SPEED_MODES
 from experiments.host_speed import neighbour_speeds, scaled_profile, speed_ratio
 from experiments.saturation import DEFAULT_FRACTION, Saturation, check_fraction, find_saturation
-from sim.errors import ConfigError, require
+from sim.errors import ConfigError, exit_on_config_error, require
 from sim.metrics import latency_stats
 
 log = logging.getLogger(__name__)
@@ -987,11 +987,9 @@ def main() -> None:
     def _main(cfg: DictConfig) -> None:
         out_dir = Path(HydraConfig.get().runtime.output_dir)
         try:
-            keys = command_line_policy_keys(HydraConfig.get().overrides.task)
-            result = validate(OmegaConf.to_container(cfg, resolve=True), out_dir, keys)
-        except ConfigError as e:
-            print(f"config error: {e}", file=sys.stderr)
-            raise SystemExit(2) from None
+            with exit_on_config_error():
+                keys = command_line_policy_keys(HydraConfig.get().overrides.task)
+                result = validate(OmegaConf.to_container(cfg, resolve=True), out_dir, keys)
         except Exception as e:
             # On a lent GPU the traceback may scroll away: say what failed and where the
             # finished runs are (each run's folder is complete once its summary.json exists).

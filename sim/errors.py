@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import fields
 from typing import Any
 
@@ -15,6 +16,17 @@ class ConfigError(ValueError):
         self.field = field
         self.message = message  # without the field, for callers that re-raise it with context
         super().__init__(f"{field}: {message}")
+
+
+@contextmanager
+def exit_on_config_error() -> Iterator[None]:
+    """A command's body: a ``ConfigError`` inside it ends the process with one
+    ``config error: <field>: <why>`` line on stderr and exit code 2, not a traceback."""
+    try:
+        yield
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def require(cond: bool, field: str, message: str) -> None:
