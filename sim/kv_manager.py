@@ -28,8 +28,14 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
 
 
 class _Pool:
-    """A pool of blocks with reference counts and a FIFO free queue. The queue is a list read
-    from ``head`` (taking n blocks is one slice), compacted now and then.
+    """A pool of blocks with reference counts and a FIFO free queue.
+
+    The free queue is held in two parts, front to back: the blocks never handed out yet, a
+    range ``[fresh, num_blocks)`` kept as two integers, then the blocks returned since, a list
+    read from ``head`` (taking n blocks is one slice; the list is compacted now and then).
+    Blocks are taken from the front and returned to the back, so every never-used block comes
+    before every returned one, exactly as in one queue that started as ``0 .. num_blocks-1``;
+    but a pool of any size builds in O(1) time and memory.
 
     Reference counts are implicit where they can be: a block in the free queue has none, a
     block taken from it has one, and only blocks shared by several tables (``share``, from
@@ -37,21 +43,22 @@ class _Pool:
     releasing blocks nobody shares (nearly all of them) is a slice and an ``extend``, with no
     per-block Python work."""
 
-    __slots__ = ("num_blocks", "free_queue", "head", "shared")
+    __slots__ = ("num_blocks", "fresh", "free_queue", "head", "shared")
 
     def __init__(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
-        self.free_queue: list[int] = list(range(num_blocks))
+        self.fresh = 0  # blocks [fresh, num_blocks) were never handed out
+        self.free_queue: list[int] = []  # returned blocks, read from ``head``
         self.head = 0
         self.shared: dict[int, int] = {}
 
     @property
     def num_free(self) -> int:
-        return len(self.free_queue) - self.head
+        return self.num_blocks - self.fresh + len(self.free_queue) - self.head
 
     def free_blocks(self) -> list[int]:
-        """The free queue, front first."""
-        return self.free_queue[self.head:]
+        """The free queue, front first (O(free blocks): for checks and tests)."""
+        return [*range(self.fresh, self.num_blocks), *self.free_queue[self.head:]]
 
     def ref_counts(self) -> list[int]:
         """Every block's reference count (0 for a free block), for integrity checks."""
@@ -63,6 +70,16 @@ class _Pool:
         return refs
 
     def take(self, n: int) -> list[int]:
+        fresh = self.fresh
+        if fresh < self.num_blocks:  # never-used blocks first: they are the queue's front
+            k = min(n, self.num_blocks - fresh)
+            self.fresh = fresh + k
+            if k == n:
+                return list(range(fresh, fresh + k))
+            return [*range(fresh, fresh + k), *self._take_returned(n - k)]
+        return self._take_returned(n)
+
+    def _take_returned(self, n: int) -> list[int]:
         h = self.head
         out = self.free_queue[h:h + n]
         h += n
@@ -97,9 +114,9 @@ class _Pool:
             self.free_queue.extend(freed)
         # Per-block double frees are found by ``check_integrity`` (counts are implicit); this
         # O(1) guard catches those that leave more blocks free than the pool has.
-        if len(self.free_queue) - self.head > self.num_blocks:
+        if self.num_free > self.num_blocks:
             raise KVIntegrityError(
-                f"double free: {len(self.free_queue) - self.head} blocks free in a pool of "
+                f"double free: {self.num_free} blocks free in a pool of "
                 f"{self.num_blocks} after releasing {blocks}")
 
 

@@ -104,6 +104,15 @@ def plan_memory(
         if num_gpu_blocks_override < 1:
             raise ConfigError("kv.num_gpu_blocks", f"must be >= 1, got {num_gpu_blocks_override}")
         num_gpu_blocks = int(num_gpu_blocks_override)
+        # More blocks than the device's whole memory holds is no pool a GPU can have (vLLM
+        # would fail allocating its KV tensor): say so rather than simulate it.
+        if num_gpu_blocks * per_block > hardware.memory_bytes:
+            raise ConfigError("kv.num_gpu_blocks", (
+                f"{num_gpu_blocks} blocks of {per_block:.0f} bytes ({model.name}, "
+                f"kv.block_size={block_size}, TP={tensor_parallel}, PP={pipeline_parallel}) "
+                f"need {num_gpu_blocks * per_block / 1e9:.4g} GB per GPU, more than the "
+                f"{hardware.memory_bytes / 1e9:.4g} GB {hardware.name} has; at most "
+                f"{int(hardware.memory_bytes // per_block)} fit"))
     else:
         free = usable - weights - act
         if free < per_block:

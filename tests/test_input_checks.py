@@ -16,9 +16,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from experiments.simulation import KVConfig, Simulation
 from sim.errors import ConfigError
 from sim.memory import plan_memory
-from sim.simulation import KVConfig, Simulation
 from sim.specs import known_models, load_hardware_spec, load_model_spec
 from tests.helpers import small_cfg
 from workloads import make_workload
@@ -255,3 +255,11 @@ def test_rows_out_of_time_order_replay_sorted_and_stable(tmp_path):
     w = make_workload({"name": "trace", "path": str(jsonl)}, seed=0)
     assert [(r.arrival_time, r.prompt_len, r.max_output_len) for r in w] == [(0.0, 5, 1),
                                                                              (1.5, 20, 2)]
+
+
+def test_a_pool_larger_than_the_device_memory_is_a_config_error():
+    # 1e12 blocks of Llama-3-8B's 2 MiB cannot exist on one 80 GB GPU; the message says how
+    # many can.
+    with pytest.raises(ConfigError, match=r"kv\.num_gpu_blocks: 1000000000000 blocks .* at "
+                                          r"most 40960 fit"):
+        Simulation(small_cfg("model=llama3_8b", "hardware=a100_80gb", "kv.num_gpu_blocks=1e12"))

@@ -1,5 +1,8 @@
 """KVBlockManager: exact block ids and free order on tiny pools, plus property tests."""
 
+import tracemalloc
+from collections import deque
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -185,3 +188,79 @@ def test_a_block_freed_twice_is_an_error_when_the_pool_would_overflow():
     kv.free("a")
     with pytest.raises(KVIntegrityError, match="double free: 5 blocks free in a pool of 4"):
         kv.free("b")
+
+
+class _ReferenceQueue:
+    """The free-queue discipline spelled out on one explicit deque of every free id: what
+    the pool's two-part queue (never-used range, then returned blocks) must equal."""
+
+    def __init__(self, n: int) -> None:
+        self.free = deque(range(n))
+        self.refs: dict[int, int] = {}
+
+    def take(self, k: int) -> list[int]:
+        out = [self.free.popleft() for _ in range(k)]
+        for b in out:
+            self.refs[b] = 1
+        return out
+
+    def release(self, blocks: list[int]) -> None:
+        for b in reversed(blocks):
+            self.refs[b] -= 1
+            if not self.refs[b]:
+                del self.refs[b]
+                self.free.append(b)
+
+
+@settings(max_examples=150, deadline=None)
+@given(ops, st.integers(1, 16), st.integers(1, 8), st.integers(0, 12))
+def test_free_queue_order_equals_one_explicit_queue(seq, gpu, bs, cpu):
+    """Every block id handed out, and the whole free queue after each operation, are those
+    of a single queue that started as 0 .. n-1 (forks and swaps included)."""
+    kv = KVBlockManager(num_gpu_blocks=gpu, block_size=bs, num_cpu_blocks=cpu)
+    ref_gpu, ref_cpu = _ReferenceQueue(gpu), _ReferenceQueue(cpu)
+    tokens: dict[int, int] = {}
+    for op, rid, n in seq:
+        if op == "grow" and rid not in kv.cpu_tables:
+            need = kv.blocks_needed(rid, tokens.get(rid, 0) + n)
+            new = kv.allocate_slots(rid, tokens.get(rid, 0) + n)
+            if new is not None:
+                tokens[rid] = tokens.get(rid, 0) + n
+                assert new == ref_gpu.take(need)
+        elif op == "free" and kv.has_blocks(rid):
+            ref_gpu.release(kv.block_tables.get(rid, []))
+            ref_cpu.release(kv.cpu_tables.get(rid, []))
+            kv.free(rid)
+        elif op == "swap_out" and rid in kv.block_tables:
+            table = list(kv.block_tables[rid])
+            pairs = kv.swap_out(rid)
+            if pairs is not None:
+                assert [c for _, c in pairs] == ref_cpu.take(len(table))
+                ref_gpu.release(table)
+        elif op == "swap_in" and rid in kv.cpu_tables:
+            cpu_table = list(kv.cpu_tables[rid])
+            pairs = kv.swap_in(rid)
+            if pairs is not None:
+                assert [g for _, g in pairs] == ref_gpu.take(len(cpu_table))
+                ref_cpu.release(cpu_table)
+        elif op == "fork" and rid in kv.block_tables and (rid + 100) not in kv.block_tables:
+            for b in kv.fork(rid, rid + 100):
+                ref_gpu.refs[b] += 1
+        assert kv._gpu.free_blocks() == list(ref_gpu.free)
+        assert kv._cpu.free_blocks() == list(ref_cpu.free)
+
+
+def test_a_pool_of_ten_million_blocks_costs_nothing_until_used():
+    """A pool holds no per-block state for blocks never handed out: building ten million
+    blocks (GPU and CPU) allocates under a kilobyte, ids come out 0, 1, 2 ..., and returned
+    blocks queue behind every never-used one."""
+    tracemalloc.start()
+    kv = KVBlockManager(num_gpu_blocks=10_000_000, block_size=1, num_cpu_blocks=10_000_000)
+    built, _ = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert built < 1024
+    assert kv.allocate_slots("a", 3) == [0, 1, 2]
+    kv.free("a")
+    assert kv.num_free_blocks == 10_000_000
+    assert kv._gpu.take(9_999_999)[-2:] == [2, 1]
+    assert kv._gpu.free_blocks() == [0]
