@@ -129,6 +129,7 @@ class RooflineCostModel(Executor):
     calibrated ``coefficients`` (a fitted hardware profile) when given."""
 
     closed_form_decode = True
+    prices_on_arrays = True
 
     def __init__(self, model: ModelSpec, hardware: HardwareSpec, tensor_parallel: int = 1,
                  config: CostModelConfig | None = None, block_size: int = 16,

@@ -13,10 +13,9 @@ from typing import Any
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
+from experiments.simulation import Simulation, SimulationResult
 from sim.errors import ConfigError, exit_on_config_error
-
 from sim.request import Request, RequestStatus
-from sim.simulation import Simulation, SimulationResult
 
 
 def merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:

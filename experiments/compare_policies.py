@@ -34,9 +34,9 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from experiments.policy_checks import CHECKS, Check
+from experiments.simulation import Simulation
 from sim.errors import ConfigError, exit_on_config_error
 from sim.report import html_page, latency_cdf_figure
-from sim.simulation import Simulation
 
 log = logging.getLogger(__name__)
 

@@ -161,7 +161,7 @@ def end_to_end(num_requests: int) -> dict:
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    from sim.simulation import Simulation
+    from experiments.simulation import Simulation
     from sim.specs import CONF_DIR
 
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):

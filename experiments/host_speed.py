@@ -107,8 +107,8 @@ def pair_saved(folder: Path, cfg: dict[str, Any], command_line: set[str] | None 
     import copy
     import json
 
+    from experiments.simulation import Simulation
     from experiments.validate import _options, _sim_cfg, apply_policy_overrides, cost_model_section
-    from sim.simulation import Simulation
 
     doc = json.loads((folder / "validation.json").read_text())
     profile = Path(doc["profile"])

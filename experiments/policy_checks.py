@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pandas as pd
 
+from experiments.simulation import Simulation
 from sim.plan import ScheduledRequest, StepPlan
-from sim.simulation import Simulation
 
 
 @dataclass

@@ -17,9 +17,9 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
+from experiments.simulation import Simulation
 from sim.errors import exit_on_config_error
 from sim.report import format_summary, write_report
-from sim.simulation import Simulation
 
 log = logging.getLogger(__name__)
 

@@ -656,7 +656,7 @@ def refit_on_serving_steps(base: dict[str, Any], profile_path: Path, out_dir: Pa
 def real_run(cfg: dict[str, Any], out_dir: Path) -> tuple[Any, list]:
     """One recorded run of the real executor (a fresh one): the result (with its requests)
     and the recorded steps; outputs in ``out_dir``."""
-    from sim.simulation import Simulation
+    from experiments.simulation import Simulation
 
     sim = Simulation(cfg, out_dir, keep_requests=True)
     recorder = RecordingExecutor(sim.executor)
@@ -748,7 +748,7 @@ def validate(cfg: dict[str, Any], out_dir: Path,
 def _validate(cfg: dict[str, Any], base: dict[str, Any], opts: dict[str, Any],
               out_dir: Path) -> ValidationResult:
     from executors.calibration import load_profile
-    from sim.simulation import Simulation
+    from experiments.simulation import Simulation
 
     statistic = f"{opts.get('fit_statistic', 'median')}_s"
     schedule = RunSchedule(base, out_dir, int(opts.get("real_repeats", 1)),
@@ -938,7 +938,7 @@ def _page(result: ValidationResult, out_dir: Path) -> str:
     import pandas as pd
     import plotly.graph_objects as go
 
-    from sim.report import latency_cdf_figure, html_page
+    from sim.report import html_page, latency_cdf_figure
 
     frames = {"real": pd.read_csv(out_dir / "real" / "requests.csv")}
     for i in range(2, len(result.real_runs) + 1):

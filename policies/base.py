@@ -1,163 +1,17 @@
-"""The policy interface: one decision method over a read-only view of the replica.
-
-A policy only decides. It reads ``step.waiting``, ``step.running``, ``step.swapped`` and
-``step.kv`` (read-only views; ``step.kv`` is a ``KVView``, not the manager) and acts through
-``step.schedule / reserve / preempt / swap_in`` (see ``sim/step_builder.py``), then returns
-``step.build()``. It never changes request state directly.
-
-Optional hooks: ``on_arrival(req)`` is called by the replica once per accepted request,
-after it joined the waiting queue (a policy keeps its own ordered index there, e.g. a heap, so
-it never sorts the whole queue per step); ``on_handoff`` / ``on_transferred`` when a request
-leaves a prefill replica / joins a decode replica (disaggregation); ``seed`` is the run's
-seed, for policies that draw random numbers (one ``numpy.random.Generator`` per policy,
-derived from it).
-"""
+"""The policy registry and ``make_policy``. The interface itself (``Policy``,
+``PolicyConfig``) is the engine's contract and lives in ``sim/policy.py``."""
 
 from __future__ import annotations
 
-import math
-from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
-import numpy as np
-
-from sim.config_types import typed_fields
-from sim.errors import ConfigError, require, require_known_fields
-from sim.plan import StepPlan
+from sim.errors import ConfigError
+from sim.policy import Policy, PolicyConfig
 from sim.registry import Registry
-from sim.request import Request
-from sim.step_builder import PreemptionMode, StepBuilder
 
 POLICIES: Registry[type[Policy]] = Registry("policy")
 
-
-@dataclass(frozen=True)
-class PolicyConfig:
-    """Limits every policy shares (vLLM's names). Policies subclass this for their own knobs."""
-
-    name: str = "fcfs"
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
-    chunked_prefill: bool = False
-    preemption_mode: str = "recompute"
-    kv_watermark: float = 0.01  # fraction of blocks kept free when admitting (vLLM v0)
-
-    def __post_init__(self) -> None:
-        require(self.max_num_seqs >= 1, "policy.max_num_seqs", f"must be >= 1, got {self.max_num_seqs}")
-        require(self.max_num_batched_tokens >= 1, "policy.max_num_batched_tokens",
-                f"must be >= 1, got {self.max_num_batched_tokens}")
-        modes = [m.value for m in PreemptionMode]
-        require(self.preemption_mode in modes, "policy.preemption_mode",
-                f"must be one of {modes}, got {self.preemption_mode!r}")
-        require(0 <= self.kv_watermark < 1, "policy.kv_watermark",
-                f"must be in [0, 1), got {self.kv_watermark}")
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> PolicyConfig:
-        require_known_fields(data, cls, "policy", f"option for policy {data.get('name')!r}")
-        return cls(**typed_fields(cls, data, "policy"))
-
-
-class Policy(ABC):
-    """Base class. Subclasses set ``config_class`` and register with ``@POLICIES.register``."""
-
-    config_class: ClassVar[type[PolicyConfig]] = PolicyConfig
-    # The three fast-path flags below are read from a class's own body only: a subclass that
-    # overrides hooks must restate them (after tests/test_fast_forward.py and, for the array
-    # core, tests/test_array_core.py pass for it), or its runs take the per-step loop, which
-    # is exact for any policy (``__init_subclass__`` resets them).
-    #: True if, while nothing arrives, finishes or runs out of KV, a decode-only plan would be
-    #: planned again unchanged (one more token each): the replica may then take many such
-    #: steps at once (sim/fast_forward.py). Policies opt in after the fast-vs-exact test.
-    supports_decode_jumps: ClassVar[bool] = False
-    #: True if, while nothing waits or is swapped out and every running request decodes, a
-    #: request finishing changes the next decode-only plan only by leaving it (nobody can take
-    #: its seat or blocks): decode jumps may then run past finishes (sim/fast_forward.py).
-    decode_jumps_past_finishes: ClassVar[bool] = False
-    #: True if every request this policy runs holds KV for its whole length (prompt + maximum
-    #: output) from admission on: a decode replica then reserves that much for a transfer.
-    reserves_full_length: ClassVar[bool] = False
-    #: True if the policy implements chunked prefill's step structure (decodes first, then
-    #: prefill chunks in the same step), which ``policy.chunked_prefill=true`` asks for.
-    implements_chunked_prefill: ClassVar[bool] = False
-    #: True if the policy also decides on plain numbers (FCFS's ``head_admissions``, chunked
-    #: prefill's ``chunk_plan``), so that a fast run whose KV pool can never bind may use the
-    #: array core (sim/array_core.py) instead of the replica loop. Policies opt in after the
-    #: array-core-vs-exact tests.
-    array_core: ClassVar[bool] = False
-
-    FAST_PATH_FLAGS: ClassVar[tuple[str, ...]] = (
-        "supports_decode_jumps", "decode_jumps_past_finishes", "array_core")
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        for flag in Policy.FAST_PATH_FLAGS:
-            if flag not in cls.__dict__:  # what the parent certified, its hooks may break
-                setattr(cls, flag, False)
-        if cls.decode_jumps_past_finishes and not cls.supports_decode_jumps:
-            raise TypeError(f"{cls.__name__}: decode_jumps_past_finishes is a kind of decode "
-                            "jump; it needs supports_decode_jumps = True")
-        # The array core asks the policy on plain numbers, by its step structure.
-        rule = "chunk_plan" if cls.implements_chunked_prefill else "head_admissions"
-        if cls.array_core and not callable(getattr(cls, rule, None)):
-            raise TypeError(f"{cls.__name__}: array_core = True needs a {rule} method "
-                            "(sim/array_core.py)")
-
-    def __init__(self, config: PolicyConfig, seed: int = 0) -> None:
-        # vLLM v0's flag switches the whole scheduler to decode-first chunking; a policy with
-        # prefill-only steps that merely cut prompts into chunks would stall every decode
-        # behind a queue of half-done prompts, so the flag is refused rather than half-done.
-        if config.chunked_prefill and not self.implements_chunked_prefill:
-            raise ConfigError("policy.chunked_prefill", (
-                f"policy {config.name!r} does not implement chunked prefill (decodes first, "
-                f"then prompt chunks in the same step); use policy=chunked_prefill"))
-        self.config = config
-        self.seed = seed
-
-    def next_decision_time(self, now: float) -> float:
-        """The earliest simulated time after ``now`` at which this policy could plan a
-        different step although nothing arrived, finished or changed in the KV pool: a
-        deadline of its own (SJF's aging). Decode jumps stop at the first step that ends at
-        or after it, as at an arrival. Default: none (infinity)."""
-        return math.inf
-
-    def decode_run_key(self) -> Callable[[Request], Any] | None:
-        """The key of the order in which this policy gives the running requests their decode
-        tokens, when that is not arrival order (None): a fast-mode replica keeps its decode
-        run (``sim/decode_run.py``) in this order, so the run can be granted as one block
-        when the policy passes ``schedule_running`` a ``list`` of every running request in
-        that order (anything else goes row by row: the same results, slower)."""
-        return None
-
-    def decode_order_steps(self, running: Sequence[Request], limit: int,
-                           last_steps: Sequence[int] | np.ndarray | None = None) -> int:
-        """How many decode-only steps, counting the one being planned, give ``running`` (its
-        rows, in the order this policy gives them tokens) their tokens in that same order if
-        nothing else happens; at most ``limit``. ``last_steps``: the step in which each of
-        them samples its last token and leaves (None: none leaves before ``limit``). A
-        decode jump allocates every step's new KV blocks, and finishes the members of a step,
-        in its first step's row order, so it stops where the order would change. Default:
-        the order does not depend on the requests' progress (arrival or priority order), so
-        ``limit``."""
-        return limit
-
-    def on_arrival(self, req: Request) -> None:
-        """A request was accepted and appended to the waiting queue (called by the replica's
-        ``add_request``, never for rejected requests). Default: nothing."""
-
-    def on_handoff(self, req: Request) -> None:
-        """Prefill side: ``req`` sampled its first token and left this replica for a decode
-        replica (it may become PREEMPTED there: it must leave this policy's indexes)."""
-
-    def on_transferred(self, req: Request) -> None:
-        """Decode side: ``req`` arrived with its KV and joined the running set (RUNNING, its
-        first token already sampled): its arrival to this replica. Default: nothing."""
-
-    @abstractmethod
-    def schedule(self, step: StepBuilder) -> StepPlan:
-        """Decide the next step and return ``step.build()``."""
+__all__ = ["POLICIES", "Policy", "PolicyConfig", "make_policy"]
 
 
 def make_policy(data: dict[str, Any], seed: int = 0) -> Policy:

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from heapq import heapify, heappop, heappush, nlargest
 from itertools import accumulate, cycle, islice
 from operator import add, gt
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 from sim.fast_forward import _price_until, _steps_before
 from sim.kv_manager import blocks_for
@@ -58,11 +58,39 @@ from sim.outputs import (
 )
 from sim.plan import DecodeBlock, ScheduledRequest, StepPlan
 from sim.progress import Progress
+from sim.result import SimulationResult
 from sim.step_builder import watermark_blocks
 
 if TYPE_CHECKING:
+    from sim.executor import Executor
+    from sim.memory import MemoryPlan
+    from sim.policy import Policy
     from sim.request import Request
-    from sim.simulation import Simulation, SimulationResult
+    from sim.specs import ModelSpec
+
+
+class ArrayCoreHost(Protocol):
+    """What the array core reads of the run it simulates (``sim.simulation.Simulation``)."""
+
+    use_array_core: bool
+    step_mode: str
+    is_cluster: bool
+    check_integrity: bool
+    keep_requests: bool
+    policy: Policy
+    executor: Executor
+    model: ModelSpec
+    memory: MemoryPlan
+    kv_cfg: Any  # sim.simulation.KVConfig
+
+    def open_outputs(self, request_columns: tuple[str, ...], num_requests: int | None,
+                     ) -> tuple[CsvSink, CsvSink, MetricsCollector, Progress]: ...
+
+    def summary(self, metrics: MetricsCollector, sim_end: float, wall: float, *,
+                kv_peak_usage: float, num_steps: int, num_decode_jumps: int,
+                num_swap_fallbacks: int, engine: str) -> dict[str, Any]: ...
+
+    def write_summary(self, summary: dict[str, Any]) -> None: ...
 
 # Heap keys pack (step, arrival index, slot) into one int: slots and indices have these bits.
 _SLOT_BITS = 20
@@ -80,10 +108,8 @@ _HEAP_PER_SEAT = 4
 _HEAP_EXTRA = 64
 
 
-def array_core_blocker(sim: Simulation) -> str | None:
+def array_core_blocker(sim: ArrayCoreHost) -> str | None:
     """Why this run cannot use the array core before looking at its requests, or None."""
-    from executors.cost_model import RooflineCostModel
-
     if not sim.use_array_core:
         return "array_core=false"
     if sim.step_mode != "fast":
@@ -100,7 +126,8 @@ def array_core_blocker(sim: Simulation) -> str | None:
     if sim.policy.config.max_num_seqs >= 1 << _SLOT_BITS:
         return f"policy.max_num_seqs >= {1 << _SLOT_BITS} (the core's slot numbers)"
     ex = sim.executor
-    if type(ex) is not RooflineCostModel or ex.produces_tokens:
+    # The executor's own class states it (a subclass or wrapper may price steps otherwise).
+    if not type(ex).__dict__.get("prices_on_arrays", False) or ex.produces_tokens:
         return f"executor {type(ex).__name__} (the array core prices with the cost model)"
     return None
 
@@ -138,7 +165,7 @@ class WorkloadArrays:
         return out
 
 
-def pool_blocker(sim: Simulation, w: WorkloadArrays) -> str | None:
+def pool_blocker(sim: ArrayCoreHost, w: WorkloadArrays) -> str | None:
     """Why the KV pool could bind on this workload (or a request be refused), or None: the
     array core counts blocks and never preempts, so every request the policy may run at once
     must fit the pool together, above the admission watermark."""
@@ -201,7 +228,7 @@ class ArrayCore:
     """One run of the array core (see the module docstring); ``run`` returns what
     ``Simulation.run`` does."""
 
-    def __init__(self, sim: Simulation, w: WorkloadArrays) -> None:
+    def __init__(self, sim: ArrayCoreHost, w: WorkloadArrays) -> None:
         self.sim = sim
         self.w = w
         self.executor = sim.executor
@@ -223,8 +250,6 @@ class ArrayCore:
         return d
 
     def run(self) -> SimulationResult:
-        from sim.simulation import SimulationResult
-
         sim = self.sim
         wall0 = time.perf_counter()
         req_sink, step_sink, metrics, progress = sim.open_outputs(REQUEST_COLUMNS,

@@ -18,14 +18,14 @@ from collections.abc import Callable
 import numpy as np
 import simpy
 
-from executors.base import Executor
-from policies.base import Policy
 from sim.decode_run import DecodeRun, is_decoding
+from sim.executor import Executor
 from sim.fast_forward import MAX_JUMP_STEPS, Jump, is_steady_decode, plan_jump, plan_run_jump
 from sim.kv_manager import KVBlockManager, blocks_for
 from sim.metrics import MetricsCollector
 from sim.outputs import STEP_ROW_FORMAT, CsvSink, DecodeStepRows, request_row
 from sim.plan import DecodeBlock, StepPlan, StepResult
+from sim.policy import Policy
 from sim.request import Request, RequestStatus, full_length
 from sim.step_builder import ReplicaQueues, StepBuilder
 

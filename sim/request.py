@@ -10,10 +10,18 @@ from __future__ import annotations
 
 import enum
 from array import array
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from sim.decode_run import DecodeRun
+
+class SharedClock(Protocol):
+    """What a request reads of a decode run it belongs to (``sim/decode_run.py``): how many
+    steps the run took and when. The run advances every member at once by counting steps."""
+
+    steps: int
+
+    def time_at(self, step: int) -> float: ...
+
+    def times_since(self, step: int) -> array: ...
 
 
 class RequestStatus(enum.IntEnum):
@@ -115,7 +123,7 @@ class Request:
         # While the request is a member of a DecodeRun (sim/decode_run.py) its token counters
         # are stored relative to the run's step count and its token times are the run's, so a
         # decode jump advances every member at once; the properties below read through.
-        self._run: DecodeRun | None = None
+        self._run: SharedClock | None = None
         self._joined = 0  # the run step up to which ``_times`` holds this request's tokens
         self._computed = 0
         self._outputs = 0

@@ -10,16 +10,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import simpy
 
-import executors
-import policies
-import workloads
-from executors.base import Executor
 from sim.array_core import ArrayCore, WorkloadArrays, array_core_blocker, pool_blocker
 from sim.cluster.colocated import Colocated
 from sim.cluster.config import ClusterConfig, DisaggregatedConfig, cluster_config_from
@@ -30,12 +27,15 @@ from sim.cluster.pool import Pool
 from sim.cluster.router import make_router
 from sim.config_types import as_bool, as_int, typed_fields
 from sim.errors import ConfigError, require
+from sim.executor import Executor
 from sim.memory import MemoryPlan, check_block_size, plan_memory
 from sim.metrics import MetricsCollector
 from sim.outputs import REQUEST_COLUMNS, STEP_COLUMNS, CsvSink, NullSink
+from sim.policy import Policy
 from sim.progress import Progress
-from sim.replica import Replica, SimulationStalled
+from sim.replica import SimulationStalled
 from sim.request import Request
+from sim.result import SimulationResult
 from sim.specs import (
     HardwareSpec,
     ModelSpec,
@@ -43,6 +43,24 @@ from sim.specs import (
     load_hardware_spec,
     model_spec_from,
 )
+from sim.workload import Workload
+
+
+class Components(Protocol):
+    """Where a run's policies, executors and workloads come from: the registries of
+    ``policies/``, ``executors/`` and ``workloads/``, which sit above ``sim/`` and are handed in
+    (``experiments/simulation.py``)."""
+
+    def make_policy(self, section: dict[str, Any], seed: int) -> Policy:
+        """The policy a ``policy`` config section names (``ConfigError`` if unknown)."""
+
+    def executor_factory(self, name: str) -> Callable[..., Executor]:
+        """The factory of the executor named ``name`` (``KeyError`` if unknown)."""
+
+    def make_workload(self, section: dict[str, Any], seed: int, *, model: ModelSpec,
+                      token_ids: bool) -> Workload:
+        """The workload a ``workload`` config section describes."""
+
 
 SECTIONS = ("model", "hardware", "policy", "workload", "executor", "cluster", "kv")
 TOP_LEVEL = {*SECTIONS, "seed", "progress", "check_integrity", "output_dir", "step_mode",
@@ -82,25 +100,14 @@ def _dataclass_from(cls: type, data: dict[str, Any], section: str) -> Any:
     return cls(**typed_fields(cls, data, section))
 
 
-@dataclass
-class SimulationResult:
-    summary: dict[str, Any]
-    metrics: MetricsCollector
-    replicas: list[Replica]  # empty when the array core ran (summary["step_engine"])
-    memory: MemoryPlan
-    requests: list[Request]  # finished/rejected requests, when keep_requests=True
-    requests_sink: CsvSink
-    steps_sink: CsvSink
-    deployment: Colocated | Disaggregated | None = None
-
-
 class Simulation:
     """A validated, ready-to-run simulation: one replica, ``num_replicas`` behind a router, or a
     disaggregated prefill + decode deployment (``sim/cluster/``). TP and PP live inside each
     replica (the cost model and ``PipelinedReplica``)."""
 
     def __init__(self, cfg: dict[str, Any], out_dir: Path | None = None,
-                 keep_requests: bool = False) -> None:
+                 keep_requests: bool = False, *, components: Components) -> None:
+        self.components = components
         unknown = sorted(set(cfg) - TOP_LEVEL)
         if unknown:
             raise ConfigError(unknown[0], f"unknown top-level option; known: {', '.join(sorted(TOP_LEVEL))}")
@@ -138,9 +145,9 @@ class Simulation:
         # The device the executor really runs on (the real executor's CPU or GPU).
         self.hardware = self.executor.device_spec(self.hardware)
         # An executor that samples real tokens needs the prompts' token ids.
-        self.workload = workloads.make_workload(_section(cfg, "workload"), self.seed,
-                                                model=self.model,
-                                                token_ids=self.executor.produces_tokens)
+        self.workload = components.make_workload(_section(cfg, "workload"), self.seed,
+                                                 model=self.model,
+                                                 token_ids=self.executor.produces_tokens)
         self._validate(first.first_policy,
                        "policy" if len(self.pools) == 1 else "cluster.prefill.policy")
         if self.is_disaggregated and first.first_executor.produces_tokens:
@@ -184,7 +191,7 @@ class Simulation:
     def _make_pool(self, role: str, count: int, hardware: HardwareSpec,
                    policy_cfg: dict[str, Any], tp: int, pp: int, where: str) -> Pool:
         try:
-            policy = policies.make_policy(policy_cfg, seed=self.seed)
+            policy = self.components.make_policy(policy_cfg, self.seed)
         except ConfigError as e:
             if where == "cluster":
                 raise
@@ -197,13 +204,14 @@ class Simulation:
                     else "cluster.tensor_parallel")
         memory = self._plan_memory(policy, executor, hardware, tp, pp, tp_field)
         return Pool(role, count, hardware, policy_cfg, tp, pp, memory, self.kv_cfg.block_size,
-                    policy, executor, make, self.seed)
+                    policy, executor, make,
+                    lambda seed: self.components.make_policy(policy_cfg, seed), self.seed)
 
     def _make_executor(self, hardware: HardwareSpec, tp: int, pp: int) -> Executor:
         ex = _section(self.cfg, "executor")
         name = ex.get("name")
         try:
-            factory = executors.EXECUTORS.get(str(name))
+            factory = self.components.executor_factory(str(name))
         except KeyError as e:
             raise ConfigError("executor.name", str(e.args[0])) from None
         # Only executors that model pipeline stages take pipeline_parallel.
@@ -212,7 +220,7 @@ class Simulation:
                        block_size=self.kv_cfg.block_size, seed=self.seed,
                        device=self.cfg.get("device"), **extra)
 
-    def _plan_memory(self, policy: policies.Policy, executor: Executor, hardware: HardwareSpec,
+    def _plan_memory(self, policy: Policy, executor: Executor, hardware: HardwareSpec,
                      tp: int, pp: int, tp_field: str = "cluster.tensor_parallel") -> MemoryPlan:
         k, p = self.kv_cfg, policy.config
         kv_dtype = executor.kv_cache_dtype()
@@ -235,7 +243,7 @@ class Simulation:
             mp = MemoryPlan(**{**mp.__dict__, "num_cpu_blocks": int(k.num_cpu_blocks)})
         return mp
 
-    def _validate(self, policy: policies.Policy, section: str) -> None:
+    def _validate(self, policy: Policy, section: str) -> None:
         p = policy.config
         # Prompts longer than the model's context are rejected at arrival (as vLLM does), so
         # only the ones that fit it must fit a step.
@@ -413,7 +421,3 @@ class Simulation:
         })
         return s
 
-
-def run_simulation(cfg: dict[str, Any], out_dir: Path | None = None,
-                   keep_requests: bool = False) -> SimulationResult:
-    return Simulation(cfg, out_dir, keep_requests).run()

@@ -11,11 +11,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from executors.recording import RecordingExecutor
+from experiments.simulation import Simulation
 from policies import POLICIES, make_policy
 from sim.array_core import _BlockCount
 from sim.kv_manager import KVBlockManager
 from sim.request import Request, RequestStatus
-from sim.simulation import Simulation
 from sim.step_builder import ReplicaQueues, StepBuilder
 from tests.helpers import compose_cfg
 from tests.test_fast_forward import _assert_same

@@ -23,12 +23,18 @@ from executors.calibration import (
     split_rows,
 )
 from executors.cost_model import RooflineCostModel
-from executors.step_terms import (ATTENTION_TILE, StepDecomposer, StepDrivers, StepShape,
-                                  first_rows, step_shape)
+from executors.step_terms import (
+    ATTENTION_TILE,
+    StepDecomposer,
+    StepDrivers,
+    StepShape,
+    first_rows,
+    step_shape,
+)
 from experiments.profile import ProfileGrid, blocks_needed, profile_executor, write_csv
+from experiments.simulation import Simulation
 from sim.errors import ConfigError
 from sim.plan import ScheduledRequest, StepPlan, StepResult
-from sim.simulation import Simulation
 from sim.specs import load_hardware_spec, load_model_spec
 from tests.helpers import SHARED, compose_cfg
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 
+from experiments.simulation import Simulation
 from sim.errors import ConfigError
 from sim.request import Request, RequestStatus
-from sim.simulation import Simulation
 from tests.harness import run_requests
 from tests.helpers import compose_cfg
 

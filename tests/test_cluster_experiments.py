@@ -5,9 +5,9 @@ import pytest
 import experiments.disaggregation as disagg
 from experiments.common import merge, slo_attainment
 from experiments.disaggregation import Probe, goodput
+from experiments.simulation import Simulation
 from sim.errors import ConfigError
 from sim.request import Request, RequestStatus
-from sim.simulation import Simulation
 from tests.helpers import compose_named
 
 _compose = compose_named

@@ -5,11 +5,11 @@ import json
 import pandas as pd
 import pytest
 
+from experiments.simulation import Simulation, run_simulation
 from sim.cluster.outputs import CLUSTER_REQUEST_COLUMNS
 from sim.errors import ConfigError
 from sim.outputs import REQUEST_COLUMNS
 from sim.report import format_summary
-from sim.simulation import Simulation, run_simulation
 from tests.helpers import small_cfg
 
 CLUSTER_KEYS = ("cluster", "num_replicas", "num_gpus", "router", "replicas")

@@ -12,10 +12,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from experiments.simulation import Simulation
 from sim.config_types import as_bool, as_float, as_int, typed_fields
 from sim.errors import ConfigError
 from sim.memory import plan_memory
-from sim.simulation import Simulation
 from sim.specs import load_hardware_spec, load_model_spec
 from tests.helpers import compose_cfg, small_cfg
 

@@ -15,7 +15,7 @@ sys.meta_path.insert(0, Block())
 import sim, policies, workloads, executors
 from executors.cost_model import RooflineCostModel
 from tests.helpers import small_cfg
-from sim.simulation import run_simulation
+from experiments.simulation import run_simulation
 s = run_simulation(small_cfg("workload.num_requests=10")).summary
 assert s["completed"] == 10, s
 assert not any(m.split('.')[0] in ('torch', 'triton') for m in sys.modules)

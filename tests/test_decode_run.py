@@ -14,11 +14,11 @@ from hypothesis import strategies as st
 
 from executors.cost_model import RooflineCostModel
 from executors.step_terms import Coefficients, StepShape, step_shape
+from experiments.simulation import Simulation
 from policies.budget import Budget, schedule_running
 from sim.kv_manager import KVBlockManager
 from sim.plan import DecodeBlock, ScheduledRequest, StepPlan
 from sim.request import Request, RequestStatus
-from sim.simulation import Simulation
 from sim.specs import load_hardware_spec, load_model_spec
 from sim.step_builder import ReplicaQueues, StepBuilder
 from tests.helpers import compose_cfg

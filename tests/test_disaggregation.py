@@ -9,9 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import policies
+from experiments.simulation import run_simulation
 from sim.cluster.link import LinkConfig
 from sim.request import Request, RequestStatus
-from sim.simulation import run_simulation
 from tests.cluster_harness import run_disaggregated
 from tests.helpers import compose_cfg
 

@@ -5,8 +5,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from experiments.simulation import Simulation
 from policies import POLICIES
-from sim.simulation import Simulation
 from tests.helpers import compose_cfg
 
 JUMPING = [n for n in POLICIES.names() if POLICIES.get(n).supports_decode_jumps]

@@ -6,9 +6,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import sim.metrics as metrics_module
+from experiments.simulation import run_simulation
 from sim.metrics import MetricsCollector, StreamingQuantiles, latency_stats
 from sim.request import Request
-from sim.simulation import run_simulation
 from tests.helpers import small_cfg
 
 

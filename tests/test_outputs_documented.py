@@ -10,7 +10,7 @@ import json
 import re
 from pathlib import Path
 
-from sim.simulation import Simulation
+from experiments.simulation import Simulation
 from tests.helpers import compose_cfg
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -137,7 +137,7 @@ def test_pipeline_never_schedules_a_request_twice_in_flight():
 
 
 def test_pipelined_simulation_runs_from_the_config(tmp_path):
-    from sim.simulation import run_simulation
+    from experiments.simulation import run_simulation
     from tests.helpers import small_cfg
 
     s = run_simulation(small_cfg("model=llama3_70b", "hardware=h100_sxm",

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
+from experiments.simulation import Simulation, run_simulation
 from sim.errors import ConfigError
 from sim.kv_manager import KVBlockManager
 from sim.request import Request, RequestStatus
-from sim.simulation import Simulation, run_simulation
 from sim.step_builder import ReplicaQueues, StepBuilder
 from tests.harness import run_requests
 from tests.helpers import small_cfg

@@ -9,6 +9,7 @@ import pytest
 import simpy
 
 import policies
+from experiments.simulation import Simulation
 from policies.base import Policy, PolicyConfig
 from policies.budget import Budget, admit
 from policies.fcfs import FCFSPolicy
@@ -17,7 +18,6 @@ from sim.metrics import MetricsCollector
 from sim.outputs import REQUEST_COLUMNS, STEP_COLUMNS, CsvSink
 from sim.replica import Replica
 from sim.request import Request, RequestStatus
-from sim.simulation import Simulation
 from sim.step_builder import ReplicaQueues, StepBuilder
 from tests.harness import RecordingExecutor, run_requests
 from tests.helpers import small_cfg

@@ -21,7 +21,7 @@ def test_triton_kernels_match_references_in_bf16_on_the_gpu():
 
 def test_greedy_outputs_do_not_depend_on_scheduling_on_the_gpu():
     # fp32: in bf16, batch-shape-dependent GEMM rounding may flip near-tied argmaxes.
-    from sim.simulation import Simulation
+    from experiments.simulation import Simulation
     from tests.helpers import compose_cfg
 
     outs = []

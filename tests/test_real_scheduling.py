@@ -9,8 +9,8 @@ import pytest
 
 pytest.importorskip("torch")
 
+from experiments.simulation import Simulation  # noqa: E402
 from policies import POLICIES  # noqa: E402
-from sim.simulation import Simulation  # noqa: E402
 from tests.helpers import compose_cfg  # noqa: E402
 
 TINY_POOL = ("kv.num_gpu_blocks=8",)  # 128 tokens for 12 requests of up to 100: preemption

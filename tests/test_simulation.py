@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from experiments.simulation import Simulation, run_simulation
 from sim.errors import ConfigError
-from sim.simulation import Simulation, run_simulation
 from tests.helpers import ROOT, compose_cfg, small_cfg
 
 

@@ -12,10 +12,11 @@ import yaml
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from executors.recording import RecordingExecutor, replay, serving_rows
 import experiments.validate as validate_mod
+from executors.recording import RecordingExecutor, replay, serving_rows
 from experiments.host_speed import pair_saved
 from experiments.refit_split import split_errors
+from experiments.simulation import Simulation
 from experiments.validate import (
     RunSchedule,
     apply_policy_overrides,
@@ -26,7 +27,6 @@ from experiments.validate import (
     validate,
 )
 from sim.errors import ConfigError
-from sim.simulation import Simulation
 from tests.helpers import CONF, compose_cfg
 
 LOOP_WORKLOAD = ("model=tiny", "workload.num_requests=60", "workload.qps=40",

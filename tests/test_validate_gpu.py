@@ -12,8 +12,8 @@ import pytest
 import experiments.validate as validate_mod
 from experiments.profile import ProfileGrid, blocks_needed
 from experiments.saturation import BURST_QPS, find_saturation
+from experiments.simulation import Simulation
 from sim.errors import ConfigError
-from sim.simulation import Simulation
 from sim.specs import load_model_spec
 from tests.harness import RecordingExecutor
 from tests.helpers import compose_cfg, compose_named

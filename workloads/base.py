@@ -1,15 +1,16 @@
-"""The workload interface: a lazy, arrival-ordered stream of Requests."""
+"""The workload registry, ``make_workload`` and data paths. The interface itself
+(``Workload``) lives in ``sim/workload.py``."""
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from sim.errors import ConfigError
 from sim.registry import Registry
-from sim.request import Request
+from sim.workload import Workload
+
+__all__ = ["PROJECT_ROOT", "WORKLOADS", "Workload", "make_workload", "resolve_path"]
 
 WORKLOADS: Registry = Registry("workload")
 
@@ -24,24 +25,6 @@ def resolve_path(path: str, field: str) -> Path:
         if candidate.exists():
             return candidate.resolve()
     raise ConfigError(field, f"file not found: {path}")
-
-
-class Workload(ABC):
-    @abstractmethod
-    def __iter__(self) -> Iterator[Request]:
-        """Requests in non-decreasing arrival time, created lazily."""
-
-    @property
-    @abstractmethod
-    def max_prompt_len(self) -> int:
-        """An upper bound on any prompt's length (validated against the batch budget)."""
-
-    @property
-    def num_requests(self) -> int | None:
-        return None
-
-    def describe(self) -> str:
-        return type(self).__name__
 
 
 def make_workload(data: dict[str, Any], seed: int, **context: Any) -> Workload:

@@ -10,13 +10,13 @@ from typing import Any
 import numpy as np
 import simpy
 
-import policies
-from executors.base import Executor
 from sim.cluster.pipeline import PipelinedReplica
+from sim.executor import Executor
 from sim.kv_manager import KVBlockManager
 from sim.memory import MemoryPlan
 from sim.metrics import MetricsCollector
 from sim.outputs import CsvSink
+from sim.policy import Policy
 from sim.replica import Replica
 from sim.request import Request
 from sim.specs import HardwareSpec
@@ -44,9 +44,10 @@ class Pool:
     pipeline_parallel: int
     memory: MemoryPlan
     block_size: int
-    first_policy: policies.Policy
+    first_policy: Policy
     first_executor: Executor
     make_executor: Callable[[], Executor]
+    make_policy: Callable[[int], Policy]  # a new policy instance, from its seed
     seed: int = 0
 
     @property
@@ -66,7 +67,7 @@ class Pool:
             # single replica draws what it always drew); every other replica gets its own
             # policy and seed, so noisy predictors do not repeat one sequence across replicas.
             policy = (self.first_policy if rid == 0 else
-                      policies.make_policy(self.policy_cfg, seed=replica_seed(self.seed, rid)))
+                      self.make_policy(replica_seed(self.seed, rid)))
             executor = self.first_executor if i == 0 else self.make_executor()
             kv = KVBlockManager(self.memory.num_gpu_blocks, self.block_size,
                                 self.memory.num_cpu_blocks)
