@@ -51,7 +51,7 @@ def is_steady_decode(plan: StepPlan) -> bool:
     the shape that repeats unchanged while nothing external happens."""
     if plan.swap_in or plan.swap_out or plan.recomputed or plan.swapped_out:
         return False
-    if plan._num_blocks:
+    if plan.num_blocks:
         # The whole decode run alone; a block next to other rows is stepped singly (it is
         # never expanded here: that would dissolve the run).
         return plan.decode_block is not None
@@ -155,21 +155,21 @@ def _jump_length(durations_fn, plan: StepPlan, k_max: int, start: float,
     return k, np.array(durations[:k]), np.array(ends[:k])
 
 
-def plan_run_jump(plan: StepPlan, block: DecodeBlock, run: DecodeRun, durations_fn,
+def plan_run_jump(plan: StepPlan, run: DecodeRun, run_step: int, durations_fn,
                   start: float, horizon: float, free_blocks: int,
                   max_steps: int = MAX_JUMP_STEPS, stretch_durations_fn=None,
                   step_pricer=None) -> Jump | None:
-    """``plan_jump`` for a plan that is one decode block scheduling the whole decode run:
-    the same jump, from the run's arrays (no per-row work). With ``stretch_durations_fn``
-    (``Executor.decode_stretch_durations``) the jump may run past finishes (module
-    docstring); the caller passes it only when that is safe. ``step_pricer``
+    """``plan_jump`` for a plan that is one decode block scheduling the whole decode run
+    ``run`` at its step ``run_step``: the same jump, from the run's arrays (no per-row work).
+    With ``stretch_durations_fn`` (``Executor.decode_stretch_durations``) the jump may run past
+    finishes (module docstring); the caller passes it only when that is safe. ``step_pricer``
     (``Executor.decode_step_pricer``), if given, prices such a jump one step at a time."""
     # Run step s computes each member's token ctx0 + s + 1; this plan is run step
-    # block.run_step, so jump step j (1-based) first needs a new block when
-    # block.run_step + j - 1 >= bound.
-    first = run.bound - (block.run_step - 1)
+    # ``run_step``, so jump step j (1-based) first needs a new block when
+    # run_step + j - 1 >= bound.
+    first = run.bound - (run_step - 1)
     if stretch_durations_fn is not None:
-        return _run_jump_past_finishes(block, run, first, stretch_durations_fn, start,
+        return _run_jump_past_finishes(run_step, run, first, stretch_durations_fn, start,
                                        horizon, free_blocks, max_steps, step_pricer)
     k_max = min(run.steps_left(), max_steps)
     if k_max < 2:
@@ -178,7 +178,7 @@ def plan_run_jump(plan: StepPlan, block: DecodeBlock, run: DecodeRun, durations_
                        free_blocks)
     if jump is not None:  # members finish only in its last step
         jump.finishing = jump.last_members = (
-            run.end <= block.run_step + jump.num_steps).nonzero()[0].tolist()
+            run.end <= run_step + jump.num_steps).nonzero()[0].tolist()
     return jump
 
 
@@ -357,11 +357,10 @@ def _price_jump_stretches(st: _Stretches, run: DecodeRun, horizon: float,
     return p
 
 
-def _run_jump_past_finishes(block: DecodeBlock, run: DecodeRun, first: np.ndarray,
+def _run_jump_past_finishes(s0: int, run: DecodeRun, first: np.ndarray,
                             stretch_durations_fn, start: float, horizon: float,
                             free_blocks: int, max_steps: int,
                             step_pricer=None) -> Jump | None:
-    s0 = block.run_step
     last = run.end - s0  # the jump step in which each member samples its last token (>= 1)
     bs = run.block_size
     # Blocks freed by finishing members go to the back of the free queue and the jump's

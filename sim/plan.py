@@ -35,23 +35,19 @@ class DecodeBlock:
     """Decode rows as columns (step_mode=fast): each row computes its one pending token over
     ``start_positions[i]`` cached tokens and samples. A plan holds one in place of that many
     ``ScheduledRequest`` rows (``StepPlan.scheduled`` turns it into them on demand), so a step
-    over a large decoding batch costs no per-row Python object. ``run`` and ``run_step`` name
-    the decode run (sim/decode_run.py) this block schedules whole, at that run step."""
+    over a large decoding batch costs no per-row Python object. Plain data: ids, integers and
+    the block tables' lists (read only)."""
 
-    __slots__ = ("request_ids", "_ctx0", "_offset", "block_tables", "ctx_sum", "ctx_max",
-                 "run", "run_step")
+    __slots__ = ("request_ids", "_ctx0", "_offset", "block_tables", "ctx_sum", "ctx_max")
 
     def __init__(self, request_ids: list[int], ctx0: np.ndarray, offset: int,
-                 block_tables: list[list[int]], ctx_sum: int, ctx_max: int,
-                 run: object = None, run_step: int = 0) -> None:
+                 block_tables: list[list[int]], ctx_sum: int, ctx_max: int) -> None:
         self.request_ids = request_ids
         self._ctx0 = ctx0  # never mutated in place: the start positions are ctx0 + offset
         self._offset = offset
         self.block_tables = block_tables
         self.ctx_sum = ctx_sum  # sum and max of the start positions
         self.ctx_max = ctx_max
-        self.run = run
-        self.run_step = run_step
 
     @classmethod
     def of_rows(cls, request_ids: list[int], start_positions: list[int],
@@ -126,6 +122,11 @@ class StepPlan:
     def parts(self) -> list[ScheduledRequest | DecodeBlock]:
         """Rows and decode blocks in order (read only)."""
         return self._parts
+
+    @property
+    def num_blocks(self) -> int:
+        """How many ``DecodeBlock`` parts the plan holds (0 once ``scheduled`` expanded them)."""
+        return self._num_blocks
 
     @property
     def num_rows(self) -> int:

@@ -232,15 +232,15 @@ class Replica:
                 # The next arrival, or the policy's own next deadline if that comes first.
                 horizon = min(self.horizon(), self.policy.next_decision_time(start))
                 if block is not None:
-                    run = block.run
+                    run, run_step = self.builder.run, self.builder.run_block_step
                     past = self.jump_past_finishes and not q.waiting and not q.swapped and (
                         len(run) == len(q.running))
                     max_steps = MAX_JUMP_STEPS
                     if run.key is not None:  # a policy's order, which may change as they decode
                         max_steps = self.policy.decode_order_steps(
-                            run.members, max_steps, run.end - block.run_step)
+                            run.members, max_steps, run.end - run_step)
                     jump = plan_run_jump(
-                        plan, block, run, self.executor.decode_durations, start,
+                        plan, run, run_step, self.executor.decode_durations, start,
                         horizon, self.kv.num_free_blocks, max_steps,
                         stretch_durations_fn=(self.executor.decode_stretch_durations
                                               if past else None),
@@ -262,7 +262,7 @@ class Replica:
                         # KV use during the last step sees them, as step by step).
                         self._take_jump_blocks(plan, requests, jump, done, stop)
                         yield env.timeout(_exact_delay(env.now, float(jump.ends[stop - 1])))
-                        self._finish_jump_members(block.run, jump, done, stop, members)
+                        self._finish_jump_members(self.builder.run, jump, done, stop, members)
                         self.num_jump_stops += 1
                         done = stop
                     self._take_jump_blocks(plan, requests, jump, done, jump.num_steps)
@@ -283,10 +283,9 @@ class Replica:
         now = self.env.now
         sampled = result.sampled_token_ids
         run = self.builder.run
-        if run is not None and run.members and not plan._num_blocks and (
-                run.scheduled_at == self.builder._step_index):
+        if run is not None and run.members and not plan.num_blocks and self.builder.run_in_plan:
             # Someone expanded the plan's block into rows: go row by row.
-            self.builder._dissolve_run()
+            self.builder.dissolve_run()
         k = 0
         i = 0  # index into requests (parallel to the expanded rows)
         joining: list[Request] = []
@@ -318,8 +317,8 @@ class Replica:
 
     def _apply_block(self, block: DecodeBlock, now: float) -> None:
         """The decode run took one step (the block is the whole run)."""
-        run = block.run
-        if run.steps != block.run_step:
+        run = self.builder.run
+        if run.steps != self.builder.run_block_step:
             raise AssertionError("a decode block applied out of step with its run")
         done = run.advance([now])
         if len(done):
@@ -337,7 +336,7 @@ class Replica:
             # The owners of all the jump's new blocks, in allocation order, once.
             block = plan.decode_block
             if block is not None:
-                run = block.run  # finished members leave it only when the jump ends
+                run = self.builder.run  # finished members leave it only when the jump ends
                 if jump.num_steps <= run.block_size:  # at most one block each
                     run.add_block_each(members)
                 else:
@@ -359,7 +358,7 @@ class Replica:
         members that sample their last token in it), in step order. They were planned with
         the jump from the run's counters; the run must still be at the step the jump was
         planned for."""
-        if block.run.steps != block.run_step:
+        if self.builder.run.steps != self.builder.run_block_step:
             raise AssertionError("a decode jump applied out of step with its run")
         return jump.groups
 
@@ -386,7 +385,7 @@ class Replica:
         last = float(ends[-1])
         block = plan.decode_block
         if block is not None:
-            run = block.run
+            run = self.builder.run
             run.take_steps(ends[done:])
             if jump.last_members:
                 for req in run.release(jump.last_members):

@@ -136,6 +136,7 @@ class StepBuilder:
         self.run: DecodeRun | None = None
         self._run_view: ReadOnly[Request] | None = None
         self._step_index = 0
+        self.run_block_step = 0  # the run's step when its block was last put in a plan
         self.reset(0.0)
 
     def enable_decode_run(self, order_key: Callable[[Request], Any] | None = None) -> None:
@@ -189,7 +190,7 @@ class StepBuilder:
         if the KV pool cannot hold them: the policy may preempt someone and retry."""
         rid = req.request_id
         if req._run is not None:
-            self._dissolve_run()
+            self.dissolve_run()
         if rid in self._granted:
             raise ValueError(f"request {rid} is already scheduled in this step")
         if rid in self._in_flight:
@@ -229,7 +230,7 @@ class StepBuilder:
         Returns False (and changes nothing) if the pool cannot hold them."""
         rid = req.request_id
         if req._run is not None:
-            self._dissolve_run()
+            self.dissolve_run()
         if rid not in self._granted:
             raise ValueError(f"request {rid} must be scheduled in this step before it reserves")
         return self._kv.allocate_slots(rid, num_tokens) is not None
@@ -239,7 +240,7 @@ class StepBuilder:
         when the CPU pool cannot hold its blocks. Returns the mode actually used."""
         rid = req.request_id
         if req._run is not None:
-            self._dissolve_run()
+            self.dissolve_run()
         if req.status is not RequestStatus.RUNNING:
             raise ValueError(f"request {rid} is {req.status.name}, only RUNNING can be preempted")
         if rid in self._in_flight:
@@ -375,13 +376,21 @@ class StepBuilder:
             run.add_block_each(need)
         s = run.steps
         self._plan.add_block(DecodeBlock(list(run.ids), run.ctx0, s, list(run.tables),
-                                         run.ctx0_sum + n * s, run.ctx0_max + s, run, s))
+                                         run.ctx0_sum + n * s, run.ctx0_max + s))
+        self.run_block_step = s
         self.scheduled_requests.extend(run.members)
         run.scheduled_at = self._step_index  # its members count as granted one token each
         self.num_scheduled_tokens += n
         return True
 
-    def _dissolve_run(self) -> None:
+    @property
+    def run_in_plan(self) -> bool:
+        """True if this step's plan schedules the decode run as one block (at run step
+        ``run_block_step``), or did until someone expanded its rows."""
+        run = self.run
+        return run is not None and run.scheduled_at == self._step_index
+
+    def dissolve_run(self) -> None:
         """A single-row operation touches a member: turn the run back into plain requests
         (and any block of it in this plan back into rows)."""
         run = self.run
@@ -435,7 +444,7 @@ class StepBuilder:
         """Prefill side: take a RUNNING request out of the running set, keeping its blocks
         (they are the transfer's source until ``free_handed_off``)."""
         if req._run is not None:
-            self._dissolve_run()
+            self.dissolve_run()
         if req.status is not RequestStatus.RUNNING:
             raise ValueError(f"request {req.request_id} is {req.status.name}, not RUNNING")
         self._q.remove_running(req)
@@ -484,8 +493,8 @@ class StepBuilder:
             w.remove(req)
 
     def _unschedule(self, req: Request) -> None:
-        if self._plan._num_blocks:
-            self._dissolve_run()
+        if self._plan.num_blocks:
+            self.dissolve_run()
         i = next(i for i, r in enumerate(self.scheduled_requests) if r is req)
         row = self._plan.scheduled.pop(i)
         del self.scheduled_requests[i]

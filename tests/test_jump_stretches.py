@@ -100,7 +100,8 @@ def test_a_jumps_stops_batch_sizes_and_finishers_follow_the_runs_counters(remain
     run = builder.run
     builder.reset(0.0)
     assert builder.schedule_decode_run(builder.running, 4096)
-    block = builder.build().decode_block
+    assert builder.build().decode_block is not None
+    s0 = builder.run_block_step
     ex = JOINT[0]
     by_stretches: list[int] = []  # calls of the stretch pricer (the per-step one gave up)
 
@@ -108,10 +109,10 @@ def test_a_jumps_stops_batch_sizes_and_finishers_follow_the_runs_counters(remain
         by_stretches.append(len(parts))
         return ex.decode_stretch_durations(parts)
 
-    jump = plan_run_jump(None, block, run, ex.decode_durations, 0.0, horizon,
+    jump = plan_run_jump(None, run, s0, ex.decode_durations, 0.0, horizon,
                          kv.num_free_blocks, stretch_durations_fn=stretch_prices,
                          step_pricer=ex.decode_step_pricer if per_step else None)
-    last = (run.end - block.run_step).tolist()  # each member's last jump step
+    last = (run.end - s0).tolist()  # each member's last jump step
     # Priced one step at a time unless a batch size on the way has no per-step pricer (ten
     # rows or fewer here: their decode geometry varies with the context).
     gave_up = per_step and bool(by_stretches)
@@ -122,8 +123,8 @@ def test_a_jumps_stops_batch_sizes_and_finishers_follow_the_runs_counters(remain
     if jump is None:
         # No second step: nobody decodes past the first, or the second would start at or
         # after the horizon (the pool is large enough for every token here).
-        ctx = sum(int(c) + block.run_step + 1 for c in run.ctx0)
-        mx = max(int(c) for c in run.ctx0) + block.run_step + 1
+        ctx = sum(int(c) + s0 + 1 for c in run.ctx0)
+        mx = max(int(c) for c in run.ctx0) + s0 + 1
         first_end = (ex.decode_step_pricer(len(last))(ctx, mx) if per_step
                      else ex.decode_run_durations(len(last), ctx, mx, 1)[0])
         assert max(last) < 2 or first_end >= horizon
@@ -139,8 +140,8 @@ def test_a_jumps_stops_batch_sizes_and_finishers_follow_the_runs_counters(remain
     # The durations: each step priced alone by its batch (members still there).
     for j in (1, k // 2 + 1, k):
         alive = [i for i, f in enumerate(last) if f >= j]
-        ctx = sum(int(run.ctx0[i]) + block.run_step + j for i in alive)
-        mx = max(int(run.ctx0[i]) for i in alive) + block.run_step + j
+        ctx = sum(int(run.ctx0[i]) + s0 + j for i in alive)
+        mx = max(int(run.ctx0[i]) for i in alive) + s0 + j
         want = (ex.decode_step_pricer(len(alive))(ctx, mx) if per_step
                 else ex.decode_run_durations(len(alive), ctx, mx, 1)[0])
         assert jump.durations[j - 1] == want
@@ -170,9 +171,9 @@ def test_next_bound_stays_a_lower_bound_and_grants_find_exactly_who_needs_a_bloc
         assert (need.tolist() if need is not None else []) == want.tolist()
         builder.reset(0.0)
         assert builder.schedule_decode_run(builder.running, 4096)
-        block = builder.build().decode_block
+        assert builder.build().decode_block is not None
         assert run.bound.min() > run.steps  # every member holds a slot for its token
-        done = run.advance([float(block.run_step + 1)])
+        done = run.advance([float(builder.run_block_step + 1)])
         if len(done):
             out = run.remove_at(done.tolist())
             for req in out:
