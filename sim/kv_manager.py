@@ -43,7 +43,7 @@ class _Pool:
     releasing blocks nobody shares (nearly all of them) is a slice and an ``extend``, with no
     per-block Python work."""
 
-    __slots__ = ("num_blocks", "fresh", "free_queue", "head", "shared")
+    __slots__ = ("num_blocks", "fresh", "free_queue", "head", "shared", "num_free")
 
     def __init__(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
@@ -51,10 +51,8 @@ class _Pool:
         self.free_queue: list[int] = []  # returned blocks, read from ``head``
         self.head = 0
         self.shared: dict[int, int] = {}
-
-    @property
-    def num_free(self) -> int:
-        return self.num_blocks - self.fresh + len(self.free_queue) - self.head
+        # The queue's length, kept as a count (read on every allocation).
+        self.num_free = num_blocks
 
     def free_blocks(self) -> list[int]:
         """The free queue, front first (O(free blocks): for checks and tests)."""
@@ -70,6 +68,8 @@ class _Pool:
         return refs
 
     def take(self, n: int) -> list[int]:
+        """The first ``n`` blocks of the free queue (the caller checked ``num_free``)."""
+        self.num_free -= n
         fresh = self.fresh
         if fresh < self.num_blocks:  # never-used blocks first: they are the queue's front
             k = min(n, self.num_blocks - fresh)
@@ -101,6 +101,7 @@ class _Pool:
         shared = self.shared
         if not shared:  # nothing is shared: every block was this table's alone
             self.free_queue.extend(reversed(blocks))
+            self.num_free += len(blocks)
         else:
             freed = []
             for b in reversed(blocks):
@@ -112,6 +113,7 @@ class _Pool:
                 else:
                     shared[b] = extra - 1
             self.free_queue.extend(freed)
+            self.num_free += len(freed)
         # Per-block double frees are found by ``check_integrity`` (counts are implicit); this
         # O(1) guard catches those that leave more blocks free than the pool has.
         if self.num_free > self.num_blocks:
@@ -298,6 +300,9 @@ class KVBlockManager:
                         raise KVIntegrityError(f"{name}: request {rid} holds bad block id {b}")
                     refs[b] += 1
             free = pool.free_blocks()
+            if pool.num_free != len(free):
+                raise KVIntegrityError(f"{name}: {pool.num_free} blocks counted free, "
+                                       f"{len(free)} in the free queue")
             if len(set(free)) != len(free):
                 raise KVIntegrityError(f"{name}: a block is in the free queue twice")
             free_set = set(free)
