@@ -101,6 +101,9 @@ class Replica:
         self.num_steps = 0
         self.num_unfinished = 0
         self.busy_time = 0.0
+        # End of the single step in progress (inf between steps): a disaggregated decode
+        # replica's horizon reads the prefill replicas' (sim/cluster/disaggregated.py).
+        self.busy_until = float("inf")
         self._wakeup: simpy.Event | None = None
         self.process = env.process(self._run())
 
@@ -272,7 +275,9 @@ class Replica:
             result = self.executor.execute(plan)
             if result.duration < 0:
                 raise ValueError(f"executor returned a negative duration {result.duration}")
+            self.busy_until = env.now + result.duration
             yield env.timeout(result.duration)
+            self.busy_until = float("inf")
             self.busy_time += result.duration
             self._apply(plan, requests, result)
             self._record_step(start, result.duration, plan)

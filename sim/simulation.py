@@ -332,8 +332,7 @@ class Simulation:
         c = self.cluster
         if isinstance(c, ClusterConfig):
             # Routers decide only at arrivals, so jumps that stop before the next arrival
-            # never show a router a replica's future. (Disaggregated pools get KV transfers
-            # at other times: they step one at a time.)
+            # never show a router a replica's future.
             replicas = self.pools[0].build(env, 0, metrics, rows, step_sink,
                                            on_finished=on_done, horizon=horizon,
                                            fast_forward=self.step_mode == "fast", **common)
@@ -349,8 +348,12 @@ class Simulation:
             prefill = prefill_pool.build(env, 0, metrics, rows, step_sink, on_finished=on_done,
                                          handoff=lambda req, rep: holder[0].handoff(req, rep),
                                          **common)
+            # Decode replicas jump up to a lower bound on their next outside event
+            # (Disaggregated.decode_horizon, set below); prefill replicas hand every request
+            # off after its prompt step, so they step one at a time.
             decode = decode_pool.build(env, prefill_pool.count, metrics, rows, step_sink,
-                                       on_finished=decode_done, **common)
+                                       on_finished=decode_done, horizon=horizon,
+                                       fast_forward=self.step_mode == "fast", **common)
             link = Link(env, c.link, prefill_pool.count + decode_pool.count)
             lanes = min(prefill_pool.tensor_parallel * prefill_pool.pipeline_parallel,
                         decode_pool.tensor_parallel * decode_pool.pipeline_parallel)
@@ -360,6 +363,7 @@ class Simulation:
                 kv_bytes_per_token=self.model.kv_bytes_per_token, lanes=lanes, metrics=metrics,
                 requests_sink=rows)
             holder.append(deployment)
+            deployment.enable_decode_jumps(horizon)
         if isinstance(rows, ClusterRequestSink):
             rows.extra = deployment.extra_columns
         return deployment

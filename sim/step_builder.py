@@ -25,7 +25,7 @@ from enum import Enum
 from operator import attrgetter
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
-from sim.decode_run import DecodeRun
+from sim.decode_run import DecodeRun, is_decoding
 from sim.kv_manager import KVIntegrityError, KVView
 from sim.plan import DecodeBlock, ScheduledRequest, StepPlan
 from sim.request import Request, RequestStatus
@@ -145,6 +145,10 @@ class StepBuilder:
         order, ``Policy.decode_run_key``). Plans then hold a ``DecodeBlock`` where the whole
         run decodes."""
         self.run = DecodeRun(self._kv.block_size, order_key)
+        # Requests whose KV arrived from a prefill replica (disaggregation) since the last
+        # step: they join the run when the next step starts, as decode rows would after
+        # their first step.
+        self._transferred: list[Request] = []
         self._run_view = ReadOnly(self.run.members)
 
     def reset(self, now: float, in_flight: set[int] | None = None) -> None:
@@ -152,6 +156,8 @@ class StepBuilder:
         of a micro-batch still in the pipeline (pipeline parallelism); they count as already
         scheduled, so the shared loops skip them and never pick them as victims."""
         self.now = now
+        if self.run is not None and self._transferred:
+            self._join_transferred()
         self._step_index += 1
         self._plan = StepPlan()
         self.scheduled_requests: list[Request] = []  # parallel to plan.scheduled
@@ -483,6 +489,15 @@ class StepBuilder:
                              f"{req.num_computed_tokens} transferred tokens")
         self._in_transit.discard(req.request_id)
         self._q.add_running(req)
+        if self.run is not None:
+            self._transferred.append(req)
+
+    def _join_transferred(self) -> None:
+        run = self.run
+        for req in self._transferred:
+            if run.complete and req._run is None and is_decoding(req):
+                run.join(req, self._kv.block_tables[req.request_id])
+        self._transferred.clear()
 
     # ---- internals ----------------------------------------------------------------------
     def _remove_waiting(self, req: Request) -> None:

@@ -95,6 +95,34 @@ class Disaggregated:
         self.backpressure_wait = array("d")
         self.transfer_time = array("d")
         self.num_in_transit = 0
+        # Transfers reserved and not yet arrived: request id -> earliest arrival time.
+        self._in_flight: dict[int, float] = {}
+        self._next_arrival = lambda: float("inf")
+
+    def enable_decode_jumps(self, next_arrival) -> None:
+        """Give every decode replica a horizon (``decode_horizon``) so that it can take
+        decode jumps; ``next_arrival()``: the next arrival's time in the cluster."""
+        self._next_arrival = next_arrival
+        for j, rep in enumerate(self.decode):
+            rep.horizon = (lambda j=j: self.decode_horizon(j))
+
+    def decode_horizon(self, j: int) -> float:
+        """A lower bound on the time of the next event from outside that can touch decode
+        replica ``j``: a handoff (KV reserved on it) happens only at the end of a prefill
+        step, and a prefill replica starts a step only at an arrival, at the end of its last
+        step, or when a transfer frees its blocks; a transfer arrives no earlier than its
+        reservation plus its serialization and latency. While transfers wait for its blocks
+        (back-pressure), a finish reserves for them: no jumps then."""
+        if self._pending[j]:
+            return -float("inf")
+        h = self._next_arrival()
+        for p in self.prefill:
+            if p.busy_until < h:
+                h = p.busy_until
+        for t in self._in_flight.values():
+            if t < h:
+                h = t
+        return h
 
     # ---- arrival ------------------------------------------------------------------------
     def decode_rejection(self, req: Request) -> str | None:
@@ -149,6 +177,8 @@ class Disaggregated:
                 self.num_backpressured += 1
             self.backpressure_wait.append(wait)
             self.num_in_transit += 1
+            self._in_flight[req.request_id] = (now + self.link.serialization_time(
+                rec.nbytes, self.lanes)) + self.link.latency
             self.env.process(self._transfer(req, rec, j))
 
     def _transfer(self, req: Request, rec: TransferRecord, j: int):
@@ -156,6 +186,7 @@ class Disaggregated:
         rec.arrive_time = self.env.now
         self.transfer_time.append(rec.arrive_time - rec.reserved_time)
         self.num_in_transit -= 1
+        del self._in_flight[req.request_id]
         self.prefill[rec.prefill_id - self.prefill[0].replica_id].release_handoff(req)
         self._targets[j].assigned -= 1
         self.decode[j].accept_transferred(req)

@@ -80,6 +80,9 @@ class PipelinedReplica(Replica):
             wake_at = [in_flight[0][0]] if in_flight else []
             if len(in_flight) < pp and stage_free[0] > now:
                 wake_at.append(stage_free[0])
+            # The next handoff can only come when a micro-batch leaves (what a disaggregated
+            # decode replica's horizon reads: Replica.busy_until).
+            self.busy_until = in_flight[0][0] if in_flight else float("inf")
             self._wakeup = env.event()
             if wake_at:
                 yield env.any_of([self._wakeup, env.timeout(min(wake_at) - now)])

@@ -1,0 +1,106 @@
+"""Clusters in step_mode=fast reproduce step_mode=exact: co-located replicas behind each
+router and disaggregated prefill/decode pools (whose decode replicas take decode jumps), on
+random small workloads under KV pressure, with both preemption modes. The same steps on every
+replica, the same request timestamps, and the same free block queue on every replica at the
+end (so the same block ids were handed out in the same order)."""
+
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from experiments.simulation import Simulation
+from tests.helpers import compose_cfg
+
+STEP_INTS = ["replica_id", "step", "batch_size", "prefill_tokens", "decode_tokens", "sampled",
+             "num_waiting", "num_running", "num_swapped", "kv_blocks_used", "recomputed",
+             "swapped_out", "swap_out_blocks", "swap_in_blocks"]
+REQUEST_TIMES = ["first_scheduled_time", "first_token_time", "finish_time", "ttft", "tpot",
+                 "e2e_latency"]
+REQUEST_SAME = ["request_id", "replica_id", "status", "output_len", "num_preemptions",
+                "num_swaps", "num_recomputes"]
+
+
+def _run(mode: str, overrides: list[str]):
+    res = Simulation(compose_cfg(f"step_mode={mode}", *overrides)).run()
+    reqs = pd.DataFrame(res.requests_sink.rows, columns=res.requests_sink.columns)
+    steps = pd.DataFrame(res.steps_sink.rows, columns=res.steps_sink.columns)
+    # Replicas write their rows as they go (a jump writes its steps at once): compare each
+    # replica's own sequence.
+    steps = steps.sort_values(["replica_id", "step"], kind="stable").reset_index(drop=True)
+    free = [rep.kv._gpu.free_blocks() for rep in res.replicas]
+    return res.summary, reqs.sort_values("request_id").reset_index(drop=True), steps, free
+
+
+def assert_fast_equals_exact(overrides: list[str]) -> dict:
+    fast, rf, sf, free_f = _run("fast", overrides)
+    exact, re_, se, free_e = _run("exact", overrides)
+    assert len(sf) == len(se)
+    assert (sf[STEP_INTS].to_numpy() == se[STEP_INTS].to_numpy()).all()
+    for c in ("time", "duration"):
+        a, b = sf[c].astype(float).to_numpy(), se[c].astype(float).to_numpy()
+        assert a == pytest.approx(b, rel=1e-9, abs=1e-12), c
+    assert rf[REQUEST_SAME].equals(re_[REQUEST_SAME])
+    for c in REQUEST_TIMES:
+        a = pd.to_numeric(rf[c]).to_numpy(dtype=float)
+        b = pd.to_numeric(re_[c]).to_numpy(dtype=float)
+        assert a == pytest.approx(b, rel=1e-9, abs=1e-12, nan_ok=True), c
+    assert free_f == free_e
+    return fast
+
+
+def _workload(seed: int, qps: float, n: int) -> list[str]:
+    return ["model=tiny", f"seed={seed}", f"workload.qps={qps}", f"workload.num_requests={n}",
+            "workload.prompt_len.max=300", "workload.output_len.max=200"]
+
+
+POLICIES = ["fcfs", "sjf", "priority", "chunked_prefill"]
+POLICY_EXTRA = {"priority": ["workload.priorities=[1,1,2]"],
+                "sjf": ["policy.predictor=noisy"],
+                "chunked_prefill": ["policy.max_num_batched_tokens=256"]}
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10_000), qps=st.floats(5.0, 80.0), blocks=st.integers(60, 400),
+       replicas=st.integers(2, 3),
+       router=st.sampled_from(["round_robin", "random", "least_outstanding", "least_kv",
+                               "power_of_two"]),
+       policy=st.sampled_from(POLICIES), swap=st.booleans())
+def test_colocated_replicas_fast_equals_exact(seed, qps, blocks, replicas, router, policy,
+                                              swap):
+    assert_fast_equals_exact([
+        *_workload(seed, qps, 60), f"policy={policy}", *POLICY_EXTRA.get(policy, []),
+        "policy.max_num_seqs=16", f"kv.num_gpu_blocks={blocks}",
+        f"policy.preemption_mode={'swap' if swap else 'recompute'}",
+        f"cluster.num_replicas={replicas}", f"cluster.router={router}"])
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10_000), qps=st.floats(5.0, 80.0), blocks=st.integers(60, 400),
+       prefill=st.integers(1, 2), decode=st.integers(1, 2),
+       decode_router=st.sampled_from(["round_robin", "least_outstanding", "least_kv"]),
+       link=st.sampled_from(["nvlink", "infiniband", "pcie", "ethernet"]),
+       scope=st.sampled_from(["replica", "cluster"]), prefill_pp=st.sampled_from([1, 1, 2]),
+       policy=st.sampled_from(POLICIES), swap=st.booleans())
+def test_disaggregated_pools_fast_equals_exact(seed, qps, blocks, prefill, decode,
+                                               decode_router, link, scope, prefill_pp, policy,
+                                               swap):
+    assert_fast_equals_exact([
+        *_workload(seed, qps, 60), f"policy={policy}", *POLICY_EXTRA.get(policy, []),
+        "policy.max_num_seqs=16", f"kv.num_gpu_blocks={blocks}",
+        f"policy.preemption_mode={'swap' if swap else 'recompute'}",
+        "cluster=disaggregated", f"cluster.num_prefill_replicas={prefill}",
+        f"cluster.num_decode_replicas={decode}", f"cluster.decode_router={decode_router}",
+        f"cluster.link.preset={link}", f"cluster.link.scope={scope}",
+        f"cluster.prefill.pipeline_parallel={prefill_pp}"])
+
+
+def test_disaggregated_decode_replicas_take_decode_jumps():
+    """The decode pool jumps (a lower bound on its next outside event lets it), the prefill
+    pool steps one at a time (it hands every request off after its prompt step)."""
+    s = assert_fast_equals_exact([*_workload(3, 20.0, 80), "cluster=disaggregated",
+                                  "cluster.num_prefill_replicas=2",
+                                  "cluster.num_decode_replicas=2"])
+    assert s["num_decode_jumps"] > 0
