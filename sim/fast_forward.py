@@ -38,7 +38,7 @@ from itertools import accumulate
 import numpy as np
 
 from sim.decode_run import DecodeRun, jump_block_steps, jump_new_blocks
-from sim.plan import DecodeBlock, StepPlan
+from sim.plan import StepPlan
 from sim.request import Request
 
 # The most steps one jump takes (a bound on pricing ahead, not a result: a longer stretch
