@@ -112,7 +112,9 @@ class Disaggregated:
         step, and a prefill replica starts a step only at an arrival, at the end of its last
         step, or when a transfer frees its blocks; a transfer arrives no earlier than its
         reservation plus its serialization and latency. While transfers wait for its blocks
-        (back-pressure), a finish reserves for them: no jumps then."""
+        (back-pressure), a finish reserves for them: no jumps then. While transfers wait for
+        another decode replica's blocks, a finish there may start one at any moment, and its
+        arrival frees prefill blocks: no later than now plus the quickest of those transfers."""
         if self._pending[j]:
             return -float("inf")
         h = self._next_arrival()
@@ -122,6 +124,13 @@ class Disaggregated:
         for t in self._in_flight.values():
             if t < h:
                 h = t
+        waiting = [r for pending in self._pending for r in pending]
+        if waiting:
+            quickest = min(self.records[r.request_id].nbytes for r in waiting)
+            soonest = (self.env.now + self.link.serialization_time(quickest, self.lanes)
+                       + self.link.latency)
+            if soonest < h:
+                h = soonest
         return h
 
     # ---- arrival ------------------------------------------------------------------------
