@@ -33,9 +33,6 @@ from typing import Any
 
 import numpy as np
 
-#: ``validate.host_speed`` values.
-MODES = ("own", "neighbours", "none")
-
 
 def speed_ratio(steps: Sequence[Any], executor: Any) -> float:
     """Measured over predicted time, summed over ``steps`` (``RecordedStep``s) that run rows
@@ -108,7 +105,12 @@ def pair_saved(folder: Path, cfg: dict[str, Any], command_line: set[str] | None 
     import json
 
     from experiments.simulation import Simulation
-    from experiments.validate import _options, _sim_cfg, apply_policy_overrides, cost_model_section
+    from experiments.validate_config import (
+        _options,
+        _sim_cfg,
+        apply_policy_overrides,
+        cost_model_section,
+    )
 
     doc = json.loads((folder / "validation.json").read_text())
     profile = Path(doc["profile"])
@@ -142,7 +144,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from omegaconf import OmegaConf
 
     from experiments.common import validation_files
-    from experiments.validate import ROOT, TARGET_STATS, command_line_policy_keys
+    from experiments.validate_config import ROOT, TARGET_STATS, command_line_policy_keys
     from sim.errors import ConfigError
 
     args = list(sys.argv[1:] if argv is None else argv)

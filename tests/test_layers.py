@@ -1,6 +1,6 @@
 """The layering rules: ``sim/`` is the ground floor (it imports nothing from ``policies/``,
-``executors/``, ``workloads/`` or ``experiments/``) and no two of its modules import each
-other, directly or round a loop. Every import counts: module level, inside functions and
+``executors/``, ``workloads/`` or ``experiments/``) and no two of the project's modules import
+each other, directly or round a loop. Every import counts: module level, inside functions and
 under ``TYPE_CHECKING``."""
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 ABOVE = ("policies", "executors", "workloads", "experiments")
+PACKAGES = ("sim", *ABOVE)
 
 
 def _module_name(path: Path, root: Path) -> str:
@@ -17,10 +18,10 @@ def _module_name(path: Path, root: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def sim_import_graph(root: Path = ROOT) -> dict[str, set[str]]:
-    """Each ``sim`` module -> the project modules it imports (``from a.b import c`` counts as
-    ``a.b.c`` where that is a module, else ``a.b``)."""
-    modules = {_module_name(p, root): p for p in (root / "sim").rglob("*.py")}
+def import_graph(root: Path = ROOT, packages: tuple[str, ...] = ("sim",)) -> dict[str, set[str]]:
+    """Each module of ``packages`` -> the project modules it imports (``from a.b import c``
+    counts as ``a.b.c`` where that is a module, else ``a.b``)."""
+    modules = {_module_name(p, root): p for pkg in packages for p in (root / pkg).rglob("*.py")}
     graph: dict[str, set[str]] = {}
     for name, path in modules.items():
         out: set[str] = set()
@@ -31,7 +32,7 @@ def sim_import_graph(root: Path = ROOT) -> dict[str, set[str]]:
                 out.add(node.module)
                 out.update(f"{node.module}.{a.name}" for a in node.names
                            if f"{node.module}.{a.name}" in modules)
-        graph[name] = {m for m in out if m.split(".")[0] in ("sim", *ABOVE)} - {name}
+        graph[name] = {m for m in out if m.split(".")[0] in PACKAGES} - {name}
     return graph
 
 
@@ -50,7 +51,7 @@ def import_loops(graph: dict[str, set[str]]) -> list[list[str]]:
         state[node] = 1
         for dep in sorted(graph.get(node, ())):
             if dep not in graph:
-                continue  # a module outside sim/
+                continue  # a module outside the packages looked at
             if state.get(dep) == 1:
                 loops.append(stack[stack.index(dep):] + [dep])
             elif dep not in state:
@@ -64,11 +65,11 @@ def import_loops(graph: dict[str, set[str]]) -> list[list[str]]:
 
 
 def test_sim_imports_nothing_from_above():
-    assert upward_imports(sim_import_graph()) == {}
+    assert upward_imports(import_graph()) == {}
 
 
-def test_sim_modules_import_each_other_in_no_loop():
-    assert import_loops(sim_import_graph()) == []
+def test_no_two_modules_import_each_other():
+    assert import_loops(import_graph(packages=PACKAGES)) == []
 
 
 def test_the_checks_see_loops_and_upward_imports_of_every_kind(tmp_path):
@@ -80,6 +81,6 @@ def test_the_checks_see_loops_and_upward_imports_of_every_kind(tmp_path):
     (tmp_path / "sim" / "c.py").write_text(
         "from typing import TYPE_CHECKING\nimport sim.a\nif TYPE_CHECKING:\n"
         "    from policies.fcfs import FCFSPolicy\n")
-    graph = sim_import_graph(tmp_path)
+    graph = import_graph(tmp_path)
     assert upward_imports(graph) == {"sim.c": ["policies.fcfs"]}
     assert import_loops(graph) == [["sim.a", "sim.b", "sim.c", "sim.a"]]
