@@ -100,7 +100,7 @@ def test_disaggregated_pools_fast_equals_exact(seed, qps, blocks, prefill, decod
 def test_disaggregated_decode_replicas_take_decode_jumps():
     """The decode pool jumps (a lower bound on its next outside event lets it), the prefill
     pool steps one at a time (it hands every request off after its prompt step)."""
-    s = assert_fast_equals_exact([*_workload(3, 20.0, 80), "cluster=disaggregated",
+    s = assert_fast_equals_exact([*_workload(3, 40.0, 40), "cluster=disaggregated",
                                   "cluster.num_prefill_replicas=2",
                                   "cluster.num_decode_replicas=2"])
     assert s["num_decode_jumps"] > 0
