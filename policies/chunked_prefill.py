@@ -60,7 +60,6 @@ class ChunkedPrefillPolicy(Policy):
     # With no prefill chunk to place (nothing waiting that fits), a decode-only step repeats
     # until an arrival, finish or KV shortage: decode jumps are safe.
     supports_decode_jumps = True
-    decode_jumps_past_finishes = True
     implements_chunked_prefill = True
     array_core = True
 

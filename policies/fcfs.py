@@ -43,9 +43,9 @@ from sim.step_builder import StepBuilder
 @POLICIES.register("fcfs")
 class FCFSPolicy(Policy):
     # Admission can only get harder while a decode batch grows (free blocks shrink, seats and
-    # budget stay), so a decode-only step repeats until an arrival, finish or KV shortage.
+    # budget stay), so a decode-only step repeats until an arrival, finish or KV shortage;
+    # with nothing waiting or swapped out, a finish frees a seat and blocks nobody takes.
     supports_decode_jumps = True
-    decode_jumps_past_finishes = True
     array_core = True
 
     def schedule(self, step: StepBuilder) -> StepPlan:

@@ -28,7 +28,6 @@ class PriorityPolicy(OrderedPolicy):
     config_class = PriorityConfig
     # Decode jumps, also past finishes: checked against exact mode in tests/test_fast_forward.py.
     supports_decode_jumps = True
-    decode_jumps_past_finishes = True
 
     def waiting_key(self, req: Request) -> tuple[int, float, int]:
         return (req.priority, req.arrival_time, req.request_id)

@@ -71,7 +71,6 @@ class SJFPolicy(OrderedPolicy):
     config_class = SJFConfig
     # Decode jumps, also past finishes: checked against exact mode in tests/test_fast_forward.py.
     supports_decode_jumps = True
-    decode_jumps_past_finishes = True
     config: SJFConfig
 
     def __init__(self, config: SJFConfig, seed: int = 0) -> None:

@@ -61,7 +61,6 @@ class StaticBatchingPolicy(Policy):
     # Inside a batch nothing is admitted and KV is reserved up front: decode-only steps repeat
     # until a member finishes.
     supports_decode_jumps = True
-    decode_jumps_past_finishes = True
     reserves_full_length = True
 
     config_class = StaticConfig

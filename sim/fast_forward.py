@@ -16,9 +16,9 @@ The jump ends at the first of:
   own (``Policy.next_decision_time``: SJF's aging) if that comes first.
 
 **Past finishes.** When the plan is the whole decode run, every running request is a member
-and nothing waits or is swapped out, a policy that declares
-``Policy.decode_jumps_past_finishes`` would plan the same run minus the finished members
-after a finish (no one can take the freed seat or blocks). The jump then goes on through
+and nothing waits or is swapped out, a policy that states ``Policy.supports_decode_jumps``
+plans the same run minus the finished members after a finish (no one can take the freed
+seat or blocks). The jump then goes on through
 finishes: it is priced one step at a time as far as the horizon
 (``Executor.decode_step_pricer``), or, for batches without a plain-float price, as stretches
 of equal membership (``Executor.decode_stretch_durations``), and the replica stops at the end

@@ -64,18 +64,20 @@ class Policy(ABC):
     ``@POLICIES.register`` (``policies/base.py``)."""
 
     config_class: ClassVar[type[PolicyConfig]] = PolicyConfig
-    # The three fast-path flags below are read from a class's own body only: a subclass that
+    # The two fast-path flags below are read from a class's own body only: a subclass that
     # overrides hooks must restate them (after tests/test_fast_forward.py and, for the array
     # core, tests/test_array_core.py pass for it), or its runs take the per-step loop, which
     # is exact for any policy (``__init_subclass__`` resets them).
-    #: True if, while nothing arrives, finishes or runs out of KV, a decode-only plan would be
-    #: planned again unchanged (one more token each): the replica may then take many such
-    #: steps at once (sim/fast_forward.py). Policies opt in after the fast-vs-exact test.
+    #: The policy's one statement about its decisions (sim/fast_forward.py): a decode-only
+    #: step (every row computes its one pending token; nothing admitted, preempted or swapped)
+    #: is planned again, one more token each, until a request arrives or finishes, the KV pool
+    #: cannot hold the next step's blocks, or ``next_decision_time`` comes; and while nothing
+    #: waits or is swapped out, a finish changes it only by the finished request leaving
+    #: (nobody can take its seat or blocks). The order of its rows is arrival order, or
+    #: ``decode_run_key`` as far as ``decode_order_steps`` keeps it. The replica may then take
+    #: many such steps at once, through finishes. Policies state it after the fast-vs-exact
+    #: tests pass for them.
     supports_decode_jumps: ClassVar[bool] = False
-    #: True if, while nothing waits or is swapped out and every running request decodes, a
-    #: request finishing changes the next decode-only plan only by leaving it (nobody can take
-    #: its seat or blocks): decode jumps may then run past finishes (sim/fast_forward.py).
-    decode_jumps_past_finishes: ClassVar[bool] = False
     #: True if every request this policy runs holds KV for its whole length (prompt + maximum
     #: output) from admission on: a decode replica then reserves that much for a transfer.
     reserves_full_length: ClassVar[bool] = False
@@ -88,17 +90,13 @@ class Policy(ABC):
     #: array-core-vs-exact tests.
     array_core: ClassVar[bool] = False
 
-    FAST_PATH_FLAGS: ClassVar[tuple[str, ...]] = (
-        "supports_decode_jumps", "decode_jumps_past_finishes", "array_core")
+    FAST_PATH_FLAGS: ClassVar[tuple[str, ...]] = ("supports_decode_jumps", "array_core")
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         for flag in Policy.FAST_PATH_FLAGS:
             if flag not in cls.__dict__:  # what the parent certified, its hooks may break
                 setattr(cls, flag, False)
-        if cls.decode_jumps_past_finishes and not cls.supports_decode_jumps:
-            raise TypeError(f"{cls.__name__}: decode_jumps_past_finishes is a kind of decode "
-                            "jump; it needs supports_decode_jumps = True")
         # The array core asks the policy on plain numbers, by its step structure.
         rule = "chunk_plan" if cls.implements_chunked_prefill else "head_admissions"
         if cls.array_core and not callable(getattr(cls, rule, None)):

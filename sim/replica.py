@@ -87,9 +87,6 @@ class Replica:
         self.fast_forward = (fast_forward and horizon is not None and handoff is None
                              and executor.closed_form_decode
                              and getattr(policy, "supports_decode_jumps", False))
-        # ... and may run past finishes while nothing waits (sim/fast_forward.py).
-        self.jump_past_finishes = self.fast_forward and getattr(
-            policy, "decode_jumps_past_finishes", False)
         self.num_jumps = 0
         self.num_jump_stops = 0  # finishes inside jumps past finishes
         cfg = policy.config
@@ -236,7 +233,7 @@ class Replica:
                 horizon = min(self.horizon(), self.policy.next_decision_time(start))
                 if block is not None:
                     run, run_step = self.builder.run, self.builder.run_block_step
-                    past = self.jump_past_finishes and not q.waiting and not q.swapped and (
+                    past = not q.waiting and not q.swapped and (
                         len(run) == len(q.running))
                     max_steps = MAX_JUMP_STEPS
                     if run.key is not None:  # a policy's order, which may change as they decode

@@ -32,21 +32,17 @@ class NewestFirst(FCFSPolicy):
 
 class Certified(FCFSPolicy):
     supports_decode_jumps = True
-    decode_jumps_past_finishes = True
 
 
 def test_a_subclass_restates_the_fast_path_flags_or_has_none() -> None:
     assert FCFSPolicy.supports_decode_jumps and FCFSPolicy.array_core
     for flag in Policy.FAST_PATH_FLAGS:
         assert getattr(NewestFirst, flag) is False, flag
-    assert Certified.supports_decode_jumps and Certified.decode_jumps_past_finishes
+    assert Certified.supports_decode_jumps
     assert Certified.array_core is False  # not restated: not certified
 
 
 def test_inconsistent_certificates_are_refused_when_the_class_is_defined() -> None:
-    with pytest.raises(TypeError, match="Past: decode_jumps_past_finishes .* needs "
-                                        "supports_decode_jumps"):
-        type("Past", (Policy,), {"decode_jumps_past_finishes": True, "schedule": None})
     with pytest.raises(TypeError, match="Core: array_core = True needs a head_admissions"):
         type("Core", (Policy,), {"array_core": True, "schedule": None})
 
@@ -63,7 +59,7 @@ def test_an_uncertified_subclass_takes_the_per_step_loop_in_fast_mode(cls, jumps
                       MetricsCollector(), CsvSink(None, REQUEST_COLUMNS),
                       CsvSink(None, STEP_COLUMNS), max_model_len=1000,
                       horizon=lambda: float("inf"), fast_forward=True)
-    assert replica.fast_forward is jumps and replica.jump_past_finishes is jumps
+    assert replica.fast_forward is jumps
 
 
 def test_a_policy_reads_the_pool_through_a_view_that_cannot_change_it() -> None:
