@@ -44,7 +44,8 @@ class PolicyConfig:
     kv_watermark: float = 0.01  # fraction of blocks kept free when admitting (vLLM v0)
 
     def __post_init__(self) -> None:
-        require(self.max_num_seqs >= 1, "policy.max_num_seqs", f"must be >= 1, got {self.max_num_seqs}")
+        require(self.max_num_seqs >= 1, "policy.max_num_seqs",
+                f"must be >= 1, got {self.max_num_seqs}")
         require(self.max_num_batched_tokens >= 1, "policy.max_num_batched_tokens",
                 f"must be >= 1, got {self.max_num_batched_tokens}")
         modes = [m.value for m in PreemptionMode]
