@@ -7,11 +7,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from itertools import islice
+from operator import attrgetter
+from typing import TypeVar
 
 from sim.request import Request, RequestStatus, full_length
 from sim.step_builder import ReadOnly, StepBuilder
 
 VictimPicker = Callable[[StepBuilder, Request], "Request | None"]
+T = TypeVar("T")
+_pending_tokens = attrgetter("num_pending_tokens")
 
 
 class Budget:
@@ -30,6 +34,70 @@ class Budget:
     def seats_left(self) -> int:
         """How many more requests may hold GPU KV (the running set) under ``max_num_seqs``."""
         return self.max_num_seqs - len(self.step.running)
+
+
+def chunk_size(pending: int, remaining: int, max_chunk: int | None = None) -> int:
+    """The tokens a request with ``pending`` tokens gets from a step with ``remaining`` left:
+    all of them, or as many as remain (and at most ``max_chunk``); 0 or less: the budget is
+    spent. The rule of every loop that grants running requests their next tokens."""
+    n = min(pending, remaining)
+    return n if max_chunk is None or n <= 0 else min(n, max_chunk)
+
+
+def prefill_share(remaining: int, max_partial_prefills: int, num_wanting: int) -> int:
+    """vLLM v0's prefill slot budget: the tokens left after the decodes, shared evenly by up
+    to ``max_partial_prefills`` of the ``num_wanting`` prompts that want them (at least 1)."""
+    return max(1, remaining // max(1, min(max_partial_prefills, num_wanting)))
+
+
+def admission_rule(candidates: Iterable[T], pending_of: Callable[[T], int] | None,
+                   remaining: int, seats: int, max_num_batched_tokens: int, *,
+                   chunked: bool = False, strict_order: bool = True,
+                   max_partial: int | None = None, max_chunk: int | None = None,
+                   place: Callable[[T, int, int], bool] | None = None,
+                   budget_now: Callable[[], tuple[int, int]] | None = None,
+                   ) -> list[tuple[T, int]]:
+    """Which candidates, in the given order, a step admits and with how many tokens: the token
+    budget (``remaining``) and the free seats on plain numbers (a candidate's pending prefill
+    tokens are ``pending_of(candidate)``, or the candidate itself), the KV part left to
+    ``place(candidate, tokens, pending)``, which admits it (True) or not (False; None: every
+    candidate the budget and seats allow is admitted). ``admit`` runs it over requests; the
+    array core (sim/array_core.py) over prompt lengths, where the pool cannot bind.
+
+    Without chunking a candidate is admitted only with its whole pending prefill, unless that
+    exceeds a whole step's budget (a recomputed request that grew that long: it re-prefills in
+    budget-sized chunks); with chunking the last one admitted may get a partial chunk (at most
+    ``max_chunk``). ``strict_order`` stops at the first candidate that does not fit (FCFS, no
+    head-of-line bypass); otherwise later, smaller ones may go ahead. ``max_partial`` caps how
+    many candidates end the step with their prefill unfinished. ``budget_now()``, if given,
+    re-reads (remaining, seats) as each candidate comes up: a lazy candidate iterator may
+    preempt someone to make room for it (``preempt_for``), freeing a seat."""
+    out: list[tuple[T, int]] = []
+    partial = 0
+    for c in candidates:
+        if budget_now is not None:
+            remaining, seats = budget_now()
+        if remaining <= 0 or seats <= 0:
+            break
+        pending = n = c if pending_of is None else pending_of(c)  # type: ignore[assignment]
+        too_big = n > max_num_batched_tokens
+        limit = remaining if max_chunk is None or not chunked else min(remaining, max_chunk)
+        if n > limit:
+            if not (chunked or too_big) or (max_partial is not None and partial >= max_partial):
+                if strict_order:
+                    break
+                continue
+            n = limit
+        if place is not None and not place(c, n, pending):
+            if strict_order:
+                break
+            continue
+        out.append((c, n))
+        remaining -= n
+        seats -= 1
+        if n < pending:
+            partial += 1
+    return out
 
 
 def latest_arrival_victim(step: StepBuilder, requester: Request) -> Request | None:
@@ -73,11 +141,9 @@ def schedule_running(step: StepBuilder, budget: Budget,
     for req in list(order):
         if req.status is not RequestStatus.RUNNING or step.is_scheduled(req):
             continue  # preempted earlier in this loop, or already granted
-        n = min(req.num_pending_tokens, budget.remaining_tokens)
+        n = chunk_size(req.num_pending_tokens, budget.remaining_tokens, max_chunk)
         if n <= 0:
             break
-        if max_chunk is not None:
-            n = min(n, max_chunk)
         while not step.schedule(req, n):
             victim = pick_victim(step, req)
             if victim is None:
@@ -97,43 +163,23 @@ def admit(step: StepBuilder, budget: Budget, candidates: Iterable[Request], *,
     ``candidates``: ``step.waiting`` itself, a list, or a lazy iterator over the policy's own
     index, never a lazy view of ``step.waiting`` (admitting removes requests from it).
 
-    Without chunking a request is admitted only with its whole pending prefill (a recomputed
-    request re-prefills prompt + generated tokens); with chunking the last one admitted may
-    get a partial chunk. ``strict_order`` stops at the first request that does not fit (FCFS,
-    no head-of-line bypass); otherwise later, smaller requests may go ahead.
-    ``max_partial`` caps how many requests end the step with their prefill unfinished, and
-    ``max_chunk`` (chunked only) the tokens one request may get.
-
-    Memory is vLLM v0's ``can_allocate`` / ``allocate``, chunked or not: a request is admitted
-    only if the blocks of its whole pending prefill fit above the watermark, and a request
-    admitted with a partial chunk holds all of them from now on (``StepBuilder.reserve``), so
-    its later chunks never need a block and can never run the pool dry halfway through.
-    ``reserve_full`` admits a request only if the pool holds its whole length (prompt +
-    maximum output) and reserves it now (static batching); the watermark does not apply then,
-    since a request that holds its whole length can never need another block.
+    Tokens, seats, chunks and order are ``admission_rule``'s (its options are the same);
+    memory is decided here, request by request, as vLLM v0's ``can_allocate`` / ``allocate``,
+    chunked or not: a request is admitted only if the blocks of its whole pending prefill fit
+    above the watermark, and a request admitted with a partial chunk holds all of them from
+    now on (``StepBuilder.reserve``), so its later chunks never need a block and can never
+    run the pool dry halfway through. ``reserve_full`` admits a request only if the pool
+    holds its whole length (prompt + maximum output) and reserves it now (static batching);
+    the watermark does not apply then, since a request that holds its whole length can never
+    need another block.
     """
     if isinstance(candidates, ReadOnly):
         # A live queue shrinks as requests are admitted: iterate over a snapshot of the part
         # that can matter (strict FCFS never looks past the free seats).
         cap = budget.seats_left() if strict_order else len(candidates)
         candidates = list(islice(candidates, max(cap, 0)))
-    admitted: list[Request] = []
-    partial = 0
-    for req in candidates:
-        remaining = budget.remaining_tokens
-        if remaining <= 0 or budget.seats_left() <= 0:
-            break
-        pending = n = req.num_pending_tokens
-        # A recomputed request whose prompt + generated tokens exceed a whole step's budget
-        # could never be admitted unchunked; it re-prefills in budget-sized chunks instead.
-        too_big = n > budget.max_num_batched_tokens
-        limit = remaining if max_chunk is None or not chunked else min(remaining, max_chunk)
-        if n > limit:
-            if not (chunked or too_big) or (max_partial is not None and partial >= max_partial):
-                if strict_order:
-                    break
-                continue
-            n = limit
+
+    def place(req: Request, n: int, pending: int) -> bool:
         if reserve_full:
             hold = full_length(req)
             fits = step.can_allocate(req, hold - req.num_computed_tokens)
@@ -152,15 +198,16 @@ def admit(step: StepBuilder, budget: Budget, candidates: Iterable[Request], *,
                 hold = 0
                 fits = step.can_allocate(req, n)
         if not fits or not step.schedule(req, n):
-            if strict_order:
-                break
-            continue
+            return False
         if hold and not step.reserve(req, hold):
             raise RuntimeError(f"request {req.request_id}: reservation failed after the check")
-        if n < pending:
-            partial += 1
-        admitted.append(req)
-    return admitted
+        return True
+
+    return [req for req, _ in admission_rule(
+        candidates, _pending_tokens, budget.remaining_tokens, budget.seats_left(),
+        budget.max_num_batched_tokens, chunked=chunked, strict_order=strict_order,
+        max_partial=max_partial, max_chunk=max_chunk, place=place,
+        budget_now=lambda: (budget.remaining_tokens, budget.seats_left()))]
 
 
 def resume_swapped(step: StepBuilder, budget: Budget, order: Iterable[Request] | None = None,

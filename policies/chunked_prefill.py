@@ -30,7 +30,15 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from policies.base import POLICIES, Policy, PolicyConfig
-from policies.budget import Budget, admit, resume_swapped, schedule_running
+from policies.budget import (
+    Budget,
+    admission_rule,
+    admit,
+    chunk_size,
+    prefill_share,
+    resume_swapped,
+    schedule_running,
+)
 from sim.errors import require
 from sim.plan import StepPlan
 from sim.step_builder import StepBuilder
@@ -74,9 +82,8 @@ class ChunkedPrefillPolicy(Policy):
         if preempted:
             return step.build()
         k = cfg.max_num_partial_prefills
-        # vLLM v0's prefill slot budget: share the tokens left among the prompts wanting them.
-        share = budget.remaining_tokens // max(1, min(k, len(prefills) + len(step.waiting)))
-        preempted = schedule_running(step, budget, order=prefills, max_chunk=max(1, share))
+        share = prefill_share(budget.remaining_tokens, k, len(prefills) + len(step.waiting))
+        preempted = schedule_running(step, budget, order=prefills, max_chunk=share)
         if preempted:
             return step.build()
         if step.swapped:
@@ -84,7 +91,7 @@ class ChunkedPrefillPolicy(Policy):
         if not step.swapped and step.waiting:
             open_partials = step.num_pending_after_step()
             admit(step, budget, step.waiting, chunked=True, max_partial=max(0, k - open_partials),
-                  max_chunk=max(1, share))
+                  max_chunk=share)
         return step.build()
 
     def chunk_plan(self, decode_tokens: int, partials: Sequence[int], waiting: Iterable[int],
@@ -101,32 +108,18 @@ class ChunkedPrefillPolicy(Policy):
         cfg = self.config
         remaining = cfg.max_num_batched_tokens - decode_tokens
         k = cfg.max_num_partial_prefills
-        share = max(1, remaining // max(1, min(k, len(partials) + num_waiting)))
+        share = prefill_share(remaining, k, len(partials) + num_waiting)
         chunks: list[int] = []
         open_partials = 0
-        for pending in partials:
-            n = min(pending, remaining)
+        for pending in partials:  # schedule_running's loop, where nobody is preempted
+            n = chunk_size(pending, remaining, share)
             if n <= 0:
                 break
-            n = min(n, share)
             chunks.append(n)
             remaining -= n
             open_partials += n < pending
         open_partials += len(partials) - len(chunks)
-        max_partial = max(0, k - open_partials)
-        admitted: list[int] = []
-        partial = 0
-        for pending in waiting:
-            if remaining <= 0 or seats <= 0:
-                break
-            n = pending
-            limit = min(remaining, share)
-            if n > limit:
-                if partial >= max_partial:
-                    break
-                n = limit
-                partial += 1
-            admitted.append(n)
-            remaining -= n
-            seats -= 1
-        return chunks, admitted
+        admitted = admission_rule(waiting, None, remaining, seats, cfg.max_num_batched_tokens,
+                                  chunked=True, max_partial=max(0, k - open_partials),
+                                  max_chunk=share)
+        return chunks, [n for _, n in admitted]

@@ -30,6 +30,7 @@ from policies.base import POLICIES, Policy
 from policies.budget import (
     Budget,
     VictimPicker,
+    admission_rule,
     admit,
     latest_arrival_victim,
     resume_swapped,
@@ -66,17 +67,11 @@ class FCFSPolicy(Policy):
         of the waiting queue, whose pending prefill tokens ``pending`` gives in queue order,
         the next step admits, and their tokens; ``seats``: free places under
         ``max_num_seqs``. It runs only where the KV pool can never bind and nothing is ever
-        preempted or swapped, and there this is ``admit``'s rule in strict order: whole
-        prompts while the seats and the step's token budget last, stopping at the first that
-        does not fit (tests/test_array_core.py checks the two agree)."""
+        preempted or swapped: ``admit``'s rule (``admission_rule``) without its KV part, in
+        a prefill-only step (tests/test_array_core.py checks the two agree)."""
         budget = self.config.max_num_batched_tokens
-        count = tokens = 0
-        for n in pending:
-            if count >= seats or tokens + n > budget:
-                break
-            count += 1
-            tokens += n
-        return count, tokens
+        admitted = admission_rule(pending, None, budget, seats, budget)
+        return len(admitted), sum(n for _, n in admitted)
 
     # ---- hooks --------------------------------------------------------------------------
     def admit_waiting(self, step: StepBuilder, budget: Budget) -> list[Request]:
