@@ -153,6 +153,12 @@ class Replica:
         """Fraction of GPU KV blocks in use (what the replica reports to a router)."""
         return self.kv.usage
 
+    @property
+    def waking(self) -> bool:
+        """True between ``notify`` and the loop resuming: the replica plans its next step at
+        this very moment (a disaggregated decode replica's horizon reads it)."""
+        return self._wakeup is not None and self._wakeup.triggered
+
     def notify(self) -> None:
         """Wake the loop if it sleeps waiting for work or for free blocks."""
         if self._wakeup is not None and not self._wakeup.triggered:
@@ -231,7 +237,9 @@ class Replica:
                 q = self.queues
                 # The next arrival, or the policy's own next deadline if that comes first.
                 horizon = min(self.horizon(), self.policy.next_decision_time(start))
-                if block is not None:
+                if horizon <= start:  # the next step may see the event: one step at a time
+                    jump = None
+                elif block is not None:
                     run, run_step = self.builder.run, self.builder.run_block_step
                     past = not q.waiting and not q.swapped and (
                         len(run) == len(q.running))

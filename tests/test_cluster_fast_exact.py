@@ -118,3 +118,20 @@ def test_back_pressure_on_one_decode_replica_bounds_the_others_jumps():
         "cluster.num_prefill_replicas=1", "cluster.num_decode_replicas=2",
         "cluster.decode_router=random", "cluster.link.preset=nvlink"])
     assert s["num_decode_jumps"] > 0
+
+
+def test_a_request_arriving_exactly_at_a_decode_step_end(tmp_path):
+    """A request reaches an idle prefill replica at the very instant a decode step ends: the
+    decode replica, resuming at that instant, must not jump past the prefill step the arrival
+    is about to start (its end is not known yet). The arrival time is a decode step's end
+    from an exact run of the first request alone, to the last bit."""
+    base = tmp_path / "one.csv"
+    base.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n0,50,200\n")
+    layout = ["model=tiny", "workload=trace", "cluster=disaggregated"]
+    alone = Simulation(compose_cfg("step_mode=exact", *layout, f"workload.path={base}")).run()
+    decode_starts = [float(row[2]) for row in alone.steps_sink.rows if int(row[1]) == 1]
+    tie = tmp_path / "tie.csv"
+    tie.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n"
+                   f"0,50,200\n{decode_starts[40]!r},50,100\n")
+    s = assert_fast_equals_exact([*layout, f"workload.path={tie}"])
+    assert s["num_decode_jumps"] > 0

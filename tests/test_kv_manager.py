@@ -120,7 +120,16 @@ def test_integrity_check_catches_corruption():
     kv = KVBlockManager(num_gpu_blocks=4, block_size=4)
     kv.allocate_slots("a", 8)
     kv._gpu.free_queue.append(0)  # block 0 both held and free
-    with pytest.raises(KVIntegrityError):
+    kv._gpu.num_free += 1  # counted free too: the per-block check must find it
+    with pytest.raises(KVIntegrityError, match="block 0 is held by 1 tables but the pool counts 0"):
+        kv.check_integrity()
+
+
+def test_integrity_check_catches_a_free_count_that_drifted():
+    kv = KVBlockManager(num_gpu_blocks=4, block_size=4)
+    kv.allocate_slots("a", 8)
+    kv._gpu.num_free += 1
+    with pytest.raises(KVIntegrityError, match="3 blocks counted free, 2 in the free queue"):
         kv.check_integrity()
 
 

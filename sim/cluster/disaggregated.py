@@ -111,24 +111,28 @@ class Disaggregated:
         replica ``j``: a handoff (KV reserved on it) happens only at the end of a prefill
         step, and a prefill replica starts a step only at an arrival, at the end of its last
         step, or when a transfer frees its blocks; a transfer arrives no earlier than its
-        reservation plus its serialization and latency. While transfers wait for its blocks
+        reservation plus its serialization and latency; a prefill replica woken at this
+        instant starts a step now. While transfers wait for its blocks
         (back-pressure), a finish reserves for them: no jumps then. While transfers wait for
         another decode replica's blocks, a finish there may start one at any moment, and its
         arrival frees prefill blocks: no later than now plus the quickest of those transfers."""
         if self._pending[j]:
             return -float("inf")
+        now = self.env.now
         h = self._next_arrival()
         for p in self.prefill:
-            if p.busy_until < h:
-                h = p.busy_until
+            # A prefill replica woken at this instant (an arrival, a transfer freeing its
+            # blocks) starts a step now whose end is not known yet.
+            end = now if p.waking else p.busy_until
+            if end < h:
+                h = end
         for t in self._in_flight.values():
             if t < h:
                 h = t
-        waiting = [r for pending in self._pending for r in pending]
-        if waiting:
-            quickest = min(self.records[r.request_id].nbytes for r in waiting)
-            soonest = (self.env.now + self.link.serialization_time(quickest, self.lanes)
-                       + self.link.latency)
+        quickest = min((self.records[r.request_id].nbytes for pending in self._pending
+                        for r in pending), default=None)
+        if quickest is not None:
+            soonest = now + self.link.serialization_time(quickest, self.lanes) + self.link.latency
             if soonest < h:
                 h = soonest
         return h
