@@ -11,7 +11,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from experiments.simulation import Simulation
+from experiments.simulation import BUILT_IN, Simulation
+from sim.simulation import Components
+from sim.simulation import Simulation as EngineSimulation
 from tests.helpers import compose_cfg
 
 STEP_INTS = ["replica_id", "step", "batch_size", "prefill_tokens", "decode_tokens", "sampled",
@@ -23,8 +25,9 @@ REQUEST_SAME = ["request_id", "replica_id", "status", "output_len", "num_preempt
                 "num_swaps", "num_recomputes"]
 
 
-def _run(mode: str, overrides: list[str]):
-    res = Simulation(compose_cfg(f"step_mode={mode}", *overrides)).run()
+def _run(mode: str, overrides: list[str], components: Components = BUILT_IN):
+    cfg = compose_cfg(f"step_mode={mode}", *overrides)
+    res = EngineSimulation(cfg, components=components).run()
     reqs = pd.DataFrame(res.requests_sink.rows, columns=res.requests_sink.columns)
     steps = pd.DataFrame(res.steps_sink.rows, columns=res.steps_sink.columns)
     # Replicas write their rows as they go (a jump writes its steps at once): compare each
@@ -34,9 +37,9 @@ def _run(mode: str, overrides: list[str]):
     return res.summary, reqs.sort_values("request_id").reset_index(drop=True), steps, free
 
 
-def assert_fast_equals_exact(overrides: list[str]) -> dict:
-    fast, rf, sf, free_f = _run("fast", overrides)
-    exact, re_, se, free_e = _run("exact", overrides)
+def assert_fast_equals_exact(overrides: list[str], components: Components = BUILT_IN) -> dict:
+    fast, rf, sf, free_f = _run("fast", overrides, components)
+    _, re_, se, free_e = _run("exact", overrides, components)
     assert len(sf) == len(se)
     assert (sf[STEP_INTS].to_numpy() == se[STEP_INTS].to_numpy()).all()
     for c in ("time", "duration"):
