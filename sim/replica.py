@@ -18,6 +18,7 @@ from collections.abc import Callable
 import numpy as np
 import simpy
 
+from sim.clock import timeout_at
 from sim.decode_run import DecodeRun, is_decoding
 from sim.executor import Executor
 from sim.fast_forward import MAX_JUMP_STEPS, Jump, is_steady_decode, plan_jump, plan_run_jump
@@ -28,18 +29,6 @@ from sim.plan import DecodeBlock, StepPlan, StepResult
 from sim.policy import Policy
 from sim.request import Request, RequestStatus, full_length
 from sim.step_builder import ReplicaQueues, StepBuilder
-
-
-def _exact_delay(start: float, end: float) -> float:
-    """A delay d with start + d == end exactly in floating point, so a jump lands on the same
-    clock value as the step-by-step sum of durations."""
-    d = end - start
-    for _ in range(4):
-        got = start + d
-        if got == end:
-            break
-        d = float(np.nextafter(d, np.inf if got < end else -np.inf))
-    return d
 
 
 class SimulationStalled(RuntimeError):
@@ -269,12 +258,12 @@ class Replica:
                         # A stretch's new blocks are in use while it runs (a router reading
                         # KV use during the last step sees them, as step by step).
                         self._take_jump_blocks(plan, requests, jump, done, stop)
-                        yield env.timeout(_exact_delay(env.now, float(jump.ends[stop - 1])))
+                        yield timeout_at(env, float(jump.ends[stop - 1]))
                         self._finish_jump_members(self.builder.run, jump, done, stop, members)
                         self.num_jump_stops += 1
                         done = stop
                     self._take_jump_blocks(plan, requests, jump, done, jump.num_steps)
-                    yield env.timeout(_exact_delay(env.now, float(jump.ends[-1])))
+                    yield timeout_at(env, float(jump.ends[-1]))
                     self._apply_jump(plan, requests, jump, start, seen, used0, done)
                     continue
             result = self.executor.execute(plan)

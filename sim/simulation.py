@@ -18,6 +18,7 @@ from typing import Any, Protocol
 import simpy
 
 from sim.array_core import ArrayCore, WorkloadArrays, array_core_blocker, pool_blocker
+from sim.clock import timeout_at
 from sim.cluster.colocated import Colocated
 from sim.cluster.config import ClusterConfig, DisaggregatedConfig, cluster_config_from
 from sim.cluster.disaggregated import Disaggregated
@@ -291,7 +292,7 @@ class Simulation:
                 next_arrival[0] = req.arrival_time
                 delay = req.arrival_time - env.now
                 if delay > 0:
-                    yield env.timeout(delay)
+                    yield timeout_at(env, req.arrival_time)
                 deployment.add_request(req)
                 if req.is_finished:  # rejected at arrival
                     on_done(req)
