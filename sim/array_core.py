@@ -415,11 +415,13 @@ class ArrayCore:
             if its arrival event was scheduled before the step's end event (simpy breaks
             ties in scheduling order): the replica's arrival process schedules a request's
             arrival when the one before it (a different time) arrives, so a request whose
-            predecessor arrived during the step comes after the step ends."""
+            predecessor arrived during the step comes after the step ends, and so does one
+            whose predecessor arrived exactly at the step's start but after the step was
+            planned (it was not there then: index ``nxt`` or later)."""
             hi = bisect_right(ARR, end, nxt)
             if hi > nxt and ARR[hi - 1] == end:
                 g = bisect_left(ARR, end, nxt, hi)  # the first arriving at ``end``
-                if g and start < ARR[g - 1]:
+                if g and (start < ARR[g - 1] or (start == ARR[g - 1] and g - 1 >= nxt)):
                     return g
             return hi
 
