@@ -50,7 +50,8 @@ def assert_fast_equals_exact(overrides: list[str], components: Components = BUIL
         a = pd.to_numeric(rf[c]).to_numpy(dtype=float)
         b = pd.to_numeric(re_[c]).to_numpy(dtype=float)
         assert a == pytest.approx(b, rel=1e-9, abs=1e-12, nan_ok=True), c
-    assert free_f == free_e
+    if fast["step_engine"] != "array_core":  # the array core keeps no block ids (its pool
+        assert free_f == free_e             # cannot bind)
     return fast
 
 

@@ -190,12 +190,23 @@ class Disaggregated:
                 self.num_backpressured += 1
             self.backpressure_wait.append(wait)
             self.num_in_transit += 1
-            self._in_flight[req.request_id] = (now + self.link.serialization_time(
-                rec.nbytes, self.lanes)) + self.link.latency
+            # Until its last event is scheduled, a transfer bounds the decode jumps at the
+            # earliest moment that can happen (the end of its serialization, or now without
+            # latency); then at its arrival (Link.transfer's on_last). A jump whose last step
+            # ends exactly at the arrival must have been planned after that event was
+            # scheduled, as the step-by-step loop's last step is, or the two take the
+            # transfer and the step end in different orders.
+            self._in_flight[req.request_id] = (
+                now + self.link.serialization_time(rec.nbytes, self.lanes)
+                if self.link.latency else now)
             self.env.process(self._transfer(req, rec, j))
 
     def _transfer(self, req: Request, rec: TransferRecord, j: int):
-        yield from self.link.transfer(rec.prefill_id, rec.decode_id, rec.nbytes, self.lanes)
+        def on_last(arrival: float) -> None:
+            self._in_flight[req.request_id] = arrival
+
+        yield from self.link.transfer(rec.prefill_id, rec.decode_id, rec.nbytes, self.lanes,
+                                      on_last)
         rec.arrive_time = self.env.now
         self.transfer_time.append(rec.arrive_time - rec.reserved_time)
         self.num_in_transit -= 1

@@ -18,7 +18,7 @@ port therefore queue: two transfers of S bytes started together finish at
 
 from __future__ import annotations
 
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 
 import simpy
@@ -110,9 +110,12 @@ class Link:
         rank-to-rank lanes (min of the two sides' TP degrees)."""
         return nbytes / (self.bandwidth * lanes)
 
-    def transfer(self, src: int, dst: int, nbytes: float,
-                 lanes: int = 1) -> Generator[simpy.Event, None, None]:
-        """A simpy process: queue for the ports, send, arrive ``latency`` later."""
+    def transfer(self, src: int, dst: int, nbytes: float, lanes: int = 1,
+                 on_last: Callable[[float], None] | None = None,
+                 ) -> Generator[simpy.Event, None, None]:
+        """A simpy process: queue for the ports, send, arrive ``latency`` later.
+        ``on_last(arrival)``: called as the transfer's last event is scheduled (the latency
+        timeout, or without latency the serialization), with the exact arrival time."""
         held = []
         try:
             for p in self._ports_for(src, dst):
@@ -120,6 +123,8 @@ class Link:
                 held.append((p, req))
                 yield req
             busy = self.serialization_time(nbytes, lanes)
+            if on_last is not None and not self.latency:
+                on_last(self.env.now + busy)
             yield self.env.timeout(busy)
             for p, _ in held:
                 self.busy_time[p] += busy
@@ -129,6 +134,8 @@ class Link:
         self.bytes_sent += nbytes
         self.num_transfers += 1
         if self.latency:
+            if on_last is not None:
+                on_last(self.env.now + self.latency)
             yield self.env.timeout(self.latency)
 
     def utilization(self, duration: float) -> list[float]:
