@@ -48,6 +48,8 @@ CASES: dict[str, tuple[list[str], float]] = {
     # the batch is cut by preemption, by recompute or by swap.
     "fcfs_kv3000": ([*_FCFS, "kv.num_gpu_blocks=3000"], 6),
     "fcfs_kv3000_swap": ([*_FCFS, "kv.num_gpu_blocks=3000", "policy.preemption_mode=swap"], 6),
+    # vLLM's automatic prefix caching on the same recipe (no prompt shares a prefix).
+    "fcfs_prefix_cache": ([*_FCFS, "kv.enable_prefix_caching=true"], 6),
     # Four replicas behind a router at four times the rate.
     "replicas4": ([*_FCFS, "cluster.num_replicas=4", "cluster.router=least_outstanding"], 24),
     # Two prefill and two decode replicas at twice the rate.

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from itertools import islice
-from operator import attrgetter
 from typing import TypeVar
 
 from sim.request import Request, RequestStatus, full_length
@@ -15,7 +14,6 @@ from sim.step_builder import ReadOnly, StepBuilder
 
 VictimPicker = Callable[[StepBuilder, Request], "Request | None"]
 T = TypeVar("T")
-_pending_tokens = attrgetter("num_pending_tokens")
 
 
 class Budget:
@@ -187,7 +185,7 @@ def admit(step: StepBuilder, budget: Budget, candidates: Iterable[Request], *,
             # The whole pending prefill, not this step's chunk (vLLM v0, Sarathi-Serve): a
             # request admitted on its first chunk's blocks would grow into a shortage and be
             # preempted mid-prefill, again and again.
-            hold = req.num_computed_tokens + pending if n < pending else 0
+            hold = pending if n < pending else 0  # beyond what it holds when scheduled
             fits = step.can_allocate(req, pending, use_watermark=True)
             if not fits and (step.blocks_needed(req, pending) + step.watermark_blocks
                              > step.kv.num_gpu_blocks):
@@ -199,12 +197,16 @@ def admit(step: StepBuilder, budget: Budget, candidates: Iterable[Request], *,
                 fits = step.can_allocate(req, n)
         if not fits or not step.schedule(req, n):
             return False
+        # Scheduling set what it holds already (its prefix-cache hit, if any).
+        if hold and not reserve_full:
+            hold += req.num_computed_tokens
         if hold and not step.reserve(req, hold):
             raise RuntimeError(f"request {req.request_id}: reservation failed after the check")
         return True
 
+    # Pending tokens as the step sees them: less what the prefix cache holds.
     return [req for req, _ in admission_rule(
-        candidates, _pending_tokens, budget.remaining_tokens, budget.seats_left(),
+        candidates, step.pending_tokens, budget.remaining_tokens, budget.seats_left(),
         budget.max_num_batched_tokens, chunked=chunked, strict_order=strict_order,
         max_partial=max_partial, max_chunk=max_chunk, place=place,
         budget_now=lambda: (budget.remaining_tokens, budget.seats_left()))]
@@ -243,7 +245,7 @@ def preempt_for(step: StepBuilder, budget: Budget, req: Request,
     called only if ``req`` does not fit already). Preempts nobody unless the token budget
     already admits ``req`` and the victims offered free enough room; then preempts the
     fewest, in order. Returns those preempted."""
-    n = req.num_pending_tokens
+    n = step.pending_tokens(req)
     if n > budget.remaining_tokens:
         return []
     need = step.blocks_needed(req, n) + step.watermark_blocks - step.kv.num_free_blocks

@@ -82,13 +82,15 @@ class ArrayCoreHost(Protocol):
     model: ModelSpec
     memory: MemoryPlan
     kv_cfg: Any  # sim.simulation.KVConfig
+    prefix_caching: bool
 
     def open_outputs(self, request_columns: tuple[str, ...], num_requests: int | None,
                      ) -> tuple[CsvSink, CsvSink, MetricsCollector, Progress]: ...
 
     def summary(self, metrics: MetricsCollector, sim_end: float, wall: float, *,
                 kv_peak_usage: float, num_steps: int, num_decode_jumps: int,
-                num_swap_fallbacks: int, engine: str) -> dict[str, Any]: ...
+                num_swap_fallbacks: int, engine: str,
+                prefix_cache: tuple[int, int, int] = ...) -> dict[str, Any]: ...
 
     def write_summary(self, summary: dict[str, Any]) -> None: ...
 
@@ -143,9 +145,13 @@ class WorkloadArrays:
     output_lens: array
 
     @classmethod
-    def collect(cls, requests: Iterable[Request]) -> WorkloadArrays | str:
+    def collect(cls, requests: Iterable[Request],
+                prefix_caching: bool = False) -> WorkloadArrays | str:
         """The columns of ``requests`` (an iterable of Request), or why they cannot be kept as
-        plain numbers (ids or priorities that are not ints, token ids given)."""
+        plain numbers (ids or priorities that are not ints, token ids given, or with
+        ``prefix_caching`` a shared prompt prefix: the core keeps no block contents; without
+        one a request can only hit its own blocks after a preemption, which the core never
+        makes, so caching changes nothing but the count of prompt tokens looked up)."""
         out = cls(array("q"), array("q"), array("d"), array("q"), array("q"))
         ids, pri, arr, pl, ol = (out.request_ids.append, out.priorities.append,
                                  out.arrivals.append, out.prompt_lens.append,
@@ -154,6 +160,8 @@ class WorkloadArrays:
             rid, p = r.request_id, r.priority
             if type(rid) is not int or type(p) is not int or r.prompt_token_ids is not None:
                 return f"request {rid!r}: ids and priorities other than ints, or token ids"
+            if prefix_caching and r.prefix is not None:
+                return f"request {rid!r}: a shared prompt prefix with prefix caching on"
             try:
                 ids(rid)
                 pri(p)
@@ -264,7 +272,10 @@ class ArrayCore:
         summary = sim.summary(metrics, end, time.perf_counter() - wall0,
                               kv_peak_usage=peak / self.num_gpu_blocks, num_steps=steps,
                               num_decode_jumps=stretches, num_swap_fallbacks=0,
-                              engine="array_core")
+                              engine="array_core",
+                              # Every prompt is looked up once, at its only admission.
+                              prefix_cache=(sum(self.w.prompt_lens)
+                                            if sim.prefix_caching else 0, 0, 0))
         sim.write_summary(summary)
         return SimulationResult(summary, metrics, [], sim.memory, [], req_sink, step_sink, None)
 
@@ -352,14 +363,15 @@ class ArrayCore:
             if to_file:
                 lines.append(line_fmt % (RID[i], 0, PRI[i], arrival, PL[i], o, o, sched, first,
                                          end, sched - arrival, first - arrival, tpot,
-                                         end - arrival, 0, 0, 0, ""))
+                                         end - arrival, 0, 0, 0, 0, ""))
                 if len(lines) >= 4096:
                     write_text("".join(lines))
                     lines.clear()
             else:  # request_row's tuple (tests keep rows in memory)
                 req_sink.write((RID[i], 0, "finished", "", PRI[i], repr(arrival), PL[i], o, o,
                                 repr(sched), repr(first), repr(end), repr(sched - arrival),
-                                repr(first - arrival), tpot, repr(end - arrival), 0, 0, 0, ""))
+                                repr(first - arrival), tpot, repr(end - arrival), 0, 0, 0, 0,
+                                ""))
             add_finished(PL[i], arrival, first, end, later)
 
         def join(i: int, first: float, sched: float) -> None:

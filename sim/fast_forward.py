@@ -49,7 +49,7 @@ MAX_JUMP_STEPS = 1 << 16
 def is_steady_decode(plan: StepPlan) -> bool:
     """Every row computes exactly its one pending token and samples, with no KV movement:
     the shape that repeats unchanged while nothing external happens."""
-    if plan.swap_in or plan.swap_out or plan.recomputed or plan.swapped_out:
+    if plan.swap_in or plan.swap_out or plan.recomputed or plan.swapped_out or plan.admitted:
         return False
     if plan.num_blocks:
         # The whole decode run alone; a block next to other rows is stepped singly (it is

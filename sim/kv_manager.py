@@ -11,11 +11,19 @@ finished request are reused last.
     CPU pool  [0 .. num_cpu_blocks)   swap space, same discipline
     block_tables[request_id] -> [gpu block ids], logical order
     cpu_tables[request_id]   -> [cpu block ids] while swapped
+
+With ``enable_prefix_caching`` (vLLM v1's automatic prefix caching) full blocks are also
+content-addressed: ``cached[key] -> block`` for blocks whose content a later request may
+reuse (keys from sim/prefix_cache.py). A freed block keeps its content and its key in the
+free queue until it is handed out again (then it is evicted: the least recently freed cached
+block goes first, tail blocks of a request before its prefix); a request whose prompt
+starts with cached blocks is handed those very blocks (``match`` / ``attach``), taken out of
+the free queue or shared with the requests that hold them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 
 
 class KVIntegrityError(AssertionError):
@@ -122,6 +130,73 @@ class _Pool:
                 f"{self.num_blocks} after releasing {blocks}")
 
 
+class _CachingPool(_Pool):
+    """A ``_Pool`` whose returned blocks can also leave the free queue from the middle: a
+    cached block handed to a request that hits it (``revive``). Each returned block's
+    position in the queue is kept (``pos``, absolute: ``base`` counts the entries compacted
+    away); an entry whose block has left since, or was returned again later, is stale and
+    skipped when the queue is read. Blocks never handed out hold no content, so they never
+    leave from the middle and stay a range."""
+
+    __slots__ = ("base", "pos")
+
+    def __init__(self, num_blocks: int) -> None:
+        super().__init__(num_blocks)
+        self.base = 0
+        self.pos: dict[int, int] = {}  # free returned block -> its queue entry (absolute)
+
+    def free_blocks(self) -> list[int]:
+        pos, base, h = self.pos, self.base, self.head
+        live = [b for i, b in enumerate(self.free_queue[h:], start=base + h)
+                if pos.get(b) == i]
+        return [*range(self.fresh, self.num_blocks), *live]
+
+    def is_free(self, block: int) -> bool:
+        return block in self.pos
+
+    def revive(self, block: int) -> None:
+        """Take the free ``block`` out of the queue, wherever it is (one reference now)."""
+        del self.pos[block]
+        self.num_free -= 1
+
+    def _take_returned(self, n: int) -> list[int]:
+        q, pos, h = self.free_queue, self.pos, self.head
+        at = self.base + h
+        out: list[int] = []
+        while len(out) < n:
+            b = q[h]
+            if pos.get(b) == at:
+                del pos[b]
+                out.append(b)
+            h += 1
+            at += 1
+        if h > 1024 and 2 * h > len(q):
+            del q[:h]
+            self.base += h
+            h = 0
+        self.head = h
+        return out
+
+    def release(self, blocks: list[int]) -> None:
+        shared, q, pos = self.shared, self.free_queue, self.pos
+        at = self.base + len(q)
+        for b in reversed(blocks):  # tail first, as ``_Pool.release``
+            extra = shared.get(b)
+            if extra is None:
+                pos[b] = at
+                q.append(b)
+                at += 1
+                self.num_free += 1
+            elif extra == 1:
+                del shared[b]
+            else:
+                shared[b] = extra - 1
+        if self.num_free > self.num_blocks:
+            raise KVIntegrityError(
+                f"double free: {self.num_free} blocks free in a pool of "
+                f"{self.num_blocks} after releasing {blocks}")
+
+
 class KVBlockManager:
     """Allocates KV blocks to requests on demand.
 
@@ -129,7 +204,8 @@ class KVBlockManager:
     hold them: the policy must then preempt someone and retry. Nothing is allocated on failure.
     """
 
-    def __init__(self, num_gpu_blocks: int, block_size: int = 16, num_cpu_blocks: int = 0) -> None:
+    def __init__(self, num_gpu_blocks: int, block_size: int = 16, num_cpu_blocks: int = 0,
+                 enable_prefix_caching: bool = False) -> None:
         if block_size < 1:
             raise ValueError(f"kv.block_size must be >= 1, got {block_size}")
         if num_gpu_blocks < 1:
@@ -139,11 +215,26 @@ class KVBlockManager:
         self.block_size = block_size
         self.num_gpu_blocks = num_gpu_blocks
         self.num_cpu_blocks = num_cpu_blocks
-        self._gpu = _Pool(num_gpu_blocks)
+        self.enable_prefix_caching = enable_prefix_caching
+        self._gpu = _CachingPool(num_gpu_blocks) if enable_prefix_caching else _Pool(
+            num_gpu_blocks)
         self._cpu = _Pool(num_cpu_blocks)
         self.block_tables: dict[Hashable, list[int]] = {}
         self.cpu_tables: dict[Hashable, list[int]] = {}
         self.peak_used_blocks = 0
+        # Prefix caching: content key -> block, its inverse, and how many leading blocks of
+        # each table are registered. ``epoch`` changes whenever what ``match`` finds or which
+        # of its blocks are free may have changed (a step builder's memo of a match is good
+        # while it stays).
+        self.cached: dict[Hashable, int] = {}
+        self.block_key: dict[int, Hashable] = {}
+        self._registered: dict[Hashable, int] = {}
+        self.epoch = 0
+        self.num_evictions = 0  # cached blocks handed out for other content
+        # Prompt tokens looked up at admission, and those the cache supplied (vLLM's
+        # prefix_cache_queries / prefix_cache_hits).
+        self.prefix_queries = 0
+        self.prefix_hits = 0
 
     # ---- usage --------------------------------------------------------------------------
     @property
@@ -191,7 +282,7 @@ class KVBlockManager:
             return []
         if need > self._gpu.num_free:
             return None
-        new = self._gpu.take(need)
+        new = self._take(need)
         if table is None:
             self.block_tables[request_id] = new
         else:
@@ -209,7 +300,7 @@ class KVBlockManager:
         if n > self._gpu.num_free:
             return False
         tables = self.block_tables
-        for rid, b in zip(request_ids, self._gpu.take(n)):
+        for rid, b in zip(request_ids, self._take(n)):
             tables[rid].append(b)
         used = self.num_gpu_blocks - self._gpu.num_free
         if used > self.peak_used_blocks:
@@ -233,12 +324,93 @@ class KVBlockManager:
         if table is None and cpu is None:
             raise KVIntegrityError(f"free of request {request_id}, which holds no blocks")
         if table is not None:
-            self._gpu.release(table)
+            self._release(request_id, table)
         if cpu is not None:
             self._cpu.release(cpu)
 
     def has_blocks(self, request_id: Hashable) -> bool:
         return request_id in self.block_tables or request_id in self.cpu_tables
+
+    def _take(self, n: int) -> list[int]:
+        """``n`` blocks from the front of the free queue; a cached one loses its content."""
+        blocks = self._gpu.take(n)
+        if self.block_key:
+            evicted = 0
+            keys, cached = self.block_key, self.cached
+            for b in blocks:
+                key = keys.pop(b, None)
+                if key is not None:
+                    del cached[key]
+                    evicted += 1
+            if evicted:
+                self.num_evictions += evicted
+                self.epoch += 1
+        return blocks
+
+    def _release(self, request_id: Hashable, table: list[int]) -> None:
+        self._gpu.release(table)
+        if self.enable_prefix_caching:
+            self._registered.pop(request_id, None)
+            self.epoch += 1
+
+    # ---- prefix caching -----------------------------------------------------------------
+    def match(self, keys: Sequence[Hashable]) -> list[int]:
+        """The cached blocks holding ``keys``' content, from the first key up to the first
+        one not cached (vLLM v1's longest cache hit: whole blocks, a prefix)."""
+        out: list[int] = []
+        cached = self.cached
+        for key in keys:
+            b = cached.get(key)
+            if b is None:
+                break
+            out.append(b)
+        return out
+
+    def num_free_among(self, blocks: list[int]) -> int:
+        """How many of ``blocks`` (cached blocks) are free: attaching them takes as many free
+        blocks off the pool."""
+        pool = self._gpu
+        return sum(1 for b in blocks if pool.is_free(b)) if blocks else 0  # type: ignore[attr-defined]
+
+    def attach(self, request_id: Hashable, blocks: list[int]) -> None:
+        """Start ``request_id``'s table with the cached ``blocks`` (a ``match``): free ones
+        leave the free queue, held ones gain a reference."""
+        if request_id in self.block_tables or request_id in self.cpu_tables:
+            raise KVIntegrityError(f"request {request_id} already holds blocks; a cache hit "
+                                   "starts a table")
+        pool = self._gpu
+        for b in blocks:
+            if pool.is_free(b):  # type: ignore[attr-defined]
+                pool.revive(b)  # type: ignore[attr-defined]
+            else:
+                pool.share([b])
+        self.block_tables[request_id] = list(blocks)
+        self._registered[request_id] = len(blocks)
+        self.epoch += 1
+        used = self.num_gpu_blocks - pool.num_free
+        if used > self.peak_used_blocks:
+            self.peak_used_blocks = used
+
+    def register(self, request_id: Hashable, keys: Sequence[Hashable], upto: int) -> None:
+        """Make the first ``upto`` blocks of ``request_id``'s table findable by their content
+        ``keys`` (their tokens are computed). A key already cached in another block keeps
+        that block (the first to compute it); this one stays unnamed."""
+        done = self._registered.get(request_id, 0)
+        if upto <= done:
+            return
+        table = self.block_tables[request_id]
+        cached, names = self.cached, self.block_key
+        for k in range(done, upto):
+            key = keys[k]
+            b = table[k]
+            if key not in cached and b not in names:
+                cached[key] = b
+                names[b] = key
+        self._registered[request_id] = upto
+        self.epoch += 1
+
+    def num_registered(self, request_id: Hashable) -> int:
+        return self._registered.get(request_id, 0)
 
     # ---- swapping -----------------------------------------------------------------------
     def can_swap_out(self, request_id: Hashable) -> bool:
@@ -257,7 +429,7 @@ class KVBlockManager:
         cpu = self._cpu.take(len(table))
         pairs = list(zip(table, cpu))
         del self.block_tables[request_id]
-        self._gpu.release(table)
+        self._release(request_id, table)
         self.cpu_tables[request_id] = cpu
         return pairs
 
@@ -272,7 +444,7 @@ class KVBlockManager:
             raise KVIntegrityError(f"swap_in of request {request_id}, which is not swapped out")
         if len(cpu) > self._gpu.num_free:
             return None
-        gpu = self._gpu.take(len(cpu))
+        gpu = self._take(len(cpu))
         del self.cpu_tables[request_id]
         self._cpu.release(cpu)
         self.block_tables[request_id] = gpu
@@ -315,6 +487,17 @@ class KVBlockManager:
                 if (refs[b] == 0) != (b in free_set):
                     state = "free" if b in free_set else "not free"
                     raise KVIntegrityError(f"{name}: block {b} has {refs[b]} refs and is {state}")
+        if len(self.cached) != len(self.block_key):
+            raise KVIntegrityError(f"{len(self.cached)} cached keys name "
+                                   f"{len(self.block_key)} blocks")
+        for key, b in self.cached.items():
+            if self.block_key.get(b) != key:
+                raise KVIntegrityError(f"cached key {key!r} names block {b}, which holds "
+                                       f"{self.block_key.get(b)!r}")
+        for rid, n in self._registered.items():
+            if n > len(self.block_tables.get(rid, ())):
+                raise KVIntegrityError(f"request {rid}: {n} blocks registered, table of "
+                                       f"{len(self.block_tables.get(rid, ()))}")
         both = self.block_tables.keys() & self.cpu_tables.keys()
         if both:
             raise KVIntegrityError(f"requests {sorted(both)} hold both GPU and CPU blocks")

@@ -16,7 +16,7 @@ REQUEST_COLUMNS = (
     "request_id", "replica_id", "status", "reject_reason", "priority", "arrival_time",
     "prompt_len", "max_output_len", "output_len", "first_scheduled_time", "first_token_time",
     "finish_time", "queue_delay", "ttft", "tpot", "e2e_latency", "num_preemptions",
-    "num_swaps", "num_recomputes", "output_token_ids",
+    "num_swaps", "num_recomputes", "num_cached_tokens", "output_token_ids",
 )
 
 STEP_COLUMNS = (
@@ -216,7 +216,7 @@ def request_row(req: Request) -> tuple:
         "" if scheduled is None else repr(scheduled - arrival),
         "" if first is None else repr(first - arrival), _fmt(req.tpot),
         "" if finish is None else repr(finish - arrival), req.num_preemptions, req.num_swaps,
-        req.num_recomputes, tokens,
+        req.num_recomputes, req.num_cached_tokens, tokens,
     )
 
 
@@ -224,7 +224,7 @@ def request_row(req: Request) -> tuple:
 # ``%d`` and ``%s`` write what the writer's str() does for the integer columns, ``%r`` the
 # same repr() request_row applies to the time columns, and no field needs quoting (integer
 # ids, no reject reason, times and space-separated token ids only).
-FINISHED_REQUEST_LINE = "%d,%d,finished,,%d,%r,%s,%s,%s,%r,%r,%r,%r,%r,%s,%r,%s,%s,%s,%s\r\n"
+FINISHED_REQUEST_LINE = "%d,%d,finished,,%d,%r,%s,%s,%s,%r,%r,%r,%r,%r,%s,%r,%s,%s,%s,%s,%s\r\n"
 _FINISHED = RequestStatus.FINISHED
 
 
@@ -249,5 +249,5 @@ def finished_request_line(req: Request) -> str | None:
         scheduled - arrival, first - arrival,
         repr(float((req._last_token - first) / (n - 1))) if n >= 2 else "",
         finish - arrival, req.num_preemptions, req.num_swaps, req.num_recomputes,
-        "" if ids is None else " ".join(map(str, ids)),
+        req.num_cached_tokens, "" if ids is None else " ".join(map(str, ids)),
     )

@@ -81,7 +81,7 @@ class StepPlan:
     rows the per-row path would have built."""
 
     __slots__ = ("_parts", "_num_blocks", "swap_out", "swap_in", "swaps", "recomputed",
-                 "swapped_out")
+                 "swapped_out", "admitted")
 
     def __init__(self, scheduled: list[ScheduledRequest] | None = None,
                  swap_out: list[tuple[int, int]] | None = None,
@@ -105,6 +105,9 @@ class StepPlan:
         self.recomputed = [] if recomputed is None else recomputed
         # Requests whose KV was swapped out while building this plan (informational).
         self.swapped_out = [] if swapped_out is None else swapped_out
+        # Requests admitted from the waiting queue into this plan (a row of one token at a
+        # later position is then an admission from a cached prefix, not a decode).
+        self.admitted: list[int] = []
 
     @property
     def scheduled(self) -> list[ScheduledRequest]:

@@ -65,6 +65,14 @@ class Policy(ABC):
     ``@POLICIES.register`` (``policies/base.py``)."""
 
     config_class: ClassVar[type[PolicyConfig]] = PolicyConfig
+    #: Whether its engine caches prefixes by default (``kv.enable_prefix_caching: null``).
+    prefix_caching_default: ClassVar[bool] = False
+
+    @classmethod
+    def engine_defaults(cls, hardware: Any) -> dict[str, Any]:
+        """Values for the limits its config leaves null, on this hardware (a
+        ``sim.specs.HardwareSpec``): engines whose defaults depend on the GPU."""
+        return {}
     # The two fast-path flags below are read from a class's own body only: a subclass that
     # overrides hooks must restate them (after tests/test_fast_forward.py and, for the array
     # core, tests/test_array_core.py pass for it), or its runs take the per-step loop, which

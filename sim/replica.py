@@ -288,6 +288,7 @@ class Replica:
         k = 0
         i = 0  # index into requests (parallel to the expanded rows)
         joining: list[Request] = []
+        caching = self.kv.enable_prefix_caching
         for part in plan.parts:
             if isinstance(part, DecodeBlock):
                 self._apply_block(part, now)
@@ -296,6 +297,8 @@ class Replica:
             req = requests[i]
             i += 1
             req.num_computed_tokens += part.num_new_tokens
+            if caching and req.prefix is not None and part.start_position < req.prompt_len:
+                self.builder.register_computed(req)
             if not part.sample:
                 if run is not None and run.complete and is_decoding(req):
                     joining.append(req)
@@ -368,11 +371,12 @@ class Replica:
         leave the run's arrays when the jump ends)."""
         run.take_steps(jump.ends[done:stop])
         out = run.release(members)
-        tables = self.kv.block_tables
-        jump.freed.append(sum(len(tables[r.request_id]) for r in out))
+        free0 = self.kv.num_free_blocks
         now = float(jump.ends[stop - 1])
         for req in out:
             self._finish(req, now)
+        # Blocks shared with requests still running (a cached prefix) stay in use.
+        jump.freed.append(self.kv.num_free_blocks - free0)
 
     def _apply_jump(self, plan: StepPlan, requests: list[Request], jump: Jump,
                     start: float, queue_lengths: tuple[int, int, int], used0: int,

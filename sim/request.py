@@ -89,6 +89,9 @@ class Request:
         "reject_reason",
         "replica_id",
         "extra",
+        "prefix",
+        "num_cached_tokens",
+        "_block_keys",
     )
 
     def __init__(
@@ -99,6 +102,7 @@ class Request:
         max_output_len: int,
         priority: int = 0,
         prompt_token_ids: list[int] | None = None,
+        prefix: tuple[tuple[int, int], ...] | None = None,
     ) -> None:
         if prompt_len < 1:
             raise ValueError(f"request {request_id}: prompt_len must be >= 1, got {prompt_len}")
@@ -140,6 +144,15 @@ class Request:
         self.replica_id: int | None = None
         # Free slot for policies' per-request annotations (e.g. a predicted length).
         self.extra: dict | None = None
+        # The part of the prompt other requests may share, as (content key, tokens) spans
+        # (sim/prefix_cache.py), and how many prompt tokens the prefix cache supplied when
+        # the request was last admitted.
+        if prefix is not None and sum(n for _, n in prefix) > prompt_len:
+            raise ValueError(f"request {request_id}: prefix spans cover "
+                             f"{sum(n for _, n in prefix)} tokens of a {prompt_len}-token prompt")
+        self.prefix = prefix
+        self.num_cached_tokens = 0
+        self._block_keys: tuple[int, list[int]] | None = None  # (block size, shared hashes)
 
     # ---- counters (read through a decode run; see sim/decode_run.py) ----------------------
     @property

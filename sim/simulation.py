@@ -76,6 +76,10 @@ class KVConfig:
     swap_space_gib: float = 4.0  # CPU swap pool per GPU (vLLM's swap_space)
     num_cpu_blocks: int | None = None  # overrides swap_space_gib
     activation_reserve_gib: float | None = None  # overrides the estimate
+    # vLLM's automatic prefix caching: full blocks stay findable by content after they are
+    # freed, until handed out again (sim/prefix_cache.py, KVBlockManager).
+    # None: the policy's engine default (``Policy.prefix_caching_default``; vLLM v1: on).
+    enable_prefix_caching: bool | None = None
 
     def __post_init__(self) -> None:
         check_block_size(self.block_size)
@@ -167,6 +171,12 @@ class Simulation:
         return isinstance(self.cluster, DisaggregatedConfig)
 
     @property
+    def prefix_caching(self) -> bool:
+        """Whether any pool caches prefixes (``kv.enable_prefix_caching``, or the policy's
+        engine default where it is null)."""
+        return any(p.enable_prefix_caching for p in self.pools)
+
+    @property
     def is_cluster(self) -> bool:
         """Anything beyond the plain single replica: adds the cluster outputs."""
         c = self.cluster
@@ -191,6 +201,13 @@ class Simulation:
 
     def _make_pool(self, role: str, count: int, hardware: HardwareSpec,
                    policy_cfg: dict[str, Any], tp: int, pp: int, where: str) -> Pool:
+        # Limits left null take the engine's default for this hardware (vLLM v1's depend on
+        # the GPU), where the components know the policy's engine.
+        defaults = getattr(self.components, "policy_defaults", None)
+        if defaults is not None and any(v is None for v in policy_cfg.values()):
+            filled = defaults(policy_cfg, hardware)
+            policy_cfg = {k: filled.get(k, v) if v is None else v
+                          for k, v in policy_cfg.items()}
         try:
             policy = self.components.make_policy(policy_cfg, self.seed)
         except ConfigError as e:
@@ -206,7 +223,10 @@ class Simulation:
         memory = self._plan_memory(policy, executor, hardware, tp, pp, tp_field)
         return Pool(role, count, hardware, policy_cfg, tp, pp, memory, self.kv_cfg.block_size,
                     policy, executor, make,
-                    lambda seed: self.components.make_policy(policy_cfg, seed), self.seed)
+                    lambda seed: self.components.make_policy(policy_cfg, seed), self.seed,
+                    type(policy).prefix_caching_default
+                    if self.kv_cfg.enable_prefix_caching is None
+                    else self.kv_cfg.enable_prefix_caching)
 
     def _make_executor(self, hardware: HardwareSpec, tp: int, pp: int) -> Executor:
         ex = _section(self.cfg, "executor")
@@ -315,7 +335,10 @@ class Simulation:
             num_steps=sum(r.num_steps for r in reps),
             num_decode_jumps=sum(r.num_jumps for r in reps),
             num_swap_fallbacks=sum(r.builder.num_swap_fallbacks for r in reps),
-            engine="replica")
+            engine="replica",
+            prefix_cache=(sum(r.kv.prefix_queries for r in reps),
+                          sum(r.kv.prefix_hits for r in reps),
+                          sum(r.kv.num_evictions for r in reps)))
         if self.is_cluster:
             summary.update(cluster_summary(self.cluster, self.pools, deployment, env.now))
         self.write_summary(summary)
@@ -373,7 +396,7 @@ class Simulation:
         """The array core for this run, or None (the reason in ``array_core_skipped``)."""
         reason = array_core_blocker(self)
         if reason is None:
-            arrays = WorkloadArrays.collect(self.workload)
+            arrays = WorkloadArrays.collect(self.workload, self.prefix_caching)
             reason = arrays if isinstance(arrays, str) else pool_blocker(self, arrays)
         self.array_core_skipped = reason
         return None if reason is not None else ArrayCore(self, arrays)  # type: ignore[arg-type]
@@ -398,16 +421,25 @@ class Simulation:
 
     def summary(self, metrics: MetricsCollector, sim_end: float, wall: float, *,
                 kv_peak_usage: float, num_steps: int, num_decode_jumps: int,
-                num_swap_fallbacks: int, engine: str) -> dict[str, Any]:
-        """``summary.json``'s figures for a finished run, whichever loop ran it."""
+                num_swap_fallbacks: int, engine: str,
+                prefix_cache: tuple[int, int, int] = (0, 0, 0)) -> dict[str, Any]:
+        """``summary.json``'s figures for a finished run, whichever loop ran it.
+        ``prefix_cache``: prompt tokens looked up in the prefix cache, found, and cached
+        blocks evicted."""
         s = metrics.summary()
         mem = self.memory
+        queries, hits, evictions = prefix_cache
         s.update({
             "kv_block_size": self.kv_cfg.block_size,
             "kv_num_gpu_blocks": mem.num_gpu_blocks,
             "kv_num_cpu_blocks": mem.num_cpu_blocks,
             "kv_bytes_per_token": int(self.model.kv_bytes_per_token),
             "kv_peak_usage": kv_peak_usage,
+            "enable_prefix_caching": self.prefix_caching,
+            "prefix_cache_queries": queries,
+            "prefix_cache_hits": hits,
+            "prefix_cache_hit_rate": hits / queries if queries else 0.0,
+            "kv_evictions": evictions,
             "num_steps": num_steps,
             "num_decode_jumps": num_decode_jumps,
             "step_mode": self.step_mode,

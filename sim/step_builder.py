@@ -4,7 +4,10 @@ A policy reads the replica's queues through read-only views, and the KV pool thr
 read-only ``KVView`` (``step.kv``), and acts only through the methods below, which are the
 single home of request state transitions and KV operations:
 
-    schedule(req, n)   grant n new tokens (allocates slots; moves a waiting request to running)
+    pending_tokens(req) tokens req still needs computed, less what the prefix cache holds
+    schedule(req, n)   grant n new tokens (allocates slots; moves a waiting request to running;
+                       with prefix caching a request admitted within its ``pending_tokens``
+                       starts with the cached blocks of its prompt)
     reserve(req, n)    hold slots for a scheduled request's first n tokens now (static batching)
     preempt(req)       free its GPU KV by swap or by recompute (the replica's preemption mode)
     swap_in(req)       bring a swapped request's KV back so it can run again
@@ -26,8 +29,9 @@ from operator import attrgetter
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from sim.decode_run import DecodeRun, is_decoding
-from sim.kv_manager import KVIntegrityError, KVView
+from sim.kv_manager import KVIntegrityError, KVView, blocks_for
 from sim.plan import DecodeBlock, ScheduledRequest, StepPlan
+from sim.prefix_cache import own_block_key, shared_block_hashes
 from sim.request import Request, RequestStatus
 
 if TYPE_CHECKING:
@@ -164,6 +168,7 @@ class StepBuilder:
         self._granted: dict[int, int] = {}  # request id -> tokens granted this step
         self._in_flight: set[int] = in_flight or set()
         self.num_scheduled_tokens = 0
+        self._hit_memo: dict[Any, tuple[int, list[int]]] = {}
 
     # ---- queries ------------------------------------------------------------------------
     def is_scheduled(self, req: Request) -> bool:
@@ -184,7 +189,85 @@ class StepBuilder:
         return len(self.scheduled_requests)
 
     def blocks_needed(self, req: Request, num_new_tokens: int) -> int:
+        hits = self._hits(req, num_new_tokens)
+        if hits:  # the cached blocks come first; those now free leave the free queue
+            kv = self._kv
+            return (blocks_for(len(hits) * kv.block_size + num_new_tokens, kv.block_size)
+                    - len(hits) + kv.num_free_among(hits))
         return self._kv.blocks_needed(req.request_id, req.num_computed_tokens + num_new_tokens)
+
+    # ---- prefix caching -------------------------------------------------------------------
+    def pending_tokens(self, req: Request) -> int:
+        """Tokens ``req`` must still compute before it samples again: its own
+        ``num_pending_tokens``, less the prompt tokens the prefix cache holds when it waits
+        with nothing computed (whole blocks from the first, never its last token: vLLM v1's
+        ``get_computed_blocks``). A policy that sizes admissions by this admits cache hits at
+        their real cost; a grant within it starts from the cached blocks. A policy that reads
+        the request's own count gets no hits and runs as without a cache."""
+        hits = self._hits(req)
+        n = req.num_pending_tokens
+        return n - len(hits) * self._kv.block_size if hits else n
+
+    def _hits(self, req: Request, num_new_tokens: int = 0) -> list[int]:
+        """The cached blocks ``req`` would start with if admitted now with
+        ``num_new_tokens`` tokens (empty unless that fits within its ``pending_tokens``)."""
+        kv = self._kv
+        if (not kv.enable_prefix_caching or req.status is RequestStatus.RUNNING
+                or req.status is RequestStatus.SWAPPED or req.num_computed_tokens):
+            return []
+        rid = req.request_id
+        memo = self._hit_memo.get(rid)
+        if memo is not None and memo[0] == kv.epoch:
+            hits = memo[1]
+        else:
+            hits = kv.match(self._keys(req))
+            self._hit_memo[rid] = (kv.epoch, hits)
+        if hits and num_new_tokens > req.num_pending_tokens - len(hits) * kv.block_size:
+            return []
+        return hits
+
+    def _keys(self, req: Request) -> list:
+        """Content keys of the blocks a cache hit may cover: whole blocks, never the one
+        holding the last token to compute (sim/prefix_cache.py)."""
+        size = self._kv.block_size
+        limit = (req.num_pending_tokens - 1) // size
+        shared = self.shared_keys(req)[:limit]
+        if req.num_recomputes and len(shared) < limit:  # its own blocks, kept by preemption
+            rid = req.request_id
+            return [*shared, *(own_block_key(rid, k) for k in range(len(shared), limit))]
+        return shared
+
+    def shared_keys(self, req: Request) -> list[int]:
+        """The hashes of ``req``'s full blocks inside its shared prefix (memoized)."""
+        if req.prefix is None:
+            return []
+        size = self._kv.block_size
+        memo = req._block_keys
+        if memo is None or memo[0] != size:
+            memo = req._block_keys = (size, shared_block_hashes(req.prefix, size))
+        return memo[1]
+
+    def register_computed(self, req: Request) -> None:
+        """Make the computed blocks of ``req``'s shared prefix findable: after a step that
+        computed prompt tokens, and when its KV comes back (swap in) or arrives (transfer)."""
+        kv = self._kv
+        if not kv.enable_prefix_caching or req.prefix is None:
+            return
+        shared = self.shared_keys(req)
+        upto = min(req.num_computed_tokens // kv.block_size, len(shared))
+        if upto > kv.num_registered(req.request_id):
+            kv.register(req.request_id, shared, upto)
+
+    def _register_before_recompute(self, req: Request) -> None:
+        """A request preempted by recompute leaves its computed blocks cached: when it is
+        admitted again they are a hit (its own tokens included) unless evicted meanwhile."""
+        kv = self._kv
+        size = kv.block_size
+        full = req.num_computed_tokens // size
+        shared = self.shared_keys(req)[:full]
+        rid = req.request_id
+        keys = [*shared, *(own_block_key(rid, k) for k in range(len(shared), full))]
+        kv.register(rid, keys, full)
 
     def can_allocate(self, req: Request, num_new_tokens: int, use_watermark: bool = False) -> bool:
         wm = self.watermark_blocks if use_watermark else 0
@@ -211,9 +294,24 @@ class StepBuilder:
             raise ValueError(f"request {rid} is swapped out; swap_in first")
         computed = req.num_computed_tokens  # not a run member (any run was dissolved above)
         kv = self._kv
+        queried = (kv.enable_prefix_caching and status is not RequestStatus.RUNNING
+                   and not computed)
+        if queried:
+            hits = self._hits(req, num_new_tokens)
+            if hits:
+                if self.blocks_needed(req, num_new_tokens) > kv.num_free_blocks:
+                    return False
+                kv.attach(rid, hits)
+                computed = req.num_computed_tokens = len(hits) * kv.block_size
+                pending -= computed
         if kv.allocate_slots(rid, computed + num_new_tokens) is None:
             return False
+        if queried:
+            kv.prefix_queries += pending + computed
+            kv.prefix_hits += computed
+            req.num_cached_tokens = computed
         if status is not RequestStatus.RUNNING:  # admitted from the waiting queue
+            self._plan.admitted.append(rid)
             self._remove_waiting(req)
             req.transition(RequestStatus.RUNNING)
             self._q.add_running(req)
@@ -268,6 +366,8 @@ class StepBuilder:
                 self._plan.swapped_out.append(rid)
                 return PreemptionMode.SWAP
             self.num_swap_fallbacks += 1
+        if self._kv.enable_prefix_caching:
+            self._register_before_recompute(req)
         self._kv.free(rid)
         req.num_computed_tokens = 0
         req.num_recomputes += 1
@@ -291,6 +391,7 @@ class StepBuilder:
         self._q.add_running(req)
         self._plan.swap_in.extend(pairs)
         self._plan.swaps.append(("in", pairs))
+        self.register_computed(req)  # its prefix is back in GPU blocks (copied first)
         return True
 
     def build(self) -> StepPlan:
@@ -489,6 +590,7 @@ class StepBuilder:
                              f"{req.num_computed_tokens} transferred tokens")
         self._in_transit.discard(req.request_id)
         self._q.add_running(req)
+        self.register_computed(req)  # the prefix arrived with the rest of its KV
         if self.run is not None:
             self._transferred.append(req)
 

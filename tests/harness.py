@@ -73,7 +73,8 @@ class Run:
 def run_requests(policy: dict, requests: list[Request], *, num_gpu_blocks: int, block_size: int,
                  num_cpu_blocks: int = 0, step_time: float = 1.0, per_token_time: float = 0.0,
                  max_model_len: int = 100_000, check_integrity: bool = True,
-                 until: float | None = None, seed: int = 0) -> Run:
+                 until: float | None = None, seed: int = 0,
+                 enable_prefix_caching: bool = False) -> Run:
     env = simpy.Environment()
     pol = policies.make_policy({"kv_watermark": 0.0, **policy}, seed=seed)
     ex = RecordingExecutor(step_time, per_token_time)
@@ -90,7 +91,7 @@ def run_requests(policy: dict, requests: list[Request], *, num_gpu_blocks: int, 
         return plan
 
     pol.schedule = observed
-    kv = KVBlockManager(num_gpu_blocks, block_size, num_cpu_blocks)
+    kv = KVBlockManager(num_gpu_blocks, block_size, num_cpu_blocks, enable_prefix_caching)
     metrics = MetricsCollector()
     replica = Replica(env, 0, pol, ex, kv, metrics, CsvSink(None, REQUEST_COLUMNS),
                       CsvSink(None, STEP_COLUMNS), max_model_len=max_model_len,

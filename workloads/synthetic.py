@@ -12,7 +12,7 @@ from sim.errors import ConfigError, require
 from sim.request import Request
 from workloads.base import WORKLOADS, Workload
 from workloads.distributions import ArrivalProcess, LengthDistribution
-from workloads.token_ids import TokenIdSource
+from workloads.token_ids import TokenIdSource, prefix_group
 
 _CHUNK = 4096  # requests drawn per vectorized batch; does not change the stream
 
@@ -27,7 +27,8 @@ class SyntheticWorkload(Workload):
                  seed: int, priorities: list[float] | None = None,
                  total_len: LengthDistribution | None = None,
                  prefill_decode_ratio: float | None = None,
-                 token_ids: TokenIdSource | None = None) -> None:
+                 token_ids: TokenIdSource | None = None, shared_prefix_len: int = 0,
+                 num_prefix_groups: int = 1) -> None:
         require(num_requests >= 1, "workload.num_requests", f"must be >= 1, got {num_requests}")
         if total_len is not None:
             require(prefill_decode_ratio is not None and prefill_decode_ratio > 0,
@@ -42,6 +43,10 @@ class SyntheticWorkload(Workload):
         self.total_len = total_len
         self.prefill_decode_ratio = prefill_decode_ratio
         self.token_ids = token_ids  # None: requests carry lengths only (enough for a cost model)
+        # Each prompt starts with one of num_prefix_groups shared prefixes (the prefix cache
+        # sees them as spans; token ids, when drawn, agree with them).
+        self.shared_prefix_len = shared_prefix_len
+        self.num_prefix_groups = num_prefix_groups
 
     @property
     def num_requests(self) -> int:
@@ -72,6 +77,7 @@ class SyntheticWorkload(Workload):
         # split each distinct total once (a dict hit is a tenth of the float arithmetic).
         splits: dict[int, tuple[int, int]] = {}
         tok = self.token_ids
+        shared, groups = self.shared_prefix_len, self.num_prefix_groups
         while rid < self._n:
             n = min(_CHUNK, self._n - rid)
             times = t + np.cumsum(self.arrival.gaps(g_arr, n))
@@ -86,13 +92,17 @@ class SyntheticWorkload(Workload):
                 outs = self.output_len.sample(g_out, n).tolist()
             pris = (g_pri.choice(len(pri_p), size=n, p=pri_p).tolist() if pri_p is not None
                     else [0] * n)
-            if tok is None:  # lengths only (a cost model): no token ids to draw
+            if tok is None and not shared:  # lengths only (a cost model): no ids to draw
                 for at, i, o, p in zip(times.tolist(), ins, outs, pris):
                     yield Request(rid, at, i, o, priority=p)
                     rid += 1
                 continue
             for at, i, o, p in zip(times.tolist(), ins, outs, pris):
-                yield Request(rid, at, i, o, priority=p, prompt_token_ids=tok.synthetic(rid, i))
+                prefix = None
+                if shared:
+                    prefix = ((prefix_group(self.seed, rid, groups), min(shared, i)),)
+                yield Request(rid, at, i, o, priority=p, prefix=prefix,
+                              prompt_token_ids=None if tok is None else tok.synthetic(rid, i))
                 rid += 1
 
     def describe(self) -> str:
@@ -174,4 +184,8 @@ def build_synthetic(cfg: dict[str, Any], seed: int, model: Any = None, token_ids
         prefill_decode_ratio=(None if ratio is None
                               else as_float(ratio, "workload.prefill_decode_ratio")),
         token_ids=token_id_source(cfg, seed, model, token_ids),
+        shared_prefix_len=as_int(cfg.get("shared_prefix_len") or 0, "workload.shared_prefix_len",
+                                 minimum=0),
+        num_prefix_groups=as_int(cfg.get("num_prefix_groups") or 1, "workload.num_prefix_groups",
+                                 minimum=1),
     )

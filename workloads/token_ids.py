@@ -43,6 +43,12 @@ def hash_ids(seed: int, tag: int, key: int | np.ndarray, positions: np.ndarray,
     return (h % _U(vocab_size)).astype(np.int64)
 
 
+def prefix_group(seed: int, request_id: int, num_groups: int) -> int:
+    """Which of ``num_groups`` shared prefixes a synthetic request's prompt starts with."""
+    h = hash_ids(seed, _GROUP, request_id, np.zeros(1), 2**62)
+    return int(h[0] % num_groups)
+
+
 class TokenIdSource:
     """Builds prompt ids for one workload; see the module docstring."""
 
@@ -54,8 +60,7 @@ class TokenIdSource:
         self.num_prefix_groups = num_prefix_groups
 
     def prefix_group(self, request_id: int) -> int:
-        h = hash_ids(self.seed, _GROUP, request_id, np.zeros(1), 2**62)
-        return int(h[0] % self.num_prefix_groups)
+        return prefix_group(self.seed, request_id, self.num_prefix_groups)
 
     def synthetic(self, request_id: int, prompt_len: int) -> list[int]:
         shared = min(self.shared_prefix_len, prompt_len)

@@ -211,7 +211,15 @@ class TraceWorkload(Workload):
         if len(times) == 0:
             raise ConfigError("workload.start", f"{path} has only {total} rows")
         self.token_ids = token_ids
-        # Mooncake rows name their 512-token prompt blocks: equal hash ids, equal token ids.
+        # Mooncake rows name their 512-token prompt blocks: equal hash ids, equal content.
+        # The prefix cache sees each full block as one span keyed by its hash id (the partial
+        # last block is the request's own).
+        self._prefixes: list[tuple[tuple[int, int], ...] | None] | None = None
+        if hashes is not None:
+            self._prefixes = [
+                None if hashes[i] is None else tuple(
+                    (h, MOONCAKE_BLOCK_TOKENS) for h in hashes[i][:n // MOONCAKE_BLOCK_TOKENS])
+                for i, n in zip(order.tolist(), ins.tolist())]
         self._hashes: list[list[int]] | None = None
         if token_ids is not None and hashes is not None:
             self._hashes = []
@@ -240,13 +248,14 @@ class TraceWorkload(Workload):
         return int(self._ins.max())
 
     def __iter__(self) -> Iterator[Request]:
-        tok, hashes = self.token_ids, self._hashes
+        tok, hashes, prefixes = self.token_ids, self._hashes, self._prefixes
         for rid, (t, i, o) in enumerate(zip(self._times.tolist(), self._ins.tolist(),
                                             self._outs.tolist())):
             ids = None
             if tok is not None:
                 ids = tok.mooncake(hashes[rid], i) if hashes is not None else tok.synthetic(rid, i)
-            yield Request(rid, t, i, o, prompt_token_ids=ids)
+            yield Request(rid, t, i, o, prompt_token_ids=ids,
+                          prefix=None if prefixes is None else prefixes[rid] or None)
 
     def describe(self) -> str:
         span = self._times[-1] if len(self._times) > 1 else 0.0

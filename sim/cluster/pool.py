@@ -49,6 +49,7 @@ class Pool:
     make_executor: Callable[[], Executor]
     make_policy: Callable[[int], Policy]  # a new policy instance, from its seed
     seed: int = 0
+    enable_prefix_caching: bool = False
 
     @property
     def num_gpus(self) -> int:
@@ -70,7 +71,7 @@ class Pool:
                       self.make_policy(replica_seed(self.seed, rid)))
             executor = self.first_executor if i == 0 else self.make_executor()
             kv = KVBlockManager(self.memory.num_gpu_blocks, self.block_size,
-                                self.memory.num_cpu_blocks)
+                                self.memory.num_cpu_blocks, self.enable_prefix_caching)
             executor.init_kv_cache(kv.num_gpu_blocks, kv.num_cpu_blocks, kv.block_size)
             kwargs: dict[str, Any] = dict(max_model_len=max_model_len,
                                           check_integrity=check_integrity,
