@@ -25,7 +25,7 @@ from sim.executor import Executor
 from sim.policy import Policy
 from sim.result import SimulationResult
 from sim.simulation import KVConfig
-from sim.specs import ModelSpec
+from sim.specs import HardwareSpec, ModelSpec
 from sim.workload import Workload
 
 __all__ = ["BUILT_IN", "KVConfig", "Simulation", "SimulationResult", "run_simulation"]
@@ -37,6 +37,15 @@ class BuiltIn:
 
     def make_policy(self, section: dict[str, Any], seed: int) -> Policy:
         return policies.make_policy(section, seed=seed)
+
+    def policy_defaults(self, section: dict[str, Any], hardware: HardwareSpec
+                        ) -> dict[str, Any]:
+        """The engine defaults of the policy ``section`` names, on ``hardware``."""
+        try:
+            cls = policies.POLICIES.get(str(section.get("name")))
+        except KeyError:
+            return {}  # make_policy reports the unknown name
+        return cls.engine_defaults(hardware)
 
     def executor_factory(self, name: str) -> Callable[..., Executor]:
         return executors.EXECUTORS.get(name)

@@ -15,6 +15,8 @@ EXTRA = {
     "priority": ("workload.priorities=[1,1,2]",),
     "sjf": ("policy.preemptive=true", "policy.predictor=noisy"),
     "chunked_prefill": ("policy.max_num_batched_tokens=256", "policy.max_num_seqs=64"),
+    "vllm_v1": ("policy.max_num_batched_tokens=256", "policy.max_num_seqs=64",
+                "workload.shared_prefix_len=50", "workload.num_prefix_groups=2"),
 }
 
 
@@ -75,7 +77,8 @@ def test_random_small_workloads_under_kv_pressure(policy, seed, blocks, qps, swa
         f"policy={policy}", "model=tiny", f"seed={seed}", f"kv.num_gpu_blocks={blocks}",
         "kv.num_cpu_blocks=64", f"workload.qps={qps}", "workload.num_requests=40",
         "workload.prompt_len.max=200", "workload.output_len.max=120",
-        f"policy.preemption_mode={'swap' if swap else 'recompute'}",
+        # vLLM v1 has no swap space: its runs always recompute.
+        f"policy.preemption_mode={'swap' if swap and policy != 'vllm_v1' else 'recompute'}",
         *EXTRA.get(policy, ()),
     ])
 

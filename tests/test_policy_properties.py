@@ -40,6 +40,7 @@ POLICY_OPTIONS = {
     "priority": st.fixed_dictionaries({
         "max_num_batched_tokens": tokens, "max_num_seqs": seats, "preemption_mode": modes,
         "preemptive": st.booleans()}),
+    "vllm_v1": st.fixed_dictionaries({"max_num_batched_tokens": tokens, "max_num_seqs": seats}),
 }
 
 workloads = st.lists(

@@ -1,0 +1,102 @@
+"""vLLM v1's scheduler (``vllm/v1/core/sched/scheduler.py``, ``Scheduler.schedule``, with the
+default ``scheduling_policy=fcfs``).
+
+There are no prefill and decode phases: one token budget per step
+(``max_num_batched_tokens``) is shared by every request, as ``num_computed_tokens`` catching
+up with the request's tokens. Each step:
+1. running requests first, in order: each gets all its pending tokens (one for a decode, the
+   rest of its prompt for a prefill) up to what the budget has left, so chunked prefill is
+   always on; when its new blocks do not fit, the last running request not yet scheduled is
+   preempted by recompute (its blocks freed, put back at the head of the waiting queue), and
+   if that is the request itself, the loop stops;
+2. only if nobody was preempted: waiting requests in queue order, while the budget lasts and
+   ``max_num_seqs`` leaves a seat. Each first takes the blocks of its prompt the prefix cache
+   holds (``StepBuilder.pending_tokens``), then asks for blocks for the tokens it computes
+   in this step only (no watermark, nothing reserved ahead); the first that does not fit
+   ends admission.
+Prefix caching is on by default (``kv.enable_prefix_caching: null``), preemption is by
+recompute only (v1 has no swap space), and the limits default to vLLM's for the API server
+(``EngineArgs.get_batch_defaults``): 8,192 batched tokens and 1,024 sequences on GPUs with
+at least 70 GiB that are not A100s, 2,048 and 256 elsewhere.
+
+vLLM keeps its running list in admission order (a recomputed request rejoins at the end);
+here the running set is in arrival order, which is the same until a recomputed request is
+admitted again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import islice
+from typing import Any
+
+from policies.base import POLICIES, Policy, PolicyConfig
+from policies.budget import Budget, admission_rule, schedule_running
+from sim.errors import require
+from sim.plan import StepPlan
+from sim.request import Request
+from sim.step_builder import StepBuilder
+
+# EngineArgs.get_batch_defaults (OPENAI_API_SERVER): large-memory GPUs other than A100s.
+_LARGE_GPU_GIB = 70
+
+
+@dataclass(frozen=True)
+class VLLMV1Config(PolicyConfig):
+    name: str = "vllm_v1"
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    chunked_prefill: bool = True
+    kv_watermark: float = 0.0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require(self.chunked_prefill, "policy.chunked_prefill",
+                "vLLM v1 always chunks prefills: must be true for the vllm_v1 policy")
+        require(self.preemption_mode == "recompute", "policy.preemption_mode",
+                f"vLLM v1 preempts by recompute only, got {self.preemption_mode!r}")
+        require(self.kv_watermark == 0.0, "policy.kv_watermark",
+                f"vLLM v1 admits without a watermark: must be 0, got {self.kv_watermark}")
+
+
+@POLICIES.register("vllm_v1")
+class VLLMV1Policy(Policy):
+    # A decode-only step means no waiting request got a chunk: no seat, no budget left after
+    # the decodes, or no room for a chunk's blocks; the decodes only take seats' blocks, so
+    # that holds until an arrival, a finish or a KV shortage (tests/test_fast_forward.py).
+    supports_decode_jumps = True
+    implements_chunked_prefill = True
+    prefix_caching_default = True
+
+    config_class = VLLMV1Config
+    config: VLLMV1Config
+
+    @classmethod
+    def engine_defaults(cls, hardware: Any) -> dict[str, Any]:
+        large = (hardware.memory_gib >= _LARGE_GPU_GIB
+                 and "a100" not in f"{hardware.name} {hardware.display_name}".lower())
+        return ({"max_num_batched_tokens": 8192, "max_num_seqs": 1024} if large
+                else {"max_num_batched_tokens": 2048, "max_num_seqs": 256})
+
+    def schedule(self, step: StepBuilder) -> StepPlan:
+        cfg = self.config
+        budget = Budget(step, cfg.max_num_batched_tokens, cfg.max_num_seqs)
+        if schedule_running(step, budget):  # preempted someone: no admissions this step
+            return step.build()
+        if step.waiting and budget.remaining_tokens > 0:
+            self.admit_waiting(step, budget)
+        return step.build()
+
+    def admit_waiting(self, step: StepBuilder, budget: Budget) -> list[Request]:
+        """Queue order; each admitted with its pending tokens (after its cache hit) up to the
+        budget left, holding blocks for those only; the first that does not fit stops it."""
+        # A snapshot of the part that can matter (admitting removes requests from the queue).
+        candidates = list(islice(step.waiting, max(budget.seats_left(), 0)))
+
+        def place(req: Request, n: int, pending: int) -> bool:
+            return step.schedule(req, n)
+
+        return [req for req, _ in admission_rule(
+            candidates, step.pending_tokens, budget.remaining_tokens, budget.seats_left(),
+            budget.max_num_batched_tokens, chunked=True, place=place,
+            budget_now=lambda: (budget.remaining_tokens, budget.seats_left()))]
