@@ -142,6 +142,15 @@ class Replica:
         """Fraction of GPU KV blocks in use (what the replica reports to a router)."""
         return self.kv.usage
 
+    def cached_prefix_tokens(self, req: Request) -> int:
+        """Prompt tokens of ``req`` this replica's prefix cache holds now, in whole blocks
+        from the first (what a prefix-aware router may ask; 0 with caching off)."""
+        kv = self.kv
+        if not kv.enable_prefix_caching or req.prefix is None:
+            return 0
+        keys = self.builder.shared_keys(req)[:(req.prompt_len - 1) // kv.block_size]
+        return len(kv.match(keys)) * kv.block_size
+
     @property
     def waking(self) -> bool:
         """True between ``notify`` and the loop resuming: the replica plans its next step at

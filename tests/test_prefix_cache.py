@@ -263,7 +263,7 @@ def test_random_shared_prefixes_fast_equals_exact(seed, qps, blocks, prefix, gro
     extra = {"fcfs": [], "priority": ["workload.priorities=[1,1,2]"],
              "sjf": ["policy.predictor=noisy"],
              "chunked_prefill": ["policy.max_num_batched_tokens=256"]}[policy]
-    cluster = {"single": [], "replicas": ["cluster.num_replicas=2", "cluster.router=least_kv"],
+    cluster = {"single": [], "replicas": ["cluster.num_replicas=2", "cluster.router=prefix_aware"],
                "disaggregated": ["cluster=disaggregated"]}[layout]
     blocks = blocks * 16 // block_size
     s = assert_fast_equals_exact([
@@ -302,3 +302,17 @@ def test_without_shared_prefixes_the_array_core_runs_with_caching_on():
     assert core.summary["prefix_cache_queries"] == core.summary["total_input_tokens"]
     shared = Simulation(compose_cfg(*base, "workload.shared_prefix_len=32")).run()
     assert shared.summary["step_engine"] == "replica"
+
+
+def test_a_prefix_aware_router_sends_a_group_where_its_prefix_is_cached():
+    """Four replicas, 16 shared prompts: with prefix_aware routing every request after a
+    group's first lands where that group's prefix is cached, so the hit rate beats round
+    robin's, and each replica's cache answers what it holds."""
+    base = ["model=tiny", "policy=vllm_v1", "cluster.num_replicas=4",
+            "workload.num_requests=300", "workload.qps=40", "workload.prompt_len.min=600",
+            "workload.prompt_len.max=700", "workload.shared_prefix_len=512",
+            "workload.num_prefix_groups=16", "kv.num_gpu_blocks=400"]
+    rr = Simulation(compose_cfg(*base, "cluster.router=round_robin")).run().summary
+    pa = Simulation(compose_cfg(*base, "cluster.router=prefix_aware")).run().summary
+    assert pa["completed"] == rr["completed"] == 300
+    assert pa["prefix_cache_hit_rate"] > 1.5 * rr["prefix_cache_hit_rate"]

@@ -15,15 +15,34 @@ from tests.cluster_harness import run_colocated
 class Load:
     num_outstanding: int
     kv_usage: float = 0.0
+    cached: int = 0  # prompt tokens its prefix cache holds
+
+    def cached_prefix_tokens(self, req: Request) -> int:
+        return self.cached
 
 
 def _req(i=0):
     return Request(i, 0.0, 8, 2)
 
 
-def test_registry_has_the_five_routers():
-    assert ROUTERS.names() == ["least_kv", "least_outstanding", "power_of_two", "random",
-                               "round_robin"]
+def test_registry_has_the_six_routers():
+    assert ROUTERS.names() == ["least_kv", "least_outstanding", "power_of_two",
+                               "prefix_aware", "random", "round_robin"]
+
+
+def test_prefix_aware_follows_the_cache_while_the_load_is_balanced():
+    r = make_router("prefix_aware", 0)
+    req = Request(0, 0.0, 100, 2)
+    # More than half of the prompt cached on replica 2: it gets the request.
+    assert r.choose(req, [Load(3, 0.1, 0), Load(2, 0.2, 48), Load(5, 0.9, 64)]) == 2
+    # Equal hits: fewer outstanding.
+    assert r.choose(req, [Load(3, 0.1, 64), Load(2, 0.2, 64)]) == 1
+    # Half or less cached anywhere: the most free KV, then fewer outstanding.
+    assert r.choose(req, [Load(3, 0.4, 50), Load(2, 0.2, 0), Load(1, 0.2, 0)]) == 2
+    # Out of balance (40 more outstanding, and more than 1.0001x): the idlest, cache or not.
+    assert r.choose(req, [Load(45, 0.1, 96), Load(5, 0.9, 0)]) == 1
+    # 32 more is still balanced.
+    assert r.choose(req, [Load(37, 0.1, 96), Load(5, 0.9, 0)]) == 0
 
 
 def test_round_robin_cycles():

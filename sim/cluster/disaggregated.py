@@ -63,6 +63,9 @@ class _DecodeTarget:
     def kv_usage(self) -> float:
         return self.replica.kv_usage
 
+    def cached_prefix_tokens(self, req: Request) -> int:
+        return self.replica.cached_prefix_tokens(req)
+
 
 class Disaggregated:
     kind = "disaggregated"

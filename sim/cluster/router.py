@@ -1,9 +1,11 @@
 """Routers: pick the replica that serves a newly arrived request.
 
 A router sees only what a real front-end could know at that instant: each replica's count of
-outstanding (accepted, unfinished) requests, which the router itself tracks, and the KV usage
-the replica last reported (its block manager's usage after its most recent step). It never
-looks at queue contents, request lengths, or the future.
+outstanding (accepted, unfinished) requests, which the router itself tracks, the KV usage
+the replica last reported (its block manager's usage after its most recent step), and, for a
+prefix-aware router, how much of the request's prompt each replica's prefix cache holds (as
+llm-d's precise prefix-cache scorer reads KV events). It never looks at queue contents or the
+future.
 
 Register a new one with ``@ROUTERS.register("name")``; the class gets the run's seeded
 ``numpy.random.Generator``.
@@ -30,6 +32,8 @@ class RouteTarget(Protocol):
 
     @property
     def kv_usage(self) -> float: ...
+
+    def cached_prefix_tokens(self, req: Request) -> int: ...
 
 
 ROUTERS: Registry[type[Router]] = Registry("router")
@@ -92,6 +96,35 @@ class PowerOfTwo(Router):
             return 0
         a, b = (int(x) for x in self.rng.choice(n, size=2, replace=False))
         return b if targets[b].num_outstanding < targets[a].num_outstanding else a
+
+
+@ROUTERS.register("prefix_aware")
+class PrefixAware(Router):
+    """SGLang's cache-aware router (``sgl-model-gateway``, ``cache_aware`` policy) with exact
+    prefix matches. While the load is balanced, the replica whose prefix cache holds the most
+    of the prompt gets it if that is more than ``CACHE_THRESHOLD`` of the prompt; otherwise
+    the replica with the most free KV (lowest usage). When the outstanding counts are out of
+    balance (the busiest has more than ``BALANCE_ABS`` more than the idlest and more than
+    ``BALANCE_REL`` times as many), the fewest outstanding wins, cache or not. Ties go to
+    fewer outstanding requests, then the lowest index. SGLang's defaults; its router matches
+    an approximate tree of the prompts it routed, this one asks each replica's cache
+    (``cached_prefix_tokens``) and so sees evictions."""
+
+    CACHE_THRESHOLD = 0.5
+    BALANCE_ABS = 32
+    BALANCE_REL = 1.0001
+
+    def choose(self, req: Request, targets: Sequence[RouteTarget]) -> int:
+        n = len(targets)
+        load = [t.num_outstanding for t in targets]
+        lo, hi = min(load), max(load)
+        if hi - lo > self.BALANCE_ABS and hi > lo * self.BALANCE_REL:
+            return min(range(n), key=lambda i: load[i])
+        cached = [t.cached_prefix_tokens(req) for t in targets]
+        best = min(range(n), key=lambda i: (-cached[i], load[i]))
+        if cached[best] > self.CACHE_THRESHOLD * req.prompt_len:
+            return best
+        return min(range(n), key=lambda i: (targets[i].kv_usage, load[i]))
 
 
 # A stream id for the routers' generator that no workload stream uses (workloads spawn
