@@ -50,6 +50,9 @@ CASES: dict[str, tuple[list[str], float]] = {
     "fcfs_kv3000_swap": ([*_FCFS, "kv.num_gpu_blocks=3000", "policy.preemption_mode=swap"], 6),
     # vLLM's automatic prefix caching on the same recipe (no prompt shares a prefix).
     "fcfs_prefix_cache": ([*_FCFS, "kv.enable_prefix_caching=true"], 6),
+    # vLLM v1's scheduler (prefix caching on) with the recipe's limits.
+    "vllm_v1": (["policy=vllm_v1", "policy.max_num_seqs=128",
+                 "policy.max_num_batched_tokens=4096"], 6),
     # Four replicas behind a router at four times the rate.
     "replicas4": ([*_FCFS, "cluster.num_replicas=4", "cluster.router=least_outstanding"], 24),
     # Two prefill and two decode replicas at twice the rate.
