@@ -305,9 +305,9 @@ def test_without_shared_prefixes_the_array_core_runs_with_caching_on():
 
 
 def test_a_prefix_aware_router_sends_a_group_where_its_prefix_is_cached():
-    """Four replicas, 16 shared prompts: with prefix_aware routing every request after a
-    group's first lands where that group's prefix is cached, so the hit rate beats round
-    robin's, and each replica's cache answers what it holds."""
+    """Four replicas, 16 shared prefixes: prefix_aware routing sends a request where its
+    group's prefix is cached while the load allows, so the hit rate is well above round
+    robin's (which spreads each group over every replica's cache)."""
     base = ["model=tiny", "policy=vllm_v1", "cluster.num_replicas=4",
             "workload.num_requests=300", "workload.qps=40", "workload.prompt_len.min=600",
             "workload.prompt_len.max=700", "workload.shared_prefix_len=512",

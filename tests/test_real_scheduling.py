@@ -97,3 +97,30 @@ def test_requests_csv_carries_the_generated_ids(tmp_path):
     assert res.summary["hardware"] == "cpu" and res.summary["executor"] == "real"
     # The planner sized blocks with the executor's fp32 KV (2 layers x 2 x 64 x 4 bytes).
     assert res.summary["kv_bytes_per_token"] == 1024
+
+
+SHARED = ("workload.shared_prefix_len=40", "workload.num_prefix_groups=2")
+
+
+@pytest.fixture(scope="module")
+def shared_baseline():
+    res, outs = run(*SHARED, "kv.enable_prefix_caching=false")
+    assert res.summary["prefix_cache_hits"] == 0
+    return outs
+
+
+@pytest.mark.parametrize("overrides", [
+    ("policy=fcfs",),
+    ("policy=fcfs", "policy.preemption_mode=recompute", *TINY_POOL),
+    ("policy=chunked_prefill", "policy.max_num_batched_tokens=16", "policy.max_num_seqs=16"),
+    ("policy=sjf", "policy.preemption_mode=swap", *TINY_POOL),
+    ("policy=vllm_v1", "policy.max_num_batched_tokens=24"),
+    ("policy=vllm_v1", *TINY_POOL),
+])
+def test_greedy_outputs_do_not_depend_on_prefix_cache_hits(overrides, shared_baseline):
+    """Prompts that start with one of two shared 40-token prefixes (equal ids): a request
+    handed the cached blocks of its prefix skips computing them in the real model, and
+    generates exactly what it generates with caching off."""
+    res, outs = run(*SHARED, "kv.enable_prefix_caching=true", *overrides)
+    assert res.summary["prefix_cache_hits"] > 0
+    assert outs == shared_baseline
