@@ -83,6 +83,7 @@ class ArrayCoreHost(Protocol):
     memory: MemoryPlan
     kv_cfg: Any  # sim.simulation.KVConfig
     prefix_caching: bool
+    workload: Any  # sim.workload.Workload
 
     def open_outputs(self, request_columns: tuple[str, ...], num_requests: int | None,
                      ) -> tuple[CsvSink, CsvSink, MetricsCollector, Progress]: ...
@@ -122,6 +123,8 @@ def array_core_blocker(sim: ArrayCoreHost) -> str | None:
         return "check_integrity=true"
     if sim.keep_requests:
         return "keep_requests (Request objects wanted)"
+    if sim.workload.closed_loop:
+        return "a closed-loop workload (finished requests bring new ones)"
     # The class's own opt-in (Policy.__init_subclass__: a subclass does not inherit it).
     if not sim.policy.array_core:
         return f"policy {sim.policy.config.name!r} does not decide on arrays"

@@ -78,6 +78,9 @@ class Replica:
                              and getattr(policy, "supports_decode_jumps", False))
         self.num_jumps = 0
         self.num_jump_stops = 0  # finishes inside jumps past finishes
+        # The workload answers finishes with new requests (a closed loop): jumps stop at the
+        # first finish, when the next arrival may change (set by the simulation).
+        self.finishes_bring_arrivals = False
         cfg = policy.config
         self.queues = ReplicaQueues()
         self.builder = StepBuilder(self.queues, kv, cfg.preemption_mode, cfg.kv_watermark)
@@ -239,8 +242,9 @@ class Replica:
                     jump = None
                 elif block is not None:
                     run, run_step = self.builder.run, self.builder.run_block_step
+                    # A finish may bring a new arrival (a closed loop): then stop at it.
                     past = not q.waiting and not q.swapped and (
-                        len(run) == len(q.running))
+                        len(run) == len(q.running)) and not self.finishes_bring_arrivals
                     max_steps = MAX_JUMP_STEPS
                     if run.key is not None:  # a policy's order, which may change as they decode
                         max_steps = self.policy.decode_order_steps(
@@ -446,6 +450,8 @@ class Replica:
         req.transition(RequestStatus.FINISHED)
         self.queues.remove_running(req)
         rid = req.request_id
+        if req.output_key is not None:
+            self.builder.register_finished(req)
         self.kv.free(rid)
         self.executor.free_request(rid)
         self.num_unfinished -= 1

@@ -37,6 +37,10 @@ def format_summary(s: dict[str, Any]) -> str:
     lines.append(f"  KV: {blocks}, peak "
                  f"usage {100 * s['kv_peak_usage']:.1f}%;  simulated {s['simulated_duration_s']:.1f} s "
                  f"in {s['wall_time_s']:.2f} s wall")
+    if s.get("enable_prefix_caching"):
+        lines.append(f"  prefix cache: hit rate {100 * s['prefix_cache_hit_rate']:.1f}% "
+                     f"({s['prefix_cache_hits']} of {s['prefix_cache_queries']} prompt tokens), "
+                     f"{s['kv_evictions']} evictions")
     if len(pools) > 1:  # the head names the first pool's hardware only
         lines.append("  pools: " + ", ".join(
             f"{n} {role} on {hw} (TP{tp}{f' PP{pp}' if pp > 1 else ''}, {kv} KV blocks)"

@@ -90,6 +90,7 @@ class Request:
         "replica_id",
         "extra",
         "prefix",
+        "output_key",
         "num_cached_tokens",
         "_block_keys",
     )
@@ -151,6 +152,9 @@ class Request:
             raise ValueError(f"request {request_id}: prefix spans cover "
                              f"{sum(n for _, n in prefix)} tokens of a {prompt_len}-token prompt")
         self.prefix = prefix
+        # The content key of its answer when a later request's prompt repeats it (a turn
+        # of a conversation): its blocks are registered as that span when it finishes.
+        self.output_key: int | None = None
         self.num_cached_tokens = 0
         self._block_keys: tuple[int, list[int]] | None = None  # (block size, shared hashes)
 

@@ -8,6 +8,7 @@ validated before the first simulated event, with errors that name the field.
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import json
 import time
 from collections.abc import Callable
@@ -294,6 +295,20 @@ class Simulation:
                                                                    self.workload.num_requests)
         kept: list[Request] = []
         state = {"done": 0}
+        # A closed loop's follow-up requests, arriving later: (time, sequence) in a heap,
+        # and the sequences arrived (dropped from the heap once at its top).
+        later: list[tuple[float, int]] = []
+        arrived: set[int] = set()
+        closed = self.workload.closed_loop
+
+        def arrive_later(req: Request, seq: int):
+            yield timeout_at(env, req.arrival_time)
+            arrived.add(seq)
+            while later and later[0][1] in arrived:
+                arrived.discard(heapq.heappop(later)[1])
+            deployment.add_request(req)
+            if req.is_finished:  # rejected at arrival
+                on_done(req)
 
         def on_done(req: Request) -> None:
             state["done"] += 1
@@ -301,11 +316,22 @@ class Simulation:
                 kept.append(req)
             if state["done"] & 63 == 0:
                 progress.update(state["done"], env.now)
+            if closed:
+                nxt = self.workload.follow_up(req)
+                if nxt is not None:
+                    seq = state.setdefault("seq", 0)
+                    state["seq"] = seq + 1
+                    heapq.heappush(later, (nxt.arrival_time, seq))
+                    env.process(arrive_later(nxt, seq))
 
         # The next arrival's time: decode jumps stop before it (sim/fast_forward.py).
         next_arrival = [float("inf")]
-        deployment = self._build_deployment(env, metrics, req_sink, step_sink, on_done,
-                                            lambda: next_arrival[0])
+        deployment = self._build_deployment(
+            env, metrics, req_sink, step_sink, on_done,
+            (lambda: min(next_arrival[0], later[0][0] if later else float("inf")))
+            if closed else (lambda: next_arrival[0]))
+        for r in deployment.replicas:
+            r.finishes_bring_arrivals = closed
 
         def arrivals():
             for req in self.workload:
@@ -345,6 +371,13 @@ class Simulation:
         return SimulationResult(summary, metrics, deployment.replicas, self.memory, kept,
                                 req_sink, step_sink, deployment)
 
+    @property
+    def _jumps(self) -> bool:
+        """Whether replicas take decode jumps: in fast mode, except where a finish on one
+        replica may bring an arrival that another replica's jump would run past (a closed
+        loop in a cluster; a single replica's jumps stop at its own finishes)."""
+        return self.step_mode == "fast" and not (self.workload.closed_loop and self.is_cluster)
+
     def _build_deployment(self, env: simpy.Environment, metrics: MetricsCollector,
                           req_sink: CsvSink, step_sink: CsvSink, on_done,
                           horizon) -> Colocated | Disaggregated:
@@ -359,7 +392,7 @@ class Simulation:
             # never show a router a replica's future.
             replicas = self.pools[0].build(env, 0, metrics, rows, step_sink,
                                            on_finished=on_done, horizon=horizon,
-                                           fast_forward=self.step_mode == "fast", **common)
+                                           fast_forward=self._jumps, **common)
             deployment = Colocated(replicas, make_router(c.router, self.seed))
         else:
             prefill_pool, decode_pool = self.pools
@@ -377,7 +410,7 @@ class Simulation:
             # off after its prompt step, so they step one at a time.
             decode = decode_pool.build(env, prefill_pool.count, metrics, rows, step_sink,
                                        on_finished=decode_done, horizon=horizon,
-                                       fast_forward=self.step_mode == "fast", **common)
+                                       fast_forward=self._jumps, **common)
             link = Link(env, c.link, prefill_pool.count + decode_pool.count)
             lanes = min(prefill_pool.tensor_parallel * prefill_pool.pipeline_parallel,
                         decode_pool.tensor_parallel * decode_pool.pipeline_parallel)

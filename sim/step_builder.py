@@ -258,6 +258,19 @@ class StepBuilder:
         if upto > kv.num_registered(req.request_id):
             kv.register(req.request_id, shared, upto)
 
+    def register_finished(self, req: Request) -> None:
+        """A finished request whose answer a later prompt repeats (``output_key``): its
+        computed full blocks become findable as its prompt's spans followed by the answer's
+        (before they are freed)."""
+        kv = self._kv
+        if not kv.enable_prefix_caching or req.output_key is None:
+            return
+        spans = (*(req.prefix or ()), (req.output_key, req.num_output_tokens))
+        keys = shared_block_hashes(spans, kv.block_size)
+        upto = min(req.num_computed_tokens // kv.block_size, len(keys))
+        if upto > kv.num_registered(req.request_id):
+            kv.register(req.request_id, keys, upto)
+
     def _register_before_recompute(self, req: Request) -> None:
         """A request preempted by recompute leaves its computed blocks cached: when it is
         admitted again they are a hit (its own tokens included) unless evicted meanwhile."""

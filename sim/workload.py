@@ -26,3 +26,13 @@ class Workload(ABC):
 
     def describe(self) -> str:
         return type(self).__name__
+
+    #: Whether finished requests bring new ones (``follow_up``): a closed loop, such as
+    #: a conversation whose next turn is sent after the answer to the previous one.
+    closed_loop: bool = False
+
+    def follow_up(self, req: Request) -> Request | None:
+        """The request a finished (or rejected) ``req`` brings, arriving at its own
+        ``arrival_time`` (>= ``req.finish_time``); None if none. Open-loop workloads bring
+        none."""
+        return None

@@ -1,6 +1,6 @@
 """Workloads. Importing this package registers the built-in generators."""
 
-from workloads import synthetic, trace  # noqa: F401  (registers)
+from workloads import multi_turn, synthetic, trace  # noqa: F401  (registers)
 from workloads.base import WORKLOADS, Workload, make_workload
 
 __all__ = ["WORKLOADS", "Workload", "make_workload"]
