@@ -108,6 +108,33 @@ def timeline_figure(steps: pd.DataFrame) -> go.Figure:
     return fig
 
 
+def prefix_cache_figure(requests: pd.DataFrame) -> go.Figure:
+    """The share of prompt tokens the prefix cache supplied, by the time requests were
+    first scheduled: per time bin and cumulative (``num_cached_tokens / prompt_len``; a
+    request preempted by recompute counts its last admission)."""
+    fig = go.Figure()
+    df = requests[requests["status"] == "finished"].copy()
+    df["at"] = pd.to_numeric(df["first_scheduled_time"], errors="coerce")
+    df = df.dropna(subset=["at"]).sort_values("at")
+    if len(df):
+        at = df["at"].to_numpy(dtype=float)
+        hits = df["num_cached_tokens"].to_numpy(dtype=float)
+        prompts = df["prompt_len"].to_numpy(dtype=float)
+        bins = np.linspace(at[0], max(at[-1], at[0] + 1e-9), min(len(df), 200) + 1)
+        idx = np.clip(np.searchsorted(bins, at, side="right") - 1, 0, len(bins) - 2)
+        per_hit = np.bincount(idx, hits, len(bins) - 1)
+        per_query = np.bincount(idx, prompts, len(bins) - 1)
+        keep = per_query > 0
+        fig.add_trace(go.Scatter(x=bins[:-1][keep], y=100 * per_hit[keep] / per_query[keep],
+                                 name="per interval", mode="lines"))
+        fig.add_trace(go.Scatter(x=at, y=100 * np.cumsum(hits) / np.cumsum(prompts),
+                                 name="cumulative", mode="lines"))
+    fig.update_layout(title="Prefix cache hit rate (% of prompt tokens, by admission time)",
+                      height=380, yaxis=dict(title="%", range=[0, 100]),
+                      xaxis=dict(title="simulated time (s)"))
+    return fig
+
+
 def html_page(title: str, figures: list[go.Figure], preamble: str = "") -> str:
     """One offline page: plotly.js inlined once, then each figure."""
     body = "\n".join(f.to_html(full_html=False, include_plotlyjs=False) for f in figures)
@@ -122,6 +149,8 @@ def write_report(out_dir: Path, summary: dict[str, Any]) -> Path:
     figures = [latency_cdf_figure({str(summary.get('policy')): requests})]
     if steps_csv.exists():  # absent with record_steps=false
         figures.append(timeline_figure(pd.read_csv(steps_csv)))
+    if summary.get("enable_prefix_caching"):
+        figures.append(prefix_cache_figure(requests))
     title = (f"{summary.get('model')} / {summary.get('hardware')} / {summary.get('policy')}: "
              f"{summary['completed']} requests")
     pre = f"<pre>{format_summary(summary)}</pre>"

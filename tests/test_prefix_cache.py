@@ -316,3 +316,17 @@ def test_a_prefix_aware_router_sends_a_group_where_its_prefix_is_cached():
     pa = Simulation(compose_cfg(*base, "cluster.router=prefix_aware")).run().summary
     assert pa["completed"] == rr["completed"] == 300
     assert pa["prefix_cache_hit_rate"] > 1.5 * rr["prefix_cache_hit_rate"]
+
+
+def test_the_report_plots_the_hit_rate_when_caching_is_on(tmp_path):
+    from sim.report import write_report
+
+    for on in (True, False):
+        out = tmp_path / str(on)
+        out.mkdir()
+        res = Simulation(compose_cfg("model=tiny", "workload.num_requests=60",
+                                     "workload.shared_prefix_len=64",
+                                     f"kv.enable_prefix_caching={str(on).lower()}"), out).run()
+        html = write_report(out, res.summary).read_text()
+        assert ("Prefix cache hit rate" in html) == on
+        assert ("prefix cache: hit rate" in html) == on  # the printed summary on the page
