@@ -76,5 +76,8 @@ def test_runs_are_reproducible_and_errors_name_the_field():
         Simulation(compose_cfg(*SMALL, "workload.think_time_s=-1"))
     assert e.value.field == "workload.think_time_s"
     with pytest.raises(ConfigError) as e:
+        Simulation(compose_cfg(*SMALL, "workload.max_prompt_len=500"))
+    assert e.value.field == "workload.max_prompt_len"
+    with pytest.raises(ConfigError) as e:
         Simulation(compose_cfg(*SMALL, "+workload.bogus=1"))
     assert e.value.field == "workload.bogus"

@@ -47,8 +47,10 @@ class MultiTurnWorkload(Workload):
                 f"must be >= 0, got {system_prompt_len}")
         require(num_system_prompts >= 1, "workload.num_system_prompts",
                 f"must be >= 1, got {num_system_prompts}")
-        require(max_prompt_len >= 1, "workload.max_prompt_len",
-                f"must be >= 1, got {max_prompt_len}")
+        # Every first turn fits, so every session sends at least one request.
+        require(system_prompt_len + user_len.max <= max_prompt_len, "workload.max_prompt_len",
+                f"{max_prompt_len} is below a first turn's longest prompt (system_prompt_len "
+                f"{system_prompt_len} + user_len.max {user_len.max})")
         rng = [np.random.default_rng(s) for s in np.random.SeedSequence(seed).spawn(6)]
         self.starts = np.cumsum(rng[0].exponential(1.0 / qps, num_sessions))
         self.starts -= self.starts[0]
@@ -76,8 +78,8 @@ class MultiTurnWorkload(Workload):
     def __iter__(self) -> Iterator[Request]:
         for s in range(len(self.starts)):  # each session's first turn, at its start
             req = self._turn(int(self.first_id[s]), float(self.starts[s]))
-            if req is not None:
-                yield req
+            assert req is not None  # first turns fit max_prompt_len (checked above)
+            yield req
 
     def follow_up(self, req: Request) -> Request | None:
         if req.finish_time is None or req.reject_reason is not None:
