@@ -1,7 +1,8 @@
 """Prefix caching against the GPU cache's size and the router (``conf/prefix_caching.yaml``).
 
     python -m experiments.prefix_caching
-    python -m experiments.prefix_caching 'experiment.kv_blocks=[null]' 'experiment.routers=[prefix_aware]'
+    python -m experiments.prefix_caching 'experiment.kv_blocks=[null]' \
+        'experiment.routers=[prefix_aware]'
 
 Every scenario (a workload whose prompts share prefixes) runs with caching off and on, for
 each GPU cache size (KV blocks per replica) and router, on four replicas. Prints one row per
