@@ -2,7 +2,7 @@
 
     python -m experiments.gpu_check [--out gpu_check.md] [--requests 200]
 
-Run it first on a lent GPU (docs/gpu-validation.md, "Issue 6 on a GPU": ~1.5 to 2 minutes,
+Run it first on a GPU (docs/gpu-validation.md, "Validation on a GPU": ~1.5 to 2 minutes,
 the 200-request run about one of them); its table goes at the top of docs/gpu-validation.md.
 
 1. every Triton kernel against its torch reference in bf16 at Llama-3-8B shapes;

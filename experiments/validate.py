@@ -110,7 +110,7 @@ class ValidationResult:
     replay: Replay | None  # every run's steps pooled (step-time figures)
     profile_path: Path
     profile_fit: dict[str, Any] = field(default_factory=dict)  # the profile simulated with
-    # The profile's own fit on its rows alone (issue 6's "held-out shapes" MAPE); the same as
+    # The profile's own fit on its rows alone (the "held-out shapes" MAPE); the same as
     # ``profile_fit`` when no serving steps were refitted.
     shapes_fit: dict[str, Any] = field(default_factory=dict)
     real_runs: list[dict[str, Any]] = field(default_factory=list)  # each real run's summary
@@ -888,7 +888,7 @@ def main() -> None:
                 keys = command_line_policy_keys(HydraConfig.get().overrides.task)
                 result = validate(OmegaConf.to_container(cfg, resolve=True), out_dir, keys)
         except Exception as e:
-            # On a lent GPU the traceback may scroll away: say what failed and where the
+            # On a remote GPU the traceback may scroll away: say what failed and where the
             # finished runs are (each run's folder is complete once its summary.json exists).
             print(f"validate failed: {type(e).__name__}: {e}\nfinished runs so far: {out_dir}",
                   file=sys.stderr)

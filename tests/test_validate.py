@@ -266,7 +266,7 @@ def test_whole_loop_on_the_real_cpu_executor(tmp_path):
     assert len(res.real_runs) == len(res.replays) == 2
     assert res.profile_fit["attention_tile"] == 1  # torch attention on a CPU: no query tiles
     assert res.profile_fit["steps_fit"] > 0 and res.profile_fit["steps_heldout"] > 0
-    # Issue 6's held-out shapes figure is the profile's own fit; the serving refit is judged
+    # The held-out shapes figure is the profile's own fit; the serving refit is judged
     # on the serving steps it holds out. (The refit's price of the profile's held-out shapes is
     # looser, 10 to 29% here: with 29 shapes against ~280 steps it may move collinear prices,
     # decode FLOPs vs KV bytes, that only the rare cached-prefix prompts tell apart.)

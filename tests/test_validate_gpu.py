@@ -1,4 +1,4 @@
-"""Issue 6 on a GPU, checked without one: the saturation finder behind ``validate.qps: auto``
+"""Validation on a GPU, checked without one: the saturation finder behind ``validate.qps: auto``
 against an executor whose saturation is computed by hand, the GPU preset
 (``conf/validate_gpu.yaml``) run end to end on the CPU with CPU overrides, its memory budget on
 an 80 GB H100, and the CUDA-side choices that can be checked on a CPU."""
