@@ -189,7 +189,7 @@ class StepBuilder:
         return len(self.scheduled_requests)
 
     def blocks_needed(self, req: Request, num_new_tokens: int) -> int:
-        hits = self._hits(req, num_new_tokens)
+        hits = self._hits(req, num_new_tokens) if self._kv.enable_prefix_caching else None
         if hits:  # the cached blocks come first; those now free leave the free queue
             kv = self._kv
             return (blocks_for(len(hits) * kv.block_size + num_new_tokens, kv.block_size)
@@ -204,8 +204,10 @@ class StepBuilder:
         ``get_computed_blocks``). A policy that sizes admissions by this admits cache hits at
         their real cost; a grant within it starts from the cached blocks. A policy that reads
         the request's own count gets no hits and runs as without a cache."""
-        hits = self._hits(req)
         n = req.num_pending_tokens
+        if not self._kv.enable_prefix_caching:  # the common case: one attribute read
+            return n
+        hits = self._hits(req)
         return n - len(hits) * self._kv.block_size if hits else n
 
     def _hits(self, req: Request, num_new_tokens: int = 0) -> list[int]:

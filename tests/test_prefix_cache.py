@@ -119,16 +119,23 @@ def test_a_second_request_starts_from_the_first_ones_prefix_blocks():
     kv.check_integrity()
 
 
-def test_a_hit_never_covers_the_last_prompt_token():
+def _after_first_prefill(prompt_len: int):
+    """Two waiting requests whose prompts of ``prompt_len`` start with the same 8 tokens; the
+    first has been prefilled whole (its shared blocks are findable) and a new step begun."""
     q, kv, step = _builder()
     prefix = ((1, 8),)
-    a = Request(0, 0.0, 8, 2, prefix=prefix)
-    b = Request(1, 0.0, 8, 2, prefix=prefix)
+    a = Request(0, 0.0, prompt_len, 2, prefix=prefix)
+    b = Request(1, 0.0, prompt_len, 2, prefix=prefix)
     q.waiting.extend([a, b])
     step.reset(0.0)
-    step.schedule(a, 8)
-    _finish_prefill(step, a, 8)
+    step.schedule(a, prompt_len)
+    _finish_prefill(step, a, prompt_len)
     step.reset(0.1)
+    return kv, step, b
+
+
+def test_a_hit_never_covers_the_last_prompt_token():
+    kv, step, b = _after_first_prefill(8)
     # Both blocks are cached, but the last token must be computed: one block is a hit.
     assert step.pending_tokens(b) == 4
     assert step.schedule(b, 4) and kv.block_tables[1] == [0, 2]
@@ -136,15 +143,7 @@ def test_a_hit_never_covers_the_last_prompt_token():
 
 def test_a_grant_beyond_the_cache_aware_count_takes_no_hit():
     """A policy that sizes grants by the request's own count gets no hits."""
-    q, kv, step = _builder()
-    prefix = ((1, 8),)
-    a = Request(0, 0.0, 9, 2, prefix=prefix)
-    b = Request(1, 0.0, 9, 2, prefix=prefix)
-    q.waiting.extend([a, b])
-    step.reset(0.0)
-    step.schedule(a, 9)
-    _finish_prefill(step, a, 9)
-    step.reset(0.1)
+    kv, step, b = _after_first_prefill(9)
     assert step.pending_tokens(b) == 1
     assert step.schedule(b, 9)
     assert kv.block_tables[1] == [3, 4, 5] and b.num_cached_tokens == 0
