@@ -1,0 +1,476 @@
+"""The simulator against numbers real engines published (``conf/published.yaml``).
+
+    python -m experiments.published
+    python -m experiments.published 'experiment.rows=[blog:1,mlperf:1]' experiment.workers=1
+    python -m experiments.published executor.per_seq_overhead_us=5   # a what-if on every row
+
+Reads the tables in ``published_dir`` (default ``../shared/published``: the vLLM v0.6.0
+blog's throughput and latency figures and NVIDIA's MLPerf Inference v4.1 Llama-2-70B Offline
+results, with their setups in the folder's README) at run time, simulates each row's setup
+(``row_setup``: model, GPUs, tensor parallelism, replicas, batch limits, dtypes, lengths and
+request rate as the row and README state them; rows with the same setup share one run) and
+prints published | simulated | error per row and per table. Nothing is tuned to the rows: the
+executor section, the seed and the kv keys a row does not set are the composed config's (so a
+command-line executor value is a what-if on every row). Writes into the Hydra run folder:
+``published.csv`` (one row per published figure), ``published_tables.csv`` (per table: mean
+absolute and signed mean error), ``published.md`` (both tables) and ``published.html``.
+The request streams and the ShareGPT length model are in ``experiments/published_lengths.py``.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import re
+import time
+from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import hydra
+import plotly.graph_objects as go
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+from plotly.subplots import make_subplots
+
+from experiments.common import markdown_table, merge
+from experiments.published_lengths import LengthsWorkload, build_workload
+from experiments.simulation import BuiltIn
+from sim.errors import ConfigError, exit_on_config_error, require
+from sim.report import html_page
+from sim.simulation import Simulation
+from sim.specs import ModelSpec
+from sim.workload import Workload
+from workloads.base import resolve_path
+
+CONF = Path(__file__).resolve().parent.parent / "conf"
+BLOG, MLPERF = "vllm_v060_blog", "mlperf_v41_llama2_70b_offline"
+FILES = {BLOG: "vllm_v060_blog.csv", MLPERF: "mlperf_v41_llama2_70b_offline.csv"}
+MLPERF_LENGTHS = "mlperf_llama2_lengths.csv"
+BLOG_GPUS = {"H100": "h100_sxm", "A100": "a100_80gb"}  # the blog's H100-80GB SXM, A100-80GB
+MLPERF_GPUS = {"H100-SXM-80GB": "h100_sxm", "H200-SXM-141GB": "h200"}
+# MLPerf's figures and the summary.json keys that simulate them.
+MLPERF_METRICS = {"tokens_per_s": "output_throughput", "samples_per_s": "request_throughput"}
+BLOG_METRICS = ("request_throughput", "mean_tpot_ms", "mean_ttft_ms")
+# vLLM 0.6's engine defaults: 256 sequences; without chunked prefill (off for these models'
+# 8k contexts) max_num_batched_tokens = max(max_model_len, 2048); recompute preemption, a 1%
+# watermark, 16-token blocks, 90% of GPU memory, prefix caching off.
+VLLM_V06_POLICY = {"max_num_seqs": 256, "chunked_prefill": False,
+                   "preemption_mode": "recompute", "kv_watermark": 0.01}
+VLLM_V06_MIN_BATCHED_TOKENS = 2048
+ENGINE_KV = {"block_size": 16, "gpu_memory_utilization": 0.9, "enable_prefix_caching": False}
+
+
+@dataclass(frozen=True)
+class Row:
+    """One published figure: ``setup`` is its CSV line (strings), ``metric`` the
+    ``summary.json`` key that simulates it."""
+
+    id: str          # "blog:3", "mlperf:1" (the data line's number in its file)
+    source: str      # BLOG or MLPERF
+    table: str       # the blog's "throughput" / "latency"; MLPerf's "offline"
+    setup: dict[str, str]
+    metric: str
+    published: float
+    read_accuracy: str
+
+
+@dataclass(frozen=True)
+class RunSetup:
+    """A row's run: config group choices (``conf/<group>/<name>.yaml``), values over them
+    (``workload`` replaces the section outright), and what the run cannot model as stated."""
+
+    groups: dict[str, str]
+    values: dict[str, Any]
+    note: str = ""
+    label: str = field(default="", compare=False)
+
+
+# ---- reading the tables ---------------------------------------------------------------------
+def published_folder(path: str) -> Path:
+    """The folder of the published tables, with every file this command reads."""
+    try:
+        folder = resolve_path(path, "published_dir")
+    except ConfigError:
+        raise ConfigError("published_dir", f"{path}: no such folder (it holds "
+                          f"{', '.join([*FILES.values(), MLPERF_LENGTHS])}); set "
+                          "published_dir=<folder>") from None
+    for name in [*FILES.values(), MLPERF_LENGTHS]:
+        require((folder / name).is_file(), "published_dir", f"{folder} has no {name}")
+    return folder
+
+
+def _read_csv(path: Path, columns: Sequence[str]) -> list[dict[str, str]]:
+    with path.open(newline="") as fh:
+        reader = csv.DictReader(fh)
+        missing = sorted(set(columns) - set(reader.fieldnames or ()))
+        require(not missing, "published_dir", f"{path}: no column {missing[:1]}")
+        return list(reader)
+
+
+def _number(value: str, where: str) -> float:
+    try:
+        return float(value)
+    except ValueError:
+        raise ConfigError("published_dir", f"{where}: {value!r} is not a number") from None
+
+
+def read_rows(folder: Path) -> list[Row]:
+    """Every published figure of the two tables, in file order."""
+    rows = []
+    blog = folder / FILES[BLOG]
+    cols = ("table", "model", "gpus", "dataset", "input_len", "output_len", "num_prompts",
+            "request_rate", "metric", "value", "read_accuracy")
+    for i, line in enumerate(_read_csv(blog, cols), start=1):
+        where = f"{blog}:{i + 1}"
+        require(line["metric"] in BLOG_METRICS, "published_dir",
+                f"{where}: unknown metric {line['metric']!r}; known: {', '.join(BLOG_METRICS)}")
+        rows.append(Row(f"blog:{i}", BLOG, line["table"], line, line["metric"],
+                        _number(line["value"], where), line["read_accuracy"]))
+    mlperf = folder / FILES[MLPERF]
+    cols = ("system", "gpus", "replicas", "tensor_parallel", "max_batch", "weights",
+            "kv_cache", *MLPERF_METRICS)
+    for i, line in enumerate(_read_csv(mlperf, cols), start=1):
+        for name, key in MLPERF_METRICS.items():
+            rows.append(Row(f"mlperf:{i}", MLPERF, "offline", line, key,
+                            _number(line[name], f"{mlperf}:{i + 1}"), "as submitted"))
+    return rows
+
+
+# ---- a row's setup --------------------------------------------------------------------------
+def _group(group: str, name: str) -> dict[str, Any]:
+    path = CONF / group / f"{name}.yaml"
+    require(path.is_file(), group, f"no config conf/{group}/{name}.yaml")
+    return OmegaConf.to_container(OmegaConf.load(path), resolve=True)  # type: ignore[return-value]
+
+
+def _int(value: str, what: str, row: Row) -> int:
+    try:
+        return int(value)
+    except ValueError:
+        raise ConfigError("published_dir", f"{row.id}: {what} {value!r} is not an "
+                          "integer") from None
+
+
+def row_setup(row: Row, exp: dict[str, Any], folder: Path) -> RunSetup:
+    """The run that simulates ``row`` (``exp``: the config's ``experiment`` section)."""
+    s = row.setup
+    kv = dict(ENGINE_KV)
+    if row.source == BLOG:
+        m = re.fullmatch(r"(\d+)x(\w+)", s["gpus"])
+        require(m is not None and m.group(2) in BLOG_GPUS, "published_dir",
+                f"{row.id}: gpus {s['gpus']!r}; known: <n>x{{{','.join(BLOG_GPUS)}}}")
+        gpus, gpu = int(m.group(1)), m.group(2)  # type: ignore[union-attr]
+        max_len = int(_group("model", s["model"])["max_model_len"])
+        n = exp.get("num_prompts") or _int(s["num_prompts"], "num_prompts", row)
+        workload: dict[str, Any] = {"name": "published", "dataset": s["dataset"],
+                                    "num_prompts": int(n),
+                                    "request_rate": _number(s["request_rate"], row.id)}
+        if s["dataset"] == "fixed":
+            workload["input_len"] = _int(s["input_len"], "input_len", row)
+            workload["output_len"] = _int(s["output_len"], "output_len", row)
+            note = ""
+        elif s["dataset"] == "sharegpt":
+            workload["sharegpt"] = dict(exp.get("sharegpt") or {})
+            note = "ShareGPT length model (a fit, not the data set)"
+        else:
+            raise ConfigError("published_dir", f"{row.id}: unknown dataset {s['dataset']!r}")
+        return RunSetup(
+            groups={"model": s["model"], "hardware": BLOG_GPUS[gpu], "policy": "fcfs",
+                    "cluster": "single"},
+            values={"model": {"weight_dtype": "bf16", "kv_dtype": "bf16"},
+                    "policy": {**VLLM_V06_POLICY, "max_num_batched_tokens":
+                               max(max_len, VLLM_V06_MIN_BATCHED_TOKENS)},
+                    "cluster": {"tensor_parallel": gpus, "num_replicas": 1},
+                    "kv": kv, "workload": workload},
+            note=note,
+            label=" ".join([s["model"], s["gpus"], s["dataset"]]
+                           + ([f"{s['input_len']}/{s['output_len']}"] if s["input_len"] else [])
+                           + [f"rate {s['request_rate']}"]))
+    system = s["system"].split("x", 1)
+    require(len(system) == 2 and system[1] in MLPERF_GPUS, "published_dir",
+            f"{row.id}: system {s['system']!r}; known: <n>x{{{','.join(MLPERF_GPUS)}}}")
+    hardware = MLPERF_GPUS[system[1]]
+    replicas, tp = (_int(s[k], k, row) for k in ("replicas", "tensor_parallel"))
+    require(replicas * tp == _int(s["gpus"], "gpus", row), "published_dir",
+            f"{row.id}: {replicas} replicas x TP{tp} is not {s['gpus']} GPUs")
+    mp = dict(exp.get("mlperf") or {})
+    outputs = mp.get("outputs", "scaled")
+    require(outputs in ("scaled", "reference"), "experiment.mlperf.outputs",
+            f"must be scaled or reference, got {outputs!r}")
+    per_sample = (_number(s["tokens_per_s"], row.id) / _number(s["samples_per_s"], row.id))
+    workload = {"name": "published", "dataset": "mlperf",
+                "path": str(folder / MLPERF_LENGTHS),
+                "num_prompts": int(exp.get("mlperf_samples") or _count_lines(folder)),
+                "request_rate": math.inf,
+                "output_mean": round(per_sample, 1) if outputs == "scaled" else None,
+                "max_output": int(mp.get("max_output", 1024))}
+    weights, kv_dtype = s["weights"], s["kv_cache"]
+    note = (f"outputs scaled to {per_sample:.1f} tokens/sample" if outputs == "scaled"
+            else "reference output lengths") + "; TensorRT-LLM scheduled as fcfs"
+    if weights == "fp8" and not float(_group("hardware", hardware).get("peak_tflops_fp8", 0)):
+        note += f"; {hardware} has no FP8: GEMMs priced at its fp16 peak"
+    return RunSetup(
+        groups={"model": "llama2_70b", "hardware": hardware, "policy": "fcfs",
+                "cluster": "single"},
+        values={"model": {"weight_dtype": weights, "kv_dtype": kv_dtype},
+                "policy": {**VLLM_V06_POLICY, "max_num_seqs": _int(s["max_batch"], "max_batch",
+                                                                    row),
+                           "max_num_batched_tokens": int(mp.get("max_num_batched_tokens",
+                                                                8192))},
+                "cluster": {"tensor_parallel": tp, "num_replicas": replicas},
+                "kv": kv, "workload": workload},
+        note=note,
+        label=f"llama2_70b {s['system']} {replicas}xTP{tp} batch {s['max_batch']} {weights}")
+
+
+def _count_lines(folder: Path) -> int:
+    with (folder / MLPERF_LENGTHS).open() as fh:
+        return sum(1 for _ in fh) - 1
+
+
+def run_config(base: dict[str, Any], setup: RunSetup) -> dict[str, Any]:
+    """The full simulation config of ``setup`` over the composed ``base`` (its executor,
+    kv, seed and engine switches are kept)."""
+    cfg = {k: v for k, v in base.items() if k not in ("experiment", "published_dir")}
+    for group, name in setup.groups.items():
+        cfg[group] = _group(group, name)
+    values = dict(setup.values)
+    cfg["workload"] = dict(values.pop("workload"))
+    return {**merge(cfg, values), "progress": False, "record_steps": False}
+
+
+# ---- running --------------------------------------------------------------------------------
+class PublishedComponents(BuiltIn):
+    """The built-in components, plus the ``published`` workload (fixed lengths, the ShareGPT
+    model or MLPerf's samples, sent at once or as a Poisson stream)."""
+
+    def make_workload(self, section: dict[str, Any], seed: int, *, model: ModelSpec,
+                      token_ids: bool) -> Workload:
+        if section.get("name") == "published":
+            require(not token_ids, "executor.name", "these runs give lengths, not token ids: "
+                    "use a cost model executor")
+            return build_workload(section, seed)
+        return super().make_workload(section, seed, model=model, token_ids=token_ids)
+
+
+COMPONENTS = PublishedComponents()
+KEPT = ("completed", "rejected", "num_preemptions", "request_throughput", "output_throughput",
+        "mean_ttft_ms", "mean_tpot_ms", "total_input_tokens", "total_output_tokens")
+
+
+def simulate(cfg: dict[str, Any]) -> dict[str, Any]:
+    """One run's figures (``KEPT``), its simulated and wall seconds."""
+    t0 = time.perf_counter()
+    sim = Simulation(cfg, None, components=COMPONENTS)
+    w = sim.workload
+    summary = sim.run().summary
+    out = {k: summary[k] for k in KEPT}
+    if isinstance(w, LengthsWorkload):  # what the lengths drawn came to
+        out.update(mean_prompt_len=float(w.prompts.mean()),
+                   mean_output_len=float(w.outputs.mean()), max_output_len=int(w.outputs.max()))
+    out["simulated_s"] = summary["total_output_tokens"] / summary["output_throughput"]
+    out["wall_s"] = time.perf_counter() - t0
+    return out
+
+
+def select(rows: list[Row], ids: Sequence[str] | None) -> list[Row]:
+    if not ids:
+        return rows
+    if isinstance(ids, str):
+        ids = [ids]
+    known = list(dict.fromkeys(r.id for r in rows))
+    unknown = [i for i in ids if i not in known]
+    if unknown:
+        raise ConfigError("experiment.rows", f"unknown row {unknown[0]!r}; known: "
+                          f"{', '.join(known)}")
+    return [r for r in rows if r.id in set(ids)]
+
+
+def error_pct(simulated: float, published: float) -> float:
+    """Signed error of the simulation, in percent of the published figure."""
+    return 100.0 * (simulated - published) / published
+
+
+def run_rows(cfg: dict[str, Any], log: Any = print) -> list[dict[str, Any]]:
+    """Every selected row's published and simulated figure (one dict per row)."""
+    exp = cfg.get("experiment") or {}
+    folder = published_folder(str(cfg.get("published_dir") or "../shared/published"))
+    rows = select(read_rows(folder), exp.get("rows"))
+    setups = [row_setup(r, exp, folder) for r in rows]
+    configs = [run_config(cfg, s) for s in setups]
+    # Rows with the same setup (one blog run gives throughput, TPOT and TTFT) share a run.
+    keys = [json.dumps(c, sort_keys=True, default=str) for c in configs]
+    unique = list(dict.fromkeys(keys))
+    first = {k: keys.index(k) for k in unique}
+    for k in unique:  # every run is built (its config checked) before any runs
+        Simulation(configs[first[k]], None, components=COMPONENTS)
+    # The longest runs (MLPerf's thousands of samples) first, so that workers finish together.
+    order = sorted(unique, key=lambda k: -configs[first[k]]["workload"]["num_prompts"])
+    results: dict[str, dict[str, Any]] = {}
+    workers = max(1, int(exp.get("workers", 1)))
+    t0 = time.perf_counter()
+
+    def done(k: str, res: dict[str, Any]) -> None:
+        results[k] = res
+        log(f"[{len(results)}/{len(unique)}] {setups[first[k]].label}: "
+            f"{res['wall_s']:.1f} s wall ({time.perf_counter() - t0:.0f} s in all)", flush=True)
+
+    if workers == 1:
+        for k in order:
+            done(k, simulate(configs[first[k]]))
+    else:
+        with ProcessPoolExecutor(workers) as pool:
+            futures = {pool.submit(simulate, configs[first[k]]): k for k in order}
+            for f in as_completed(futures):
+                done(futures[f], f.result())
+    out = []
+    for row, setup, key in zip(rows, setups, keys):
+        res = results[key]
+        notes = [setup.note] if setup.note else []
+        if row.setup.get("dataset") == "sharegpt":
+            notes.append(f"sample means {res['mean_prompt_len']:.0f}/"
+                         f"{res['mean_output_len']:.0f}, longest output "
+                         f"{res['max_output_len']}")
+        if res["num_preemptions"]:
+            notes.append(f"{res['num_preemptions']} preemptions")
+        if res["rejected"]:
+            notes.append(f"{res['rejected']} rejected")
+        out.append({"id": row.id, "source": row.source, "table": row.table,
+                    "setup": setup.label, "metric": row.metric, "published": row.published,
+                    "simulated": res[row.metric],
+                    "error_pct": error_pct(res[row.metric], row.published),
+                    "read_accuracy": row.read_accuracy, "note": "; ".join(notes),
+                    "completed": res["completed"], "num_preemptions": res["num_preemptions"],
+                    "mean_prompt_len": res.get("mean_prompt_len"),
+                    "mean_output_len": res.get("mean_output_len"),
+                    "simulated_s": res["simulated_s"], "wall_s": res["wall_s"]})
+    return out
+
+
+def table_summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per (source, table) and over all rows: mean absolute and signed mean error, worst row."""
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault((r["source"], r["table"]), []).append(r)
+    if len(groups) > 1:
+        groups[("all", "all")] = rows
+    out = []
+    for (source, table), rs in groups.items():
+        errs = [r["error_pct"] for r in rs]
+        worst = max(rs, key=lambda r: abs(r["error_pct"]))
+        out.append({"source": source, "table": table, "rows": len(rs),
+                    "mean_abs_error_pct": sum(map(abs, errs)) / len(errs),
+                    "signed_mean_error_pct": sum(errs) / len(errs),
+                    "worst": f"{worst['id']} {worst['metric']} {worst['error_pct']:+.1f}%"})
+    return out
+
+
+# ---- outputs --------------------------------------------------------------------------------
+def _fmt(x: Any) -> Any:
+    if isinstance(x, float):
+        return f"{x:.4g}" if abs(x) < 1e4 else f"{x:.0f}"
+    return x
+
+
+def shown(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The printed columns: published | simulated | error % per row."""
+    return [{"id": r["id"], "table": r["table"], "setup": r["setup"], "metric": r["metric"],
+             "published": _fmt(r["published"]), "simulated": _fmt(r["simulated"]),
+             "error %": f"{r['error_pct']:+.1f}", "note": r["note"]} for r in rows]
+
+
+def shown_summary(summary: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{"source": s["source"], "table": s["table"], "rows": s["rows"],
+             "mean abs error %": f"{s['mean_abs_error_pct']:.1f}",
+             "signed mean %": f"{s['signed_mean_error_pct']:+.1f}", "worst": s["worst"]}
+            for s in summary]
+
+
+def _accuracy(text: str) -> float:
+    m = re.search(r"([\d.]+)\s*%", text)
+    return float(m.group(1)) if m else 0.0
+
+
+def figure(rows: list[dict[str, Any]]) -> go.Figure:
+    """Signed error per row (with the published figure's reading accuracy as a bar), and
+    published against simulated per metric."""
+    metrics = list(dict.fromkeys((r["source"], r["metric"]) for r in rows))
+    fig = make_subplots(rows=1 + len(metrics), cols=1, subplot_titles=[
+        "simulated vs published: error % (whiskers: how precisely the figure was read)",
+        *(f"{src}: {metric}" for src, metric in metrics)],
+        vertical_spacing=0.25 / (1 + len(metrics)))
+    labels = [f"{r['id']} {r['metric']}" for r in rows]
+    colors = {"throughput": "#1f77b4", "latency": "#ff7f0e", "offline": "#2ca02c"}
+    fig.add_trace(go.Bar(x=labels, y=[r["error_pct"] for r in rows],
+                         marker_color=[colors.get(r["table"], "#7f7f7f") for r in rows],
+                         error_y={"type": "data", "array": [_accuracy(r["read_accuracy"])
+                                                            for r in rows]},
+                         hovertext=[f"{r['setup']}<br>{r['note']}" for r in rows],
+                         showlegend=False), 1, 1)
+    fig.update_yaxes(title_text="error %", row=1)
+    for i, (src, metric) in enumerate(metrics, start=2):
+        mine = [r for r in rows if (r["source"], r["metric"]) == (src, metric)]
+        x = [f"{r['id']}: {r['setup']}" for r in mine]
+        for name, color in (("published", "#7f7f7f"), ("simulated", "#d62728")):
+            fig.add_trace(go.Bar(x=x, y=[r[name] for r in mine], name=name, marker_color=color,
+                                 legendgroup=name, showlegend=i == 2), i, 1)
+        fig.update_yaxes(title_text=metric, row=i)
+    fig.update_layout(height=380 * (1 + len(metrics)), barmode="group",
+                      title="Published serving measurements against the simulator")
+    return fig
+
+
+def write_outputs(out_dir: Path, rows: list[dict[str, Any]],
+                  summary: list[dict[str, Any]], command: str) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for name, table in (("published.csv", rows), ("published_tables.csv", summary)):
+        with (out_dir / name).open("w", newline="") as fh:
+            w = csv.DictWriter(fh, fieldnames=list(table[0]))
+            w.writeheader()
+            w.writerows(table)
+    text = (f"Command: {command}\n\n{markdown_table(shown(rows))}\n\n"
+            f"{markdown_table(shown_summary(summary))}\n")
+    (out_dir / "published.md").write_text(text)
+    pre = f"<p>{command}</p>{_html_table(shown_summary(summary))}{_html_table(shown(rows))}"
+    (out_dir / "published.html").write_text(
+        html_page("Published measurements vs simulated", [figure(rows)], pre))
+
+
+def _html_table(rows: list[dict[str, Any]]) -> str:
+    head = "".join(f"<th>{c}</th>" for c in rows[0])
+    body = "".join("<tr>" + "".join(f"<td>{v}</td>" for v in r.values()) + "</tr>"
+                   for r in rows)
+    return f"<table border='1' cellspacing='0' cellpadding='3'><tr>{head}</tr>{body}</table>"
+
+
+def run_experiment(cfg: dict[str, Any], out_dir: Path | None, command: str = "",
+                   log: Any = print) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Run every selected row; write the outputs into ``out_dir`` (None: nothing written)."""
+    rows = run_rows(cfg, log)
+    summary = table_summary(rows)
+    if out_dir is not None:
+        write_outputs(out_dir, rows, summary, command or "python -m experiments.published")
+    return rows, summary
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="published")
+def main(cfg: DictConfig) -> None:
+    out = Path(HydraConfig.get().runtime.output_dir)
+    container = OmegaConf.to_container(cfg, resolve=True)
+    container.pop("hydra", None)  # type: ignore[union-attr]
+    command = " ".join(["python -m experiments.published", *HydraConfig.get().overrides.task])
+    t0 = time.perf_counter()
+    with exit_on_config_error():
+        rows, summary = run_experiment(container, out, command)  # type: ignore[arg-type]
+    print(markdown_table(shown(rows)))
+    print()
+    print(markdown_table(shown_summary(summary)))
+    print(f"{len(rows)} rows in {time.perf_counter() - t0:.0f} s; outputs: {out}")
+
+
+if __name__ == "__main__":
+    main()
