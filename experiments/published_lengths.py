@@ -23,8 +23,8 @@ MLPerf lengths
 samples/s); each sample's output is its reference length times one factor, rounded, within
 [1, ``max_output``] (MLPerf's 1,024-token limit), the factor chosen so that the mean is the
 row's tokens per sample. The shape of the reference outputs is kept; which samples really
-grew is not known. A run of fewer samples takes evenly spaced ones (the file goes through
-OpenOrca's subsets in turn: its first lines have shorter prompts than the whole).
+grew is not known. A run of fewer samples takes evenly spaced ones (the file is not in random
+order: its first lines have shorter prompts than the whole).
 """
 
 from __future__ import annotations
@@ -246,8 +246,8 @@ def build_workload(section: dict[str, Any], seed: int) -> LengthsWorkload:
                 f"the lengths file has {len(ins)} samples, {n} asked for")
         mean, cap = s.get("output_mean"), as_int(s.get("max_output", 1024),
                                                  "experiment.mlperf.max_output", minimum=1)
-        # Fewer than all: evenly spaced samples (the file runs through OpenOrca's subsets in
-        # turn, so its first lines are not a fair sample), scaled among themselves.
+        # Fewer than all: evenly spaced samples (the file is not in random order, so its
+        # first lines are not a fair sample), scaled among themselves.
         pick = np.arange(n) * len(ins) // n
         prompts, outputs = ins[pick], ref[pick]
         if mean is not None:
