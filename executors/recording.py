@@ -74,8 +74,9 @@ class RecordingExecutor(Executor):
     def device_spec(self, hardware: HardwareSpec) -> HardwareSpec:
         return self.inner.device_spec(hardware)
 
-    def init_kv_cache(self, num_gpu_blocks: int, num_cpu_blocks: int, block_size: int) -> None:
-        self.inner.init_kv_cache(num_gpu_blocks, num_cpu_blocks, block_size)
+    def init_kv_cache(self, num_gpu_blocks: int, num_cpu_blocks: int, block_size: int,
+                      num_offload_blocks: int = 0) -> None:
+        self.inner.init_kv_cache(num_gpu_blocks, num_cpu_blocks, block_size, num_offload_blocks)
 
     def add_request(self, request_id: int, prompt_token_ids: Sequence[int] | None) -> None:
         self.inner.add_request(request_id, prompt_token_ids)

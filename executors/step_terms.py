@@ -142,7 +142,7 @@ class StepShape:
     decode_max_ctx: int = 0  # decode rows: the longest context (the critical thread block)
     num_decode: int = 0  # decode rows (one query over a non-empty cache)
     swap_out_blocks: int = 0
-    swap_in_blocks: int = 0
+    swap_in_blocks: int = 0  # swap-ins and offload-tier loads (both host -> device, priced alike)
     prefill_prefix_pairs_exact: int = 0  # as prefill_prefix_pairs, chunk not padded (tile 1)
     prefill_diag_pairs_exact: int = 0  # chunk x chunk, not padded (tile 1)
 
@@ -193,7 +193,8 @@ def step_shape(plan: StepPlan) -> StepShape:
             pf_q += n
             n_pf += 1
     return StepShape(n_tokens, n_sampled, n_rows, prefix, diag, pf_kv, pf_q, n_pf,
-                     dec_ctx, dec_max, n_dec, len(plan.swap_out), len(plan.swap_in),
+                     dec_ctx, dec_max, n_dec, len(plan.swap_out),
+                     len(plan.swap_in) + plan.num_offload_loads,
                      prefix_exact, diag_exact)
 
 

@@ -91,7 +91,8 @@ class ArrayCoreHost(Protocol):
     def summary(self, metrics: MetricsCollector, sim_end: float, wall: float, *,
                 kv_peak_usage: float, num_steps: int, num_decode_jumps: int,
                 num_swap_fallbacks: int, engine: str,
-                prefix_cache: tuple[int, int, int] = ...) -> dict[str, Any]: ...
+                prefix_cache: tuple[int, int, int] = ...,
+                offload: tuple[int, int] = ...) -> dict[str, Any]: ...
 
     def write_summary(self, summary: dict[str, Any]) -> None: ...
 

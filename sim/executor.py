@@ -88,8 +88,10 @@ class Executor(ABC):
         return hardware
 
     # Optional hooks for executors that hold state (the real executor does).
-    def init_kv_cache(self, num_gpu_blocks: int, num_cpu_blocks: int, block_size: int) -> None:
-        """The memory planner fixed the pool sizes; allocate the KV (and swap) storage."""
+    def init_kv_cache(self, num_gpu_blocks: int, num_cpu_blocks: int, block_size: int,
+                      num_offload_blocks: int = 0) -> None:
+        """The memory planner fixed the pool sizes; allocate the KV storage: GPU blocks,
+        the swap pool and the offload tier (host memory)."""
 
     def add_request(self, request_id: int, prompt_token_ids: Sequence[int] | None) -> None:
         """A request became known to the replica (before its first step)."""

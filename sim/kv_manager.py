@@ -19,6 +19,16 @@ free queue until it is handed out again (then it is evicted: the least recently 
 block goes first, tail blocks of a request before its prefix); a request whose prompt
 starts with cached blocks is handed those very blocks (``match`` / ``attach``), taken out of
 the free queue or shared with the requests that hold them.
+
+With an offload tier (``num_offload_blocks``: vLLM's CPU offloading connector, LMCache,
+SGLang's HiCache) a cached block evicted from the GPU is first copied to a block of a third
+pool in host memory, kept there by content in least-recently-used order, and a later request
+whose prefix continues in that tier gets new GPU blocks loaded from it (``load``) instead of
+computing them again. The copies a step must make, in the order the manager made them, go
+to ``copy_log`` (the step plan's ``swaps``)::
+
+    offload pool [0 .. num_offload_blocks)   LRU of content: front = next to be overwritten
+    offloaded[key] -> offload block id
 """
 
 from __future__ import annotations
@@ -205,13 +215,18 @@ class KVBlockManager:
     """
 
     def __init__(self, num_gpu_blocks: int, block_size: int = 16, num_cpu_blocks: int = 0,
-                 enable_prefix_caching: bool = False) -> None:
+                 enable_prefix_caching: bool = False, num_offload_blocks: int = 0) -> None:
         if block_size < 1:
             raise ValueError(f"kv.block_size must be >= 1, got {block_size}")
         if num_gpu_blocks < 1:
             raise ValueError(f"kv.num_gpu_blocks must be >= 1, got {num_gpu_blocks}")
         if num_cpu_blocks < 0:
             raise ValueError(f"kv.num_cpu_blocks must be >= 0, got {num_cpu_blocks}")
+        if num_offload_blocks < 0:
+            raise ValueError(f"kv.num_offload_blocks must be >= 0, got {num_offload_blocks}")
+        if num_offload_blocks and not enable_prefix_caching:
+            raise ValueError("an offload tier keeps cached blocks by content: it needs "
+                             "enable_prefix_caching")
         self.block_size = block_size
         self.num_gpu_blocks = num_gpu_blocks
         self.num_cpu_blocks = num_cpu_blocks
@@ -235,6 +250,17 @@ class KVBlockManager:
         # prefix_cache_queries / prefix_cache_hits).
         self.prefix_queries = 0
         self.prefix_hits = 0
+        # The offload tier: every block is free (no table holds one) but for those a load
+        # is reading in this step (pinned), in least-recently-used order.
+        self.num_offload_blocks = num_offload_blocks
+        self._offload = _CachingPool(num_offload_blocks)
+        self.offloaded: dict[Hashable, int] = {}
+        self.offload_key: dict[int, Hashable] = {}
+        self.num_offload_stores = 0  # blocks copied GPU -> offload tier
+        self.num_offload_loads = 0  # blocks copied offload tier -> GPU for a cache hit
+        # Where the copies go, as ("store", [(gpu, offload)]) and ("load", [(offload, gpu)])
+        # in the order they were made; None: counted only (set per step by the builder).
+        self.copy_log: list[tuple[str, list[tuple[int, int]]]] | None = None
 
     # ---- usage --------------------------------------------------------------------------
     @property
@@ -337,15 +363,49 @@ class KVBlockManager:
         if self.block_key:
             evicted = 0
             keys, cached = self.block_key, self.cached
+            stores: list[tuple[int, Hashable]] = []
+            offload = self.num_offload_blocks
             for b in blocks:
                 key = keys.pop(b, None)
                 if key is not None:
                     del cached[key]
                     evicted += 1
+                    if offload:
+                        stores.append((b, key))
             if evicted:
                 self.num_evictions += evicted
                 self.epoch += 1
+            if stores:
+                self._store(stores)
         return blocks
+
+    def _store(self, evicted: list[tuple[int, Hashable]]) -> None:
+        """Keep the content of GPU blocks being evicted in the offload tier, each in the
+        tier's least recently used block (whose content is lost); content the tier holds
+        already becomes its most recently used."""
+        pool, offloaded, names = self._offload, self.offloaded, self.offload_key
+        pairs: list[tuple[int, int]] = []
+        for b, key in evicted:
+            c = offloaded.get(key)
+            if c is not None:
+                if pool.is_free(c):
+                    pool.revive(c)
+                    pool.release([c])
+                continue
+            if not pool.num_free:  # every tier block is being loaded this step
+                break
+            c = pool.take(1)[0]
+            old = names.pop(c, None)
+            if old is not None:
+                del offloaded[old]
+            offloaded[key] = c
+            names[c] = key
+            pool.release([c])
+            pairs.append((b, c))
+        if pairs:
+            self.num_offload_stores += len(pairs)
+            if self.copy_log is not None:
+                self.copy_log.append(("store", pairs))
 
     def _release(self, request_id: Hashable, table: list[int]) -> None:
         self._gpu.release(table)
@@ -365,6 +425,46 @@ class KVBlockManager:
                 break
             out.append(b)
         return out
+
+    def match_offloaded(self, keys: Sequence[Hashable]) -> list[int]:
+        """The offload tier's blocks holding ``keys``' content, from the first key up to the
+        first one it does not hold (where a GPU ``match`` stopped, the hit may go on here)."""
+        out: list[int] = []
+        offloaded = self.offloaded
+        for key in keys:
+            c = offloaded.get(key)
+            if c is None:
+                break
+            out.append(c)
+        return out
+
+    def load(self, request_id: Hashable, offload_blocks: list[int],
+             keys: Sequence[Hashable]) -> list[int] | None:
+        """Append one new GPU block per offload block to ``request_id``'s table (its table
+        holds the blocks before them: a ``match``'s, attached), copy the offloaded content
+        into them and make them findable by ``keys`` (the table's keys, from its first
+        block). Returns the new blocks, or ``None`` (nothing changes) if the GPU pool is too
+        small. The offload blocks are pinned while the GPU blocks are taken, so the stores
+        that taking them may cause never overwrite what this load reads."""
+        n = len(offload_blocks)
+        if n > self._gpu.num_free:
+            return None
+        pool = self._offload
+        for c in offload_blocks:
+            pool.revive(c)
+        gpu = self._take(n)
+        table = self.block_tables.setdefault(request_id, [])
+        start = len(table)
+        table.extend(gpu)
+        pool.release(offload_blocks)  # now the most recently used, the first block last
+        pairs = list(zip(offload_blocks, gpu))
+        self.num_offload_loads += n
+        if self.copy_log is not None:
+            self.copy_log.append(("load", pairs))
+        self.register(request_id, keys, start + n)
+        self.peak_used_blocks = max(self.peak_used_blocks,
+                                    self.num_gpu_blocks - self._gpu.num_free)
+        return gpu
 
     def num_free_among(self, blocks: list[int]) -> int:
         """How many of ``blocks`` (cached blocks) are free: attaching them takes as many free
@@ -498,6 +598,15 @@ class KVBlockManager:
             if n > len(self.block_tables.get(rid, ())):
                 raise KVIntegrityError(f"request {rid}: {n} blocks registered, table of "
                                        f"{len(self.block_tables.get(rid, ()))}")
+        off = self._offload
+        if off.num_free != off.num_blocks:
+            raise KVIntegrityError(f"offload tier: {off.num_blocks - off.num_free} blocks "
+                                   "still pinned between steps")
+        if len(self.offloaded) != len(self.offload_key) or any(
+                self.offload_key.get(c) != key for key, c in self.offloaded.items()):
+            raise KVIntegrityError("offload tier: its content map and block names disagree")
+        if any(not 0 <= c < off.num_blocks for c in self.offload_key):
+            raise KVIntegrityError("offload tier: a block id outside the tier")
         both = self.block_tables.keys() & self.cpu_tables.keys()
         if both:
             raise KVIntegrityError(f"requests {sorted(both)} hold both GPU and CPU blocks")
@@ -520,6 +629,7 @@ class KVView:
     num_free_blocks = _read_only("num_free_blocks")
     num_used_blocks = _read_only("num_used_blocks")
     num_free_cpu_blocks = _read_only("num_free_cpu_blocks")
+    num_offload_blocks = _read_only("num_offload_blocks")
     usage = _read_only("usage")
 
     def __init__(self, kv: KVBlockManager) -> None:

@@ -24,6 +24,7 @@ class MemoryPlan:
     activation_bytes: float
     kv_bytes_per_token: float  # this rank
     kv_bytes_per_block: float
+    num_offload_blocks: int = 0  # the offload tier's blocks in host memory (kv.cpu_offload_gib)
 
     @property
     def kv_capacity_tokens(self) -> int:

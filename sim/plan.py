@@ -100,6 +100,9 @@ class StepPlan:
         # pairs) or ("in", pairs). A block one swap frees may be reused by a later one in the
         # same step (swap in, then swap the same request out again), so an executor that
         # really copies must follow this order; ``swap_out``/``swap_in`` alone lose it.
+        # With an offload tier the list also holds its copies, in the same order: ("store",
+        # [(gpu_block, offload_block)]) keeps an evicted block's content before the step
+        # overwrites it, ("load", [(offload_block, gpu_block)]) brings a cache hit back.
         self.swaps = [] if swaps is None else swaps
         # Requests preempted by recompute while building this plan (informational).
         self.recomputed = [] if recomputed is None else recomputed
@@ -150,6 +153,12 @@ class StepPlan:
         if self._num_blocks == 1 and len(self._parts) == 1:
             return self._parts[0]  # type: ignore[return-value]
         return None
+
+    @property
+    def num_offload_loads(self) -> int:
+        """Blocks this step loads from the offload tier (host -> device, before it runs)."""
+        swaps = self.swaps
+        return sum(len(pairs) for d, pairs in swaps if d == "load") if swaps else 0
 
     @property
     def is_empty(self) -> bool:

@@ -41,6 +41,10 @@ def format_summary(s: dict[str, Any]) -> str:
         lines.append(f"  prefix cache: hit rate {100 * s['prefix_cache_hit_rate']:.1f}% "
                      f"({s['prefix_cache_hits']} of {s['prefix_cache_queries']} prompt tokens), "
                      f"{s['kv_evictions']} evictions")
+    if s.get("kv_num_offload_blocks"):
+        lines.append(f"  offload tier: {s['kv_num_offload_blocks']} blocks, "
+                     f"{s['kv_offload_stores']} stored, {s['kv_offload_loads']} loaded "
+                     f"(hit rate {100 * s['kv_offload_hit_rate']:.1f}% of prompt tokens)")
     if len(pools) > 1:  # the head names the first pool's hardware only
         lines.append("  pools: " + ", ".join(
             f"{n} {role} on {hw} (TP{tp}{f' PP{pp}' if pp > 1 else ''}, {kv} KV blocks)"

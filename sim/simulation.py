@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import json
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -81,11 +82,20 @@ class KVConfig:
     # freed, until handed out again (sim/prefix_cache.py, KVBlockManager).
     # None: the policy's engine default (``Policy.prefix_caching_default``; vLLM v1: on).
     enable_prefix_caching: bool | None = None
+    # The offload tier: host memory per GPU that keeps cached blocks evicted from the GPU,
+    # loaded back over PCIe on a hit (vLLM's CPU offloading connector, LMCache, SGLang's
+    # HiCache). Needs prefix caching.
+    cpu_offload_gib: float = 0.0
+    num_offload_blocks: int | None = None  # overrides cpu_offload_gib
 
     def __post_init__(self) -> None:
         check_block_size(self.block_size)
         require(self.num_cpu_blocks is None or self.num_cpu_blocks >= 0, "kv.num_cpu_blocks",
                 f"must be >= 0, got {self.num_cpu_blocks}")
+        require(math.isfinite(self.cpu_offload_gib) and self.cpu_offload_gib >= 0,
+                "kv.cpu_offload_gib", f"must be a finite number >= 0, got {self.cpu_offload_gib}")
+        require(self.num_offload_blocks is None or self.num_offload_blocks >= 0,
+                "kv.num_offload_blocks", f"must be >= 0, got {self.num_offload_blocks}")
         # A negative reserve would hand the planner more bytes than the GPU has.
         require(self.activation_reserve_gib is None or self.activation_reserve_gib >= 0,
                 "kv.activation_reserve_gib", f"must be >= 0, got {self.activation_reserve_gib}")
@@ -222,12 +232,20 @@ class Simulation:
         tp_field = (c.tp_field(role) if isinstance(c, DisaggregatedConfig)
                     else "cluster.tensor_parallel")
         memory = self._plan_memory(policy, executor, hardware, tp, pp, tp_field)
+        caching = (type(policy).prefix_caching_default
+                   if self.kv_cfg.enable_prefix_caching is None
+                   else self.kv_cfg.enable_prefix_caching)
+        if memory.num_offload_blocks and not caching:
+            field = ("kv.num_offload_blocks" if self.kv_cfg.num_offload_blocks is not None
+                     else "kv.cpu_offload_gib")
+            raise ConfigError(field, (
+                "the offload tier keeps cached blocks evicted from the GPU: it needs prefix "
+                f"caching, which is off for policy {policy.config.name!r}; set "
+                "kv.enable_prefix_caching=true"))
         return Pool(role, count, hardware, policy_cfg, tp, pp, memory, self.kv_cfg.block_size,
                     policy, executor, make,
                     lambda seed: self.components.make_policy(policy_cfg, seed), self.seed,
-                    type(policy).prefix_caching_default
-                    if self.kv_cfg.enable_prefix_caching is None
-                    else self.kv_cfg.enable_prefix_caching)
+                    caching)
 
     def _make_executor(self, hardware: HardwareSpec, tp: int, pp: int) -> Executor:
         ex = _section(self.cfg, "executor")
@@ -263,6 +281,10 @@ class Simulation:
         )
         if k.num_cpu_blocks is not None:
             mp = MemoryPlan(**{**mp.__dict__, "num_cpu_blocks": int(k.num_cpu_blocks)})
+        offload = (int(k.num_offload_blocks) if k.num_offload_blocks is not None
+                   else int(k.cpu_offload_gib * 2**30 // mp.kv_bytes_per_block))
+        if offload:
+            mp = MemoryPlan(**{**mp.__dict__, "num_offload_blocks": offload})
         return mp
 
     def _validate(self, policy: Policy, section: str) -> None:
@@ -364,7 +386,9 @@ class Simulation:
             engine="replica",
             prefix_cache=(sum(r.kv.prefix_queries for r in reps),
                           sum(r.kv.prefix_hits for r in reps),
-                          sum(r.kv.num_evictions for r in reps)))
+                          sum(r.kv.num_evictions for r in reps)),
+            offload=(sum(r.kv.num_offload_stores for r in reps),
+                     sum(r.kv.num_offload_loads for r in reps)))
         if self.is_cluster:
             summary.update(cluster_summary(self.cluster, self.pools, deployment, env.now))
         self.write_summary(summary)
@@ -455,13 +479,16 @@ class Simulation:
     def summary(self, metrics: MetricsCollector, sim_end: float, wall: float, *,
                 kv_peak_usage: float, num_steps: int, num_decode_jumps: int,
                 num_swap_fallbacks: int, engine: str,
-                prefix_cache: tuple[int, int, int] = (0, 0, 0)) -> dict[str, Any]:
+                prefix_cache: tuple[int, int, int] = (0, 0, 0),
+                offload: tuple[int, int] = (0, 0)) -> dict[str, Any]:
         """``summary.json``'s figures for a finished run, whichever loop ran it.
-        ``prefix_cache``: prompt tokens looked up in the prefix cache, found, and cached
-        blocks evicted."""
+        ``prefix_cache``: prompt tokens looked up in the prefix cache, found in GPU blocks,
+        and cached blocks evicted; ``offload``: blocks stored to and loaded from the offload
+        tier."""
         s = metrics.summary()
         mem = self.memory
         queries, hits, evictions = prefix_cache
+        stores, loads = offload
         s.update({
             "kv_block_size": self.kv_cfg.block_size,
             "kv_num_gpu_blocks": mem.num_gpu_blocks,
@@ -473,6 +500,11 @@ class Simulation:
             "prefix_cache_hits": hits,
             "prefix_cache_hit_rate": hits / queries if queries else 0.0,
             "kv_evictions": evictions,
+            "kv_num_offload_blocks": mem.num_offload_blocks,
+            "kv_offload_stores": stores,
+            "kv_offload_loads": loads,
+            # Prompt tokens a hit loaded from the offload tier, of those looked up.
+            "kv_offload_hit_rate": loads * self.kv_cfg.block_size / queries if queries else 0.0,
             "num_steps": num_steps,
             "num_decode_jumps": num_decode_jumps,
             "step_mode": self.step_mode,

@@ -168,7 +168,9 @@ class StepBuilder:
         self._granted: dict[int, int] = {}  # request id -> tokens granted this step
         self._in_flight: set[int] = in_flight or set()
         self.num_scheduled_tokens = 0
-        self._hit_memo: dict[Any, tuple[int, list[int]]] = {}
+        self._hit_memo: dict[Any, tuple[int, tuple[list[int], list[int]] | None]] = {}
+        if self._kv.num_offload_blocks:  # the tier's copies go into this step's plan
+            self._kv.copy_log = self._plan.swaps
 
     # ---- queries ------------------------------------------------------------------------
     def is_scheduled(self, req: Request) -> bool:
@@ -192,8 +194,10 @@ class StepBuilder:
         hits = self._hits(req, num_new_tokens) if self._kv.enable_prefix_caching else None
         if hits:  # the cached blocks come first; those now free leave the free queue
             kv = self._kv
-            return (blocks_for(len(hits) * kv.block_size + num_new_tokens, kv.block_size)
-                    - len(hits) + kv.num_free_among(hits))
+            gpu, offloaded = hits
+            cached = len(gpu) + len(offloaded)  # offloaded ones are loaded into new blocks
+            return (blocks_for(cached * kv.block_size + num_new_tokens, kv.block_size)
+                    - len(gpu) + kv.num_free_among(gpu))
         return self._kv.blocks_needed(req.request_id, req.num_computed_tokens + num_new_tokens)
 
     # ---- prefix caching -------------------------------------------------------------------
@@ -208,24 +212,31 @@ class StepBuilder:
         if not self._kv.enable_prefix_caching:  # the common case: one attribute read
             return n
         hits = self._hits(req)
-        return n - len(hits) * self._kv.block_size if hits else n
+        return n - (len(hits[0]) + len(hits[1])) * self._kv.block_size if hits else n
 
-    def _hits(self, req: Request, num_new_tokens: int = 0) -> list[int]:
+    def _hits(self, req: Request, num_new_tokens: int = 0,
+              ) -> tuple[list[int], list[int]] | None:
         """The cached blocks ``req`` would start with if admitted now with
-        ``num_new_tokens`` tokens (empty unless that fits within its ``pending_tokens``)."""
+        ``num_new_tokens`` tokens: (GPU blocks, offload tier blocks that continue them), or
+        None for none (or when the grant does not fit within its ``pending_tokens``)."""
         kv = self._kv
         if (not kv.enable_prefix_caching or req.status is RequestStatus.RUNNING
                 or req.status is RequestStatus.SWAPPED or req.num_computed_tokens):
-            return []
+            return None
         rid = req.request_id
         memo = self._hit_memo.get(rid)
         if memo is not None and memo[0] == kv.epoch:
             hits = memo[1]
         else:
-            hits = kv.match(self._keys(req))
+            keys = self._keys(req)
+            gpu = kv.match(keys)
+            offloaded = (kv.match_offloaded(keys[len(gpu):]) if kv.num_offload_blocks
+                         else [])
+            hits = (gpu, offloaded) if gpu or offloaded else None
             self._hit_memo[rid] = (kv.epoch, hits)
-        if hits and num_new_tokens > req.num_pending_tokens - len(hits) * kv.block_size:
-            return []
+        if hits and num_new_tokens > (req.num_pending_tokens
+                                      - (len(hits[0]) + len(hits[1])) * kv.block_size):
+            return None
         return hits
 
     def _keys(self, req: Request) -> list:
@@ -311,19 +322,25 @@ class StepBuilder:
         kv = self._kv
         queried = (kv.enable_prefix_caching and status is not RequestStatus.RUNNING
                    and not computed)
+        local = 0  # prompt tokens found in GPU blocks (vLLM's prefix_cache_hits)
         if queried:
             hits = self._hits(req, num_new_tokens)
             if hits:
                 if self.blocks_needed(req, num_new_tokens) > kv.num_free_blocks:
                     return False
-                kv.attach(rid, hits)
-                computed = req.num_computed_tokens = len(hits) * kv.block_size
+                gpu, offloaded = hits
+                if gpu:
+                    kv.attach(rid, gpu)
+                if offloaded:  # fits: blocks_needed counted the blocks it loads into
+                    kv.load(rid, offloaded, self._keys(req))
+                local = len(gpu) * kv.block_size
+                computed = req.num_computed_tokens = (len(gpu) + len(offloaded)) * kv.block_size
                 pending -= computed
         if kv.allocate_slots(rid, computed + num_new_tokens) is None:
             return False
         if queried:
             kv.prefix_queries += pending + computed
-            kv.prefix_hits += computed
+            kv.prefix_hits += local
             req.num_cached_tokens = computed
         if status is not RequestStatus.RUNNING:  # admitted from the waiting queue
             self._plan.admitted.append(rid)
@@ -354,9 +371,12 @@ class StepBuilder:
             raise ValueError(f"request {rid} must be scheduled in this step before it reserves")
         return self._kv.allocate_slots(rid, num_tokens) is not None
 
-    def preempt(self, req: Request, mode: PreemptionMode | None = None) -> PreemptionMode:
+    def preempt(self, req: Request, mode: PreemptionMode | None = None, *,
+                to_front: bool = True) -> PreemptionMode:
         """Take a running request off the GPU. Swap falls back to recompute (and is counted)
-        when the CPU pool cannot hold its blocks. Returns the mode actually used."""
+        when the CPU pool cannot hold its blocks. Returns the mode actually used. A request
+        recomputed goes back to the head of the waiting queue (vLLM), or with
+        ``to_front=False`` to its tail (SGLang's retraction)."""
         rid = req.request_id
         if req._run is not None:
             self.dissolve_run()
@@ -387,7 +407,10 @@ class StepBuilder:
         req.num_computed_tokens = 0
         req.num_recomputes += 1
         req.transition(RequestStatus.PREEMPTED)
-        self._q.waiting.appendleft(req)  # vLLM v0: recomputed requests go first
+        if to_front:  # vLLM: recomputed requests go first
+            self._q.waiting.appendleft(req)
+        else:
+            self._q.waiting.append(req)
         self._plan.recomputed.append(rid)
         return PreemptionMode.RECOMPUTE
 

@@ -256,9 +256,10 @@ def test_unbounded_cache_hit_rate_on_mooncake_equals_a_count_from_its_hash_ids(t
        prefix=st.integers(1, 250), groups=st.integers(1, 4),
        block_size=st.sampled_from([1, 4, 16]),
        policy=st.sampled_from(["fcfs", "sjf", "priority", "chunked_prefill"]),
-       swap=st.booleans(), layout=st.sampled_from(["single", "replicas", "disaggregated"]))
+       swap=st.booleans(), layout=st.sampled_from(["single", "replicas", "disaggregated"]),
+       offload=st.sampled_from([0, 3, 40]))
 def test_random_shared_prefixes_fast_equals_exact(seed, qps, blocks, prefix, groups,
-                                                  block_size, policy, swap, layout):
+                                                  block_size, policy, swap, layout, offload):
     extra = {"fcfs": [], "priority": ["workload.priorities=[1,1,2]"],
              "sjf": ["policy.predictor=noisy"],
              "chunked_prefill": ["policy.max_num_batched_tokens=256"]}[policy]
@@ -272,8 +273,9 @@ def test_random_shared_prefixes_fast_equals_exact(seed, qps, blocks, prefix, gro
         f"kv.block_size={block_size}", f"kv.num_gpu_blocks={blocks}",
         f"kv.num_cpu_blocks={blocks // 2}", f"policy={policy}", *extra,
         "policy.max_num_seqs=16", f"policy.preemption_mode={'swap' if swap else 'recompute'}",
-        "kv.enable_prefix_caching=true", *cluster])
+        "kv.enable_prefix_caching=true", f"kv.num_offload_blocks={offload}", *cluster])
     assert s["prefix_cache_hits"] <= s["prefix_cache_queries"]
+    assert offload or s["kv_offload_loads"] == s["kv_offload_stores"] == 0
     # And the books hold after every step (check_integrity runs step by step).
     checked = Simulation(compose_cfg(
         "model=tiny", f"seed={seed}", f"workload.qps={qps}", "workload.num_requests=40",
@@ -282,7 +284,8 @@ def test_random_shared_prefixes_fast_equals_exact(seed, qps, blocks, prefix, gro
         f"kv.block_size={block_size}", f"kv.num_gpu_blocks={blocks}",
         f"kv.num_cpu_blocks={blocks // 2}", f"policy={policy}", *extra,
         "policy.max_num_seqs=16", f"policy.preemption_mode={'swap' if swap else 'recompute'}",
-        "kv.enable_prefix_caching=true", "check_integrity=true", *cluster)).run().summary
+        "kv.enable_prefix_caching=true", f"kv.num_offload_blocks={offload}",
+        "check_integrity=true", *cluster)).run().summary
     assert checked["completed"] + checked["rejected"] == 40
 
 

@@ -124,3 +124,18 @@ def test_greedy_outputs_do_not_depend_on_prefix_cache_hits(overrides, shared_bas
     res, outs = run(*SHARED, "kv.enable_prefix_caching=true", *overrides)
     assert res.summary["prefix_cache_hits"] > 0
     assert outs == shared_baseline
+
+
+@pytest.mark.parametrize("overrides", [
+    ("policy=vllm_v1", *TINY_POOL),
+    ("policy=fcfs", "policy.preemption_mode=recompute", *TINY_POOL),
+    ("policy=sjf", "policy.preemption_mode=swap", "kv.num_gpu_blocks=10"),
+])
+def test_greedy_outputs_do_not_depend_on_offload_loads(overrides, shared_baseline):
+    """A tight GPU pool evicts the shared prefixes; the offload tier keeps their KV in host
+    memory and a later request loads it back (real copies) instead of computing it: the
+    tokens are those generated with caching off."""
+    res, outs = run(*SHARED, "kv.enable_prefix_caching=true", "kv.num_offload_blocks=16",
+                    *overrides)
+    assert res.summary["kv_offload_loads"] > 0, res.summary
+    assert outs == shared_baseline

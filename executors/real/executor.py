@@ -157,10 +157,12 @@ class RealExecutor(Executor):
                                    memory_gib=self._memory / 2**30)
 
     # ---- hooks ----------------------------------------------------------------------------
-    def init_kv_cache(self, num_gpu_blocks: int, num_cpu_blocks: int, block_size: int) -> None:
+    def init_kv_cache(self, num_gpu_blocks: int, num_cpu_blocks: int, block_size: int,
+                      num_offload_blocks: int = 0) -> None:
         if self.device.type == "cuda":
             self._check_kv_fits(num_gpu_blocks, block_size)
-        self.runner.init_kv_cache(num_gpu_blocks, num_cpu_blocks, block_size)
+        self.runner.init_kv_cache(num_gpu_blocks, num_cpu_blocks, block_size,
+                                  num_offload_blocks)
         if self.config.warmup:
             self._warmup(num_gpu_blocks, block_size)
 

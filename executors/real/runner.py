@@ -4,6 +4,7 @@
 
     GPU KV   one tensor per layer  [2, num_gpu_blocks, block_size, Hk, D]   rows = manager's ids
     CPU swap one tensor per layer  [2, num_cpu_blocks, block_size, Hk, D]   rows = CPU pool ids
+    offload  one tensor per layer  [2, num_offload_blocks, block_size, Hk, D] rows = tier ids
     tokens   request id -> prompt ids + ids sampled so far (a recompute re-prefills them all)
 
 On a CPU device both live in host memory; swap-out and swap-in are still real copies.
@@ -32,10 +33,12 @@ class ModelRunner:
         self.prompt_lens: dict[int, int] = {}
         self.gpu_cache: list[torch.Tensor] = []
         self.cpu_cache: list[torch.Tensor] = []
+        self.offload_cache: list[torch.Tensor] = []
         self.block_size = 0
 
     # ---- storage --------------------------------------------------------------------------
-    def init_kv_cache(self, num_gpu_blocks: int, num_cpu_blocks: int, block_size: int) -> None:
+    def init_kv_cache(self, num_gpu_blocks: int, num_cpu_blocks: int, block_size: int,
+                      num_offload_blocks: int = 0) -> None:
         a = self.model.args
         shape = (2, num_gpu_blocks, block_size, a.num_kv_heads, a.head_dim)
         cpu_shape = (2, num_cpu_blocks, block_size, a.num_kv_heads, a.head_dim)
@@ -50,11 +53,15 @@ class ModelRunner:
         pin = on_gpu and num_cpu_blocks > 0
         self.cpu_cache = [torch.empty(cpu_shape, dtype=self.dtype, pin_memory=pin)
                           for _ in range(a.num_layers)]
+        off_shape = (2, num_offload_blocks, block_size, a.num_kv_heads, a.head_dim)
+        self.offload_cache = [torch.empty(off_shape, dtype=self.dtype,
+                                          pin_memory=on_gpu and num_offload_blocks > 0)
+                              for _ in range(a.num_layers)]
         self.block_size = block_size
 
     def release(self) -> None:
         """Drop the KV and swap storage and every request (``RealExecutor.release``)."""
-        self.gpu_cache, self.cpu_cache = [], []
+        self.gpu_cache, self.cpu_cache, self.offload_cache = [], [], []
         self.tokens.clear()
         self.prompt_lens.clear()
         self.block_size = 0
@@ -100,7 +107,7 @@ class ModelRunner:
         # Consecutive copies in one direction touch disjoint blocks: batch them.
         runs: list[tuple[str, list[tuple[int, int]]]] = []
         for direction, pairs in ops:
-            if direction not in ("out", "in"):
+            if direction not in ("out", "in", "store", "load"):
                 raise ValueError(f"unknown swap direction {direction!r}")
             if runs and runs[-1][0] == direction:
                 runs[-1][1].extend(pairs)
@@ -109,8 +116,10 @@ class ModelRunner:
         for direction, pairs in runs:
             src = torch.tensor([s for s, _ in pairs], dtype=torch.long)
             dst = torch.tensor([d for _, d in pairs], dtype=torch.long)
-            for gpu, cpu in zip(self.gpu_cache, self.cpu_cache):
-                if direction == "out":  # device -> host
+            # Swaps use the swap pool, the offload tier's stores and loads its own tensors.
+            host = self.cpu_cache if direction in ("out", "in") else self.offload_cache
+            for gpu, cpu in zip(self.gpu_cache, host):
+                if direction in ("out", "store"):  # device -> host
                     cpu[:, dst] = gpu[:, src.to(self.device)].to("cpu")
                 else:  # host -> device
                     gpu[:, dst.to(self.device)] = cpu[:, src].to(self.device)

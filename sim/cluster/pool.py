@@ -70,9 +70,14 @@ class Pool:
             policy = (self.first_policy if rid == 0 else
                       self.make_policy(replica_seed(self.seed, rid)))
             executor = self.first_executor if i == 0 else self.make_executor()
+            offload = self.memory.num_offload_blocks
             kv = KVBlockManager(self.memory.num_gpu_blocks, self.block_size,
-                                self.memory.num_cpu_blocks, self.enable_prefix_caching)
-            executor.init_kv_cache(kv.num_gpu_blocks, kv.num_cpu_blocks, kv.block_size)
+                                self.memory.num_cpu_blocks, self.enable_prefix_caching,
+                                offload)
+            # The tier's size is passed only where there is one: executors written to the
+            # three-argument call keep working.
+            executor.init_kv_cache(kv.num_gpu_blocks, kv.num_cpu_blocks, kv.block_size,
+                                   **({"num_offload_blocks": offload} if offload else {}))
             kwargs: dict[str, Any] = dict(max_model_len=max_model_len,
                                           check_integrity=check_integrity,
                                           on_finished=on_finished, handoff=handoff)
