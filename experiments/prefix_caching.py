@@ -4,9 +4,10 @@
     python -m experiments.prefix_caching 'experiment.kv_blocks=[null]' \
         'experiment.routers=[prefix_aware]'
 
-Every scenario (a workload whose prompts share prefixes) runs with caching off and on, for
-each GPU cache size (KV blocks per replica) and router, on four replicas. Prints one row per
-run: the share of prompt tokens served from the cache, TTFT, throughput and evictions; writes
+Every scenario (a workload whose prompts share prefixes) runs with caching off and on (on:
+for each offload tier size, ``kv.cpu_offload_gib``), for each GPU cache size (KV blocks per
+replica) and router, on four replicas. Prints one row per run: the share of prompt tokens
+served from GPU blocks and from the offload tier, TTFT, throughput and evictions; writes
 ``runs.csv``, ``results.csv``, ``results.md`` and ``results.html`` (hit rate and p99 TTFT
 against the cache size) into the Hydra run folder.
 """
@@ -27,12 +28,12 @@ from sim.errors import ConfigError
 from sim.report import html_page
 
 CONF = Path(__file__).resolve().parent.parent / "conf"
-METRICS = ("prefix_cache_hit_rate", "mean_ttft_ms", "p99_ttft_ms", "median_tpot_ms",
+METRICS = ("prefix_cache_hit_rate", "kv_offload_hit_rate", "mean_ttft_ms", "p99_ttft_ms", "median_tpot_ms",
            "request_throughput", "kv_evictions", "completed", "rejected")
 
 
-def _job(args: tuple[dict[str, Any], str, int | None, str, bool]) -> dict[str, Any]:
-    cfg, scenario, blocks, router, caching = args
+def _job(args: tuple[dict[str, Any], str, int | None, str, bool, float]) -> dict[str, Any]:
+    cfg, scenario, blocks, router, caching, offload = args
     base = {k: v for k, v in cfg.items() if k != "experiment"}
     scene = dict(cfg["experiment"]["scenarios"][scenario])
     # A scenario's workload is its group's config (conf/workload/<name>.yaml) with the
@@ -41,10 +42,11 @@ def _job(args: tuple[dict[str, Any], str, int | None, str, bool]) -> dict[str, A
     base["workload"] = merge(workload_defaults(str(wl.get("name"))), wl)
     run_cfg = merge(merge(base, scene),
                     {"cluster": {"router": router},
-                     "kv": {"num_gpu_blocks": blocks, "enable_prefix_caching": caching}})
+                     "kv": {"num_gpu_blocks": blocks, "enable_prefix_caching": caching,
+                            "cpu_offload_gib": offload}})
     s = simulate(run_cfg).summary
     return {"scenario": scenario, "kv_blocks": s["kv_num_gpu_blocks"], "router": router,
-            "caching": caching,
+            "caching": caching, "offload_gib": offload,
             **{m: round(s[m], 4) if isinstance(s[m], float) else s[m] for m in METRICS}}
 
 
@@ -65,9 +67,14 @@ def run_experiment(cfg: dict[str, Any], out_dir: Path | None) -> list[dict[str, 
     for name, scene in exp["scenarios"].items():
         if not isinstance(scene, dict) or not isinstance(scene.get("workload"), dict):
             raise ConfigError(f"experiment.scenarios.{name}", "needs a workload section")
-    jobs = [(cfg, sc, None if b is None else int(b), r, bool(c)) for sc, b, r, c in
-            itertools.product(exp["scenarios"], exp["kv_blocks"], exp["routers"],
-                              exp["caching"])]
+    offloads = [float(g) for g in exp.get("offload_gib") or [0.0]]
+    if any(not g >= 0 for g in offloads):
+        raise ConfigError("experiment.offload_gib", f"sizes must be >= 0, got {offloads}")
+    # The offload tier keeps cached blocks: it varies only where caching is on.
+    jobs = [(cfg, sc, None if b is None else int(b), r, bool(c), g)
+            for sc, b, r, c in itertools.product(exp["scenarios"], exp["kv_blocks"],
+                                                 exp["routers"], exp["caching"])
+            for g in (offloads if c else [0.0])]
     rows = run_jobs(_job, jobs, int(exp.get("workers", 1)))
     if out_dir is not None:
         write_tables(out_dir, rows, rows)
@@ -79,18 +86,24 @@ def run_experiment(cfg: dict[str, Any], out_dir: Path | None) -> list[dict[str, 
 def _figure(rows: list[dict[str, Any]]) -> go.Figure:
     scenarios = list(dict.fromkeys(r["scenario"] for r in rows))
     fig = make_subplots(rows=len(scenarios), cols=2, subplot_titles=[
-        t for sc in scenarios for t in (f"{sc}: hit rate (% of prompt tokens)",
+        t for sc in scenarios for t in (f"{sc}: hit rate, GPU + offload (% of prompt tokens)",
                                         f"{sc}: p99 TTFT (ms)")])
-    palette = {("round_robin", True): "#1f77b4", ("prefix_aware", True): "#d62728"}
+    palette = {"round_robin": "#1f77b4", "prefix_aware": "#d62728"}
     for i, sc in enumerate(scenarios, start=1):
         mine = [r for r in rows if r["scenario"] == sc]
-        for key in dict.fromkeys((r["router"], r["caching"]) for r in mine):
-            pts = sorted((r for r in mine if (r["router"], r["caching"]) == key),
+        for key in dict.fromkeys((r["router"], r["caching"], r["offload_gib"]) for r in mine):
+            pts = sorted((r for r in mine
+                          if (r["router"], r["caching"], r["offload_gib"]) == key),
                          key=lambda r: r["kv_blocks"])
-            name = f"{key[0]}, caching {'on' if key[1] else 'off'}"
-            style = dict(color=palette.get(key, "#7f7f7f"), dash=None if key[1] else "dot")
+            router, caching, offload = key
+            name = (f"{router}, caching {'on' if caching else 'off'}"
+                    + (f", offload {offload:g} GiB" if offload else ""))
+            style = dict(color=palette.get(router, "#7f7f7f") if caching else "#7f7f7f",
+                         dash="dash" if offload else None if caching else "dot")
             x = [r["kv_blocks"] for r in pts]
-            fig.add_trace(go.Scatter(x=x, y=[100 * r["prefix_cache_hit_rate"] for r in pts],
+            # Hits from GPU blocks and from the offload tier: prompt tokens not computed.
+            hits = [100 * (r["prefix_cache_hit_rate"] + r["kv_offload_hit_rate"]) for r in pts]
+            fig.add_trace(go.Scatter(x=x, y=hits,
                                      name=name, legendgroup=name, showlegend=i == 1,
                                      line=style), i, 1)
             fig.add_trace(go.Scatter(x=x, y=[r["p99_ttft_ms"] for r in pts], name=name,

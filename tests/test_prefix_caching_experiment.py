@@ -20,14 +20,17 @@ def _cfg(*overrides: str) -> dict:
 
 
 def test_the_grid_runs_every_combination_and_writes_its_tables(tmp_path):
-    rows = run_experiment(_cfg(), tmp_path)
-    assert len(rows) == 1 * 2 * 2 * 2
+    rows = run_experiment(_cfg("experiment.offload_gib=[0,1]"), tmp_path)
+    # Caching off once per size and router; on, once per offload tier size.
+    assert len(rows) == 1 * 2 * 2 * (1 + 2)
     for r in rows:
         assert r["scenario"] == "multi_turn" and r["rejected"] == 0
         assert (r["prefix_cache_hit_rate"] > 0) == r["caching"]
-    small = {(r["router"], r["caching"]): r for r in rows if r["kv_blocks"] == 400}
-    assert small[("prefix_aware", True)]["prefix_cache_hit_rate"] > small[
-        ("round_robin", True)]["prefix_cache_hit_rate"]
+        assert (r["kv_offload_hit_rate"] > 0) == (r["offload_gib"] > 0 and r["kv_blocks"] == 400)
+    small = {(r["router"], r["caching"], r["offload_gib"]): r
+             for r in rows if r["kv_blocks"] == 400}
+    assert small[("prefix_aware", True, 0.0)]["prefix_cache_hit_rate"] > small[
+        ("round_robin", True, 0.0)]["prefix_cache_hit_rate"]
     for name in ("runs.csv", "results.csv", "results.md", "results.html"):
         assert (tmp_path / name).exists()
     assert "Prefix caching" in (tmp_path / "results.html").read_text()
