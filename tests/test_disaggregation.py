@@ -220,6 +220,9 @@ SIDE_OPTIONS = {
     "priority": st.fixed_dictionaries({"preemptive": st.booleans()}),
     "vllm_v1": st.fixed_dictionaries({"max_num_batched_tokens": st.sampled_from([512, 2048]),
                                       "preemption_mode": st.just("recompute")}),
+    "sglang": st.fixed_dictionaries({"chunked_prefill_size": st.sampled_from([256, 2048]),
+                                     "schedule_policy": st.sampled_from(["fcfs", "lpm"]),
+                                     "preemption_mode": st.just("recompute")}),
 }
 side_policies = st.sampled_from(sorted(SIDE_OPTIONS)).flatmap(
     lambda name: SIDE_OPTIONS[name].map(lambda opts: {"name": name, **opts}))
@@ -250,9 +253,9 @@ def test_any_policies_on_either_deployment_finish_every_request_with_intact_kv(
     cfg["seed"] = seed
     cfg["kv"]["num_gpu_blocks"] = blocks
     if cluster == "single":  # two co-located replicas running ``first``
-        # vLLM v1 has no swap space: it preempts by recompute only.
-        cfg["policy"] = {**first, "preemption_mode": mode if first["name"] != "vllm_v1"
-                         else "recompute"}
+        # vLLM v1 has no swap space, SGLang retracts: they preempt by recompute only.
+        cfg["policy"] = {**first, "preemption_mode": mode if first["name"] not in (
+            "vllm_v1", "sglang") else "recompute"}
     else:  # ``first`` on the prefill pool, ``second`` on the decode pool
         cfg["policy"] = {"name": "fcfs", "preemption_mode": mode}
         cfg["cluster"]["prefill"]["policy"] = first

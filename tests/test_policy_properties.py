@@ -41,6 +41,13 @@ POLICY_OPTIONS = {
         "max_num_batched_tokens": tokens, "max_num_seqs": seats, "preemption_mode": modes,
         "preemptive": st.booleans()}),
     "vllm_v1": st.fixed_dictionaries({"max_num_batched_tokens": tokens, "max_num_seqs": seats}),
+    "sglang": st.fixed_dictionaries({
+        "max_num_batched_tokens": tokens, "max_num_seqs": seats,
+        "chunked_prefill_size": st.integers(1, 40),
+        "schedule_policy": st.sampled_from(["fcfs", "lpm"]),
+        "schedule_conservativeness": st.sampled_from([0.05, 0.3, 1.0, 2.0])}).filter(
+            lambda o: max(o["chunked_prefill_size"], o["max_num_seqs"])
+            <= o["max_num_batched_tokens"]),
 }
 
 workloads = st.lists(

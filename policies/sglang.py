@@ -1,0 +1,220 @@
+"""SGLang's scheduler (``python/sglang/srt/managers/scheduler.py`` ``get_next_batch_to_run``,
+``schedule_policy.py`` ``SchedulePolicy`` / ``PrefillAdder``, ``schedule_batch.py``
+``retract_decode``), with its default ``enable_mixed_chunk=false``.
+
+A step is either a prefill batch or a decode batch, never both:
+1. **Prefill first.** If a prompt is mid-chunk or requests wait, a prefill batch is built
+   from the budgets of ``PrefillAdder``:
+   - ``rem_total``: the pool's free tokens (free blocks, cached ones included: SGLang's
+     available + evictable) less what the running requests are expected to still need,
+     ``min(remaining output, 4096) x new_token_ratio`` each;
+   - ``rem_input``: ``max_prefill_tokens`` (16,384) of prompt per batch;
+   - ``rem_chunk``: ``chunked_prefill_size`` per batch.
+   The prompt mid-chunk continues first. Then waiting requests in the schedule order
+   (``schedule_policy``: ``fcfs``, or ``lpm``, longest cached prefix first, which SGLang
+   turns into fcfs while more than 128 wait), each with the prompt tokens its cached prefix
+   does not cover: admission stops at the first whose prompt plus ``min(max output, 4096)``
+   does not fit ``rem_total`` (SGLang's conservative new-token estimate), at a prompt that
+   would exceed ``rem_input`` once one is admitted, or at ``max_num_seqs`` running. A prompt
+   longer than ``rem_chunk`` is cut to it and ends the batch (one chunked prompt at a time).
+2. **Otherwise decode** every running request one token. When the pool cannot hold that
+   step, requests are **retracted** (preempted by recompute; their computed prefix stays in
+   the cache): fewest output tokens first, longest prompt first among equals, until the
+   rest could decode 20 more steps (``retract_decode_steps``); they rejoin the waiting
+   queue at its tail. ``new_token_ratio`` then becomes what the remaining requests have
+   decoded, plus 20 steps each, over their maximum outputs (at most 1).
+``new_token_ratio`` starts at 0.7 x ``schedule_conservativeness`` and falls with every
+decode batch that retracts nobody, by (0.7 - 0.098) x ``schedule_conservativeness`` / 600,
+down to 0.098 x it (SGLang's 0.14 x the initial ratio); it starts over when nothing runs.
+With nothing running, admission leaves the output estimate out (a prompt that fits the
+pool would otherwise wait forever in a small one).
+
+Prefix caching is on by default (SGLang's radix cache). SGLang matches prefixes token by
+token (page size 1); here hits are whole ``kv.block_size`` blocks (``kv.block_size=1`` is
+token-granular). ``chunked_prefill_size`` left null takes SGLang's default for the GPU's
+memory (2,048 below 35 GiB, 4,096 below 60, 8,192 below 160, else 16,384); ``max_num_seqs``
+stands for ``max_running_requests``, which SGLang derives from its pools. Not modelled:
+``lpm``'s in-batch prefix deprioritisation, ``enable_mixed_chunk``, overlap scheduling.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from policies.base import POLICIES, Policy, PolicyConfig
+from sim.errors import require
+from sim.plan import StepPlan
+from sim.request import Request
+from sim.step_builder import StepBuilder
+
+# schedule_policy.py / global_config: SGLang's constants.
+CLIP_MAX_NEW_TOKENS = 4096  # a request's output counted at most this much in estimates
+LPM_MAX_QUEUE = 128  # lpm turns into fcfs while more than this many wait
+INIT_NEW_TOKEN_RATIO = 0.7
+MIN_NEW_TOKEN_RATIO_FACTOR = 0.14  # min ratio = init x this (0.1 at conservativeness 1)
+NEW_TOKEN_RATIO_DECAY_STEPS = 600
+RETRACT_DECODE_STEPS = 20
+SCHEDULE_ORDERS = ("fcfs", "lpm")
+
+
+@dataclass(frozen=True)
+class SGLangConfig(PolicyConfig):
+    name: str = "sglang"
+    max_num_seqs: int = 4096  # SGLang's max_running_requests
+    max_num_batched_tokens: int = 16384  # SGLang's max_prefill_tokens
+    chunked_prefill: bool = True
+    chunked_prefill_size: int = 8192
+    schedule_policy: str = "fcfs"
+    schedule_conservativeness: float = 1.0
+    kv_watermark: float = 0.0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require(self.chunked_prefill_size >= 1, "policy.chunked_prefill_size",
+                f"must be >= 1, got {self.chunked_prefill_size}")
+        # A prefill batch computes at most one chunk's tokens, a decode batch one per seat:
+        # both within max_num_batched_tokens (SGLang's max_prefill_tokens), its step bound.
+        require(self.chunked_prefill_size <= self.max_num_batched_tokens,
+                "policy.chunked_prefill_size",
+                f"{self.chunked_prefill_size} exceeds policy.max_num_batched_tokens="
+                f"{self.max_num_batched_tokens} (SGLang's max_prefill_tokens)")
+        require(self.max_num_seqs <= self.max_num_batched_tokens, "policy.max_num_seqs",
+                f"{self.max_num_seqs} exceeds policy.max_num_batched_tokens="
+                f"{self.max_num_batched_tokens}: a decode batch of every running request "
+                f"would not fit a step")
+        require(self.schedule_policy in SCHEDULE_ORDERS, "policy.schedule_policy",
+                f"must be one of {SCHEDULE_ORDERS}, got {self.schedule_policy!r}")
+        require(self.schedule_conservativeness > 0, "policy.schedule_conservativeness",
+                f"must be > 0, got {self.schedule_conservativeness}")
+        require(self.preemption_mode == "recompute", "policy.preemption_mode",
+                f"SGLang retracts requests by recompute only, got {self.preemption_mode!r}")
+        require(self.kv_watermark == 0.0, "policy.kv_watermark",
+                f"SGLang admits by its token estimate, not a watermark: must be 0, got "
+                f"{self.kv_watermark}")
+
+
+def _estimate(req: Request) -> int:
+    """Output tokens ``req`` may still generate, as SGLang's estimates count them."""
+    return min(req.max_output_len - req.num_output_tokens, CLIP_MAX_NEW_TOKENS)
+
+
+@POLICIES.register("sglang")
+class SGLangPolicy(Policy):
+    # new_token_ratio moves with every decode batch, and with it what may be admitted: no
+    # decode jumps (every step is planned).
+    implements_chunked_prefill = True
+    prefix_caching_default = True
+
+    config_class = SGLangConfig
+    config: SGLangConfig
+
+    @classmethod
+    def engine_defaults(cls, hardware: Any) -> dict[str, Any]:
+        gib = hardware.memory_gib
+        size = 2048 if gib < 35 else 4096 if gib < 60 else 8192 if gib < 160 else 16384
+        return {"chunked_prefill_size": size}
+
+    def __init__(self, config: PolicyConfig, seed: int = 0) -> None:
+        super().__init__(config, seed)
+        c = self.config.schedule_conservativeness
+        self.init_ratio = INIT_NEW_TOKEN_RATIO * c
+        self.min_ratio = self.init_ratio * MIN_NEW_TOKEN_RATIO_FACTOR
+        self.decay = (self.init_ratio - self.min_ratio) / NEW_TOKEN_RATIO_DECAY_STEPS
+        self.new_token_ratio = self.init_ratio
+
+    def schedule(self, step: StepBuilder) -> StepPlan:
+        if not step.running:
+            self.new_token_ratio = self.init_ratio
+        if self._prefill_batch(step):
+            return step.build()
+        if step.running:
+            self._decode_batch(step)
+        return step.build()
+
+    # ---- prefill ---------------------------------------------------------------------------
+    def waiting_order(self, step: StepBuilder) -> list[Request]:
+        """The waiting queue in the schedule order (a stable sort: fcfs among equals)."""
+        waiting = list(step.waiting)
+        if self.config.schedule_policy == "lpm" and len(waiting) <= LPM_MAX_QUEUE:
+            waiting.sort(key=lambda r: step.pending_tokens(r) - r.num_pending_tokens)
+        return waiting
+
+    def _prefill_batch(self, step: StepBuilder) -> bool:
+        """Build a prefill batch; False if it would be empty (then the step decodes)."""
+        cfg = self.config
+        chunking = [r for r in step.running if r.num_pending_tokens > 1]
+        if not chunking and not step.waiting:
+            return False
+        size = step.kv.block_size
+        reserved = sum(_estimate(r) for r in step.running if r.num_pending_tokens == 1)
+        rem_total = step.kv.num_free_blocks * size - reserved * self.new_token_ratio
+        rem_input = cfg.max_num_batched_tokens
+        rem_chunk = cfg.chunked_prefill_size
+        for req in chunking:  # the prompt mid-chunk goes on first
+            n = min(req.num_pending_tokens, rem_chunk, max(int(rem_total), 0))
+            if n <= 0 or not step.schedule(req, n):
+                return step.num_scheduled > 0
+            rem_total -= n
+            rem_input -= n
+            rem_chunk -= n
+            if n < req.num_pending_tokens:
+                return True  # still chunked: the batch ends
+        running = len(step.running)
+        for req in self.waiting_order(step):
+            if running >= cfg.max_num_seqs:
+                break
+            n = step.pending_tokens(req)
+            # SGLang's NO_TOKEN stops admission; with nothing running, the estimate of the
+            # output is left out, or a request whose prompt fits but whose estimate does not
+            # would wait forever in a small pool.
+            if (n + _estimate(req) if running else n) >= rem_total:
+                break
+            if n >= rem_input and step.num_scheduled:
+                break
+            grant = min(n, rem_chunk)
+            if grant <= 0 or not step.schedule(req, grant):
+                break
+            running += 1
+            rem_total -= (n + _estimate(req)) if grant == n else grant
+            rem_input -= grant
+            rem_chunk -= grant
+            if grant < n:
+                break  # the new chunked prompt ends the batch
+        return step.num_scheduled > 0
+
+    # ---- decode ----------------------------------------------------------------------------
+    def _decode_batch(self, step: StepBuilder) -> None:
+        """Every decoding request one token (a prompt mid-chunk waits for the next prefill
+        batch), after retracting some if the pool cannot hold the step."""
+        decoding = [r for r in step.running if r.num_pending_tokens == 1]
+        if sum(step.blocks_needed(r, 1) for r in decoding) > step.kv.num_free_blocks:
+            decoding = self._retract(step, decoding)
+        else:
+            self.new_token_ratio = max(self.new_token_ratio - self.decay, self.min_ratio)
+        for req in decoding:
+            if not step.schedule(req, 1):  # retraction left room for this step
+                raise AssertionError(f"request {req.request_id}: no block after retraction")
+
+    def _retract(self, step: StepBuilder, running: list[Request]) -> list[Request]:
+        """Preempt by recompute, fewest outputs and then longest prompt first, until the
+        rest hold ``RETRACT_DECODE_STEPS`` more tokens each (``retract_decode``); those go
+        to the tail of the waiting queue. Returns the requests left to decode."""
+        order = sorted(running, key=lambda r: (r.num_output_tokens, -r.prompt_len),
+                       reverse=True)
+        kv = step.kv
+
+        def fits(reqs: list[Request]) -> bool:
+            need = sum(kv.blocks_needed(r.request_id, r.num_computed_tokens
+                                        + RETRACT_DECODE_STEPS) for r in reqs)
+            return need <= kv.num_free_blocks
+
+        while len(order) > 1 and not fits(order):
+            step.preempt(order.pop(), to_front=False)
+        if sum(step.blocks_needed(r, 1) for r in order) > kv.num_free_blocks:
+            step.preempt(order.pop(), to_front=False)  # alone, and still no room
+        decoded = sum(r.num_output_tokens for r in order)
+        total = sum(r.max_output_len for r in order)
+        self.new_token_ratio = min(
+            1.0, (decoded + RETRACT_DECODE_STEPS * len(order)) / total) if total else 1.0
+        return order
