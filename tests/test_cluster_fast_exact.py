@@ -70,7 +70,7 @@ POLICY_EXTRA = {"priority": ["workload.priorities=[1,1,2]"],
 @given(seed=st.integers(0, 10_000), qps=st.floats(5.0, 80.0), blocks=st.integers(60, 400),
        replicas=st.integers(2, 3),
        router=st.sampled_from(["round_robin", "random", "least_outstanding", "least_kv",
-                               "power_of_two", "prefix_aware"]),
+                               "power_of_two", "prefix_aware", "prefix_aware_approx"]),
        policy=st.sampled_from(POLICIES), swap=st.booleans())
 def test_colocated_replicas_fast_equals_exact(seed, qps, blocks, replicas, router, policy,
                                               swap):

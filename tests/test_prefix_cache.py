@@ -316,8 +316,12 @@ def test_a_prefix_aware_router_sends_a_group_where_its_prefix_is_cached():
             "workload.num_prefix_groups=16", "kv.num_gpu_blocks=400"]
     rr = Simulation(compose_cfg(*base, "cluster.router=round_robin")).run().summary
     pa = Simulation(compose_cfg(*base, "cluster.router=prefix_aware")).run().summary
-    assert pa["completed"] == rr["completed"] == 300
+    approx = Simulation(compose_cfg(*base, "cluster.router=prefix_aware_approx")).run().summary
+    assert pa["completed"] == rr["completed"] == approx["completed"] == 300
     assert pa["prefix_cache_hit_rate"] > 1.5 * rr["prefix_cache_hit_rate"]
+    # Remembering what it routed where is nearly as good here (nothing is evicted that a
+    # group needs while its requests keep coming).
+    assert approx["prefix_cache_hit_rate"] > 1.5 * rr["prefix_cache_hit_rate"]
 
 
 def test_the_report_plots_the_hit_rate_when_caching_is_on(tmp_path):

@@ -25,9 +25,28 @@ def _req(i=0):
     return Request(i, 0.0, 8, 2)
 
 
-def test_registry_has_the_six_routers():
+def test_registry_has_the_seven_routers():
     assert ROUTERS.names() == ["least_kv", "least_outstanding", "power_of_two",
-                               "prefix_aware", "random", "round_robin"]
+                               "prefix_aware", "prefix_aware_approx", "random", "round_robin"]
+
+
+def test_prefix_aware_approx_follows_what_it_routed_not_the_caches():
+    """It remembers the shared prefix of each prompt it routed (16-token pieces) per replica:
+    the second request of a group follows the first although no cache reports a hit; a
+    request of another group goes by free KV; a replica's memory is trimmed oldest first."""
+    r = make_router("prefix_aware_approx", 0)
+    a = Request(0, 0.0, 200, 2, prefix=((7, 160),))
+    b = Request(1, 0.0, 180, 2, prefix=((7, 160),))
+    c = Request(2, 0.0, 200, 2, prefix=((8, 160),))
+    targets = [Load(0, 0.5, 0), Load(0, 0.1, 0), Load(0, 0.3, 0)]
+    assert r.choose(a, targets) == 1  # nothing known: the most free KV
+    targets = [Load(0, 0.1, 0), Load(1, 0.5, 0), Load(0, 0.3, 0)]
+    assert r.matched(b, targets) == [0, 160, 0]
+    assert r.choose(b, targets) == 1  # 160 of 180 tokens believed cached there
+    assert r.choose(c, targets) == 0
+    r.MAX_TOKENS = 160  # replica 1 keeps the last 10 pieces only: still group 7's
+    r.routed(c, 1)  # group 8's 10 pieces push group 7's out
+    assert r.matched(b, targets)[1] == 0
 
 
 def test_prefix_aware_follows_the_cache_while_the_load_is_balanced():

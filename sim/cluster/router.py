@@ -4,8 +4,8 @@ A router sees only what a real front-end could know at that instant: each replic
 outstanding (accepted, unfinished) requests, which the router itself tracks, the KV usage
 the replica last reported (its block manager's usage after its most recent step), and, for a
 prefix-aware router, how much of the request's prompt each replica's prefix cache holds (as
-llm-d's precise prefix-cache scorer reads KV events). It never looks at queue contents or the
-future.
+llm-d's precise prefix-cache scorer reads KV events) or, for its approximate variant, what it
+routed where (as SGLang's router remembers). It never looks at queue contents or the future.
 
 Register a new one with ``@ROUTERS.register("name")``; the class gets the run's seeded
 ``numpy.random.Generator``.
@@ -14,12 +14,14 @@ Register a new one with ``@ROUTERS.register("name")``; the class gets the run's 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Protocol
 
 import numpy as np
 
 from sim.errors import ConfigError
+from sim.prefix_cache import shared_block_hashes
 from sim.registry import Registry
 from sim.request import Request
 
@@ -115,16 +117,73 @@ class PrefixAware(Router):
     BALANCE_REL = 1.0001
 
     def choose(self, req: Request, targets: Sequence[RouteTarget]) -> int:
+        i = self._pick(req, targets)
+        self.routed(req, i)
+        return i
+
+    def _pick(self, req: Request, targets: Sequence[RouteTarget]) -> int:
         n = len(targets)
         load = [t.num_outstanding for t in targets]
         lo, hi = min(load), max(load)
         if hi - lo > self.BALANCE_ABS and hi > lo * self.BALANCE_REL:
             return min(range(n), key=lambda i: load[i])
-        cached = [t.cached_prefix_tokens(req) for t in targets]
+        cached = self.matched(req, targets)
         best = min(range(n), key=lambda i: (-cached[i], load[i]))
         if cached[best] > self.CACHE_THRESHOLD * req.prompt_len:
             return best
         return min(range(n), key=lambda i: (targets[i].kv_usage, load[i]))
+
+    def matched(self, req: Request, targets: Sequence[RouteTarget]) -> list[int]:
+        """Prompt tokens of ``req`` each target is believed to hold: its cache, exactly."""
+        return [t.cached_prefix_tokens(req) for t in targets]
+
+    def routed(self, req: Request, index: int) -> None:
+        """``req`` went to target ``index`` (for a router that remembers)."""
+
+
+@ROUTERS.register("prefix_aware_approx")
+class PrefixAwareApprox(PrefixAware):
+    """``prefix_aware``'s rule on what SGLang's router knows instead of each cache: per
+    replica, the prompts it routed there, kept as chained keys of ``GRANULE``-token pieces of
+    their shared content (``sim/prefix_cache.py``) in least-recently-used order and trimmed to
+    ``MAX_TOKENS`` per replica (SGLang's router keeps an approximate radix tree of the request
+    texts, trimmed to ``max_tree_size``). It never sees a replica evict, nor the answers
+    computed there, so it may send a prompt where its prefix is gone."""
+
+    GRANULE = 16
+    MAX_TOKENS = 1 << 24
+
+    def __init__(self, rng: np.random.Generator) -> None:
+        super().__init__(rng)
+        self.trees: dict[int, OrderedDict[int, None]] = {}
+
+    def _keys(self, req: Request) -> list[int]:
+        if req.prefix is None:
+            return []
+        return shared_block_hashes(req.prefix, self.GRANULE)[:(req.prompt_len - 1)
+                                                             // self.GRANULE]
+
+    def matched(self, req: Request, targets: Sequence[RouteTarget]) -> list[int]:
+        keys = self._keys(req)
+        out = []
+        for i in range(len(targets)):
+            tree = self.trees.get(i)
+            n = 0
+            if tree:
+                for key in keys:
+                    if key not in tree:
+                        break
+                    n += 1
+            out.append(n * self.GRANULE)
+        return out
+
+    def routed(self, req: Request, index: int) -> None:
+        tree = self.trees.setdefault(index, OrderedDict())
+        for key in self._keys(req):
+            tree[key] = None
+            tree.move_to_end(key)
+        while len(tree) * self.GRANULE > self.MAX_TOKENS:
+            tree.popitem(last=False)
 
 
 # A stream id for the routers' generator that no workload stream uses (workloads spawn
