@@ -1,15 +1,18 @@
-"""vLLM v1's scheduler (``vllm/v1/core/sched/scheduler.py``, ``Scheduler.schedule``, with the
-default ``scheduling_policy=fcfs``).
+"""vLLM v1's scheduler (``vllm/v1/core/sched/scheduler.py``, ``Scheduler.schedule``), with
+its ``scheduling_policy`` ``fcfs`` (the default) or ``priority``.
 
 There are no prefill and decode phases: one token budget per step
 (``max_num_batched_tokens``) is shared by every request, as ``num_computed_tokens`` catching
 up with the request's tokens. Each step:
 1. running requests first, in order: each gets all its pending tokens (one for a decode, the
    rest of its prompt for a prefill) up to what the budget has left, so chunked prefill is
-   always on; when its new blocks do not fit, the last running request not yet scheduled is
-   preempted by recompute (its blocks freed, put back at the head of the waiting queue), and
-   if that is the request itself, the loop stops;
-2. only if nobody was preempted: waiting requests in queue order, while the budget lasts and
+   always on; when its new blocks do not fit, a running request is preempted by recompute
+   (its blocks freed, back in the waiting queue) and if that is the request itself, the loop
+   stops. ``fcfs``: the last running request not yet scheduled, put back at the queue's
+   head. ``priority``: the running request with the largest (``priority``, arrival time),
+   even one already scheduled in this step (its tokens are given back);
+2. only if nobody was preempted: waiting requests in queue order (``priority``: by
+   (``priority``, arrival time), lower first), while the budget lasts and
    ``max_num_seqs`` leaves a seat. Each first takes the blocks of its prompt the prefix cache
    holds (``StepBuilder.pending_tokens``), then asks for blocks for the tokens it computes
    in this step only (no watermark, nothing reserved ahead); the first that does not fit
@@ -26,12 +29,13 @@ admitted again.
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 from itertools import islice
 from typing import Any
 
 from policies.base import POLICIES, Policy, PolicyConfig
-from policies.budget import Budget, admission_rule, schedule_running
+from policies.budget import Budget, admission_rule, latest_arrival_victim, schedule_running
 from sim.errors import require
 from sim.plan import StepPlan
 from sim.request import Request
@@ -39,6 +43,19 @@ from sim.step_builder import StepBuilder
 
 # EngineArgs.get_batch_defaults (OPENAI_API_SERVER): large-memory GPUs other than A100s.
 _LARGE_GPU_GIB = 70
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
+
+def _priority_key(req: Request) -> tuple[int, float, int]:
+    return (req.priority, req.arrival_time, req.request_id)
+
+
+def lowest_priority_victim(step: StepBuilder, requester: Request) -> Request | None:
+    """vLLM v1's victim under ``scheduling_policy=priority``: the running request with the
+    largest (priority, arrival time), scheduled in this step or not (not one still in a
+    pipeline's micro-batch)."""
+    candidates = [r for r in step.running if not step.is_scheduled(r) or step.granted(r)]
+    return max(candidates, key=_priority_key, default=None)
 
 
 @dataclass(frozen=True)
@@ -48,9 +65,12 @@ class VLLMV1Config(PolicyConfig):
     max_num_seqs: int = 256
     chunked_prefill: bool = True
     kv_watermark: float = 0.0
+    scheduling_policy: str = "fcfs"  # vLLM's --scheduling-policy: fcfs | priority
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        require(self.scheduling_policy in SCHEDULING_POLICIES, "policy.scheduling_policy",
+                f"must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}")
         require(self.chunked_prefill, "policy.chunked_prefill",
                 "vLLM v1 always chunks prefills: must be true for the vllm_v1 policy")
         require(self.preemption_mode == "recompute", "policy.preemption_mode",
@@ -81,7 +101,9 @@ class VLLMV1Policy(Policy):
     def schedule(self, step: StepBuilder) -> StepPlan:
         cfg = self.config
         budget = Budget(step, cfg.max_num_batched_tokens, cfg.max_num_seqs)
-        if schedule_running(step, budget):  # preempted someone: no admissions this step
+        victim = (lowest_priority_victim if cfg.scheduling_policy == "priority"
+                  else latest_arrival_victim)
+        if schedule_running(step, budget, victim):  # preempted someone: no admissions
             return step.build()
         if step.waiting and budget.remaining_tokens > 0:
             self.admit_waiting(step, budget)
@@ -91,7 +113,10 @@ class VLLMV1Policy(Policy):
         """Queue order; each admitted with its pending tokens (after its cache hit) up to the
         budget left, holding blocks for those only; the first that does not fit stops it."""
         # A snapshot of the part that can matter (admitting removes requests from the queue).
-        candidates = list(islice(step.waiting, max(budget.seats_left(), 0)))
+        seats = max(budget.seats_left(), 0)
+        candidates = (heapq.nsmallest(seats, step.waiting, key=_priority_key)
+                      if self.config.scheduling_policy == "priority"
+                      else list(islice(step.waiting, seats)))
 
         def place(req: Request, n: int, pending: int) -> bool:
             return step.schedule(req, n)

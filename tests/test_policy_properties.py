@@ -40,7 +40,8 @@ POLICY_OPTIONS = {
     "priority": st.fixed_dictionaries({
         "max_num_batched_tokens": tokens, "max_num_seqs": seats, "preemption_mode": modes,
         "preemptive": st.booleans()}),
-    "vllm_v1": st.fixed_dictionaries({"max_num_batched_tokens": tokens, "max_num_seqs": seats}),
+    "vllm_v1": st.fixed_dictionaries({"max_num_batched_tokens": tokens, "max_num_seqs": seats,
+                                      "scheduling_policy": st.sampled_from(["fcfs", "priority"])}),
     "sglang": st.fixed_dictionaries({
         "max_num_batched_tokens": tokens, "max_num_seqs": seats,
         "chunked_prefill_size": st.integers(1, 40),

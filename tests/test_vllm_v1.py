@@ -52,6 +52,26 @@ def test_the_last_running_request_is_recomputed_and_nobody_is_admitted_that_step
     assert s[2].tables == {0: [0, 1, 3]} and s[4].tables == {1: [2, 3]}
 
 
+def test_priority_scheduling_preempts_the_lowest_priority_and_admits_the_highest_first():
+    """4 blocks of 2 tokens; A and C have priority 1, B and D priority 0 (first). t=2: A's
+    5th token needs a block: the victim is the running request with the largest (priority,
+    arrival), A itself; B goes on. t=3: waiting D, A (5 tokens again), C: D first, then A
+    does not fit and ends admission. t=5: A and C."""
+    reqs = [Request(0, 0.0, 3, 4, priority=1), Request(1, 0.1, 3, 4, priority=0),
+            Request(2, 0.2, 2, 1, priority=1), Request(3, 0.3, 2, 1, priority=0)]
+    run = run_requests({**V1, "scheduling_policy": "priority"}, reqs, num_gpu_blocks=4,
+                       block_size=2)
+    assert [(st.time, st.rows, st.recomputed) for st in run.steps] == [
+        (0.0, [(0, 0, 3, True)], []),
+        (1.0, [(0, 3, 1, True), (1, 0, 3, True)], []),
+        (2.0, [(1, 3, 1, True)], [0]),
+        (3.0, [(1, 4, 1, True), (3, 0, 2, True)], []),
+        (4.0, [(1, 5, 1, True)], []),
+        (5.0, [(0, 0, 5, True), (2, 0, 2, True)], []),
+        (6.0, [(0, 5, 1, True)], []),
+    ]
+
+
 def test_a_cached_prefix_is_a_hit_and_the_prompt_is_chunked_by_the_budget():
     """A's 9-token prompt (8 shared) takes two steps of budget 8; B, arriving after A
     finished, is handed blocks 0 and 1 and computes its last 2 prompt tokens."""
@@ -95,7 +115,9 @@ def test_engine_defaults_follow_the_gpu_and_prefix_caching_is_on(hardware, token
                                               "policy.preemption_mode"),
                                              ("policy.chunked_prefill=false",
                                               "policy.chunked_prefill"),
-                                             ("policy.kv_watermark=0.01", "policy.kv_watermark")])
+                                             ("policy.kv_watermark=0.01", "policy.kv_watermark"),
+                                             ("policy.scheduling_policy=lifo",
+                                              "policy.scheduling_policy")])
 def test_what_vllm_v1_does_not_have_is_a_config_error(override, field):
     with pytest.raises(ConfigError) as e:
         Simulation(compose_cfg("policy=vllm_v1", override))
@@ -109,8 +131,9 @@ def test_other_policies_keep_caching_off_by_default():
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 10_000), qps=st.floats(5.0, 120.0), blocks=st.integers(30, 300),
        tokens=st.sampled_from([64, 256, 2048]), prefix=st.sampled_from([0, 40, 200]),
-       layout=st.sampled_from(["single", "replicas", "disaggregated"]))
-def test_fast_equals_exact(seed, qps, blocks, tokens, prefix, layout):
+       layout=st.sampled_from(["single", "replicas", "disaggregated"]),
+       order=st.sampled_from(["fcfs", "priority"]))
+def test_fast_equals_exact(seed, qps, blocks, tokens, prefix, layout, order):
     cluster = {"single": [], "replicas": ["cluster.num_replicas=2"],
                "disaggregated": ["cluster=disaggregated"]}[layout]
     assert_fast_equals_exact([
@@ -118,4 +141,5 @@ def test_fast_equals_exact(seed, qps, blocks, tokens, prefix, layout):
         "workload.num_requests=40", "workload.prompt_len.max=300",
         "workload.output_len.max=150", f"workload.shared_prefix_len={prefix}",
         "workload.num_prefix_groups=2", f"kv.num_gpu_blocks={blocks}",
-        f"policy.max_num_batched_tokens={tokens}", "policy.max_num_seqs=16", *cluster])
+        f"policy.max_num_batched_tokens={tokens}", "policy.max_num_seqs=16",
+        f"policy.scheduling_policy={order}", "workload.priorities=[1,1,2]", *cluster])
