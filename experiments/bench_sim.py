@@ -53,6 +53,9 @@ CASES: dict[str, tuple[list[str], float]] = {
     # vLLM v1's scheduler (prefix caching on) with the recipe's limits.
     "vllm_v1": (["policy=vllm_v1", "policy.max_num_seqs=128",
                  "policy.max_num_batched_tokens=4096"], 6),
+    # SGLang's scheduler (radix cache on) with the recipe's limits; it takes no decode jumps.
+    "sglang": (["policy=sglang", "policy.max_num_seqs=128", "policy.max_num_batched_tokens=4096",
+                "policy.chunked_prefill_size=4096"], 6),
     # Four replicas behind a router at four times the rate.
     "replicas4": ([*_FCFS, "cluster.num_replicas=4", "cluster.router=least_outstanding"], 24),
     # Two prefill and two decode replicas at twice the rate.
