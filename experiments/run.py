@@ -5,12 +5,21 @@
         cluster.tensor_parallel=4 workload.qps=8 workload.num_requests=500
     python -m experiments.run -m workload.qps=2,4,8  # a multirun sweep
 
-Writes requests.csv, steps.csv, summary.json and report.html into Hydra's output folder.
+Writes requests.csv, steps.csv, summary.json and report.html into Hydra's output folder, each
+under a ``.partial`` name until it is complete. A folder that holds another run's outputs is
+refused unless ``overwrite=true``. SIGINT or SIGTERM stops the run at once: the rows so far
+and a summary marked ``"status": "interrupted"`` are kept, and the process exits 130 / 143
+with one line. A file that cannot be written ends the run with one line naming it (exit 1).
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import signal
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import hydra
@@ -18,19 +27,85 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from experiments.simulation import Simulation
-from sim.errors import exit_on_config_error
+from sim import stop as sim_stop
+from sim.errors import ConfigError, RunInterrupted, exit_on_config_error
+from sim.outputs import PARTIAL
 from sim.report import format_summary, write_report
 
 log = logging.getLogger(__name__)
+
+# What a run writes into its folder; finding any of them there means another run's outputs.
+OUTPUT_FILES = ("summary.json", "requests.csv", "steps.csv", "report.html")
+LOCK = ".run.lock"  # held while a run writes into the folder
+
+
+def claim_output_dir(out_dir: Path, overwrite: bool) -> None:
+    """Make ``out_dir`` this run's alone: refuse a folder holding another run's outputs (or
+    one being written by a run now) unless ``overwrite``, which clears them first."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    found = sorted(p.name for p in out_dir.iterdir()
+                   if p.name in OUTPUT_FILES or p.name.endswith(PARTIAL) or p.name == LOCK)
+    if found and not overwrite:
+        busy = " (a run is writing there now)" if LOCK in found else ""
+        raise ConfigError("hydra.run.dir", (
+            f"{out_dir} holds another run's outputs ({', '.join(found)}){busy}; choose another "
+            f"folder or set overwrite=true"))
+    for name in found:
+        if name != LOCK:
+            (out_dir / name).unlink()
+    flags = os.O_CREAT | os.O_WRONLY | (0 if overwrite else os.O_EXCL)
+    try:
+        os.close(os.open(out_dir / LOCK, flags))
+    except FileExistsError:  # another run claimed it a moment ago
+        raise ConfigError("hydra.run.dir", f"{out_dir}: another run is writing there now; "
+                          f"choose another folder") from None
+
+
+@contextmanager
+def stop_on_signals() -> Iterator[None]:
+    """SIGINT and SIGTERM ask the run to stop where its state is whole (``sim.stop``); it
+    then raises ``RunInterrupted``, keeping what it wrote. A second signal stops it at once."""
+    def request_stop(signum: int, frame: object) -> None:
+        if sim_stop.requested:
+            raise RunInterrupted(signum)
+        sim_stop.requested = signum
+
+    before = {s: signal.signal(s, request_stop) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        sim_stop.requested = 0
+        for s, handler in before.items():
+            signal.signal(s, handler)
 
 
 def run(cfg: DictConfig) -> dict:
     out_dir = Path(HydraConfig.get().runtime.output_dir)
     container = OmegaConf.to_container(cfg, resolve=True)
     with exit_on_config_error():
-        sim = Simulation(container, out_dir)
-    result = sim.run()
-    write_report(out_dir, result.summary)
+        claim_output_dir(out_dir, bool(container.get("overwrite", False)))
+    try:
+        with exit_on_config_error():
+            sim = Simulation(container, out_dir)
+        try:
+            with stop_on_signals(), exit_on_config_error():
+                result = sim.run()
+            write_report(out_dir, result.summary)
+        except RunInterrupted as e:
+            print(f"interrupted by {e}: the rows so far and summary.json (status "
+                  f"\"interrupted\") are in {out_dir}", file=sys.stderr)
+            # Everything is written and closed: leave now, without tearing down a large
+            # run's objects one by one (seconds for millions of requests).
+            (out_dir / LOCK).unlink(missing_ok=True)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            logging.shutdown()
+            os._exit(128 + e.signum)
+        except OSError as e:
+            print(f"write error: {e.filename or out_dir}: {e.strerror or e}", file=sys.stderr)
+            raise SystemExit(1) from None
+    finally:
+        (out_dir / LOCK).unlink(missing_ok=True)
     print(format_summary(result.summary))
     print(f"outputs: {out_dir}")
     return result.summary

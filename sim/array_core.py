@@ -49,12 +49,15 @@ from typing import TYPE_CHECKING, Any, Protocol
 from sim.fast_forward import _price_until, _steps_before
 from sim.kv_manager import blocks_for
 from sim.metrics import MetricsCollector
+from sim import stop as run_stop
+from sim.errors import RunInterrupted
 from sim.outputs import (
     FINISHED_REQUEST_LINE,
     REQUEST_COLUMNS,
     STEP_ROW_FORMAT,
     CsvSink,
     DecodeStepRows,
+    interrupted_summary,
 )
 from sim.plan import DecodeBlock, ScheduledRequest, StepPlan
 from sim.progress import Progress
@@ -266,12 +269,20 @@ class ArrayCore:
         wall0 = time.perf_counter()
         req_sink, step_sink, metrics, progress = sim.open_outputs(REQUEST_COLUMNS,
                                                                   len(self.w.arrivals))
+        interrupted: RunInterrupted | None = None
         try:
             end, steps, stretches, peak = self._loop(metrics, req_sink, step_sink, progress)
-        finally:
+        except RunInterrupted as e:  # the rows so far are whole: keep them, say so
+            interrupted = e
+            end, steps, stretches, peak = float("nan"), 0, 0, 0
+        except BaseException:
             progress.close()
-            req_sink.close()
-            step_sink.close()
+            req_sink.close(complete=False)
+            step_sink.close(complete=False)
+            raise
+        progress.close()
+        req_sink.close()
+        step_sink.close()
         metrics.first_arrival = self.w.arrivals[0]
         summary = sim.summary(metrics, end, time.perf_counter() - wall0,
                               kv_peak_usage=peak / self.num_gpu_blocks, num_steps=steps,
@@ -280,6 +291,11 @@ class ArrayCore:
                               # Every prompt is looked up once, at its only admission.
                               prefix_cache=(sum(self.w.prompt_lens)
                                             if sim.prefix_caching else 0, 0, 0))
+        if interrupted is not None:  # the loop's own counters are lost with its frame
+            sim.write_summary(interrupted_summary(
+                {**summary, "num_steps": None, "num_decode_jumps": None,
+                 "kv_peak_usage": None, "simulated_duration_s": None}, interrupted))
+            raise interrupted
         sim.write_summary(summary)
         return SimulationResult(summary, metrics, [], sim.memory, [], req_sink, step_sink, None)
 
@@ -454,6 +470,10 @@ class ArrayCore:
             return ((-max_heap[0]) >> _INDEX_BITS) - _CTX_OFFSET
 
         while done < N:
+            if run_stop.requested:  # stop here, with every finished request's row written
+                if lines:
+                    write_text("".join(lines))
+                run_stop.check()
             if len(times) > times_kept:  # drop the step times no member needs any more
                 low = min((slot_start[s] for s in range(seats_total) if slot_index[s] >= 0),
                           default=S)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import sys
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -27,6 +28,20 @@ def exit_on_config_error() -> Iterator[None]:
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
+
+
+class RunInterrupted(Exception):  # noqa: N818 (a request to stop, not an error)
+    """A signal (SIGINT, SIGTERM) asked the run to stop: what it wrote so far is kept, with a
+    summary marked ``"status": "interrupted"``."""
+
+    def __init__(self, signum: int) -> None:
+        # The number is the only argument: simpy re-raises a process's exception as
+        # ``type(e)(*e.args)``.
+        self.signum = int(signum)
+        super().__init__(self.signum)
+
+    def __str__(self) -> str:
+        return signal.Signals(self.signum).name
 
 
 def require(cond: bool, field: str, message: str) -> None:

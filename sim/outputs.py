@@ -4,11 +4,13 @@ long run holds no per-request or per-step history in memory."""
 from __future__ import annotations
 
 import csv
+import math
+import os
 from collections.abc import Iterable
 from itertools import repeat
 from operator import truediv
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 from sim.request import Request, RequestStatus
 
@@ -117,6 +119,33 @@ def _fmt(x: float | None) -> str:
     return "" if x is None else repr(float(x))
 
 
+PARTIAL = ".partial"  # the suffix of an output file still being written
+
+
+def strict_json(value: Any) -> Any:
+    """``value`` with every float that JSON cannot carry (NaN, infinities) as None."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: strict_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [strict_json(v) for v in value]
+    return value
+
+
+def interrupted_summary(summary: dict[str, Any], reason: BaseException) -> dict[str, Any]:
+    """A summary of the figures so far of a run a signal stopped (``sim.errors.RunInterrupted``:
+    its message names the signal)."""
+    return {**summary, "status": "interrupted", "interrupted_by": str(reason)}
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write ``path`` whole or not at all: to a temporary name first, renamed when written."""
+    partial = path.with_name(path.name + PARTIAL)
+    partial.write_text(text)
+    os.replace(partial, path)
+
+
 class CsvSink:
     """Writes rows to a CSV file, or keeps them in memory when ``path`` is None (tests)."""
 
@@ -131,7 +160,10 @@ class CsvSink:
             self._write = self.rows.append
             self._write_many = self.rows.extend
         else:
-            self._file = path.open("w", newline="")
+            # Written under a temporary name, renamed when closed complete (``close``).
+            self.path = path
+            self._partial = path.with_name(path.name + PARTIAL)
+            self._file = self._partial.open("w", newline="")
             w = csv.writer(self._file)
             w.writerow(columns)
             self._write = w.writerow
@@ -176,10 +208,14 @@ class CsvSink:
             raise ValueError("write_text needs a file-backed sink")
         self._file.write(text)
 
-    def close(self) -> None:
+    def close(self, complete: bool = True) -> None:
+        """Close the file. ``complete``: it takes its name (rows up to here are whole);
+        otherwise it keeps its ``.partial`` name, so no file that looks complete is left."""
         if self._file is not None:
             self._file.close()
             self._file = None
+            if complete:
+                os.replace(self._partial, self.path)
 
 
 class NullSink(CsvSink):

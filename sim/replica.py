@@ -18,6 +18,7 @@ from collections.abc import Callable
 import numpy as np
 import simpy
 
+from sim import stop as run_stop
 from sim.clock import timeout_at
 from sim.decode_run import DecodeRun, is_decoding
 from sim.executor import Executor
@@ -211,6 +212,7 @@ class Replica:
         env = self.env
         empty_plans = 0
         while True:
+            run_stop.check()
             if not self._has_work():
                 self._wakeup = env.event()
                 yield self._wakeup

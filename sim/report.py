@@ -11,6 +11,8 @@ import plotly.graph_objects as go
 from plotly.offline import get_plotlyjs
 from plotly.subplots import make_subplots
 
+from sim.outputs import write_atomic
+
 MAX_POINTS = 600  # per curve: keeps the page small for million-request runs
 
 
@@ -160,5 +162,5 @@ def write_report(out_dir: Path, summary: dict[str, Any]) -> Path:
     pre = f"<pre>{format_summary(summary)}</pre>"
     page = html_page(title, figures, pre)
     path = out_dir / "report.html"
-    path.write_text(page)
+    write_atomic(path, page)
     return path

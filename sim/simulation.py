@@ -19,6 +19,7 @@ from typing import Any, Protocol
 
 import simpy
 
+from sim import stop as run_stop
 from sim.array_core import ArrayCore, WorkloadArrays, array_core_blocker, pool_blocker
 from sim.clock import timeout_at
 from sim.cluster.colocated import Colocated
@@ -29,11 +30,19 @@ from sim.cluster.outputs import CLUSTER_REQUEST_COLUMNS, ClusterRequestSink, clu
 from sim.cluster.pool import Pool
 from sim.cluster.router import make_router
 from sim.config_types import as_bool, as_int, typed_fields
-from sim.errors import ConfigError, require
+from sim.errors import ConfigError, RunInterrupted, require
 from sim.executor import Executor
 from sim.memory import MemoryPlan, check_block_size, plan_memory
 from sim.metrics import MetricsCollector
-from sim.outputs import REQUEST_COLUMNS, STEP_COLUMNS, CsvSink, NullSink
+from sim.outputs import (
+    REQUEST_COLUMNS,
+    STEP_COLUMNS,
+    CsvSink,
+    NullSink,
+    interrupted_summary,
+    strict_json,
+    write_atomic,
+)
 from sim.policy import Policy
 from sim.progress import Progress
 from sim.replica import SimulationStalled
@@ -67,7 +76,7 @@ class Components(Protocol):
 
 SECTIONS = ("model", "hardware", "policy", "workload", "executor", "cluster", "kv")
 TOP_LEVEL = {*SECTIONS, "seed", "progress", "check_integrity", "output_dir", "step_mode",
-             "device", "itl_quantiles", "record_steps", "array_core"}
+             "device", "itl_quantiles", "record_steps", "array_core", "overwrite"}
 
 
 @dataclass(frozen=True)
@@ -325,6 +334,7 @@ class Simulation:
 
         def arrive_later(req: Request, seq: int):
             yield timeout_at(env, req.arrival_time)
+            run_stop.check()
             arrived.add(seq)
             while later and later[0][1] in arrived:
                 arrived.discard(heapq.heappop(later)[1])
@@ -361,19 +371,27 @@ class Simulation:
                 delay = req.arrival_time - env.now
                 if delay > 0:
                     yield timeout_at(env, req.arrival_time)
+                run_stop.check()
                 deployment.add_request(req)
                 if req.is_finished:  # rejected at arrival
                     on_done(req)
             next_arrival[0] = float("inf")
 
         env.process(arrivals())
+        interrupted: RunInterrupted | None = None
         try:
             env.run()
-        finally:
+        except RunInterrupted as e:  # the rows so far are whole: keep them, say so
+            interrupted = e
+        except BaseException:
             progress.close()
-            req_sink.close()
-            step_sink.close()
-        if deployment.num_unfinished:
+            req_sink.close(complete=False)
+            step_sink.close(complete=False)
+            raise
+        progress.close()
+        req_sink.close()
+        step_sink.close()
+        if deployment.num_unfinished and interrupted is None:
             raise SimulationStalled(deployment.stall_message())
         wall = time.perf_counter() - wall0
         reps = deployment.replicas
@@ -391,6 +409,9 @@ class Simulation:
                      sum(r.kv.num_offload_loads for r in reps)))
         if self.is_cluster:
             summary.update(cluster_summary(self.cluster, self.pools, deployment, env.now))
+        if interrupted is not None:
+            self.write_summary(interrupted_summary(summary, interrupted))
+            raise interrupted
         self.write_summary(summary)
         return SimulationResult(summary, metrics, deployment.replicas, self.memory, kept,
                                 req_sink, step_sink, deployment)
@@ -472,9 +493,12 @@ class Simulation:
                 Progress(num_requests, self.progress_enabled))
 
     def write_summary(self, summary: dict[str, Any]) -> None:
-        """``summary.json`` in the output folder (none without one)."""
+        """``summary.json`` in the output folder (none without one): strict JSON (a figure
+        with no value, such as a latency with no finished request, is null), written whole
+        or not at all."""
         if self.out_dir is not None:
-            (self.out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+            write_atomic(self.out_dir / "summary.json",
+                         json.dumps(strict_json(summary), indent=2, allow_nan=False) + "\n")
 
     def summary(self, metrics: MetricsCollector, sim_end: float, wall: float, *,
                 kv_peak_usage: float, num_steps: int, num_decode_jumps: int,
@@ -486,6 +510,7 @@ class Simulation:
         and cached blocks evicted; ``offload``: blocks stored to and loaded from the offload
         tier."""
         s = metrics.summary()
+        s["status"] = "complete"
         mem = self.memory
         queries, hits, evictions = prefix_cache
         stores, loads = offload

@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Any
 
+from sim import stop as run_stop
 from sim.plan import StepPlan, StepResult
 from sim.replica import Replica, SimulationStalled
 from sim.request import Request
@@ -43,6 +44,7 @@ class PipelinedReplica(Replica):
         busy: set[int] = set()
         empty_plans = 0
         while True:
+            run_stop.check()
             now = env.now
             while in_flight and in_flight[0][0] <= now:
                 leave, plan, requests, result, start = in_flight.popleft()
