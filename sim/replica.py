@@ -212,7 +212,8 @@ class Replica:
         env = self.env
         empty_plans = 0
         while True:
-            run_stop.check()
+            if run_stop.requested:  # a signal asked the run to stop
+                run_stop.check()
             if not self._has_work():
                 self._wakeup = env.event()
                 yield self._wakeup

@@ -334,7 +334,8 @@ class Simulation:
 
         def arrive_later(req: Request, seq: int):
             yield timeout_at(env, req.arrival_time)
-            run_stop.check()
+            if run_stop.requested:  # a signal asked the run to stop
+                run_stop.check()
             arrived.add(seq)
             while later and later[0][1] in arrived:
                 arrived.discard(heapq.heappop(later)[1])
@@ -371,7 +372,8 @@ class Simulation:
                 delay = req.arrival_time - env.now
                 if delay > 0:
                     yield timeout_at(env, req.arrival_time)
-                run_stop.check()
+                if run_stop.requested:  # a signal asked the run to stop
+                    run_stop.check()
                 deployment.add_request(req)
                 if req.is_finished:  # rejected at arrival
                     on_done(req)

@@ -44,7 +44,8 @@ class PipelinedReplica(Replica):
         busy: set[int] = set()
         empty_plans = 0
         while True:
-            run_stop.check()
+            if run_stop.requested:  # a signal asked the run to stop
+                run_stop.check()
             now = env.now
             while in_flight and in_flight[0][0] <= now:
                 leave, plan, requests, result, start = in_flight.popleft()
