@@ -14,6 +14,7 @@ with one line. A file that cannot be written ends the run with one line naming i
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -24,12 +25,13 @@ from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from experiments.simulation import Simulation
 from sim import stop as sim_stop
-from sim.errors import ConfigError, RunInterrupted, exit_on_config_error
-from sim.outputs import PARTIAL
+from sim.errors import ConfigError, RunInterrupted, exit_on_config_error, exit_with
+from sim.outputs import PARTIAL, write_atomic
 from sim.report import format_summary, write_report
 
 log = logging.getLogger(__name__)
@@ -80,6 +82,27 @@ def stop_on_signals() -> Iterator[None]:
 
 
 def run(cfg: DictConfig) -> dict:
+    hc = HydraConfig.get()
+    if hc.mode != RunMode.MULTIRUN:
+        return run_job(cfg)
+    # In a sweep a failed job (its one line already printed) is recorded and the others run;
+    # experiments/sweep.py gathers every job's outcome when the sweep ends.
+    try:
+        return run_job(cfg)
+    except SystemExit as e:
+        if not e.code:
+            raise
+        out_dir = Path(hc.runtime.output_dir)
+        error = getattr(e, "message", None) or f"exit code {e.code}"
+        out_dir.mkdir(parents=True, exist_ok=True)
+        write_atomic(out_dir / "failed.json", json.dumps(
+            {"overrides": list(hc.overrides.task), "exit_code": e.code, "error": error}) + "\n")
+        print(f"job {hc.job.num} ({' '.join(hc.overrides.task)}) failed: {error}; the sweep "
+              f"goes on", file=sys.stderr)
+        return {}
+
+
+def run_job(cfg: DictConfig) -> dict:
     out_dir = Path(HydraConfig.get().runtime.output_dir)
     container = OmegaConf.to_container(cfg, resolve=True)
     with exit_on_config_error():
@@ -102,10 +125,12 @@ def run(cfg: DictConfig) -> dict:
             logging.shutdown()
             os._exit(128 + e.signum)
         except OSError as e:
-            print(f"write error: {e.filename or out_dir}: {e.strerror or e}", file=sys.stderr)
-            raise SystemExit(1) from None
+            exit_with(1, f"write error: {e.filename or out_dir}: {e.strerror or e}")
     finally:
         (out_dir / LOCK).unlink(missing_ok=True)
+    hc = HydraConfig.get()
+    if hc.mode == RunMode.MULTIRUN:  # which of the sweep's jobs this summary is
+        print(f"job {hc.job.num}: {' '.join(hc.overrides.task)}")
     print(format_summary(result.summary))
     print(f"outputs: {out_dir}")
     return result.summary

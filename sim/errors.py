@@ -26,11 +26,19 @@ def exit_on_config_error() -> Iterator[None]:
     try:
         yield
     except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
+        exit_with(2, f"config error: {e}")
 
 
-class RunInterrupted(Exception):  # noqa: N818 (a request to stop, not an error)
+def exit_with(code: int, message: str) -> None:
+    """End the command: ``message`` as one line on stderr, exit ``code``. The ``SystemExit``
+    carries the line (``.message``) for a caller that goes on (a sweep's other jobs)."""
+    print(message, file=sys.stderr)
+    exc = SystemExit(code)
+    exc.message = message  # type: ignore[attr-defined]
+    raise exc from None
+
+
+class RunInterrupted(Exception):
     """A signal (SIGINT, SIGTERM) asked the run to stop: what it wrote so far is kept, with a
     summary marked ``"status": "interrupted"``."""
 
