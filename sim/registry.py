@@ -41,6 +41,15 @@ class Registry(Generic[T]):
                 )
             module, attr = self._lazy[name].split(":")
             # The module registers itself on import if it uses the decorator.
-            mod = importlib.import_module(module)
+            try:
+                mod = importlib.import_module(module)
+            except ModuleNotFoundError as e:
+                missing = (e.name or "").split(".")[0]
+                if missing == module.split(".")[0]:
+                    raise
+                # An optional dependency is not installed: say which, not a traceback.
+                raise KeyError(
+                    f"{self.kind} {name!r} needs {missing!r}, which is not installed (the "
+                    f"optional 'real' extra: pip install -e '.[real]')") from None
             self._entries.setdefault(name, getattr(mod, attr))
         return self._entries[name]

@@ -28,3 +28,26 @@ def test_core_runs_without_torch_or_triton():
                        timeout=120)
     assert p.returncode == 0, p.stderr
     assert p.stdout.strip() == "ok"
+
+
+REAL_WITHOUT_TORCH = r"""
+import runpy, sys
+class Block:
+    def find_spec(self, name, path=None, target=None):
+        top = name.split('.')[0]
+        if top in ('torch', 'triton'):
+            raise ModuleNotFoundError(f"No module named {top!r}", name=top)
+sys.meta_path.insert(0, Block())
+sys.argv = ["run", "executor=real", "model=tiny", "workload.num_requests=3",
+            "hydra.run.dir=" + sys.argv[1]]
+runpy.run_module("experiments.run", run_name="__main__")
+"""
+
+
+def test_the_real_executor_without_its_extra_is_a_config_error(tmp_path):
+    p = subprocess.run([sys.executable, "-c", REAL_WITHOUT_TORCH, str(tmp_path)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120, check=False)
+    assert p.returncode == 2
+    assert p.stderr.strip().splitlines() == [
+        "config error: executor.name: executor 'real' needs 'torch', which is not installed "
+        "(the optional 'real' extra: pip install -e '.[real]')"]
