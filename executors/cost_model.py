@@ -17,8 +17,17 @@ costs ``knee(FLOPs x s_per_flop, bytes x s_per_byte)`` (``max`` by default):
   states; ``duration`` is that whole latency and the replica overlaps PP micro-batches
   (``sim/cluster/pipeline.py``);
 
-plus the LM head for the sampled rows only, a fixed per-step CPU overhead, a per-sequence
-overhead (input preparation, sampling), and the PCIe time of the step's swap copies.
+plus the LM head for the sampled rows only and the PCIe time of the step's swap copies. The
+engine's host (CPU) work per step is a fixed time plus a time per scheduled request
+(scheduling, input preparation, sampling and output bookkeeping), the latter for at most
+``per_seq_overhead_max_seqs`` requests; with ``num_scheduler_steps`` N it is paid once per N
+steps (vLLM's multi-step scheduling: each step carries 1/N of it), and with ``host_overlap``
+it runs while the GPU runs (vLLM's asynchronous output processing, engines that schedule the
+next step during the current one): a step then takes the longer of its GPU and host times
+instead of their sum. A model with FP8 or INT8 weights runs its GEMMs at the hardware's FP8 or
+INT8 peak where the spec has one and at its fp16 peak where it has none (weight-only kernels
+that dequantize to fp16, such as vLLM's FP8 Marlin path on A100), the weights streamed at
+their own size either way.
 
 With ``executor.profile=<file>`` the prices come from a fitted hardware profile instead
 (``executors/calibration.py``); communication and swap stay priced from the spec.
@@ -66,8 +75,17 @@ NO_DECODE_SHAPES_KEPT = 1 << 16
 @dataclass(frozen=True)
 class CostModelConfig:
     name: str = "cost_model"
-    step_overhead_ms: float = 0.3  # scheduler + launch cost of one step (CUDA graphs on)
-    per_seq_overhead_us: float = 15.0  # input prep and sampling per scheduled request
+    step_overhead_ms: float = 0.3  # host time of one step: scheduler + launches (CUDA graphs on)
+    # Host time per scheduled request per step (input prep, sampling, output bookkeeping), for
+    # at most per_seq_overhead_max_seqs of a step's requests (None: every request).
+    per_seq_overhead_us: float = 15.0
+    per_seq_overhead_max_seqs: int | None = 256
+    # The host work runs once per num_scheduler_steps steps (vLLM's --num-scheduler-steps):
+    # each step carries 1/N of it.
+    num_scheduler_steps: int = 1
+    # True: host work overlaps the GPU's (vLLM's async output processing, overlap schedulers):
+    # a step takes max(GPU, host) instead of GPU + host.
+    host_overlap: bool = False
     # Override the hardware spec's efficiencies (None: use the spec's).
     compute_efficiency: float | None = None
     memory_efficiency: float | None = None
@@ -75,6 +93,10 @@ class CostModelConfig:
     # ~110 TFLOP/s on long prefixes, 0.35 of peak (docs/calibration.md).
     attention_efficiency: float = 0.5
     kv_read_efficiency: float = 0.85  # paged-KV gathers vs streaming weights, relative
+    # Element-wise kernels (RMSNorm, RoPE, SiLU-and-mul, adds, KV store) vs streaming weights,
+    # relative. 1.0: the weights' rate; Vidur's A100/H100 profiles of these operators measure
+    # 0.54..0.68 of it from 256 tokens up (docs/calibration.md, "Element-wise kernels").
+    elementwise_efficiency: float = 1.0
     attention_kernel_us: float = 7.0  # launch + ramp-up + tail of one attention kernel
     attention_wave_us: float = 3.0  # start-up + write-back of one wave of decode thread blocks
     attention_ctas_per_sm: int = 2  # decode thread blocks resident per SM (one wave's slots)
@@ -95,6 +117,11 @@ class CostModelConfig:
     def __post_init__(self) -> None:
         require(self.step_overhead_ms >= 0, "executor.step_overhead_ms", "must be >= 0")
         require(self.per_seq_overhead_us >= 0, "executor.per_seq_overhead_us", "must be >= 0")
+        require(self.per_seq_overhead_max_seqs is None or self.per_seq_overhead_max_seqs >= 1,
+                "executor.per_seq_overhead_max_seqs",
+                f"must be >= 1 or null (every request), got {self.per_seq_overhead_max_seqs}")
+        require(self.num_scheduler_steps >= 1, "executor.num_scheduler_steps",
+                f"must be >= 1, got {self.num_scheduler_steps}")
         require(self.attention_kernel_us >= 0, "executor.attention_kernel_us", "must be >= 0")
         require(self.attention_wave_us >= 0, "executor.attention_wave_us", "must be >= 0")
         require(self.attention_ctas_per_sm >= 1, "executor.attention_ctas_per_sm",
@@ -111,7 +138,7 @@ class CostModelConfig:
         for f in ("compute_efficiency", "memory_efficiency"):
             v = getattr(self, f)
             require(v is None or 0 < v <= 1, f"executor.{f}", f"must be in (0, 1], got {v}")
-        for f in ("attention_efficiency", "kv_read_efficiency"):
+        for f in ("attention_efficiency", "kv_read_efficiency", "elementwise_efficiency"):
             v = getattr(self, f)
             require(0 < v <= 1, f"executor.{f}", f"must be in (0, 1], got {v}")
         require(self.roofline_sharpness is None or self.roofline_sharpness >= 1,
@@ -163,9 +190,17 @@ class RooflineCostModel(Executor):
         ce = c.compute_efficiency or hardware.compute_efficiency
         me = c.memory_efficiency or hardware.memory_efficiency
         bw = hardware.memory_bandwidth_gbps * 1e9 * me  # achievable bytes/s
+        # Host time per step: the per-request price on the first per_seq_overhead_max_seqs
+        # requests only (Coefficients' first-requests price), all of it 1/N per step under
+        # multi-step scheduling (N = 1 divides exactly: the same floats).
+        n_sched = c.num_scheduler_steps
+        s_seq = c.per_seq_overhead_us * 1e-6 / n_sched
+        capped = c.per_seq_overhead_max_seqs is not None and s_seq > 0
         self.roofline = Coefficients(
-            s_per_step=c.step_overhead_ms * 1e-3,
-            s_per_seq=c.per_seq_overhead_us * 1e-6,
+            s_per_step=c.step_overhead_ms * 1e-3 / n_sched,
+            s_per_seq=0.0 if capped else s_seq,
+            s_per_first_seq=s_seq if capped else 0.0,
+            seq_knee=c.per_seq_overhead_max_seqs if capped else 0,
             s_per_token=0.0,  # element-wise work is priced by its bytes (below)
             s_per_flop=1.0 / (hardware.peak_flops(model.weight_dtype) * ce),
             s_per_weight_byte=1.0 / bw,
@@ -189,9 +224,15 @@ class RooflineCostModel(Executor):
             s_per_kv_tile=0.0,
             sharpness=math.inf if c.roofline_sharpness is None else c.roofline_sharpness,
         )
+        if coefficients is not None and n_sched > 1:  # a profile's host prices, 1/N per step
+            coefficients = replace(coefficients, **{
+                f: getattr(coefficients, f) / n_sched
+                for f in ("s_per_step", "s_per_seq", "s_per_first_seq")})
         self._coefficients = coefficients or self.roofline
+        self.host_overlap = c.host_overlap
         # Element-wise bytes stay priced by bandwidth unless a profile fitted s_per_token.
-        self._ew_s_per_byte = None if coefficients is not None else 1.0 / bw
+        self._ew_s_per_byte = (None if coefficients is not None
+                               else 1.0 / (bw * c.elementwise_efficiency))
         self._pcie_bw = hardware.pcie_bandwidth_gbps * 1e9
         self._pcie_lat = hardware.pcie_latency_us * 1e-6
         # Memoized terms of ``duration`` (see there).
@@ -251,7 +292,18 @@ class RooflineCostModel(Executor):
         return self.breakdown_shape(step_shape(plan))
 
     def breakdown_shape(self, shape: StepShape) -> StepBreakdown:
-        """Seconds per term for a step of this shape."""
+        """Seconds per term for a step of this shape. ``overhead`` is the host time the step
+        adds: all of it, or with ``host_overlap`` what exceeds the GPU's time (the other
+        terms), so that ``total`` is max(GPU, host)."""
+        b = self._breakdown_raw(shape)
+        if self.host_overlap:
+            gpu = (b.linear + b.attention_prefill + b.attention_decode + b.elementwise
+                   + b.lm_head + b.communication + b.pipeline)
+            b.overhead = _exposed(b.overhead, gpu + b.swap)
+        return b
+
+    def _breakdown_raw(self, shape: StepShape) -> StepBreakdown:
+        """``breakdown_shape`` with the whole host time in ``overhead`` (no overlap)."""
         d = self.decomposer.drivers(shape)
         b = self.coefficients.breakdown(d, self._ew_s_per_byte)
         if shape.num_tokens and (self.tp > 1 or self.pp > 1):
@@ -344,12 +396,14 @@ class RooflineCostModel(Executor):
             # ctx + nd x (g - g0) and longest context mx + (g - g0): integers, exact as
             # floats, as the stretch's own aranges give them.
             c, b = ctx - nd * g0, mx - g0
-            rows.append((*row, c, c, c, c, b, b, nd, nd, nd, nd, 1, 1))
+            rows.append((*row, c, c, c, c, b, b, nd, nd, nd, nd, 1, 1,
+                         *(() if curve.host is None else (curve.host,))))
             lens.append(m)
             g0 += m
         # One row per column: const, the two waves' counts, FLOP slopes, byte slopes and
         # longest-block slopes, Q/O seconds; then the bases and slopes of the contexts the
-        # six slopes multiply (the total context four times, the longest twice).
+        # six slopes multiply (the total context four times, the longest twice); with
+        # host_overlap, the host seconds.
         x = np.array(rows, dtype=np.float64).T.repeat(lens, axis=1)
         lin = x[3:9] * (x[11:17] + x[17:23] * np.arange(float(g0)))
         byte = lin[2:4]  # rows: each wave's FLOP, byte and longest-block seconds
@@ -360,6 +414,8 @@ class RooflineCostModel(Executor):
         knees *= x[1:3]  # a count of 1.0 (or 0.0: no such wave) times the knee
         out = x[0] + knees[0]
         out += knees[1]
+        if self.host_overlap:  # the stretch's host seconds (every curve has them)
+            np.maximum(out, x[23], out=out)
         return out.tolist()
 
     def decode_step_pricer(self, num_decode: int) -> Callable[[int, int], float] | None:
@@ -384,7 +440,8 @@ class RooflineCostModel(Executor):
         p = self._coefficients.sharpness
         if curve.row is None or p not in (2.0, math.inf):
             return None
-        return _step_pricer(curve.const, curve.waves, math.hypot if p == 2.0 else max)
+        return _step_pricer(curve.const, curve.waves, math.hypot if p == 2.0 else max,
+                            curve.host)
 
     def _geometry_runs(self, nd: int, max_ctx: int, num_steps: int,
                        ) -> list[tuple[int, int, tuple[int, int]]] | None:
@@ -403,7 +460,12 @@ class RooflineCostModel(Executor):
         memoized."""
         curve = self._decode_curves.get((nd, key))
         if curve is None:
-            fixed = self.duration(StepShape(num_tokens=nd, num_sampled=nd, num_rows=nd))
+            host = None
+            if self.host_overlap:  # GPU terms only (no rows: no host time); host apart
+                fixed = self.duration(StepShape(num_tokens=nd, num_sampled=nd))
+                host = self._host_time(nd)
+            else:
+                fixed = self.duration(StepShape(num_tokens=nd, num_sampled=nd, num_rows=nd))
             const, waves, g, a_tile = self._decode_curve(nd, key)
             counts = [w[0] for w in waves]
             col = lambda xs: np.array(xs, dtype=np.float64).reshape(-1, 1)
@@ -412,7 +474,7 @@ class RooflineCostModel(Executor):
                 col([w[3] for w in waves]), col([w[4] for w in waves]),
                 None if all(c == 1.0 for c in counts) else counts, g, a_tile,
                 g.exact_keys and not g.cta_tiles, waves, _joint_row(fixed + const, waves, g,
-                                                                    a_tile))
+                                                                    a_tile), host)
         return curve
 
     def _decode_step(self, curve: _RunCurve, ctx: float, mx: float) -> np.ndarray:
@@ -424,14 +486,14 @@ class RooflineCostModel(Executor):
         if p not in (2.0, math.inf):  # the generic p-norm: leave it to the array path
             return self._decode_run(curve, np.array([ctx]), np.array([mx]))
         knee = _np_hypot if p == 2.0 else max
-        return np.array([_step_pricer(curve.const, curve.waves, knee)(ctx, mx)])
+        return np.array([_step_pricer(curve.const, curve.waves, knee, curve.host)(ctx, mx)])
 
     def _decode_run(self, curve: _RunCurve, ctx: np.ndarray, mx: np.ndarray) -> np.ndarray:
         """Durations of decode-only steps of one ``_run_curve`` at total contexts ``ctx`` and
         longest contexts ``mx``. All waves in one pass of (waves x steps) arrays: the same
         products, sums, maxima and knees per element as one wave at a time, so the same
         floats, in a third of the numpy calls (most jumps price a few steps)."""
-        out, nw, a_lin, b_byte, a_max, counts, g, a_tile, keys_are_mx, _, _ = curve
+        out, nw, a_lin, b_byte, a_max, counts, g, a_tile, keys_are_mx, _, _, host = curve
         keys = mx if keys_are_mx else self.decomposer.decode_stream_keys(g, mx)
         lin = a_lin * ctx  # rows: each wave's FLOP seconds, then each wave's byte seconds
         flop, byte = lin[:nw], lin[nw:]
@@ -442,6 +504,8 @@ class RooflineCostModel(Executor):
             out = out + (knees[w] if counts is None else counts[w] * knees[w])
         if a_tile:
             out = out + a_tile * self.decomposer.decode_cta_keys(g, mx)
+        if host is not None:
+            out = np.maximum(out, host)
         return out
 
     def _decode_curve(self, nd: int, key: tuple[int, int] | None,
@@ -488,18 +552,26 @@ class RooflineCostModel(Executor):
             lm_head = self._lm_head[shape.num_sampled] = self.breakdown_shape(
                 StepShape(num_sampled=shape.num_sampled)).lm_head
         swaps = shape.swap_out_blocks or shape.swap_in_blocks
-        key2 = (shape.num_rows, bool(swaps))
-        overhead = self._overhead.get(key2)
-        if overhead is None:
-            overhead = self._overhead[key2] = self.breakdown_shape(
-                StepShape(num_rows=shape.num_rows, swap_out_blocks=int(bool(swaps)))).overhead
+        overhead = self._host_time(shape.num_rows, bool(swaps))
         swap = 0.0
         if swaps:
             swap = self.breakdown_shape(StepShape(swap_out_blocks=shape.swap_out_blocks,
                                                   swap_in_blocks=shape.swap_in_blocks)).swap
         # StepBreakdown.total's order, so the sum is the same float.
+        if self.host_overlap:
+            gpu = linear + prefill + decode + elementwise + lm_head + communication + pipeline
+            return gpu + _exposed(overhead, gpu + swap) + swap
         return (linear + prefill + decode + elementwise + lm_head + communication + pipeline
                 + overhead + swap)
+
+    def _host_time(self, num_rows: int, swaps: bool = False) -> float:
+        """The whole host time of a step of ``num_rows`` requests (memoized)."""
+        key = (num_rows, swaps)
+        overhead = self._overhead.get(key)
+        if overhead is None:
+            overhead = self._overhead[key] = self._breakdown_raw(
+                StepShape(num_rows=num_rows, swap_out_blocks=int(swaps))).overhead
+        return overhead
 
     def _token_terms(self, n: int) -> tuple[float, float, float, float]:
         """(linear, elementwise, communication, pipeline) seconds of a step of ``n`` tokens:
@@ -625,6 +697,9 @@ class _RunCurve(NamedTuple):
     # ``decode_stretch_durations``; None where that cannot price it (a tile term, streaming
     # keys other than the longest context, or more than two waves).
     row: tuple[float, ...] | None
+    # With host_overlap: the host seconds a step takes at least (its price is max(GPU, host),
+    # ``const`` holding GPU seconds only); None: the host time is in ``const``.
+    host: float | None = None
 
 
 def _joint_row(const: float, waves: list[tuple[float, ...]], g: DecodeGeometry,
@@ -643,12 +718,34 @@ def _np_hypot(x: float, y: float) -> float:
 
 
 def _step_pricer(const: float, waves: list[tuple[float, ...]],
-                 knee: Callable[[float, float], float]) -> Callable[[int, int], float]:
+                 knee: Callable[[float, float], float],
+                 host: float | None = None) -> Callable[[int, int], float]:
     """``_decode_run``'s arithmetic for one step in plain floats, wave by wave in its order:
     per wave (count, FLOP slope, byte slope, Q/O seconds, longest-block slope), the knee of
     the FLOP seconds and the larger of the byte and longest-block seconds, times the count
-    (a count of 1.0 multiplies exactly), added to the constant. Integer contexts convert to
-    floats exactly, as numpy's float aranges of them do."""
+    (a count of 1.0 multiplies exactly), added to the constant; with ``host`` (overlapped
+    host seconds) the larger of that and the host time. Integer contexts convert to floats
+    exactly, as numpy's float aranges of them do."""
+    gpu = _gpu_step_pricer(const, waves, knee)
+    if host is None:
+        return gpu
+
+    def overlapped(ctx: int, mx: int) -> float:
+        g = gpu(ctx, mx)
+        return max(g, host)
+    return overlapped
+
+
+def _exposed(host: float | np.ndarray, gpu: float | np.ndarray) -> float | np.ndarray:
+    """The host seconds a step adds to ``gpu`` seconds when the two overlap: what the host
+    time exceeds it by (0 when the GPU takes longer)."""
+    if isinstance(host, np.ndarray) or isinstance(gpu, np.ndarray):
+        return np.maximum(host - gpu, 0.0)
+    return host - gpu if host > gpu else 0.0
+
+
+def _gpu_step_pricer(const: float, waves: list[tuple[float, ...]],
+                     knee: Callable[[float, float], float]) -> Callable[[int, int], float]:
     if len(waves) == 1:
         (c0, f0, b0, q0, m0), = waves
         if c0 == 1.0:
