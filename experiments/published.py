@@ -8,9 +8,10 @@ Reads the tables in ``published_dir`` (default ``../shared/published``: the vLLM
 blog's throughput and latency figures and NVIDIA's MLPerf Inference v4.1 Llama-2-70B Offline
 results, with their setups in the folder's README) at run time, simulates each row's setup
 (``row_setup``: model, GPUs, tensor parallelism, replicas, batch limits, dtypes, lengths and
-request rate as the row and README state them; rows with the same setup share one run) and
-prints published | simulated | error per row and per table. Nothing is tuned to the rows: the
-executor section, the seed and the kv keys a row does not set are the composed config's (so a
+request rate as the row and README state them, and the blog's vLLM server flags from
+``experiment.blog``; rows with the same setup share one run) and prints published | simulated |
+error per row and per table. Nothing is tuned to the rows: the executor section (but the blog's
+two engine keys), the seed and the kv keys a row does not set are the composed config's (so a
 command-line executor value is a what-if on every row). Writes into the Hydra run folder:
 ``published.csv`` (one row per published figure), ``published_tables.csv`` (per table: mean
 absolute and signed mean error), ``published.md`` (both tables) and ``published.html``.
@@ -61,6 +62,10 @@ BLOG_METRICS = ("request_throughput", "mean_tpot_ms", "mean_ttft_ms")
 VLLM_V06_POLICY = {"max_num_seqs": 256, "chunked_prefill": False,
                    "preemption_mode": "recompute", "kv_watermark": 0.01}
 VLLM_V06_MIN_BATCHED_TOKENS = 2048
+# The blog's server flags (vLLM's nightly benchmark configuration of that release:
+# --max-num-seqs 512 --num-scheduler-steps 10, asynchronous output processing on by default);
+# experiment.blog in conf/published.yaml, where a what-if changes them.
+BLOG_ENGINE = {"max_num_seqs": 512, "num_scheduler_steps": 10, "host_overlap": True}
 ENGINE_KV = {"block_size": 16, "gpu_memory_utilization": 0.9, "enable_prefix_caching": False}
 
 
@@ -178,12 +183,16 @@ def row_setup(row: Row, exp: dict[str, Any], folder: Path) -> RunSetup:
             note = "ShareGPT length model (a fit, not the data set)"
         else:
             raise ConfigError("published_dir", f"{row.id}: unknown dataset {s['dataset']!r}")
+        engine = blog_engine(exp)
         return RunSetup(
             groups={"model": s["model"], "hardware": BLOG_GPUS[gpu], "policy": "fcfs",
                     "cluster": "single"},
             values={"model": {"weight_dtype": "bf16", "kv_dtype": "bf16"},
-                    "policy": {**VLLM_V06_POLICY, "max_num_batched_tokens":
+                    "policy": {**VLLM_V06_POLICY, "max_num_seqs": engine["max_num_seqs"],
+                               "max_num_batched_tokens":
                                max(max_len, VLLM_V06_MIN_BATCHED_TOKENS)},
+                    "executor": {k: engine[k] for k in ("num_scheduler_steps",
+                                                        "host_overlap")},
                     "cluster": {"tensor_parallel": gpus, "num_replicas": 1},
                     "kv": kv, "workload": workload},
             note=note,
@@ -225,6 +234,15 @@ def row_setup(row: Row, exp: dict[str, Any], folder: Path) -> RunSetup:
                 "kv": kv, "workload": workload},
         note=note,
         label=f"llama2_70b {s['system']} {replicas}xTP{tp} batch {s['max_batch']} {weights}")
+
+
+def blog_engine(exp: dict[str, Any]) -> dict[str, Any]:
+    """The blog rows' engine flags: ``BLOG_ENGINE`` with ``experiment.blog`` over it."""
+    given = dict(exp.get("blog") or {})
+    unknown = sorted(set(given) - set(BLOG_ENGINE))
+    require(not unknown, f"experiment.blog.{unknown[0] if unknown else ''}",
+            f"unknown key; known: {', '.join(BLOG_ENGINE)}")
+    return {**BLOG_ENGINE, **given}
 
 
 def _count_lines(folder: Path) -> int:

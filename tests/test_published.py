@@ -141,15 +141,30 @@ def test_blog_row_maps_to_vllm_v06_defaults(tmp_path):
                         "cluster": "single"}
     assert s.values == {
         "model": {"weight_dtype": "bf16", "kv_dtype": "bf16"},
-        "policy": {"max_num_seqs": 256, "chunked_prefill": False,
+        # The blog's server flags: --max-num-seqs 512 --num-scheduler-steps 10, async output.
+        "policy": {"max_num_seqs": 512, "chunked_prefill": False,
                    "preemption_mode": "recompute", "kv_watermark": 0.01,
                    "max_num_batched_tokens": 8192},
+        "executor": {"num_scheduler_steps": 10, "host_overlap": True},
         "cluster": {"tensor_parallel": 4, "num_replicas": 1},
         "kv": {"block_size": 16, "gpu_memory_utilization": 0.9,
                "enable_prefix_caching": False},
         "workload": {"name": "published", "dataset": "fixed", "num_prompts": 500,
                      "request_rate": math.inf, "input_len": 462, "output_len": 16}}
     assert s.note == ""
+
+
+def test_blog_engine_flags_are_configurable(tmp_path):
+    s = row_setup(_blog_row(), {"blog": {"num_scheduler_steps": 1, "max_num_seqs": 256}},
+                  tmp_path)
+    assert s.values["policy"]["max_num_seqs"] == 256
+    assert s.values["executor"] == {"num_scheduler_steps": 1, "host_overlap": True}
+    with pytest.raises(ConfigError) as e:
+        row_setup(_blog_row(), {"blog": {"num_sched_steps": 1}}, tmp_path)
+    assert e.value.field == "experiment.blog.num_sched_steps"
+    # MLPerf rows (TensorRT-LLM) keep the composed executor: the flags are vLLM's.
+    row = Row("mlperf:1", MLPERF, "offline", MLPERF_H100, "output_throughput", 1.0, "")
+    assert "executor" not in row_setup(row, {"mlperf_samples": 10}, tmp_path).values
 
 
 def test_sharegpt_row_at_a_rate_carries_the_length_model(tmp_path):
@@ -298,3 +313,31 @@ def test_the_command_line(tmp_path):
                        check=False, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert p.returncode == 2
     assert "config error: published_dir: /nowhere: no such folder" in p.stderr
+
+
+# ---- CI: no row's error grows past its documented bound --------------------------------------
+def documented_bounds() -> dict[tuple[str, str], float]:
+    """(id, metric) -> bound on |error %|, from the table under "## CI bounds" in
+    docs/published.md."""
+    text = (ROOT / "docs" / "published.md").read_text()
+    section = text.split("\n## CI bounds", 1)[1].split("\n#", 1)[0]
+    bounds = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 4 and cells[0].startswith(("blog:", "mlperf:")):
+            bounds[(cells[0], cells[1])] = float(cells[3])
+    return bounds
+
+
+@needs_tables
+def test_every_row_stays_within_its_documented_bound():
+    """Every published row at its stated size (about 7 s on 2 cores: the blog's runs take
+    a fraction of a second each, MLPerf's two about 2 s each)."""
+    bounds = documented_bounds()
+    rows, _ = run_experiment(compose_named("published", "experiment.workers=1"), None,
+                             log=lambda *a, **k: None)
+    assert {(r["id"], r["metric"]) for r in rows} == set(bounds)
+    worse = [f"{r['id']} {r['metric']}: {r['error_pct']:+.1f}% (bound "
+             f"{bounds[(r['id'], r['metric'])]:g}%)" for r in rows
+             if abs(r["error_pct"]) > bounds[(r["id"], r["metric"])]]
+    assert not worse, worse
