@@ -25,8 +25,9 @@ from experiments.common import markdown_table
 from sim.outputs import write_atomic
 
 # The headline figures of each job's summary.json, in table order.
-FIGURES = ("completed", "rejected", "request_throughput", "output_throughput", "mean_ttft_ms",
-           "p99_ttft_ms", "mean_tpot_ms", "p99_tpot_ms", "mean_e2el_ms", "num_preemptions")
+FIGURES = ("completed", "rejected", "request_throughput", "request_goodput", "output_throughput",
+           "mean_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "p99_tpot_ms", "mean_e2el_ms",
+           "num_preemptions")
 
 
 def gather(sweep_dir: Path) -> pd.DataFrame:

@@ -115,9 +115,16 @@ class MetricsCollector:
     """``itl="exact"`` keeps every inter-token gap (exact percentiles, 8 bytes per token);
     ``itl="streaming"`` keeps a bounded histogram instead (for runs of millions of requests)."""
 
-    def __init__(self, itl: str = "exact") -> None:
+    def __init__(self, itl: str = "exact", slos: dict[str, float] | None = None) -> None:
         if itl not in ("exact", "streaming"):
             raise ValueError(f"itl_quantiles must be exact or streaming, got {itl!r}")
+        # benchmark_serving's --goodput: a finished request is good if its TTFT, TPOT and E2E
+        # latency are each within the SLO given for it (milliseconds; a missing one is not
+        # checked). None: no goodput.
+        self.slos = (None if not slos else
+                     tuple(float(slos.get(k, "inf")) / 1000.0
+                           for k in ("ttft_ms", "tpot_ms", "e2el_ms")))
+        self.good = 0
         self.ttft = array("d")
         self.tpot = array("d")
         self.e2el = array("d")
@@ -177,6 +184,11 @@ class MetricsCollector:
             if len(buf) >= _ITL_BATCH:
                 self._flush_itl()
         self.e2el.append(finish - arrival)
+        if self.slos is not None:
+            ttft, tpot, e2el = self.slos
+            if (first - arrival <= ttft and finish - arrival <= e2el
+                    and (n == 1 or (later_times[-1] - first) / (n - 1) <= tpot)):
+                self.good += 1
         if finish > self.last_finish:
             self.last_finish = finish
 
@@ -218,6 +230,11 @@ class MetricsCollector:
             "request_throughput": self.completed / dur if dur else 0.0,
             "output_throughput": self.output_tokens / dur if dur else 0.0,
             "total_token_throughput": (self.input_tokens + self.output_tokens) / dur if dur else 0.0,
+            # benchmark_serving's: seconds from the first arrival to the last finish, and
+            # good requests per second (null without SLOs, ``goodput`` in the config).
+            "duration": dur,
+            "request_goodput": (None if self.slos is None
+                                else self.good / dur if dur else 0.0),
         }
         self._flush_itl()
         for name, values in (("ttft", self.ttft), ("tpot", self.tpot), ("itl", self._itl),

@@ -76,7 +76,26 @@ class Components(Protocol):
 
 SECTIONS = ("model", "hardware", "policy", "workload", "executor", "cluster", "kv")
 TOP_LEVEL = {*SECTIONS, "seed", "progress", "check_integrity", "output_dir", "step_mode",
-             "device", "itl_quantiles", "record_steps", "array_core", "overwrite"}
+             "device", "itl_quantiles", "record_steps", "array_core", "overwrite", "goodput"}
+SLO_KEYS = ("ttft_ms", "tpot_ms", "e2el_ms")
+
+
+def goodput_slos(section: Any) -> dict[str, float] | None:
+    """The ``goodput`` config: SLOs in milliseconds (benchmark_serving's ``--goodput``), or
+    None for no goodput."""
+    if section is None:
+        return None
+    if not isinstance(section, dict) or not section:
+        raise ConfigError("goodput", f"must map some of {', '.join(SLO_KEYS)} to milliseconds "
+                          f"(or be null), got {section!r}")
+    out = {}
+    for key, value in section.items():
+        require(key in SLO_KEYS, f"goodput.{key}", f"unknown SLO; known: {', '.join(SLO_KEYS)}")
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        require(ok and math.isfinite(value) and value > 0, f"goodput.{key}",
+                f"must be a positive number of milliseconds, got {value!r}")
+        out[key] = float(value)
+    return out
 
 
 @dataclass(frozen=True)
@@ -149,6 +168,7 @@ class Simulation:
         self.itl_quantiles = str(cfg.get("itl_quantiles", "exact"))
         require(self.itl_quantiles in ("exact", "streaming"), "itl_quantiles",
                 f"must be exact or streaming, got {self.itl_quantiles!r}")
+        self.slos = goodput_slos(cfg.get("goodput"))
         self.record_steps = as_bool(cfg.get("record_steps", True), "record_steps")
         # step_mode=fast on the array core where it applies (sim/array_core.py).
         self.use_array_core = as_bool(cfg.get("array_core", True), "array_core")
@@ -491,8 +511,23 @@ class Simulation:
         req_sink = CsvSink(out / "requests.csv" if out else None, request_columns)
         step_sink = (CsvSink(out / "steps.csv" if out else None, STEP_COLUMNS)
                      if self.record_steps else NullSink(STEP_COLUMNS))
-        return (req_sink, step_sink, MetricsCollector(self.itl_quantiles),
+        return (req_sink, step_sink, MetricsCollector(self.itl_quantiles, self.slos),
                 Progress(num_requests, self.progress_enabled))
+
+    def _offered_load(self) -> dict[str, Any]:
+        """benchmark_serving's ``request_rate`` (req/s, or inf for all at once), ``burstiness``
+        (the gamma shape of the gaps: 1 for Poisson, inf for constant gaps) and
+        ``max_concurrency``: of an open-loop synthetic workload; null where the workload sets
+        no rate (a trace, a closed loop). Arrivals are never capped by a client (null)."""
+        w = self.cfg.get("workload") or {}
+        rate = burst = None
+        if "qps" in w and w.get("name") != "multi_turn":
+            rate = float(w["qps"])
+            kind = w.get("arrival", "poisson")
+            cv = float(w.get("cv", 1.0))
+            burst = (1.0 if kind == "poisson" else float("inf") if kind == "constant"
+                     else 1.0 / (cv * cv) if cv > 0 else float("inf"))
+        return {"request_rate": rate, "burstiness": burst, "max_concurrency": None}
 
     def write_summary(self, summary: dict[str, Any]) -> None:
         """``summary.json`` in the output folder (none without one): strict JSON (a figure
@@ -512,6 +547,7 @@ class Simulation:
         and cached blocks evicted; ``offload``: blocks stored to and loaded from the offload
         tier."""
         s = metrics.summary()
+        s.update(self._offered_load())
         s["status"] = "complete"
         mem = self.memory
         queries, hits, evictions = prefix_cache

@@ -126,3 +126,42 @@ def test_streaming_std_of_steady_gaps_is_accurate():
     got = sq.stats("itl")
     assert got["std_itl_ms"] == pytest.approx(float(v.std()) * 1000, rel=1e-9)
     assert got["mean_itl_ms"] == pytest.approx(float(v.mean()) * 1000, rel=1e-12)
+
+
+def test_goodput_counts_requests_within_every_slo_given():
+    """benchmark_serving's --goodput: TTFT, TPOT and E2E each within its SLO (ms); a single
+    token has no TPOT to miss."""
+    from array import array
+
+    m = MetricsCollector(slos={"ttft_ms": 100, "tpot_ms": 20})
+    m.first_arrival = 0.0
+    m.add_finished(10, 0.0, 0.05, 0.25, array("d", [0.1, 0.15, 0.25]))  # TPOT 66 ms: missed
+    m.add_finished(10, 1.0, 1.2, 1.2, array("d"))  # TTFT 200 ms: missed
+    m.add_finished(10, 2.0, 2.09, 2.12, array("d", [2.11, 2.12]))  # both met
+    m.add_finished(10, 3.0, 3.01, 4.0, array("d"))  # one token: met (no E2E SLO)
+    s = m.summary()
+    assert s["duration"] == pytest.approx(4.0)
+    assert s["request_goodput"] == pytest.approx(2 / 4.0)
+    assert MetricsCollector().summary()["request_goodput"] is None
+
+
+def test_summary_states_the_offered_load_and_goodput(tmp_path):
+    from experiments.simulation import Simulation
+    from tests.helpers import compose_cfg
+
+    s = Simulation(compose_cfg("model=tiny", "workload.num_requests=50", "workload.arrival=gamma",
+                               "workload.cv=2", "goodput={ttft_ms: 1000000}")).run().summary
+    assert (s["request_rate"], s["burstiness"], s["max_concurrency"]) == (5.0, 0.25, None)
+    assert s["request_goodput"] == pytest.approx(s["request_throughput"])
+
+
+def test_goodput_is_the_same_on_the_array_core_and_the_replica_loop():
+    from experiments.simulation import Simulation
+    from tests.helpers import compose_cfg
+
+    base = ["model=tiny", "workload.num_requests=300", "workload.prompt_len.max=1000",
+            "workload.output_len.max=500", "goodput={ttft_ms: 0.45, tpot_ms: 0.37}"]
+    core = Simulation(compose_cfg(*base)).run().summary
+    loop = Simulation(compose_cfg(*base, "array_core=false")).run().summary
+    assert (core["step_engine"], loop["step_engine"]) == ("array_core", "replica")
+    assert 0 < core["request_goodput"] == loop["request_goodput"] < core["request_throughput"]
