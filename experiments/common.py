@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import copy
 import csv
+import logging
+import time
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +18,8 @@ from omegaconf import DictConfig, OmegaConf
 from experiments.simulation import Simulation, SimulationResult
 from sim.errors import ConfigError, exit_on_config_error
 from sim.request import Request, RequestStatus
+
+log = logging.getLogger("experiments")
 
 
 def merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
@@ -87,14 +91,29 @@ def run_hydra_experiment(cfg: DictConfig,
     out = Path(HydraConfig.get().runtime.output_dir)
     with exit_on_config_error():
         rows = run(container, out)
-    print(markdown_table(rows))
-    print(f"outputs: {out}")
+    # Logged: to the console and to the folder's run.log.
+    log.info(markdown_table(rows))
+    log.info(f"outputs: {out}")
 
 
 def run_jobs(fn: Callable[[Any], dict[str, Any]], jobs: list[Any],
              workers: int) -> list[dict[str, Any]]:
-    """``fn`` over ``jobs`` in order, in ``workers`` processes when more than one."""
+    """``fn`` over ``jobs``, in ``workers`` processes when more than one; the results in job
+    order. Each finished job is logged (``[k/n] ... s``), so long experiments show progress."""
+    n, t0 = len(jobs), time.perf_counter()
+    results: list[dict[str, Any]] = [{}] * n
+
+    def finished(k: int) -> None:
+        log.info("[%d/%d] jobs done, %.0f s", k, n, time.perf_counter() - t0)
+
     if workers > 1:
         with ProcessPoolExecutor(workers) as pool:
-            return list(pool.map(fn, jobs))
-    return [fn(j) for j in jobs]
+            index = {pool.submit(fn, j): i for i, j in enumerate(jobs)}
+            for k, future in enumerate(as_completed(index), start=1):
+                results[index[future]] = future.result()
+                finished(k)
+        return results
+    for i, job in enumerate(jobs):
+        results[i] = fn(job)
+        finished(i + 1)
+    return results

@@ -24,7 +24,6 @@ import html
 import json
 import logging
 from collections.abc import Sequence
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +32,7 @@ import pandas as pd
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
+from experiments.common import run_jobs
 from experiments.policy_checks import CHECKS, Check
 from experiments.simulation import Simulation
 from sim.errors import ConfigError, exit_on_config_error
@@ -109,12 +109,7 @@ def run(cfg: dict[str, Any], out_dir: Path, command_line: Sequence[str] = ()) ->
     runs = plan_runs(cfg)
     sims = {(s, v): Simulation(c) for s, v, c in runs}  # validate everything before running
     tasks = [(s, v, c, out_dir / s / v) for s, v, c in runs]
-    jobs = max(1, int(cfg.get("jobs", 1)))
-    if jobs == 1:
-        summaries = [_run(t) for t in tasks]
-    else:
-        with ProcessPoolExecutor(jobs) as pool:
-            summaries = list(pool.map(_run, tasks))
+    summaries = run_jobs(_run, tasks, max(1, int(cfg.get("jobs", 1))))
     rows = []
     for (s, v, _, _), summary in zip(tasks, summaries):
         row = {"scenario": s, "policy": v, **{k: x for k, x in summary.items() if k != "policy"}}
@@ -194,9 +189,9 @@ def main(cfg: DictConfig) -> None:
         table = run(container, out_dir,  # type: ignore[arg-type]
                     list(HydraConfig.get().overrides.task))
     with pd.option_context("display.width", 200, "display.max_columns", 20):
-        print(table.set_index(["scenario", "policy"])[list(SHOWN[:8])].round(2))
-    print((out_dir / "checks.md").read_text())
-    print(f"outputs: {out_dir}")
+        log.info(table.set_index(["scenario", "policy"])[list(SHOWN[:8])].round(2))
+    log.info((out_dir / "checks.md").read_text())
+    log.info(f"outputs: {out_dir}")
 
 
 if __name__ == "__main__":

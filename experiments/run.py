@@ -130,9 +130,10 @@ def run_job(cfg: DictConfig) -> dict:
         (out_dir / LOCK).unlink(missing_ok=True)
     hc = HydraConfig.get()
     if hc.mode == RunMode.MULTIRUN:  # which of the sweep's jobs this summary is
-        print(f"job {hc.job.num}: {' '.join(hc.overrides.task)}")
-    print(format_summary(result.summary))
-    print(f"outputs: {out_dir}")
+        log.info("job %d: %s", hc.job.num, " ".join(hc.overrides.task))
+    # Logged: to the console and to the folder's run.log.
+    log.info(format_summary(result.summary))
+    log.info(f"outputs: {out_dir}")
     return result.summary
 
 
