@@ -26,8 +26,8 @@ A step is either a prefill batch or a decode batch, never both:
 ``new_token_ratio`` starts at 0.7 x ``schedule_conservativeness`` and falls with every
 decode batch that retracts nobody, by (0.7 - 0.098) x ``schedule_conservativeness`` / 600,
 down to 0.098 x it (SGLang's 0.14 x the initial ratio); it starts over when nothing runs.
-With nothing running, admission leaves the output estimate out (a prompt that fits the
-pool would otherwise wait forever in a small one).
+With nothing running, a prompt that fits the free pool is admitted whatever its output
+estimate (it would otherwise wait forever in a small pool).
 
 Prefix caching is on by default (SGLang's radix cache). SGLang matches prefixes token by
 token (page size 1); here hits are whole ``kv.block_size`` blocks (``kv.block_size=1`` is
@@ -165,10 +165,9 @@ class SGLangPolicy(Policy):
             if running >= cfg.max_num_seqs:
                 break
             n = step.pending_tokens(req)
-            # SGLang's NO_TOKEN stops admission; with nothing running, the estimate of the
-            # output is left out, or a request whose prompt fits but whose estimate does not
-            # would wait forever in a small pool.
-            if (n + _estimate(req) if running else n) >= rem_total:
+            # SGLang's NO_TOKEN stops admission. With nothing running, a prompt that fits is
+            # admitted whatever its output estimate, or it would wait forever in a small pool.
+            if (n + _estimate(req) >= rem_total) if running else n > rem_total:
                 break
             if n >= rem_input and step.num_scheduled:
                 break

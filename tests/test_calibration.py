@@ -264,6 +264,7 @@ def test_refit_left_at_the_median_runs_speed():
         calibrate(rows, model, **{**kw, "step_runs": [0, 1, 2]})
 
 
+@pytest.mark.slow
 def test_refit_finds_a_per_prefill_row_cost_only_serving_steps_show():
     """Serving steps where each prompt row costs 0.25 ms more than the warm profile rows show
     (docs/calibration.md, "Per prefill row"): with ``s_per_prefill_row`` the refit prices

@@ -16,6 +16,7 @@ pytest.importorskip("torch")
 triton = pytest.importorskip("triton")
 
 
+@pytest.mark.slow
 def test_triton_kernels_match_references_under_the_interpreter():
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     p = subprocess.run(

@@ -120,3 +120,13 @@ def test_tight_pools_keep_every_request_and_the_books(extra):
     assert s["completed"] + s["rejected"] == 80 and s["completed"] > 0
     assert s["num_preemptions"] > 0 and s["prefix_cache_hits"] > 0
     assert_fast_equals_exact(base)
+
+
+def test_a_prompt_that_fills_the_free_pool_exactly_starts_when_nothing_runs():
+    """6 blocks of 1 token, a 6-token prompt: SGLang's estimate (prompt + output >= free)
+    would hold it back forever; alone, it starts, one chunk of 1 per batch."""
+    run = run_requests({**SG, "max_num_seqs": 1, "chunked_prefill_size": 1,
+                        "schedule_conservativeness": 0.05}, [Request(0, 0.0, 6, 1)],
+                       num_gpu_blocks=6, block_size=1)
+    assert [(s.time, s.rows) for s in run.steps] == [
+        (float(t), [(0, t, 1, t == 5)]) for t in range(6)]

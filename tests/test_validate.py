@@ -253,6 +253,7 @@ SMALL_GRID = ("profile.decode_batch_sizes=[1,2,4,8,12]", "profile.decode_context
               "profile.mixed_prefill_cached=[0]", "profile.warmup=1", "profile.repeats=2")
 
 
+@pytest.mark.slow
 def test_whole_loop_on_the_real_cpu_executor(tmp_path):
     """Profile the real executor (tiny model, CPU) on a small grid, fit, run the workload
     through both, replay; loose bounds (shared CI machines are noisy): the tight figures come

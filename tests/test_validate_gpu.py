@@ -143,6 +143,7 @@ def test_gpu_preset_fits_an_h100_and_covers_its_workload():
     assert 384 >= 4 * longest
 
 
+@pytest.mark.slow
 def test_gpu_preset_runs_end_to_end_on_the_cpu(tmp_path):
     """conf/validate_gpu.yaml with CPU overrides and tiny counts: qps auto (two probes),
     hardware auto (kept on a CPU), interleaved profile, real, calibration and simulated runs."""
