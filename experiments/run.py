@@ -68,8 +68,8 @@ def stop_on_signals() -> Iterator[None]:
     """SIGINT and SIGTERM ask the run to stop where its state is whole (``sim.stop``); it
     then raises ``RunInterrupted``, keeping what it wrote. A second signal stops it at once."""
     def request_stop(signum: int, frame: object) -> None:
-        if sim_stop.requested:
-            raise RunInterrupted(signum)
+        if sim_stop.requested:  # now, wherever the run is: its files stay .partial
+            raise KeyboardInterrupt
         sim_stop.requested = signum
 
     before = {s: signal.signal(s, request_stop) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -89,14 +89,16 @@ def run(cfg: DictConfig) -> dict:
     # experiments/sweep.py gathers every job's outcome when the sweep ends.
     try:
         return run_job(cfg)
-    except SystemExit as e:
-        if not e.code:
+    except (SystemExit, Exception) as e:
+        if isinstance(e, SystemExit) and not e.code:
             raise
+        code = e.code if isinstance(e, SystemExit) else 1
+        error = (getattr(e, "message", None) or f"exit code {code}" if isinstance(e, SystemExit)
+                 else f"{type(e).__name__}: {e}")
         out_dir = Path(hc.runtime.output_dir)
-        error = getattr(e, "message", None) or f"exit code {e.code}"
         out_dir.mkdir(parents=True, exist_ok=True)
         write_atomic(out_dir / "failed.json", json.dumps(
-            {"overrides": list(hc.overrides.task), "exit_code": e.code, "error": error}) + "\n")
+            {"overrides": list(hc.overrides.task), "exit_code": code, "error": error}) + "\n")
         print(f"job {hc.job.num} ({' '.join(hc.overrides.task)}) failed: {error}; the sweep "
               f"goes on", file=sys.stderr)
         return {}

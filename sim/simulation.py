@@ -410,10 +410,11 @@ class Simulation:
             req_sink.close(complete=False)
             step_sink.close(complete=False)
             raise
+        stalled = deployment.num_unfinished and interrupted is None
         progress.close()
-        req_sink.close()
-        step_sink.close()
-        if deployment.num_unfinished and interrupted is None:
+        req_sink.close(complete=not stalled)  # a stalled run's rows are not the whole run
+        step_sink.close(complete=not stalled)
+        if stalled:
             raise SimulationStalled(deployment.stall_message())
         wall = time.perf_counter() - wall0
         reps = deployment.replicas

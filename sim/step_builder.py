@@ -433,6 +433,9 @@ class StepBuilder:
         return True
 
     def build(self) -> StepPlan:
+        # The plan is final: copies made after it (a transfer's blocks reserved between
+        # steps) are not this step's, and are counted only.
+        self._kv.copy_log = None
         return self._plan
 
     # ---- the decode run: every decoding request in one block ------------------------------

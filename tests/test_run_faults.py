@@ -148,3 +148,20 @@ def test_default_folders_of_runs_started_together_differ(tmp_path):
     assert len(summaries) == 2
     for s in summaries:
         assert _strict(s)["completed"] == 40
+
+
+def test_a_stalled_run_leaves_its_rows_as_partial(tmp_path):
+    from experiments.simulation import Simulation
+    from sim.replica import SimulationStalled
+    from tests.helpers import compose_cfg
+
+    sim = Simulation(compose_cfg("model=tiny", "workload.num_requests=5", "array_core=false"),
+                     tmp_path)
+    sim.policy.schedule = lambda step: step.build()  # never admits anyone: the run stalls
+    for pool in sim.pools:
+        pool.first_policy.schedule = sim.policy.schedule
+    with pytest.raises(SimulationStalled):
+        sim.run()
+    names = {p.name for p in tmp_path.iterdir()}
+    assert "requests.csv.partial" in names and "requests.csv" not in names
+    assert "summary.json" not in names

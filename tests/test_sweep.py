@@ -42,3 +42,27 @@ def test_a_sweep_that_succeeds_exits_0_with_its_table(tmp_path):
     assert table["workload.qps"].tolist() == [5, 20]
     assert (table["status"] == "complete").all()
     assert table["request_throughput"][1] > table["request_throughput"][0]
+
+
+def test_a_job_that_crashes_is_recorded_and_the_sweep_is_still_gathered(tmp_path):
+    """Any exception, not only a config error (here the run itself raises for qps=7)."""
+    patch = tmp_path / "patch"
+    patch.mkdir()
+    (patch / "sitecustomize.py").write_text(
+        "import experiments.simulation as s\n"
+        "run = s.Simulation.run\n"
+        "def crash(self):\n"
+        "    if self.cfg['workload']['qps'] == 7:\n"
+        "        raise RuntimeError('broken on purpose')\n"
+        "    return run(self)\n"
+        "s.Simulation.run = crash\n")
+    out = tmp_path / "sweep"
+    r = subprocess.run(
+        [sys.executable, "-m", "experiments.run", "-m", "model=tiny", "workload.num_requests=20",
+         "progress=false", "workload.qps=5,7,9", f"hydra.sweep.dir={out}"], cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": f"{patch}{os.pathsep}{ROOT}"}, capture_output=True,
+        text=True, timeout=300, check=False)
+    assert r.returncode == 1, r.stderr
+    table = pd.read_csv(out / "sweep.csv")
+    assert table["status"].tolist() == ["complete", "failed", "complete"]
+    assert table["error"][1] == "RuntimeError: broken on purpose"

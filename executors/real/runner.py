@@ -104,15 +104,20 @@ class ModelRunner:
             ins = [p for d, pairs in ops if d == "in" for p in pairs]
             if outs != plan.swap_out or ins != plan.swap_in:
                 raise ValueError("StepPlan.swaps disagrees with swap_out/swap_in")
-        # Consecutive copies in one direction touch disjoint blocks: batch them.
+        # Consecutive copies in one direction are batched while their destinations differ
+        # (an offload tier block may be stored into twice in one step: the later copy wins).
         runs: list[tuple[str, list[tuple[int, int]]]] = []
+        dests: set[int] = set()
         for direction, pairs in ops:
             if direction not in ("out", "in", "store", "load"):
                 raise ValueError(f"unknown swap direction {direction!r}")
-            if runs and runs[-1][0] == direction:
-                runs[-1][1].extend(pairs)
-            elif pairs:
-                runs.append((direction, list(pairs)))
+            for pair in pairs:
+                if runs and runs[-1][0] == direction and pair[1] not in dests:
+                    runs[-1][1].append(pair)
+                else:
+                    runs.append((direction, [pair]))
+                    dests = set()
+                dests.add(pair[1])
         for direction, pairs in runs:
             src = torch.tensor([s for s, _ in pairs], dtype=torch.long)
             dst = torch.tensor([d for _, d in pairs], dtype=torch.long)

@@ -179,7 +179,7 @@ class PrefixAwareApprox(PrefixAware):
 
     def routed(self, req: Request, index: int) -> None:
         tree = self.trees.setdefault(index, OrderedDict())
-        for key in self._keys(req):
+        for key in reversed(self._keys(req)):  # the prefix last: trimmed last (leaves first)
             tree[key] = None
             tree.move_to_end(key)
         while len(tree) * self.GRANULE > self.MAX_TOKENS:
