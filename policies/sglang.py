@@ -25,7 +25,8 @@ A step is either a prefill batch or a decode batch, never both:
    decoded, plus 20 steps each, over their maximum outputs (at most 1).
 ``new_token_ratio`` starts at 0.7 x ``schedule_conservativeness`` and falls with every
 decode batch that retracts nobody, by (0.7 - 0.098) x ``schedule_conservativeness`` / 600,
-down to 0.098 x it (SGLang's 0.14 x the initial ratio); it starts over when nothing runs.
+down to 0.098 x it (SGLang's 0.14 x the initial ratio; both at most 1); it starts over when
+the engine is idle (no batch at all).
 With nothing running, a prompt that fits the free pool is admitted whatever its output
 estimate (it would otherwise wait forever in a small pool).
 
@@ -118,18 +119,18 @@ class SGLangPolicy(Policy):
     def __init__(self, config: PolicyConfig, seed: int = 0) -> None:
         super().__init__(config, seed)
         c = self.config.schedule_conservativeness
-        self.init_ratio = INIT_NEW_TOKEN_RATIO * c
-        self.min_ratio = self.init_ratio * MIN_NEW_TOKEN_RATIO_FACTOR
+        self.init_ratio = min(INIT_NEW_TOKEN_RATIO * c, 1.0)
+        self.min_ratio = min(self.init_ratio * MIN_NEW_TOKEN_RATIO_FACTOR, 1.0)
         self.decay = (self.init_ratio - self.min_ratio) / NEW_TOKEN_RATIO_DECAY_STEPS
         self.new_token_ratio = self.init_ratio
 
     def schedule(self, step: StepBuilder) -> StepPlan:
-        if not step.running:
-            self.new_token_ratio = self.init_ratio
         if self._prefill_batch(step):
             return step.build()
         if step.running:
             self._decode_batch(step)
+        else:  # idle: no batch at all
+            self.new_token_ratio = self.init_ratio
         return step.build()
 
     # ---- prefill ---------------------------------------------------------------------------
@@ -146,16 +147,23 @@ class SGLangPolicy(Policy):
         chunking = [r for r in step.running if r.num_pending_tokens > 1]
         if not chunking and not step.waiting:
             return False
-        size = step.kv.block_size
-        reserved = sum(_estimate(r) for r in step.running if r.num_pending_tokens == 1)
-        rem_total = step.kv.num_free_blocks * size - reserved * self.new_token_ratio
+        kv, size = step.kv, step.kv.block_size
+        reserved = (sum(_estimate(r) for r in step.running if r.num_pending_tokens == 1)
+                    * self.new_token_ratio)
+        committed = 0  # output estimates of the requests this batch admitted whole
+
+        def rem_total() -> float:
+            # Live, as SGLang's: the free pool (cached blocks included) after what this batch
+            # took (its chunks' blocks and the cached blocks its hits took off the pool),
+            # less the running requests' expected outputs and the admitted ones' estimates.
+            return kv.num_free_blocks * size - reserved - committed
+
         rem_input = cfg.max_num_batched_tokens
         rem_chunk = cfg.chunked_prefill_size
         for req in chunking:  # the prompt mid-chunk goes on first
-            n = min(req.num_pending_tokens, rem_chunk, max(int(rem_total), 0))
+            n = min(req.num_pending_tokens, rem_chunk, max(int(rem_total()), 0))
             if n <= 0 or not step.schedule(req, n):
                 return step.num_scheduled > 0
-            rem_total -= n
             rem_input -= n
             rem_chunk -= n
             if n < req.num_pending_tokens:
@@ -167,7 +175,8 @@ class SGLangPolicy(Policy):
             n = step.pending_tokens(req)
             # SGLang's NO_TOKEN stops admission. With nothing running, a prompt that fits is
             # admitted whatever its output estimate, or it would wait forever in a small pool.
-            if (n + _estimate(req) >= rem_total) if running else n > rem_total:
+            room = rem_total()
+            if (n + _estimate(req) >= room) if running else n > room:
                 break
             if n >= rem_input and step.num_scheduled:
                 break
@@ -175,7 +184,8 @@ class SGLangPolicy(Policy):
             if grant <= 0 or not step.schedule(req, grant):
                 break
             running += 1
-            rem_total -= (n + _estimate(req)) if grant == n else grant
+            if grant == n:
+                committed += _estimate(req)
             rem_input -= grant
             rem_chunk -= grant
             if grant < n:

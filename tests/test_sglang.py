@@ -130,3 +130,17 @@ def test_a_prompt_that_fills_the_free_pool_exactly_starts_when_nothing_runs():
                        num_gpu_blocks=6, block_size=1)
     assert [(s.time, s.rows) for s in run.steps] == [
         (float(t), [(0, t, 1, t == 5)]) for t in range(6)]
+
+
+def test_the_cached_blocks_a_hit_takes_leave_the_budget():
+    """10 blocks of 2. A computes the shared 8-token prefix (4 blocks) and finishes; at t=5 B
+    (the prefix + 1 token, 6 outputs) takes those 4 cached blocks and a fifth: the 10 tokens
+    left less B's 6 estimated leave 4, and C (2 + 6) waits, as in SGLang, where locking the
+    prefix shrinks the evictable part of its budget."""
+    prefix = ((3, 8),)
+    run = run_requests({**SG, "chunked_prefill_size": 16},
+                       [Request(0, 0.0, 9, 1, prefix=prefix), Request(1, 5.0, 9, 6, prefix=prefix),
+                        Request(2, 5.0, 2, 6)],
+                       num_gpu_blocks=10, block_size=2, enable_prefix_caching=True)
+    at5 = next(s for s in run.steps if s.time == 5.0)
+    assert at5.rows == [(1, 8, 1, True)] and at5.tables == {1: [0, 1, 2, 3, 5]}
