@@ -53,14 +53,19 @@ def slo_attainment(requests: Iterable[Request], total: int, ttft_s: float, tpot_
     return ok / total
 
 
+def write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
+    """``rows`` (dicts with the same keys) as a CSV file with a header."""
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+
+
 def write_tables(out_dir: Path, runs: list[dict[str, Any]], rows: list[dict[str, Any]]) -> None:
     """``runs.csv`` (one row per simulation), ``results.csv`` and ``results.md``."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    for name, table in (("runs.csv", runs), ("results.csv", rows)):
-        with (out_dir / name).open("w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=list(table[0]))
-            w.writeheader()
-            w.writerows(table)
+    write_csv(out_dir / "runs.csv", runs)
+    write_csv(out_dir / "results.csv", rows)
     (out_dir / "results.md").write_text(markdown_table(rows) + "\n")
 
 

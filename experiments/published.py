@@ -37,7 +37,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 from plotly.subplots import make_subplots
 
-from experiments.common import markdown_table, merge
+from experiments.common import markdown_table, merge, write_csv
 from experiments.published_lengths import LengthsWorkload, build_workload
 from experiments.simulation import BuiltIn
 from sim.errors import ConfigError, exit_on_config_error, require
@@ -445,11 +445,8 @@ def figure(rows: list[dict[str, Any]]) -> go.Figure:
 def write_outputs(out_dir: Path, rows: list[dict[str, Any]],
                   summary: list[dict[str, Any]], command: str) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
-    for name, table in (("published.csv", rows), ("published_tables.csv", summary)):
-        with (out_dir / name).open("w", newline="") as fh:
-            w = csv.DictWriter(fh, fieldnames=list(table[0]))
-            w.writeheader()
-            w.writerows(table)
+    write_csv(out_dir / "published.csv", rows)
+    write_csv(out_dir / "published_tables.csv", summary)
     text = (f"Command: {command}\n\n{markdown_table(shown(rows))}\n\n"
             f"{markdown_table(shown_summary(summary))}\n")
     (out_dir / "published.md").write_text(text)

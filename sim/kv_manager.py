@@ -45,6 +45,17 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
+def _leading(blocks: dict[Hashable, int], keys: Sequence[Hashable]) -> list[int]:
+    """The blocks ``blocks`` maps ``keys`` to, from the first key up to the first it lacks."""
+    out: list[int] = []
+    for key in keys:
+        b = blocks.get(key)
+        if b is None:
+            break
+        out.append(b)
+    return out
+
+
 class _Pool:
     """A pool of blocks with reference counts and a FIFO free queue.
 
@@ -417,26 +428,12 @@ class KVBlockManager:
     def match(self, keys: Sequence[Hashable]) -> list[int]:
         """The cached blocks holding ``keys``' content, from the first key up to the first
         one not cached (vLLM v1's longest cache hit: whole blocks, a prefix)."""
-        out: list[int] = []
-        cached = self.cached
-        for key in keys:
-            b = cached.get(key)
-            if b is None:
-                break
-            out.append(b)
-        return out
+        return _leading(self.cached, keys)
 
     def match_offloaded(self, keys: Sequence[Hashable]) -> list[int]:
         """The offload tier's blocks holding ``keys``' content, from the first key up to the
         first one it does not hold (where a GPU ``match`` stopped, the hit may go on here)."""
-        out: list[int] = []
-        offloaded = self.offloaded
-        for key in keys:
-            c = offloaded.get(key)
-            if c is None:
-                break
-            out.append(c)
-        return out
+        return _leading(self.offloaded, keys)
 
     def load(self, request_id: Hashable, offload_blocks: list[int],
              keys: Sequence[Hashable]) -> list[int] | None:

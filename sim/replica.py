@@ -368,9 +368,6 @@ class Replica:
             steps = jump.block_steps
             lo = bisect_left(steps, done + 1)
             owners = owners[lo:bisect_left(steps, stop + 1, lo)]
-        # Jump steps are priced in closed form, not executed: the offload stores their
-        # blocks cause are counted, not logged into a plan.
-        self.kv.copy_log = None
         if owners and not self.kv.grow(owners):
             raise AssertionError("decode jump overran the KV pool")  # planned so
 
