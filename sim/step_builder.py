@@ -110,6 +110,11 @@ class ReplicaQueues:
         del running[i]
 
 
+def _num_blocks(hits: tuple[list[int], list[int]]) -> int:
+    """How many blocks a cache hit covers: its GPU blocks and the offloaded ones after them."""
+    return len(hits[0]) + len(hits[1])
+
+
 def watermark_blocks(kv_watermark: float, num_gpu_blocks: int) -> int:
     """The blocks admission keeps free (vLLM v0's watermark: a fraction of the pool)."""
     return int(kv_watermark * num_gpu_blocks)
@@ -194,9 +199,8 @@ class StepBuilder:
         hits = self._hits(req, num_new_tokens) if self._kv.enable_prefix_caching else None
         if hits:  # the cached blocks come first; those now free leave the free queue
             kv = self._kv
-            gpu, offloaded = hits
-            cached = len(gpu) + len(offloaded)  # offloaded ones are loaded into new blocks
-            return (blocks_for(cached * kv.block_size + num_new_tokens, kv.block_size)
+            gpu = hits[0]  # the offloaded ones are loaded into new blocks
+            return (blocks_for(_num_blocks(hits) * kv.block_size + num_new_tokens, kv.block_size)
                     - len(gpu) + kv.num_free_among(gpu))
         return self._kv.blocks_needed(req.request_id, req.num_computed_tokens + num_new_tokens)
 
@@ -212,7 +216,7 @@ class StepBuilder:
         if not self._kv.enable_prefix_caching:  # the common case: one attribute read
             return n
         hits = self._hits(req)
-        return n - (len(hits[0]) + len(hits[1])) * self._kv.block_size if hits else n
+        return n - _num_blocks(hits) * self._kv.block_size if hits else n
 
     def _hits(self, req: Request, num_new_tokens: int = 0,
               ) -> tuple[list[int], list[int]] | None:
@@ -234,8 +238,7 @@ class StepBuilder:
                          else [])
             hits = (gpu, offloaded) if gpu or offloaded else None
             self._hit_memo[rid] = (kv.epoch, hits)
-        if hits and num_new_tokens > (req.num_pending_tokens
-                                      - (len(hits[0]) + len(hits[1])) * kv.block_size):
+        if hits and num_new_tokens > req.num_pending_tokens - _num_blocks(hits) * kv.block_size:
             return None
         return hits
 
@@ -334,7 +337,7 @@ class StepBuilder:
                 if offloaded:  # fits: blocks_needed counted the blocks it loads into
                     kv.load(rid, offloaded, self._keys(req))
                 local = len(gpu) * kv.block_size
-                computed = req.num_computed_tokens = (len(gpu) + len(offloaded)) * kv.block_size
+                computed = req.num_computed_tokens = _num_blocks(hits) * kv.block_size
                 pending -= computed
         if kv.allocate_slots(rid, computed + num_new_tokens) is None:
             return False
