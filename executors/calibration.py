@@ -34,6 +34,7 @@ from executors.step_terms import (
     predict_array,
     step_shape,
 )
+from executors.uncertainty import LEVEL, ratio_interval
 from sim.config_types import as_float, as_int
 from sim.errors import ConfigError
 from sim.plan import ScheduledRequest, StepPlan
@@ -60,6 +61,8 @@ RUN_LEVELS = ("mean", "median")
 #: leaves them at 0.
 SERVING_ONLY = ("s_per_prefill_row",)
 MAX_FIT_STEPS = 4000  # serving steps fitted at most (calibrate(steps=...)): the fit's run time
+#: Refits on resampled rows behind a profile's step-time interval (``step_time_interval``).
+BOOTSTRAP_FITS = 16
 
 
 # ---- rows <-> plans ---------------------------------------------------------------------------
@@ -603,22 +606,24 @@ def calibrate(rows: Sequence[dict[str, Any]], model: ModelSpec, tensor_parallel:
     f = fit_coefficients(rows_x, y[fit_idx], sharpness,
                          active=[n for n in Coefficients.names() if n not in SERVING_ONLY],
                          seq_knee=seq_knee)
+    fitted = (rows_x, y[fit_idx], y[fit_idx], "soft_l1")  # drivers, times, scales, loss
     if steps:
         # Steps are single noisy measurements, fitted at their mean (the simulated clock sums
         # them): absolute residuals over the rows-only fit's prediction, least squares.
         steps_x = [step_drivers[i] for i in step_fit]
         guess = predict(f.coefficients, steps_x)
-        f = fit_coefficients(rows_x + steps_x, np.concatenate([y[fit_idx], step_y[step_fit]]),
-                             sharpness, scale=np.concatenate([y[fit_idx], guess]),
+        fitted = (rows_x + steps_x, np.concatenate([y[fit_idx], step_y[step_fit]]),
+                  np.concatenate([y[fit_idx], guess]), "linear")
+        f = fit_coefficients(fitted[0], fitted[1], sharpness, scale=fitted[2],
                              loss="linear", seq_knee=seq_knee)
-    coefficients, level = f.coefficients, {}
+    coefficients, level, run_scale = f.coefficients, {}, 1.0
     if steps and step_runs is not None:
         speeds = run_speeds(predict(coefficients, step_drivers), step_y, step_runs)
         level = {"run_level": run_level, "run_speeds": [round(v, 5) for v in speeds.values()]}
         if run_level == "median":
-            factor = float(np.median(list(speeds.values())))
-            coefficients = coefficients.scaled(factor)
-            level["run_level_scale"] = round(factor, 6)
+            run_scale = float(np.median(list(speeds.values())))
+            coefficients = coefficients.scaled(run_scale)
+            level["run_level_scale"] = round(run_scale, 6)
     pred = predict(coefficients, drivers)
     first = rows[0]
     fit = {"rows_fit": len(fit_idx), "rows_heldout": len(held_idx),
@@ -628,6 +633,15 @@ def calibrate(rows: Sequence[dict[str, Any]], model: ModelSpec, tensor_parallel:
            "attention_split_rule": split_rule, "attention_split_kv_len": split_kv_len,
            "attention_decode_placement": decode_placement}
     fit.update(level)
+    # The held-out times the interval is judged on: serving steps where there are some (the
+    # shapes a run prices), else the profile's held-out rows.
+    if steps:
+        held_x, held_y = [step_drivers[i] for i in step_held], step_y[step_held]
+    else:
+        held_x, held_y = [drivers[i] for i in held_idx], y[held_idx]
+    lo, hi = bootstrap_interval(f.coefficients, *fitted, held_x, held_y, run_scale)
+    fit["step_time_interval"] = {"level": LEVEL, "lo": round(lo, 4), "hi": round(hi, 4),
+                                 "bootstrap_fits": BOOTSTRAP_FITS, "heldout": len(held_y)}
     if steps:
         sp = predict(coefficients, [step_drivers[i] for i in step_held])
         sy = step_y[step_held]
@@ -637,6 +651,42 @@ def calibrate(rows: Sequence[dict[str, Any]], model: ModelSpec, tensor_parallel:
     return HardwareProfile(
         model=model.name, device=str(first.get("device", "")), dtype=str(first.get("dtype", "")),
         tensor_parallel=tensor_parallel, coefficients=coefficients, fit=fit, source=source)
+
+
+def bootstrap_interval(coefficients: Coefficients, drivers: Sequence[StepDrivers],
+                       y: np.ndarray, scale: np.ndarray, loss: str,
+                       held_drivers: Sequence[StepDrivers], held_y: np.ndarray,
+                       level_factor: float = 1.0, fits: int = BOOTSTRAP_FITS,
+                       seed: int = 0) -> tuple[float, float]:
+    """The ``LEVEL`` interval of measured / predicted held-out time over ``fits`` refits of
+    ``coefficients`` to the fitted rows resampled with replacement (their knee kept, the
+    loss and scales of the fit, started from its prices), the predictions times
+    ``level_factor`` (a run-level scaling applied after the fit). The ratios of all refits
+    are pooled: the residuals' spread and the coefficients' spread in one interval."""
+    from scipy.optimize import least_squares
+
+    names = Coefficients.names()
+    x0 = np.array([getattr(coefficients, n) for n in names])
+    idx = np.flatnonzero(x0 > 0)  # the prices the fit kept; the others stay 0
+    p, knee = coefficients.sharpness, coefficients.seq_knee
+    X, Xh = driver_matrix(list(drivers)), driver_matrix(list(held_drivers))
+    rng = np.random.default_rng(seed)
+    ratios = []
+    for _ in range(fits):
+        pick = rng.integers(0, len(y), len(y))
+        Xb, yb, sb = X[pick], y[pick], scale[pick]
+
+        def resid(z: np.ndarray) -> np.ndarray:
+            x = np.zeros(len(names))
+            x[idx] = z * x0[idx]
+            return (predict_array(x, Xb, p, knee) - yb) / sb
+
+        r = least_squares(resid, np.ones(len(idx)), bounds=(0.0, np.inf), loss=loss,
+                          f_scale=0.05, max_nfev=200)
+        x = np.zeros(len(names))
+        x[idx] = r.x * x0[idx]
+        ratios.append(held_y / (predict_array(x, Xh, p, knee) * level_factor))
+    return ratio_interval(np.concatenate(ratios))
 
 
 def run_speeds(predicted: np.ndarray, measured: np.ndarray, runs: Sequence[int],

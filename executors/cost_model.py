@@ -112,6 +112,10 @@ class CostModelConfig:
     # p of the knee (FLOP time^p + byte time^p)^(1/p); None: the sharp roofline max().
     roofline_sharpness: float | None = 2.0
     profile: str | None = None  # a fitted hardware profile (YAML/JSON; executors/calibration.py)
+    # Every price of a step (host and GPU terms, a profile's or the roofline's) times this
+    # factor; TP communication, pipeline sends and swap copies keep their own prices. A what-if
+    # for a slower or faster device, and the bounds of the error bars (experiments/intervals.py).
+    step_time_factor: float = 1.0
     network: str | None = "auto"  # conf/network/<hardware>.yaml; "none": hardware spec only
 
     def __post_init__(self) -> None:
@@ -141,6 +145,9 @@ class CostModelConfig:
         for f in ("attention_efficiency", "kv_read_efficiency", "elementwise_efficiency"):
             v = getattr(self, f)
             require(0 < v <= 1, f"executor.{f}", f"must be in (0, 1], got {v}")
+        require(math.isfinite(self.step_time_factor) and self.step_time_factor > 0,
+                "executor.step_time_factor",
+                f"must be a finite number > 0, got {self.step_time_factor}")
         require(self.roofline_sharpness is None or self.roofline_sharpness >= 1,
                 "executor.roofline_sharpness",
                 f"must be >= 1 or null (max), got {self.roofline_sharpness}")
@@ -233,6 +240,10 @@ class RooflineCostModel(Executor):
         # Element-wise bytes stay priced by bandwidth unless a profile fitted s_per_token.
         self._ew_s_per_byte = (None if coefficients is not None
                                else 1.0 / (bw * c.elementwise_efficiency))
+        if c.step_time_factor != 1.0:  # 1 keeps the prices' own floats
+            self._coefficients = self._coefficients.scaled(c.step_time_factor)
+            if self._ew_s_per_byte is not None:
+                self._ew_s_per_byte *= c.step_time_factor
         self._pcie_bw = hardware.pcie_bandwidth_gbps * 1e9
         self._pcie_lat = hardware.pcie_latency_us * 1e-6
         # Memoized terms of ``duration`` (see there).

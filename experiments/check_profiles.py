@@ -27,6 +27,7 @@ import numpy as np
 from executors.calibration import ShapeSpec, fit_coefficients, mape, predict
 from executors.cost_model import CostModelConfig, RooflineCostModel
 from executors.step_terms import StepDecomposer, StepShape
+from executors.uncertainty import LEVEL, ratio_interval
 from sim.errors import ConfigError, apply_cli_overrides
 from sim.specs import ModelSpec, load_hardware_spec
 
@@ -54,6 +55,7 @@ class CheckResult:
     roofline_mape: float  # percent, all rows
     calibrated_mape: float  # percent, held-out rows
     sharpness: float
+    roofline_ratios: np.ndarray  # measured / roofline time, per row
 
 
 def _geometry(name: str, n_embd: int, n_head: int, n_kv_head: int, n_expanded: int,
@@ -80,7 +82,7 @@ def _check(name: str, shapes: Sequence[StepShape], y: np.ndarray, roofline: np.n
     f = fit_coefficients([drivers[i] for i in fit_i], y[fit_i], active=terms)
     pred = predict(f.coefficients, drivers)
     return CheckResult(name, len(y), mape(roofline, y), mape(pred[test_i], y[test_i]),
-                       f.coefficients.sharpness)
+                       f.coefficients.sharpness, y / roofline)
 
 
 def check_linear(root: Path, label: str, file: str, hardware: str) -> CheckResult:
@@ -154,6 +156,12 @@ def format_results(results: Sequence[CheckResult]) -> list[str]:
     mean_r = float(np.mean([c.roofline_mape for c in results]))
     mean_c = float(np.mean([c.calibrated_mape for c in results]))
     lines.append(f"profiles MAPE: roofline {mean_r:.1f}% calibrated {mean_c:.1f}%")
+    # The spread error_bars.roofline_step_time states (each check weighs the same).
+    lo, hi = ratio_interval(np.concatenate([c.roofline_ratios for c in results]),
+                            weights=np.concatenate([np.full(c.rows, 1.0 / c.rows)
+                                                    for c in results]))
+    lines.append(f"roofline {LEVEL:.0%} interval of measured / predicted time: "
+                 f"[{lo:.3f}, {hi:.3f}]")
     return lines
 
 

@@ -6,7 +6,9 @@
     python -m experiments.run -m workload.qps=2,4,8  # a multirun sweep
 
 Writes requests.csv, steps.csv, summary.json and report.html into Hydra's output folder, each
-under a ``.partial`` name until it is complete. A folder that holds another run's outputs is
+under a ``.partial`` name until it is complete. With the cost model, summary.json carries a
+90% interval beside each headline figure (experiments/intervals.py: two more runs at the ends
+of the cost model's measured step-time error). A folder that holds another run's outputs is
 refused unless ``overwrite=true``. SIGINT or SIGTERM stops the run at once: the rows so far
 and a summary marked ``"status": "interrupted"`` are kept, and the process exits 130 / 143
 with one line. A file that cannot be written ends the run with one line naming it (exit 1).
@@ -28,6 +30,12 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
+from experiments.intervals import (
+    ErrorBarsConfig,
+    format_intervals,
+    step_time_interval,
+    with_intervals,
+)
 from experiments.simulation import Simulation
 from sim import stop as sim_stop
 from sim.errors import ConfigError, RunInterrupted, exit_on_config_error, exit_with
@@ -112,13 +120,24 @@ def run_job(cfg: DictConfig) -> dict:
     try:
         with exit_on_config_error():
             sim = Simulation(container, out_dir)
+            bars = step_time_interval(container, ErrorBarsConfig.from_dict(
+                container.get("error_bars")))
+        result = None
         try:
             with stop_on_signals(), exit_on_config_error():
                 result = sim.run()
+                if bars is not None:
+                    result.summary = with_intervals(container, result.summary)
+                    sim.write_summary(result.summary)
             write_report(out_dir, result.summary)
         except RunInterrupted as e:
-            print(f"interrupted by {e}: the rows so far and summary.json (status "
-                  f"\"interrupted\") are in {out_dir}", file=sys.stderr)
+            if result is None:
+                print(f"interrupted by {e}: the rows so far and summary.json (status "
+                      f"\"interrupted\") are in {out_dir}", file=sys.stderr)
+            else:  # during the error bars' runs: the run itself is whole
+                write_report(out_dir, result.summary)
+                print(f"interrupted by {e} during the error bars' runs: the run's outputs, "
+                      f"without intervals, are in {out_dir}", file=sys.stderr)
             # Everything is written and closed: leave now, without tearing down a large
             # run's objects one by one (seconds for millions of requests).
             (out_dir / LOCK).unlink(missing_ok=True)
@@ -135,6 +154,9 @@ def run_job(cfg: DictConfig) -> dict:
         log.info("job %d: %s", hc.job.num, " ".join(hc.overrides.task))
     # Logged: to the console and to the folder's run.log.
     log.info(format_summary(result.summary))
+    intervals = format_intervals(result.summary)
+    if intervals is not None:
+        log.info(intervals)
     log.info(f"outputs: {out_dir}")
     return result.summary
 

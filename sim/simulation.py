@@ -76,7 +76,8 @@ class Components(Protocol):
 
 SECTIONS = ("model", "hardware", "policy", "workload", "executor", "cluster", "kv")
 TOP_LEVEL = {*SECTIONS, "seed", "progress", "check_integrity", "output_dir", "step_mode",
-             "device", "itl_quantiles", "record_steps", "array_core", "overwrite", "goodput"}
+             "device", "itl_quantiles", "record_steps", "array_core", "overwrite", "goodput",
+             "error_bars"}  # error_bars: read by the command that runs the job (experiments/)
 SLO_KEYS = ("ttft_ms", "tpot_ms", "e2el_ms")
 
 

@@ -6,6 +6,7 @@ import math
 import numpy as np
 import pandas as pd
 import pytest
+import yaml
 
 from executors.base import Executor
 from executors.calibration import (
@@ -36,7 +37,7 @@ from experiments.simulation import Simulation
 from sim.errors import ConfigError
 from sim.plan import ScheduledRequest, StepPlan, StepResult
 from sim.specs import load_hardware_spec, load_model_spec
-from tests.helpers import SHARED, compose_cfg
+from tests.helpers import ROOT, SHARED, compose_cfg
 
 TRUE = Coefficients(s_per_step=2e-3, s_per_seq=5e-5, s_per_token=2e-6, s_per_flop=1e-11,
                     s_per_weight_byte=3e-10, s_per_attn_flop=4e-11, s_per_diag_flop=6e-11,
@@ -560,7 +561,12 @@ def test_check_profiles_meets_targets():
 
     results = check_profiles(SHARED / "profiles" / "vidur")
     lines = format_results(results)
-    assert lines[-1].startswith("profiles MAPE: roofline ")
+    assert lines[-2].startswith("profiles MAPE: roofline ")
+    # The roofline's error bars (conf/config.yaml) are the interval printed here.
+    conf = yaml.safe_load((ROOT / "conf" / "config.yaml").read_text())
+    lo, hi = conf["error_bars"]["roofline_step_time"]
+    assert lines[-1] == (f"roofline 90% interval of measured / predicted time: "
+                         f"[{lo:.3f}, {hi:.3f}]")
     assert len(results) == 5
     for c in results:
         assert c.roofline_mape <= 25.0, c  # target: uncalibrated roofline 25% or less

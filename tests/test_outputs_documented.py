@@ -79,9 +79,21 @@ def test_the_readme_lists_exactly_what_runs_write(tmp_path: Path) -> None:
     section = _outputs_section()
     bullet = _between(section, "- cluster runs only", "`replicas` list")
     cluster = _documented_names(bullet) - FILES
+    bars = _documented_names(_between(section, "- error bars (", "come from;")) - FILES
     single = _run(tmp_path / "one")
-    assert _documented_names(section) - FILES - NOT_NAMES - cluster == single
+    assert _documented_names(section) - FILES - NOT_NAMES - cluster - (bars - single) == single
     assert _run(tmp_path / "two", "cluster.num_replicas=2") - single == cluster
+
+
+def test_the_readme_lists_exactly_the_error_bars_keys(tmp_path: Path) -> None:
+    """What ``experiments.run`` adds to summary.json with error bars: the README's bullet."""
+    from experiments.intervals import with_intervals
+
+    bullet = _between(_outputs_section(), "- error bars (", "come from;")
+    cfg = compose_cfg("workload.num_requests=20", "goodput={ttft_ms:500}")
+    summary = Simulation(cfg, None).run().summary
+    added = set(with_intervals(cfg, summary)) - set(summary)
+    assert _documented_names(bullet) - FILES == added
 
 
 def test_cluster_md_lists_exactly_what_disaggregated_runs_add(tmp_path: Path) -> None:
