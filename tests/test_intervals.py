@@ -116,7 +116,8 @@ def test_calibrated_profile_carries_its_held_out_interval():
     rows, model = _profile_rows(0.05)
     iv = calibrate(rows, model, attention_tile=1, sharpness=1.0).fit["step_time_interval"]
     assert iv["level"] == 0.9 and iv["bootstrap_fits"] >= 8 and iv["heldout"] == 47
-    assert 0.87 < iv["lo"] < 0.96 < 1.04 < iv["hi"] < 1.14
+    assert 0.87 < iv["lo"] < 0.96
+    assert 1.04 < iv["hi"] < 1.14
     rows, model = _profile_rows(0.0)
     iv = calibrate(rows, model, attention_tile=1, sharpness=1.0).fit["step_time_interval"]
     assert 0.999 < iv["lo"] <= iv["hi"] < 1.001
@@ -195,7 +196,7 @@ def test_the_command_writes_intervals_and_refuses_a_bad_section(tmp_path):
     ok = subprocess.run(
         [sys.executable, "-m", "experiments.run", "workload.num_requests=40",
          "workload.qps=10", "progress=false", f"hydra.run.dir={out}"],
-        cwd=ROOT, capture_output=True, text=True, timeout=300)
+        cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
     assert ok.returncode == 0, ok.stderr
     summary = json.loads((out / "summary.json").read_text())
     assert summary["p90_ttft_ms_lo"] <= summary["p90_ttft_ms"] <= summary["p90_ttft_ms_hi"]
@@ -203,7 +204,7 @@ def test_the_command_writes_intervals_and_refuses_a_bad_section(tmp_path):
     bad = subprocess.run(
         [sys.executable, "-m", "experiments.run", "workload.num_requests=5",
          "error_bars.step_time=[1.3,0.8]", f"hydra.run.dir={tmp_path / 'bad'}"],
-        cwd=ROOT, capture_output=True, text=True, timeout=300)
+        cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
     assert bad.returncode == 2
     assert bad.stderr.strip().startswith("config error: error_bars.step_time:")
     assert "Traceback" not in bad.stderr
