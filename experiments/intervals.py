@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -102,12 +103,19 @@ def step_time_interval(cfg: dict[str, Any], bars: ErrorBarsConfig,
     return lo, hi, str(profile)
 
 
-def with_intervals(cfg: dict[str, Any], summary: dict[str, Any]) -> dict[str, Any]:
-    """``summary`` with ``<figure>_lo`` / ``_hi`` after each ``HEADLINE`` figure and the
-    interval's provenance (``error_bars_*``); unchanged where the run gets no error bars.
-    Runs the configuration twice more, without outputs."""
+def _simulate(cfg: dict[str, Any]) -> dict[str, Any]:
     from experiments.simulation import Simulation
 
+    return Simulation(cfg, None).run().summary
+
+
+def with_intervals(cfg: dict[str, Any], summary: dict[str, Any],
+                   simulate: Callable[[dict[str, Any]], dict[str, Any]] = _simulate,
+                   ) -> dict[str, Any]:
+    """``summary`` with ``<figure>_lo`` / ``_hi`` after each ``HEADLINE`` figure and the
+    interval's provenance (``error_bars_*``); unchanged where the run gets no error bars.
+    Runs the configuration twice more through ``simulate`` (config -> summary; default: the
+    built-in components, without outputs)."""
     bars = ErrorBarsConfig.from_dict(cfg.get("error_bars"))
     interval = step_time_interval(cfg, bars)
     if interval is None or summary.get("status", "complete") != "complete":
@@ -119,8 +127,8 @@ def with_intervals(cfg: dict[str, Any], summary: dict[str, Any]) -> dict[str, An
         run_cfg = copy.deepcopy(cfg)
         run_cfg["executor"]["step_time_factor"] = base * factor
         run_cfg.update(record_steps=False, progress=False)
-        log.info("error bars: the run with every step time x%.3f", factor)
-        ends.append(Simulation(run_cfg, None).run().summary)
+        log.debug("error bars: the run with every step time x%.3f", factor)
+        ends.append(simulate(run_cfg))
     out: dict[str, Any] = {}
     for key, value in summary.items():
         out[key] = value

@@ -38,6 +38,7 @@ from omegaconf import DictConfig, OmegaConf
 from plotly.subplots import make_subplots
 
 from experiments.common import markdown_table, merge, write_csv
+from experiments.intervals import with_intervals
 from experiments.published_lengths import LengthsWorkload, build_workload
 from experiments.simulation import BuiltIn
 from sim.errors import ConfigError, exit_on_config_error, require
@@ -285,8 +286,11 @@ def simulate(cfg: dict[str, Any]) -> dict[str, Any]:
     t0 = time.perf_counter()
     sim = Simulation(cfg, None, components=COMPONENTS)
     w = sim.workload
-    summary = sim.run().summary
+    summary = with_intervals(cfg, sim.run().summary, simulate=lambda c: Simulation(
+        c, None, components=COMPONENTS).run().summary)
     out = {k: summary[k] for k in KEPT}
+    out.update({f"{k}{end}": summary[f"{k}{end}"] for k in KEPT for end in ("_lo", "_hi")
+                if f"{k}{end}" in summary})
     if isinstance(w, LengthsWorkload):  # what the lengths drawn came to
         out.update(mean_prompt_len=float(w.prompts.mean()),
                    mean_output_len=float(w.outputs.mean()), max_output_len=int(w.outputs.max()))
@@ -361,6 +365,13 @@ def run_rows(cfg: dict[str, Any], log: Any = print) -> list[dict[str, Any]]:
                     "setup": setup.label, "metric": row.metric, "published": row.published,
                     "simulated": res[row.metric],
                     "error_pct": error_pct(res[row.metric], row.published),
+                    # The simulator's 90% interval (error bars) and whether it holds the
+                    # published figure; None without error bars.
+                    "simulated_lo": res.get(f"{row.metric}_lo"),
+                    "simulated_hi": res.get(f"{row.metric}_hi"),
+                    "within_interval": (res[f"{row.metric}_lo"] <= row.published
+                                        <= res[f"{row.metric}_hi"]
+                                        if f"{row.metric}_lo" in res else None),
                     "read_accuracy": row.read_accuracy, "note": "; ".join(notes),
                     "completed": res["completed"], "num_preemptions": res["num_preemptions"],
                     "mean_prompt_len": res.get("mean_prompt_len"),
@@ -380,10 +391,12 @@ def table_summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for (source, table), rs in groups.items():
         errs = [r["error_pct"] for r in rs]
         worst = max(rs, key=lambda r: abs(r["error_pct"]))
+        held = [r["within_interval"] for r in rs if r.get("within_interval") is not None]
         out.append({"source": source, "table": table, "rows": len(rs),
                     "mean_abs_error_pct": sum(map(abs, errs)) / len(errs),
                     "signed_mean_error_pct": sum(errs) / len(errs),
-                    "worst": f"{worst['id']} {worst['metric']} {worst['error_pct']:+.1f}%"})
+                    "worst": f"{worst['id']} {worst['metric']} {worst['error_pct']:+.1f}%",
+                    "within_interval": f"{sum(held)}/{len(held)}" if held else ""})
     return out
 
 
@@ -398,13 +411,18 @@ def shown(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The printed columns: published | simulated | error % per row."""
     return [{"id": r["id"], "table": r["table"], "setup": r["setup"], "metric": r["metric"],
              "published": _fmt(r["published"]), "simulated": _fmt(r["simulated"]),
-             "error %": f"{r['error_pct']:+.1f}", "note": r["note"]} for r in rows]
+             "error %": f"{r['error_pct']:+.1f}",
+             "90% interval": (f"[{_fmt(r['simulated_lo'])}, {_fmt(r['simulated_hi'])}]"
+                              + ("" if r["within_interval"] else " misses")
+                              if r.get("simulated_lo") is not None else ""),
+             "note": r["note"]} for r in rows]
 
 
 def shown_summary(summary: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{"source": s["source"], "table": s["table"], "rows": s["rows"],
              "mean abs error %": f"{s['mean_abs_error_pct']:.1f}",
-             "signed mean %": f"{s['signed_mean_error_pct']:+.1f}", "worst": s["worst"]}
+             "signed mean %": f"{s['signed_mean_error_pct']:+.1f}", "worst": s["worst"],
+             "published within 90% interval": s["within_interval"]}
             for s in summary]
 
 
@@ -434,8 +452,14 @@ def figure(rows: list[dict[str, Any]]) -> go.Figure:
         mine = [r for r in rows if (r["source"], r["metric"]) == (src, metric)]
         x = [f"{r['id']}: {r['setup']}" for r in mine]
         for name, color in (("published", "#7f7f7f"), ("simulated", "#d62728")):
+            # The simulated bars carry their 90% interval (error bars) where there is one.
+            bars = ({"type": "data", "symmetric": False,
+                     "array": [r["simulated_hi"] - r["simulated"] for r in mine],
+                     "arrayminus": [r["simulated"] - r["simulated_lo"] for r in mine]}
+                    if name == "simulated" and all(r.get("simulated_lo") is not None
+                                                   for r in mine) else None)
             fig.add_trace(go.Bar(x=x, y=[r[name] for r in mine], name=name, marker_color=color,
-                                 legendgroup=name, showlegend=i == 2), i, 1)
+                                 error_y=bars, legendgroup=name, showlegend=i == 2), i, 1)
         fig.update_yaxes(title_text=metric, row=i)
     fig.update_layout(height=380 * (1 + len(metrics)), barmode="group",
                       title="Published serving measurements against the simulator")
