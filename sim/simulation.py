@@ -46,6 +46,7 @@ from sim.outputs import (
 from sim.policy import Policy
 from sim.progress import Progress
 from sim.replica import SimulationStalled
+from sim.report_options import report_options
 from sim.request import Request
 from sim.result import SimulationResult
 from sim.specs import (
@@ -77,7 +78,7 @@ class Components(Protocol):
 SECTIONS = ("model", "hardware", "policy", "workload", "executor", "cluster", "kv")
 TOP_LEVEL = {*SECTIONS, "seed", "progress", "check_integrity", "output_dir", "step_mode",
              "device", "itl_quantiles", "record_steps", "array_core", "overwrite", "goodput",
-             "error_bars"}  # error_bars: read by the command that runs the job (experiments/)
+             "error_bars", "report"}  # error_bars: read by the command that runs the job (experiments/)
 SLO_KEYS = ("ttft_ms", "tpot_ms", "e2el_ms")
 
 
@@ -171,6 +172,7 @@ class Simulation:
                 f"must be exact or streaming, got {self.itl_quantiles!r}")
         self.slos = goodput_slos(cfg.get("goodput"))
         self.record_steps = as_bool(cfg.get("record_steps", True), "record_steps")
+        self.report = report_options(cfg.get("report"))  # the pages the command writes
         # step_mode=fast on the array core where it applies (sim/array_core.py).
         self.use_array_core = as_bool(cfg.get("array_core", True), "array_core")
         # Why the last run did not use the array core (None: it did, or no run yet).
