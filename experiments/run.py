@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import signal
 import sys
@@ -89,6 +90,24 @@ def stop_on_signals() -> Iterator[None]:
             signal.signal(s, handler)
 
 
+def objective_value(summary: dict, name: str) -> float:
+    """The summary figure ``objective`` names, as the number an optimizing sweeper minimizes
+    or maximizes (NaN for a job that failed or a figure with no value)."""
+    if not summary:
+        return math.nan
+    value = summary.get(name, ...)
+    if value is ...:
+        numeric = sorted(k for k, v in summary.items()
+                         if isinstance(v, (int, float)) and not isinstance(v, bool))
+        raise ConfigError("objective", f"{name!r} is not a summary.json figure; known: "
+                          f"{', '.join(numeric)}")
+    if value is None:
+        return math.nan
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError("objective", f"{name!r} is not a number ({value!r})")
+    return float(value)
+
+
 def run(cfg: DictConfig) -> dict:
     hc = HydraConfig.get()
     if hc.mode != RunMode.MULTIRUN:
@@ -114,6 +133,9 @@ def run(cfg: DictConfig) -> dict:
 
 def run_job(cfg: DictConfig) -> dict:
     out_dir = Path(HydraConfig.get().runtime.output_dir)
+    # A sweep's reports share one plotly.min.js on disk, kept in the sweep's folder.
+    js_dir = (Path(HydraConfig.get().sweep.dir) if HydraConfig.get().mode == RunMode.MULTIRUN
+              else None)
     container = OmegaConf.to_container(cfg, resolve=True)
     with exit_on_config_error():
         claim_output_dir(out_dir, bool(container.get("overwrite", False)))
@@ -129,13 +151,13 @@ def run_job(cfg: DictConfig) -> dict:
                 if bars is not None:
                     result.summary = with_intervals(container, result.summary)
                     sim.write_summary(result.summary)
-            write_report(out_dir, result.summary)
+            write_report(out_dir, result.summary, sim.report, js_dir)
         except RunInterrupted as e:
             if result is None:
                 print(f"interrupted by {e}: the rows so far and summary.json (status "
                       f"\"interrupted\") are in {out_dir}", file=sys.stderr)
             else:  # during the error bars' runs: the run itself is whole
-                write_report(out_dir, result.summary)
+                write_report(out_dir, result.summary, sim.report, js_dir)
                 print(f"interrupted by {e} during the error bars' runs: the run's outputs, "
                       f"without intervals, are in {out_dir}", file=sys.stderr)
             # Everything is written and closed: leave now, without tearing down a large
@@ -162,8 +184,11 @@ def run_job(cfg: DictConfig) -> dict:
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
-def main(cfg: DictConfig) -> None:
-    run(cfg)
+def main(cfg: DictConfig) -> float:
+    """One job; returns its ``objective`` figure (what Hydra's optimizing sweepers read)."""
+    summary = run(cfg)
+    with exit_on_config_error():
+        return objective_value(summary, str(cfg.get("objective") or "p99_ttft_ms"))
 
 
 if __name__ == "__main__":

@@ -3,10 +3,16 @@ table when the sweep ends (a Hydra callback, ``hydra.callbacks.gather_sweep``).
 
 Each job's folder holds its ``summary.json``, or ``failed.json`` when the job failed (a config
 error or a write error: the job's one-line message went to stderr and its ``run.log``; the
-other jobs still ran). ``sweep.csv`` and ``sweep.md`` in the sweep folder get one row per job:
-its number, the values it swept (the overrides that differ between jobs), its status and its
-headline figures. The table is printed;
-if any job failed the command exits 1.
+other jobs still ran). In the sweep folder:
+
+* ``sweep.csv``: one row per job: its number, the values it swept (the overrides that differ
+  between jobs), its status, its ``error`` (empty unless it failed), then every key of its
+  summary.json (nested ones as JSON text);
+* ``sweep.md``: the same rows with the headline figures only, as printed;
+* ``sweep.html``: the ``objective`` figure against each swept key.
+
+If any job failed the command exits 1. Works with any launcher (``hydra/launcher=joblib`` or
+``ray`` run the jobs in parallel): the jobs' folders are all it reads.
 """
 
 from __future__ import annotations
@@ -18,11 +24,14 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
+import plotly.graph_objects as go
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
+from plotly.subplots import make_subplots
 
 from experiments.common import markdown_table
 from sim.outputs import write_atomic
+from sim.report import html_page
 
 # The headline figures of each job's summary.json, in table order.
 FIGURES = ("completed", "rejected", "request_throughput", "request_goodput", "output_throughput",
@@ -32,35 +41,81 @@ FIGURES = ("completed", "rejected", "request_throughput", "request_goodput", "ou
 
 def gather(sweep_dir: Path) -> pd.DataFrame:
     """One row per job folder of ``sweep_dir`` (numbered subfolders), in job order."""
-    rows: list[dict[str, Any]] = []
+    heads: list[dict[str, Any]] = []  # job, overrides, status, error
+    figures: list[dict[str, Any]] = []  # the job's summary.json but its status
     jobs = sorted((p for p in sweep_dir.iterdir() if p.is_dir() and p.name.isdigit()),
                   key=lambda p: int(p.name))
     for job in jobs:
         overrides_file = job / ".hydra" / "overrides.yaml"
         overrides = (list(OmegaConf.load(overrides_file)) if overrides_file.exists() else [])
-        row: dict[str, Any] = {"job": int(job.name)}
-        row.update(o.split("=", 1) for o in map(str, overrides) if "=" in o)
+        head: dict[str, Any] = {"job": int(job.name)}
+        head.update(o.split("=", 1) for o in map(str, overrides) if "=" in o)
+        head["status"], head["error"] = "failed", ""
         summary, failed = job / "summary.json", job / "failed.json"
+        s: dict[str, Any] = {}
         if summary.exists():
             s = json.loads(summary.read_text())
-            row["status"] = s.get("status", "complete")
-            row.update({k: s.get(k) for k in FIGURES})
-        else:
-            row["status"] = "failed"
-            if failed.exists():
-                row["error"] = json.loads(failed.read_text()).get("error")
-        rows.append(row)
-    table = pd.DataFrame(rows)
+            head["status"] = s.pop("status", "complete")
+        elif failed.exists():
+            head["error"] = json.loads(failed.read_text()).get("error") or ""
+        heads.append(head)
+        figures.append({k: json.dumps(v) if isinstance(v, (dict, list)) else v
+                        for k, v in s.items()})
+    table = pd.DataFrame(heads)
     # The override columns whose value is the same in every job say nothing about the sweep.
-    fixed = [c for c in table.columns[1:table.columns.get_loc("status")]
-             if table[c].nunique(dropna=False) == 1] if "status" in table else []
-    return table.drop(columns=fixed) if len(table) > 1 else table
+    if len(table) > 1:
+        table = table.drop(columns=[c for c in table.columns[1:table.columns.get_loc("status")]
+                                    if table[c].nunique(dropna=False) == 1])
+    # A swept key that is also a summary key (``policy``) keeps its override column.
+    rest = pd.DataFrame(figures, index=table.index)
+    return pd.concat([table, rest.drop(columns=[c for c in rest if c in table])], axis=1)
 
 
 def _cell(value: Any) -> str:
     if isinstance(value, float):
         return "" if math.isnan(value) else f"{value:.4g}"
     return "" if value is None else str(value)
+
+
+def swept_keys(table: pd.DataFrame) -> list[str]:
+    """The override columns ``gather`` kept: those between ``job`` and ``status``."""
+    return list(table.columns[1:table.columns.get_loc("status")])
+
+
+def _axis(values: pd.Series) -> pd.Series:
+    """Swept values as numbers where they all are (a numeric axis), else as text."""
+    numbers = pd.to_numeric(values, errors="coerce")
+    return numbers if numbers.notna().all() else values.astype(str)
+
+
+def sweep_figure(table: pd.DataFrame, objective: str) -> go.Figure:
+    """``objective`` against each swept key, one panel per key; with two or more keys, each
+    panel has one line per value of the first other key."""
+    keys = swept_keys(table) or ["job"]
+    y = pd.to_numeric(table.get(objective, pd.Series(index=table.index, dtype=float)),
+                      errors="coerce")
+    fig = make_subplots(rows=len(keys), cols=1, subplot_titles=[
+        f"{objective} against {k}" for k in keys], vertical_spacing=0.3 / len(keys))
+    for i, key in enumerate(keys, start=1):
+        others = [k for k in keys if k != key]
+        lines = [("", table.index)]
+        if others:  # one line per value of the first other key, in its axis order
+            by = _axis(table[others[0]])
+            lines = [(v, by.index[by == v]) for v in sorted(by.unique())]
+        for value, rows in lines:
+            x = _axis(table[key])[rows]
+            order = x.sort_values().index
+            fig.add_trace(go.Scatter(
+                x=x[order], y=y[order], mode="lines+markers",
+                name=f"{others[0]}={value}" if others else objective,
+                legendgroup=f"{i}", legendgrouptitle_text=(
+                    f"panel {i}: by {others[0]}" if others else None),
+                hovertext=[f"job {j}" for j in table.loc[order, "job"]]), i, 1)
+        fig.update_xaxes(title_text=key, row=i, col=1)
+        fig.update_yaxes(title_text=objective, tickformat=",~r", row=i, col=1)
+    fig.update_layout(height=360 * len(keys), title=f"Sweep: {objective}",
+                      legend={"groupclick": "toggleitem"})
+    return fig
 
 
 class GatherSweep(Callback):
@@ -72,9 +127,17 @@ class GatherSweep(Callback):
         if table.empty:
             return
         write_atomic(sweep_dir / "sweep.csv", table.to_csv(index=False))
+        shown = [c for c in table.columns if c in ("job", "status", "error", *swept_keys(table),
+                                                   *FIGURES)]
+        if not (table["error"] != "").any():
+            shown.remove("error")
         text = markdown_table([{k: _cell(v) for k, v in r.items()}
-                               for r in table.to_dict("records")])
+                               for r in table[shown].to_dict("records")])
         write_atomic(sweep_dir / "sweep.md", text + "\n")
+        objective = str(config.get("objective") or "p99_ttft_ms")
+        write_atomic(sweep_dir / "sweep.html", html_page(
+            f"Sweep of {len(table)} jobs", [sweep_figure(table, objective)],
+            f"<p>{sweep_dir}: the table is sweep.csv</p>"))
         print(f"\nsweep: {len(table)} jobs -> {sweep_dir / 'sweep.csv'}\n{text}")
         failed = int((table["status"] == "failed").sum())
         if failed:

@@ -78,7 +78,8 @@ class Components(Protocol):
 SECTIONS = ("model", "hardware", "policy", "workload", "executor", "cluster", "kv")
 TOP_LEVEL = {*SECTIONS, "seed", "progress", "check_integrity", "output_dir", "step_mode",
              "device", "itl_quantiles", "record_steps", "array_core", "overwrite", "goodput",
-             "error_bars", "report"}  # error_bars: read by the command that runs the job (experiments/)
+             "error_bars", "report", "objective"}
+# error_bars and objective: read by the command that runs the job (experiments/run.py).
 SLO_KEYS = ("ttft_ms", "tpot_ms", "e2el_ms")
 
 

@@ -1,14 +1,20 @@
 """A multirun sweep of the main job: a failing job is reported and the others run; the sweep
-is gathered into sweep.csv / sweep.md with the swept values, each job's status and figures."""
+is gathered into sweep.csv / sweep.md / sweep.html with the swept values, each job's status
+and figures, on the basic launcher and on the parallel ones."""
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pandas as pd
+import pytest
+
+from sim.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -66,3 +72,57 @@ def test_a_job_that_crashes_is_recorded_and_the_sweep_is_still_gathered(tmp_path
     table = pd.read_csv(out / "sweep.csv")
     assert table["status"].tolist() == ["complete", "failed", "complete"]
     assert table["error"][1] == "RuntimeError: broken on purpose"
+
+
+def test_sweep_csv_has_every_summary_key_and_sweep_html_draws_the_objective(tmp_path):
+    r = subprocess.run(
+        [sys.executable, "-m", "experiments.run", "-m", "model=tiny", "workload.num_requests=20",
+         "progress=false", "workload.qps=5,20", "policy=fcfs,sjf", "objective=mean_ttft_ms",
+         f"hydra.sweep.dir={tmp_path}"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+    assert r.returncode == 0, r.stderr
+    table = pd.read_csv(tmp_path / "sweep.csv", keep_default_na=False)
+    assert list(table.columns[:5]) == ["job", "workload.qps", "policy", "status", "error"]
+    summary = json.loads((tmp_path / "3" / "summary.json").read_text())
+    # Every summary.json key after them, in its order (status has its own column, and the
+    # swept policy its override's).
+    assert list(table.columns[5:]) == [k for k in summary if k not in ("status", "policy")]
+    assert table["p90_ttft_ms_lo"][3] == pytest.approx(summary["p90_ttft_ms_lo"])
+    assert (table["error"] == "").all()
+    page = (tmp_path / "sweep.html").read_text()
+    assert "mean_ttft_ms against workload.qps" in page and "mean_ttft_ms against policy" in page
+    # The printed table keeps to the headline figures.
+    md = (tmp_path / "sweep.md").read_text()
+    assert md.startswith("| job | workload.qps | policy | status | completed |")
+    assert "kv_block_size" not in md
+
+
+def test_the_objective_is_a_summary_figure():
+    from experiments.run import objective_value
+
+    assert objective_value({"p99_ttft_ms": 12.5}, "p99_ttft_ms") == 12.5
+    assert math.isnan(objective_value({"request_goodput": None}, "request_goodput"))
+    assert math.isnan(objective_value({}, "p99_ttft_ms"))  # a failed job
+    with pytest.raises(ConfigError, match="objective: 'p99' is not a summary.json figure; "
+                                          "known: p99_ttft_ms"):
+        objective_value({"p99_ttft_ms": 1.0, "model": "x"}, "p99")
+    with pytest.raises(ConfigError, match="objective: 'model' is not a number"):
+        objective_value({"model": "x"}, "model")
+
+
+@pytest.mark.parametrize("launcher", ["joblib", "ray"])
+def test_a_two_job_sweep_runs_on_a_parallel_launcher(tmp_path, launcher):
+    """Hydra's joblib launcher (processes on this machine) and Ray launcher (a Ray cluster the
+    launcher starts on this machine): the jobs run and the sweep is gathered as with the
+    basic launcher."""
+    pytest.importorskip(f"hydra_plugins.hydra_{launcher}_launcher")
+    r = subprocess.run(
+        [sys.executable, "-m", "experiments.run", "-m", f"hydra/launcher={launcher}",
+         "model=tiny", "workload.num_requests=20", "progress=false", "workload.qps=5,20",
+         f"hydra.sweep.dir={tmp_path}"],
+        cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
+    assert r.returncode == 0, r.stderr[-3000:]
+    table = pd.read_csv(tmp_path / "sweep.csv")
+    assert table["workload.qps"].tolist() == [5, 20]
+    assert (table["status"] == "complete").all()
+    assert table["completed"].tolist() == [20, 20]
