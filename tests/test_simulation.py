@@ -101,7 +101,9 @@ def test_main_job_command_line_with_the_issue_overrides(tmp_path):
     for f in ("requests.csv", "steps.csv", "report.html"):
         assert (tmp_path / f).exists()
     html = (tmp_path / "report.html").read_text()
-    assert "plotly" in html.lower() and "<script src" not in html  # offline: js inlined
+    # offline: plotly.js from the file written beside the page
+    assert "src='plotly.min.js'" in html and "src='http" not in html and 'src="http' not in html
+    assert (tmp_path / "plotly.min.js").stat().st_size > 1_000_000
 
 
 def test_cfg_job_and_multirun(tmp_path):
