@@ -36,7 +36,8 @@ from experiments.common import run_jobs
 from experiments.policy_checks import CHECKS, Check
 from experiments.simulation import Simulation
 from sim.errors import ConfigError, exit_on_config_error
-from sim.report import html_page, latency_cdf_figure
+from sim.report import figure_html, format_number, latency_cdf_figure, write_page
+from sim.report_options import report_options
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +108,7 @@ def run(cfg: dict[str, Any], out_dir: Path, command_line: Sequence[str] = ()) ->
     the Hydra job's overrides, named at the top of ``checks.md`` (the scenarios' texts
     describe the presets)."""
     runs = plan_runs(cfg)
+    options = report_options(cfg.get("report"))
     sims = {(s, v): Simulation(c) for s, v, c in runs}  # validate everything before running
     tasks = [(s, v, c, out_dir / s / v) for s, v, c in runs]
     summaries = run_jobs(_run, tasks, max(1, int(cfg.get("jobs", 1))))
@@ -129,19 +131,19 @@ def run(cfg: dict[str, Any], out_dir: Path, command_line: Sequence[str] = ()) ->
         frames = {v: pd.read_csv(out_dir / s / v / "requests.csv") for v in part.policy}
         fig = latency_cdf_figure(frames, f"{s}: latency CDFs")
         shown = part.set_index("policy")[list(SHOWN)]
-        sections.append((fig, f"<h3>{s}</h3><p>{html.escape(about)}</p>"
-                              f"{shown.to_html(float_format=lambda x: f'{x:.4g}')}"
-                              f"<pre>{_checks_text(s, '', checks)}</pre>"))
+        table_html = shown.to_html(formatters=dict.fromkeys(shown.columns, format_number))
+        head = (f"<h3>{html.escape(s)}</h3><p>{html.escape(about)}</p>"
+                f"<div class='table-wrap'>{table_html}</div>"
+                f"<pre>{html.escape(_checks_text(s, '', checks))}</pre>")
+        sections.append((fig, head))
     if command_line:
         notes.insert(0, f"Command line: {' '.join(command_line)} (the scenario texts below "
                         "describe conf/compare_policies.yaml's presets)\n")
     (out_dir / "checks.md").write_text("\n".join(notes))
     pd.DataFrame(check_rows, columns=["scenario", "claim", "holds", "detail"]).to_csv(
         out_dir / "checks.csv", index=False)
-    figs_html = "".join(pre + f.to_html(full_html=False, include_plotlyjs=False)
-                        for f, pre in sections)
-    page = html_page("Policies compared", [], figs_html)
-    (out_dir / "policies.html").write_text(page)
+    figs_html = "".join(pre + figure_html(f) for f, pre in sections)
+    write_page(out_dir / "policies.html", "Policies compared", [], figs_html, options.plotly_js)
     return table
 
 
