@@ -17,6 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from experiments.simulation import Simulation, SimulationResult
 from sim.errors import ConfigError, exit_on_config_error
+from sim.progress import job_bar
 from sim.request import Request, RequestStatus
 
 log = logging.getLogger("experiments")
@@ -102,23 +103,26 @@ def run_hydra_experiment(cfg: DictConfig,
 
 
 def run_jobs(fn: Callable[[Any], dict[str, Any]], jobs: list[Any],
-             workers: int) -> list[dict[str, Any]]:
+             workers: int, progress: bool = True) -> list[dict[str, Any]]:
     """``fn`` over ``jobs``, in ``workers`` processes when more than one; the results in job
-    order. Each finished job is logged (``[k/n] ... s``), so long experiments show progress."""
+    order. A progress bar on stderr (``progress``) and a log line per finished job
+    (``[k/n] jobs done, ... s``, in run.log too) show how far it got."""
     n, t0 = len(jobs), time.perf_counter()
     results: list[dict[str, Any]] = [{}] * n
+    with job_bar(n, progress) as bar:
 
-    def finished(k: int) -> None:
-        log.info("[%d/%d] jobs done, %.0f s", k, n, time.perf_counter() - t0)
+        def finished(k: int) -> None:
+            bar.update(1)
+            log.info("[%d/%d] jobs done, %.0f s", k, n, time.perf_counter() - t0)
 
-    if workers > 1:
-        with ProcessPoolExecutor(workers) as pool:
-            index = {pool.submit(fn, j): i for i, j in enumerate(jobs)}
-            for k, future in enumerate(as_completed(index), start=1):
-                results[index[future]] = future.result()
-                finished(k)
-        return results
-    for i, job in enumerate(jobs):
-        results[i] = fn(job)
-        finished(i + 1)
+        if workers > 1:
+            with ProcessPoolExecutor(workers) as pool:
+                index = {pool.submit(fn, j): i for i, j in enumerate(jobs)}
+                for k, future in enumerate(as_completed(index), start=1):
+                    results[index[future]] = future.result()
+                    finished(k)
+            return results
+        for i, job in enumerate(jobs):
+            results[i] = fn(job)
+            finished(i + 1)
     return results

@@ -221,7 +221,8 @@ def run_experiment(cfg: dict[str, Any], out_dir: Path | None) -> list[dict[str, 
     for dep in exp["deployments"]:
         deployment_config(cfg, dep)  # bad deployments fail before any simulation
     jobs = [(cfg, d, w, s) for w in exp["workloads"] for d in exp["deployments"] for s in seeds]
-    runs = run_jobs(_job, jobs, int(exp.get("workers", 1)))
+    runs = run_jobs(_job, jobs, int(exp.get("workers", 1)),
+                    progress=bool(cfg.get("progress", True)))
     rows = summarize(runs)
     if out_dir is not None:
         write_tables(out_dir, runs, rows)

@@ -75,7 +75,8 @@ def run_experiment(cfg: dict[str, Any], out_dir: Path | None) -> list[dict[str, 
             for sc, b, r, c in itertools.product(exp["scenarios"], exp["kv_blocks"],
                                                  exp["routers"], exp["caching"])
             for g in (offloads if c else [0.0])]
-    rows = run_jobs(_job, jobs, int(exp.get("workers", 1)))
+    rows = run_jobs(_job, jobs, int(exp.get("workers", 1)),
+                    progress=bool(cfg.get("progress", True)))
     if out_dir is not None:
         write_tables(out_dir, rows, rows)
         (out_dir / "results.html").write_text(

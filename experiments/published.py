@@ -42,6 +42,7 @@ from experiments.intervals import with_intervals
 from experiments.published_lengths import LengthsWorkload, build_workload
 from experiments.simulation import BuiltIn
 from sim.errors import ConfigError, exit_on_config_error, require
+from sim.progress import job_bar
 from sim.report import html_page
 from sim.simulation import Simulation
 from sim.specs import ModelSpec
@@ -336,19 +337,23 @@ def run_rows(cfg: dict[str, Any], log: Any = print) -> list[dict[str, Any]]:
     workers = max(1, int(exp.get("workers", 1)))
     t0 = time.perf_counter()
 
+    bar = job_bar(len(unique), bool(cfg.get("progress", True)), desc="runs")
+
     def done(k: str, res: dict[str, Any]) -> None:
         results[k] = res
+        bar.update(1)
         log(f"[{len(results)}/{len(unique)}] {setups[first[k]].label}: "
             f"{res['wall_s']:.1f} s wall ({time.perf_counter() - t0:.0f} s in all)", flush=True)
 
-    if workers == 1:
-        for k in order:
-            done(k, simulate(configs[first[k]]))
-    else:
-        with ProcessPoolExecutor(workers) as pool:
-            futures = {pool.submit(simulate, configs[first[k]]): k for k in order}
-            for f in as_completed(futures):
-                done(futures[f], f.result())
+    with bar:
+        if workers == 1:
+            for k in order:
+                done(k, simulate(configs[first[k]]))
+        else:
+            with ProcessPoolExecutor(workers) as pool:
+                futures = {pool.submit(simulate, configs[first[k]]): k for k in order}
+                for f in as_completed(futures):
+                    done(futures[f], f.result())
     out = []
     for row, setup, key in zip(rows, setups, keys):
         res = results[key]

@@ -36,7 +36,8 @@ def _job(args: tuple[dict[str, Any], str, int]) -> dict[str, Any]:
 def run_experiment(cfg: dict[str, Any], out_dir: Path | None) -> list[dict[str, Any]]:
     exp = cfg["experiment"]
     jobs = [(cfg, r, int(s)) for r in exp["routers"] for s in exp["seeds"]]
-    runs = run_jobs(_job, jobs, int(exp.get("workers", 1)))
+    runs = run_jobs(_job, jobs, int(exp.get("workers", 1)),
+                    progress=bool(cfg.get("progress", True)))
     rows = []
     for router in exp["routers"]:
         mine = [r for r in runs if r["router"] == router]
