@@ -30,8 +30,10 @@ from omegaconf import DictConfig, OmegaConf
 from plotly.subplots import make_subplots
 
 from experiments.common import markdown_table
+from sim.errors import ConfigError
 from sim.outputs import write_atomic
-from sim.report import html_page
+from sim.report import write_page
+from sim.report_options import report_options
 
 # The headline figures of each job's summary.json, in table order.
 FIGURES = ("completed", "rejected", "request_throughput", "request_goodput", "output_throughput",
@@ -135,9 +137,13 @@ class GatherSweep(Callback):
                                for r in table[shown].to_dict("records")])
         write_atomic(sweep_dir / "sweep.md", text + "\n")
         objective = str(config.get("objective") or "p99_ttft_ms")
-        write_atomic(sweep_dir / "sweep.html", html_page(
-            f"Sweep of {len(table)} jobs", [sweep_figure(table, objective)],
-            f"<p>{sweep_dir}: the table is sweep.csv</p>"))
+        try:  # the jobs' reports and this page share the sweep folder's plotly.min.js
+            plotly_js = report_options(config.get("report")).plotly_js
+        except ConfigError:  # every job has already failed on it
+            plotly_js = "inline"
+        write_page(sweep_dir / "sweep.html", f"Sweep of {len(table)} jobs",
+                   [sweep_figure(table, objective)],
+                   f"<p>{sweep_dir}: the table is sweep.csv</p>", plotly_js)
         print(f"\nsweep: {len(table)} jobs -> {sweep_dir / 'sweep.csv'}\n{text}")
         failed = int((table["status"] == "failed").sum())
         if failed:
