@@ -237,3 +237,16 @@ def test_the_browser_check_catches_a_page_that_cannot_load_plotly(tmp_path):
     dom, console = load_in_chromium(page, tmp_path)
     assert any("Plotly is not defined" in line for line in console), console
     assert drawn_figures(dom) == []
+
+
+def test_a_sweeps_pages_share_one_plotly_js_and_draw_in_chromium(tmp_path):
+    sweep = tmp_path / "sweep"
+    p = subprocess.run([sys.executable, "-m", "experiments.run", "-m", "model=tiny",
+                        "workload.num_requests=20", "progress=false", "workload.qps=5,20",
+                        f"hydra.sweep.dir={sweep}"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+    assert p.returncode == 0, p.stderr
+    copies = [sweep / PLOTLY_JS_FILE, sweep / "0" / PLOTLY_JS_FILE, sweep / "1" / PLOTLY_JS_FILE]
+    assert len({c.stat().st_ino for c in copies}) == 1
+    assert_page_works_offline(sweep / "sweep.html", 1, tmp_path)
+    assert_page_works_offline(sweep / "1" / "report.html", 2, tmp_path)
