@@ -138,21 +138,3 @@ def with_intervals(cfg: dict[str, Any], summary: dict[str, Any],
     out.update(error_bars_level=LEVEL, error_bars_step_time_lo=lo, error_bars_step_time_hi=hi,
                error_bars_source=source)
     return out
-
-
-def format_intervals(summary: dict[str, Any]) -> str | None:
-    """One printed line of the headline intervals, or None without error bars."""
-    if "error_bars_level" not in summary:
-        return None
-
-    def span(key: str, unit: str, digits: int = 1) -> str:
-        return (f"{key.removesuffix('_ms')} [{summary[f'{key}_lo']:.{digits}f}, "
-                f"{summary[f'{key}_hi']:.{digits}f}]{unit}")
-
-    figures = [span(k, " ms") for k in ("p90_ttft_ms", "p90_tpot_ms", "p90_e2el_ms")
-               if f"{k}_lo" in summary]
-    if "output_throughput_lo" in summary:
-        figures.append(span("output_throughput", " tok/s", 0))
-    return (f"  {summary['error_bars_level']:.0%} intervals (step time "
-            f"x{summary['error_bars_step_time_lo']:.3f}..x{summary['error_bars_step_time_hi']:.3f}, "
-            f"{summary['error_bars_source']}): " + ", ".join(figures))

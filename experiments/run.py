@@ -33,7 +33,6 @@ from omegaconf import DictConfig, OmegaConf
 
 from experiments.intervals import (
     ErrorBarsConfig,
-    format_intervals,
     step_time_interval,
     with_intervals,
 )
@@ -176,9 +175,6 @@ def run_job(cfg: DictConfig) -> dict:
         log.info("job %d: %s", hc.job.num, " ".join(hc.overrides.task))
     # Logged: to the console and to the folder's run.log.
     log.info(format_summary(result.summary))
-    intervals = format_intervals(result.summary)
-    if intervals is not None:
-        log.info(intervals)
     log.info(f"outputs: {out_dir}")
     return result.summary
 

@@ -67,7 +67,29 @@ def format_summary(s: dict[str, Any]) -> str:
         lines.append("  pools: " + ", ".join(
             f"{n} {role} on {hw} (TP{tp}{f' PP{pp}' if pp > 1 else ''}, {kv} KV blocks)"
             for (role, hw, tp, pp, kv), n in pools.items()))
+    intervals = format_intervals(s)
+    if intervals:
+        lines.append(intervals)
     return "\n".join(lines)
+
+
+def format_intervals(s: dict[str, Any]) -> str | None:
+    """The error bars' line of a summary (p90 latencies and output throughput with their
+    intervals), or None for a summary without them."""
+    if "error_bars_level" not in s:
+        return None
+
+    def span(key: str, unit: str, digits: int = 1) -> str:
+        return (f"{key.removesuffix('_ms')} [{s[f'{key}_lo']:,.{digits}f}, "
+                f"{s[f'{key}_hi']:,.{digits}f}]{unit}")
+
+    figures = [span(k, " ms") for k in ("p90_ttft_ms", "p90_tpot_ms", "p90_e2el_ms")
+               if f"{k}_lo" in s]
+    if "output_throughput_lo" in s:
+        figures.append(span("output_throughput", " tok/s", 0))
+    return (f"  {s['error_bars_level']:.0%} intervals (step time x{s['error_bars_step_time_lo']:.3f}"
+            f"..x{s['error_bars_step_time_hi']:.3f}, {s['error_bars_source']}): "
+            + ", ".join(figures))
 
 
 def _pools(s: dict[str, Any]) -> dict[tuple[Any, ...], int]:
@@ -310,6 +332,39 @@ def write_page(path: Path, title: str, figures: list[go.Figure], preamble: str =
     return path
 
 
+def intervals_figure(s: dict[str, Any]) -> go.Figure | None:
+    """The headline figures with their error bars (``<figure>_lo`` / ``_hi``): the latency
+    statistics per metric, and the throughputs; None for a summary without error bars."""
+    if "error_bars_level" not in s:
+        return None
+    panels = [(m, [f"{k}_{m}_ms" for k in ("mean", "median", "p90", "p99")])
+              for m in ("ttft", "tpot", "itl", "e2el")]
+    panels.append(("throughput", ["request_throughput", "output_throughput",
+                                  "total_token_throughput"]))
+    panels = [(m, [k for k in keys if f"{k}_lo" in s]) for m, keys in panels]
+    panels = [(m, keys) for m, keys in panels if keys]
+    fig = make_subplots(rows=1, cols=len(panels), subplot_titles=[
+        f"{m.upper()} (ms)" if m != "throughput" else "throughput (per s)" for m, _ in panels])
+    for col, (metric, keys) in enumerate(panels, start=1):
+        x = [k.removesuffix(f"_{metric}_ms").replace("_throughput", "") for k in keys]
+        y = [s[k] for k in keys]
+        fig.add_trace(go.Scatter(
+            x=x, y=y, mode="markers", marker={"size": 9, "color": PALETTE[0]},
+            error_y={"type": "data", "symmetric": False,
+                     "array": [s[f"{k}_hi"] - s[k] for k in keys],
+                     "arrayminus": [s[k] - s[f"{k}_lo"] for k in keys]},
+            customdata=[[s[f"{k}_lo"], s[f"{k}_hi"]] for k in keys],
+            hovertemplate="%{x}: %{y:,.4~r} [%{customdata[0]:,.4~r}, "
+                          "%{customdata[1]:,.4~r}]<extra></extra>",
+            showlegend=False), 1, col)
+        if metric == "throughput":  # requests/s beside tokens/s: a log scale shows both
+            fig.update_yaxes(type="log", row=1, col=col)
+    fig.update_layout(height=380, title=(
+        f"{s['error_bars_level']:.0%} intervals: step time x{s['error_bars_step_time_lo']:.3f}"
+        f" .. x{s['error_bars_step_time_hi']:.3f} ({s['error_bars_source']})"))
+    return readable_axes(fig)
+
+
 def write_report(out_dir: Path, summary: dict[str, Any], options: ReportOptions | None = None,
                  shared_js_dir: Path | None = None) -> Path:
     """``report.html`` in ``out_dir``: the summary, latency CDFs, the timeline (when steps.csv
@@ -320,6 +375,9 @@ def write_report(out_dir: Path, summary: dict[str, Any], options: ReportOptions 
     steps_csv = out_dir / "steps.csv"
     policy = str(summary.get("policy"))
     figures = [latency_cdf_figure({policy: requests}, f"Latency CDFs (policy {policy})")]
+    intervals = intervals_figure(summary)
+    if intervals is not None:  # error bars: right after the summary they belong to
+        figures.insert(0, intervals)
     if steps_csv.exists():  # absent with record_steps=false
         figures.append(timeline_figure(pd.read_csv(steps_csv)))
     if summary.get("enable_prefix_caching"):

@@ -20,12 +20,12 @@ from executors.uncertainty import ratio_interval
 from experiments.intervals import (
     HEADLINE,
     ErrorBarsConfig,
-    format_intervals,
     step_time_interval,
     with_intervals,
 )
 from experiments.simulation import Simulation
 from sim.errors import ConfigError
+from sim.report import format_summary, intervals_figure
 from sim.specs import load_hardware_spec, load_model_spec
 from tests.helpers import ROOT, small_cfg
 
@@ -184,7 +184,13 @@ def test_every_headline_figure_gets_an_interval_that_holds_it():
     assert out["mean_tpot_ms_hi"] > summary["mean_tpot_ms"] > out["mean_tpot_ms_lo"]
     assert (out["error_bars_step_time_lo"], out["error_bars_step_time_hi"]) == (0.859, 1.271)
     assert out["error_bars_source"] == "roofline"
-    assert "90% intervals (step time x0.859..x1.271, roofline)" in format_intervals(out)
+    assert "90% intervals (step time x0.859..x1.271, roofline)" in format_summary(out)
+    assert "90% intervals" not in format_summary(summary)
+    fig = intervals_figure(out)
+    assert [t.x for t in fig.data][0] == ("mean", "median", "p90", "p99")
+    assert fig.data[0].error_y.array[2] == pytest.approx(out["p90_ttft_ms_hi"]
+                                                         - out["p90_ttft_ms"])
+    assert intervals_figure(summary) is None
     # The other figures stay as they were.
     assert {k: v for k, v in out.items() if k in summary} == summary
     # Off: nothing added.

@@ -249,4 +249,5 @@ def test_a_sweeps_pages_share_one_plotly_js_and_draw_in_chromium(tmp_path):
     copies = [sweep / PLOTLY_JS_FILE, sweep / "0" / PLOTLY_JS_FILE, sweep / "1" / PLOTLY_JS_FILE]
     assert len({c.stat().st_ino for c in copies}) == 1
     assert_page_works_offline(sweep / "sweep.html", 1, tmp_path)
-    assert_page_works_offline(sweep / "1" / "report.html", 2, tmp_path)
+    # The error bars, the latency CDFs and the timeline.
+    assert_page_works_offline(sweep / "1" / "report.html", 3, tmp_path)
