@@ -187,7 +187,7 @@ def test_every_headline_figure_gets_an_interval_that_holds_it():
     assert "90% intervals (step time x0.859..x1.271, roofline)" in format_summary(out)
     assert "90% intervals" not in format_summary(summary)
     fig = intervals_figure(out)
-    assert [t.x for t in fig.data][0] == ("mean", "median", "p90", "p99")
+    assert fig.data[0].x == ("mean", "median", "p90", "p99")
     assert fig.data[0].error_y.array[2] == pytest.approx(out["p90_ttft_ms_hi"]
                                                          - out["p90_ttft_ms"])
     assert intervals_figure(summary) is None
