@@ -25,7 +25,7 @@ from plotly.subplots import make_subplots
 
 from experiments.common import merge, run_hydra_experiment, run_jobs, simulate, write_tables
 from sim.errors import ConfigError
-from sim.report import html_page
+from sim.report import write_page
 
 CONF = Path(__file__).resolve().parent.parent / "conf"
 METRICS = ("prefix_cache_hit_rate", "kv_offload_hit_rate", "mean_ttft_ms", "p99_ttft_ms", "median_tpot_ms",
@@ -79,8 +79,7 @@ def run_experiment(cfg: dict[str, Any], out_dir: Path | None) -> list[dict[str, 
                     progress=bool(cfg.get("progress", True)))
     if out_dir is not None:
         write_tables(out_dir, rows, rows)
-        (out_dir / "results.html").write_text(
-            html_page("Prefix caching", [_figure(rows)]))
+        write_page(out_dir / "results.html", "Prefix caching", [_figure(rows)])
     return rows
 
 

@@ -43,7 +43,7 @@ from experiments.published_lengths import LengthsWorkload, build_workload
 from experiments.simulation import BuiltIn
 from sim.errors import ConfigError, exit_on_config_error, require
 from sim.progress import job_bar
-from sim.report import html_page
+from sim.report import write_page
 from sim.simulation import Simulation
 from sim.specs import ModelSpec
 from sim.workload import Workload
@@ -480,8 +480,8 @@ def write_outputs(out_dir: Path, rows: list[dict[str, Any]],
             f"{markdown_table(shown_summary(summary))}\n")
     (out_dir / "published.md").write_text(text)
     pre = f"<p>{command}</p>{_html_table(shown_summary(summary))}{_html_table(shown(rows))}"
-    (out_dir / "published.html").write_text(
-        html_page("Published measurements vs simulated", [figure(rows)], pre))
+    write_page(out_dir / "published.html", "Published measurements vs simulated",
+               [figure(rows)], pre)
 
 
 def _html_table(rows: list[dict[str, Any]]) -> str:
