@@ -111,7 +111,8 @@ def run(cfg: dict[str, Any], out_dir: Path, command_line: Sequence[str] = ()) ->
     options = report_options(cfg.get("report"))
     sims = {(s, v): Simulation(c) for s, v, c in runs}  # validate everything before running
     tasks = [(s, v, c, out_dir / s / v) for s, v, c in runs]
-    summaries = run_jobs(_run, tasks, max(1, int(cfg.get("jobs", 1))))
+    summaries = run_jobs(_run, tasks, max(1, int(cfg.get("jobs", 1))),
+                         progress=bool(cfg.get("progress", True)))
     rows = []
     for (s, v, _, _), summary in zip(tasks, summaries):
         row = {"scenario": s, "policy": v, **{k: x for k, x in summary.items() if k != "policy"}}
