@@ -31,9 +31,19 @@ KV_DTYPES = ("fp32", "fp16", "bf16", "fp8", "int8")
 
 
 def dtype_bytes(dtype: str, field_name: str) -> float:
-    if dtype not in DTYPE_BYTES:
+    if not isinstance(dtype, str) or dtype not in DTYPE_BYTES:
         raise ConfigError(field_name, f"unknown dtype {dtype!r}; known: {', '.join(DTYPE_BYTES)}")
     return DTYPE_BYTES[dtype]
+
+
+# The largest value of each model dimension: generous bounds (served models stay far below
+# them) that keep the memory plan's and the cost model's arithmetic and loops finite.
+MODEL_SIZE_LIMITS = {
+    "num_layers": 4096, "hidden_size": 2**20, "num_heads": 4096, "num_kv_heads": 4096,
+    "head_dim": 4096, "intermediate_size": 2**22, "vocab_size": 2**24, "max_model_len": 2**31,
+}
+# The most SMs an accelerator may have (the cost model lays decode blocks out over them).
+MAX_SMS = 4096
 
 
 @dataclass(frozen=True)
@@ -62,9 +72,19 @@ class ModelSpec:
     activation_dtype: str = "fp16"
 
     def __post_init__(self) -> None:
-        for f in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
-                  "intermediate_size", "vocab_size", "max_model_len"):
-            require(getattr(self, f) >= 1, f"model.{f}", f"must be >= 1, got {getattr(self, f)}")
+        for f, most in MODEL_SIZE_LIMITS.items():
+            v = getattr(self, f)
+            require(v >= 1, f"model.{f}", f"must be >= 1, got {v}")
+            require(v <= most, f"model.{f}", f"must be <= {most} (beyond any served model's; "
+                                             f"the cost model's work grows with it), got {v}")
+        for f in ("name", "hf_name", "weight_dtype", "kv_dtype", "activation_dtype"):
+            v = getattr(self, f)
+            require(isinstance(v, str), f"model.{f}", f"must be a string, got {v!r}")
+        require(self.rope_theta > 0, "model.rope_theta", f"must be > 0, got {self.rope_theta}")
+        require(self.rms_norm_eps > 0, "model.rms_norm_eps",
+                f"must be > 0, got {self.rms_norm_eps}")
+        require(self.rope_scaling is None or isinstance(self.rope_scaling, dict),
+                "model.rope_scaling", f"must be a mapping or null, got {self.rope_scaling!r}")
         require(self.num_heads % self.num_kv_heads == 0, "model.num_kv_heads",
                 f"{self.num_kv_heads} does not divide num_heads={self.num_heads}")
         dtype_bytes(self.weight_dtype, "model.weight_dtype")
@@ -199,6 +219,17 @@ class HardwareSpec:
         for f in ("memory_gib", "memory_bandwidth_gbps", "peak_tflops_fp16", "num_sms",
                   "interconnect_bandwidth_gbps", "pcie_bandwidth_gbps"):
             require(getattr(self, f) > 0, f"hardware.{f}", f"must be > 0, got {getattr(self, f)}")
+        for f in ("peak_tflops_fp8", "peak_tops_int8"):
+            require(getattr(self, f) >= 0, f"hardware.{f}",
+                    f"must be >= 0 (0: not supported), got {getattr(self, f)}")
+        for f in ("interconnect_latency_us", "pcie_latency_us"):
+            v = getattr(self, f)
+            require(v >= 0, f"hardware.{f}", f"must be >= 0, got {v}")
+        require(self.num_sms <= MAX_SMS, "hardware.num_sms",
+                f"must be <= {MAX_SMS}, got {self.num_sms}")
+        for f in ("name", "interconnect", "display_name"):
+            v = getattr(self, f)
+            require(isinstance(v, str), f"hardware.{f}", f"must be a string, got {v!r}")
         for f in ("compute_efficiency", "memory_efficiency", "interconnect_efficiency"):
             v = getattr(self, f)
             require(0 < v <= 1, f"hardware.{f}", f"must be in (0, 1], got {v}")
@@ -238,9 +269,10 @@ def hardware_spec_from(data: dict[str, Any], where: str = "hardware config") -> 
 
 
 def _load(kind: str, name: str) -> dict[str, Any]:
+    known = _known(kind)
+    if name not in known:  # compared by name: no path is built from an arbitrary value
+        raise ConfigError(kind, f"unknown {kind} {name!r}; known: {', '.join(known)}")
     path = CONF_DIR / kind / f"{name}.yaml"
-    if not path.exists():
-        raise ConfigError(kind, f"unknown {kind} {name!r}; known: {', '.join(_known(kind))}")
     with path.open() as f:
         return yaml.safe_load(f)
 
