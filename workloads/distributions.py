@@ -9,6 +9,7 @@ import numpy as np
 
 from sim.config_types import typed_fields
 from sim.errors import ConfigError, require
+from sim.specs import MODEL_SIZE_LIMITS
 
 
 # ---- arrivals -------------------------------------------------------------------------------
@@ -28,7 +29,8 @@ class ArrivalProcess:
         require(self.kind in ("poisson", "gamma", "constant"), "workload.arrival",
                 f"must be poisson, gamma or constant, got {self.kind!r}")
         require(self.qps > 0, "workload.qps", f"must be > 0, got {self.qps}")
-        require(self.cv > 0, "workload.cv", f"must be > 0, got {self.cv}")
+        # Gamma shapes 1 / cv^2 below 1e-4 draw gaps that mostly underflow to 0.
+        require(0 < self.cv <= 100, "workload.cv", f"must be in (0, 100], got {self.cv}")
 
     def gaps(self, rng: np.random.Generator, n: int) -> np.ndarray:
         mean = 1.0 / self.qps
@@ -41,6 +43,10 @@ class ArrivalProcess:
 
 
 # ---- lengths --------------------------------------------------------------------------------
+# The longest length a distribution may draw: model.max_model_len's bound (sim/specs.py).
+MAX_LENGTH = MODEL_SIZE_LIMITS["max_model_len"]
+
+
 @dataclass(frozen=True)
 class LengthDistribution:
     """Token-length sampler.
@@ -61,11 +67,14 @@ class LengthDistribution:
 
     @staticmethod
     def from_dict(field: str, data: dict[str, Any]) -> LengthDistribution:
+        if not isinstance(data, dict):
+            raise ConfigError(field, f"must be a mapping such as {{dist: uniform, min: 1, max: "
+                                     f"100}}, got {data!r}")
         data = dict(data)
         dist = data.pop("dist", None)
         known = {"fixed": {"value"}, "uniform": {"min", "max"},
                  "lognormal": {"median", "sigma", "min", "max"}, "zipf": {"a", "min", "max"}}
-        if dist not in known:
+        if not isinstance(dist, str) or dist not in known:
             raise ConfigError(f"{field}.dist", f"must be one of {sorted(known)}, got {dist!r}")
         every = set().union(*known.values())
         extra = sorted(set(data) - every)
@@ -81,12 +90,17 @@ class LengthDistribution:
         if missing:
             raise ConfigError(f"{field}.{missing[0]}", f"required for a {dist} length")
         if dist == "fixed":
-            data["min"] = data["max"] = data["value"]
+            v = data["value"]
+            require(1 <= v <= MAX_LENGTH, f"{field}.value", f"must be in [1, {MAX_LENGTH}], got {v}")
+            data["min"] = data["max"] = v
         return LengthDistribution(field=field, dist=dist, **data)
 
     def __post_init__(self) -> None:
         f = self.field
         require(self.min >= 1, f"{f}.min", f"must be >= 1, got {self.min}")
+        require(self.min <= MAX_LENGTH, f"{f}.min", f"must be <= {MAX_LENGTH}, got {self.min}")
+        require(self.max <= MAX_LENGTH, f"{f}.max", f"must be <= {MAX_LENGTH} tokens (longer "
+                                                    f"than any context), got {self.max}")
         require(self.max >= self.min, f"{f}.max", f"must be >= min ({self.min}), got {self.max}")
         if self.dist == "lognormal":
             require(self.median > 0, f"{f}.median", f"must be > 0, got {self.median}")

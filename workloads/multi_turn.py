@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from sim.config_types import as_float, as_int
+from sim.config_types import MAX_TIME_S, as_float, as_int
 from sim.errors import ConfigError, require
 from sim.request import Request
 from workloads.base import WORKLOADS, Workload
@@ -31,6 +31,7 @@ from workloads.distributions import LengthDistribution
 # Content keys: system prompt g is key g; the user message and the answer of the turn with
 # request id r are _TURN + 2r and _TURN + 2r + 1.
 _TURN = 1 << 40
+MAX_TURNS = 10**8  # turns one workload may draw (four arrays of this many numbers)
 
 
 class MultiTurnWorkload(Workload):
@@ -47,6 +48,19 @@ class MultiTurnWorkload(Workload):
                 f"must be >= 0, got {system_prompt_len}")
         require(num_system_prompts >= 1, "workload.num_system_prompts",
                 f"must be >= 1, got {num_system_prompts}")
+        # Every turn's lengths and think time are drawn up front: bound their arrays.
+        require(num_sessions * turns.max <= MAX_TURNS, "workload.num_sessions",
+                f"{num_sessions} sessions of up to {turns.max} turns (workload.turns.max) "
+                f"could draw more than {MAX_TURNS} turns")
+        # The last session starts about num_sessions / qps seconds in; its turns follow.
+        starts, thinking = num_sessions / qps, turns.max * think_time_s
+        span = starts + thinking
+        require(span <= MAX_TIME_S, "workload.qps" if starts >= thinking else
+                "workload.think_time_s", (
+                    f"{num_sessions} sessions at {qps} per second of up to {turns.max} turns "
+                    f"{think_time_s} s apart span about {span:.3g} s, beyond {MAX_TIME_S:g} s "
+                    f"of simulated time (float times there cannot carry microsecond "
+                    f"latencies)"))
         # Every first turn fits, so every session sends at least one request.
         require(system_prompt_len + user_len.max <= max_prompt_len, "workload.max_prompt_len",
                 f"{max_prompt_len} is below a first turn's longest prompt (system_prompt_len "

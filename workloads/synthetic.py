@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from sim.config_types import as_bool, as_float, as_int
+from sim.config_types import MAX_TIME_S, as_bool, as_float, as_int
 from sim.errors import ConfigError, require
 from sim.request import Request
 from workloads.base import WORKLOADS, Workload
@@ -15,6 +15,8 @@ from workloads.distributions import ArrivalProcess, LengthDistribution
 from workloads.token_ids import TokenIdSource, prefix_group
 
 _CHUNK = 4096  # requests drawn per vectorized batch; does not change the stream
+# The most requests one run may replay or generate (a billion requests take hours to simulate).
+MAX_REQUESTS = 10**9
 
 
 class SyntheticWorkload(Workload):
@@ -30,6 +32,14 @@ class SyntheticWorkload(Workload):
                  token_ids: TokenIdSource | None = None, shared_prefix_len: int = 0,
                  num_prefix_groups: int = 1) -> None:
         require(num_requests >= 1, "workload.num_requests", f"must be >= 1, got {num_requests}")
+        require(num_requests <= MAX_REQUESTS, "workload.num_requests",
+                f"must be <= {MAX_REQUESTS}, got {num_requests}")
+        # The last arrival comes about num_requests / qps seconds in.
+        span = num_requests / arrival.qps
+        require(span <= MAX_TIME_S, "workload.qps", (
+            f"{arrival.qps} req/s spreads {num_requests} requests over about {span:.3g} s, "
+            f"beyond {MAX_TIME_S:g} s of simulated time (float times there cannot carry "
+            f"microsecond latencies)"))
         if total_len is not None:
             require(prefill_decode_ratio is not None and prefill_decode_ratio > 0,
                     "workload.prefill_decode_ratio", "must be > 0 when workload.total_len is set")
@@ -162,14 +172,15 @@ def build_synthetic(cfg: dict[str, Any], seed: int, model: Any = None, token_ids
                           f"unknown option for a synthetic workload; known: {', '.join(sorted(known))}")
     total = cfg.get("total_len")
     # Either a total length split by a ratio, or separate prompt and output distributions.
-    required = ("num_requests", "qps") if total else ("num_requests", "qps", "prompt_len",
-                                                      "output_len")
+    required = ("num_requests", "qps") if total is not None else (
+        "num_requests", "qps", "prompt_len", "output_len")
     for f in required:
         if cfg.get(f) is None:
             raise ConfigError(f"workload.{f}", "required for a synthetic workload")
 
     def dist(name: str) -> LengthDistribution | None:
-        return None if total else LengthDistribution.from_dict(f"workload.{name}", cfg[name])
+        return (None if total is not None
+                else LengthDistribution.from_dict(f"workload.{name}", cfg[name]))
 
     ratio = cfg.get("prefill_decode_ratio")
     return SyntheticWorkload(
@@ -180,7 +191,8 @@ def build_synthetic(cfg: dict[str, Any], seed: int, model: Any = None, token_ids
         output_len=dist("output_len"),
         seed=seed,
         priorities=cfg.get("priorities"),
-        total_len=LengthDistribution.from_dict("workload.total_len", total) if total else None,
+        total_len=(None if total is None
+                   else LengthDistribution.from_dict("workload.total_len", total)),
         prefill_decode_ratio=(None if ratio is None
                               else as_float(ratio, "workload.prefill_decode_ratio")),
         token_ids=token_id_source(cfg, seed, model, token_ids),
