@@ -27,6 +27,7 @@ from policies.base import POLICIES, PolicyConfig
 from policies.ordered import OrderedPolicy
 from policies.predictors import PREDICTORS, make_predictor
 from policies.queues import WaitingHeap
+from sim.config_types import as_int
 from sim.errors import require
 from sim.request import Request
 from sim.step_builder import StepBuilder
@@ -49,8 +50,11 @@ class SJFConfig(PolicyConfig):
                 f"must be one of {list(PREDICTORS)}, got {self.predictor!r}")
         require(self.noise_sigma >= 0, "policy.noise_sigma",
                 f"must be >= 0, got {self.noise_sigma}")
-        edges = tuple(self.bucket_edges)
-        require(len(edges) == 2 and 1 <= edges[0] < edges[1], "policy.bucket_edges",
+        edges = self.bucket_edges
+        require(isinstance(edges, (list, tuple)) and len(edges) == 2, "policy.bucket_edges",
+                f"must be two increasing positive lengths [short, medium], got {edges!r}")
+        edges = tuple(as_int(e, f"policy.bucket_edges[{i}]") for i, e in enumerate(edges))
+        require(1 <= edges[0] < edges[1], "policy.bucket_edges",
                 f"must be two increasing positive lengths [short, medium], got {list(edges)}")
         object.__setattr__(self, "bucket_edges", (int(edges[0]), int(edges[1])))
         require(0 <= self.bucket_accuracy <= 1, "policy.bucket_accuracy",
