@@ -13,9 +13,17 @@ from sim.config_types import typed_fields
 from sim.errors import ConfigError, require
 from sim.specs import ModelSpec
 
+# The most replicas one pool may have: each is built up front (about a millisecond and tens of
+# kilobytes apiece).
+MAX_REPLICAS = 2**14
+
+
+def _check_count(value: int, field: str) -> None:
+    require(1 <= value <= MAX_REPLICAS, field, f"must be in [1, {MAX_REPLICAS}], got {value}")
+
 
 def _check_router(name: str, where: str) -> None:
-    require(name in ROUTERS.names(), where,
+    require(isinstance(name, str) and name in ROUTERS.names(), where,
             f"unknown router {name!r}; known: {', '.join(ROUTERS.names())}")
 
 
@@ -42,8 +50,7 @@ class ClusterConfig:
                 f"must be >= 1, got {self.tensor_parallel}")
         require(self.pipeline_parallel >= 1, "cluster.pipeline_parallel",
                 f"must be >= 1, got {self.pipeline_parallel}")
-        require(self.num_replicas >= 1, "cluster.num_replicas",
-                f"must be >= 1, got {self.num_replicas}")
+        _check_count(self.num_replicas, "cluster.num_replicas")
         _check_router(self.router, "cluster.router")
 
     @property
@@ -80,9 +87,10 @@ class DisaggregatedConfig:
     link: LinkConfig = field(default_factory=LinkConfig)
 
     def __post_init__(self) -> None:
-        for f in ("num_prefill_replicas", "num_decode_replicas", "tensor_parallel",
-                  "pipeline_parallel"):
+        for f in ("tensor_parallel", "pipeline_parallel"):
             require(getattr(self, f) >= 1, f"cluster.{f}", f"must be >= 1, got {getattr(self, f)}")
+        for f in ("num_prefill_replicas", "num_decode_replicas"):
+            _check_count(getattr(self, f), f"cluster.{f}")
         _check_router(self.router, "cluster.router")
         _check_router(self.decode_router, "cluster.decode_router")
         for side in ("prefill", "decode"):

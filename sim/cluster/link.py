@@ -50,7 +50,8 @@ class LinkConfig:
     scope: str = "replica"
 
     def __post_init__(self) -> None:
-        require(self.preset in LINK_PRESETS, "cluster.link.preset",
+        require(isinstance(self.preset, str) and self.preset in LINK_PRESETS,
+                "cluster.link.preset",
                 f"unknown link {self.preset!r}; known: {', '.join(LINK_PRESETS)}")
         require(self.bandwidth_gbps is None or self.bandwidth_gbps > 0,
                 "cluster.link.bandwidth_gbps", f"must be > 0, got {self.bandwidth_gbps}")
