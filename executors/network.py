@@ -73,13 +73,14 @@ def load_network(hardware: HardwareSpec, name: str | None = "auto") -> NetworkMo
                          * hardware.interconnect_efficiency)
     if name is None or name == "none":
         return NetworkModel(fallback, {})
-    path: Path = NETWORK_DIR / f"{hardware.name if name == 'auto' else name}.yaml"
-    if not path.exists():
+    known = sorted(p.stem for p in NETWORK_DIR.glob("*.yaml"))
+    stem = hardware.name if name == "auto" else name
+    if stem not in known:  # compared by name: no path is built from an arbitrary value
         if name == "auto":
             return NetworkModel(fallback, {})
-        known = sorted(p.stem for p in NETWORK_DIR.glob("*.yaml"))
         raise ConfigError("executor.network", f"unknown network {name!r}; known: auto, none, "
                                               f"{', '.join(known)}")
+    path: Path = NETWORK_DIR / f"{stem}.yaml"
     data = yaml.safe_load(path.read_text()) or {}
     where = f"{path.name}"
     fits = {int(w): _ab(v, f"{where}: all_reduce.{w}", "bus_bandwidth_gbps")
