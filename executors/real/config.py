@@ -20,6 +20,8 @@ DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 LLAMA3_ROPE_KEYS = {"factor", "low_freq_factor", "high_freq_factor",
                     "original_max_position_embeddings"}
+MAX_THREADS = 4096  # torch.set_num_threads takes a C int; no host has more cores
+MIN_TEMPERATURE = 1e-5
 
 
 @dataclass(frozen=True)
@@ -137,13 +139,19 @@ class RealExecutorConfig:
     defer_gc: bool = True
 
     def __post_init__(self) -> None:
-        require(self.dtype == "auto" or self.dtype in DTYPES, "executor.dtype",
+        require(isinstance(self.dtype, str) and (self.dtype == "auto" or self.dtype in DTYPES),
+                "executor.dtype",
                 f"must be auto, {', '.join(DTYPES)}; got {self.dtype!r}")
-        require(self.num_threads >= 1, "executor.num_threads",
-                f"must be >= 1, got {self.num_threads}")
-        require(self.temperature >= 0, "executor.temperature",
-                f"must be >= 0, got {self.temperature}")
+        require(1 <= self.num_threads <= MAX_THREADS, "executor.num_threads",
+                f"must be in [1, {MAX_THREADS}], got {self.num_threads}")
+        # Logits divided by a smaller temperature overflow to inf (vLLM samples greedily
+        # below the same 1e-5).
+        require(self.temperature == 0 or self.temperature >= MIN_TEMPERATURE,
+                "executor.temperature", f"must be 0 (greedy) or >= {MIN_TEMPERATURE}, got "
+                                        f"{self.temperature}")
         require(0 < self.top_p <= 1, "executor.top_p", f"must be in (0, 1], got {self.top_p}")
+        require(self.checkpoint is None or isinstance(self.checkpoint, str),
+                "executor.checkpoint", f"must be a folder name or null, got {self.checkpoint!r}")
         require(self.kernels in (None, "triton", "torch"), "executor.kernels",
                 f"must be triton or torch, got {self.kernels!r}")
         require(self.timer in ("wall", "cpu"), "executor.timer",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import os
 import time
 from collections.abc import Sequence
 
@@ -110,11 +111,19 @@ class RealExecutor(Executor):
 
     # ---- memory ---------------------------------------------------------------------------
     def _device_memory(self) -> float:
-        if self.config.device_memory_gib is not None:
-            return self.config.device_memory_gib * 2**30
         if self.device.type == "cuda":
-            return float(torch.cuda.get_device_properties(self.device).total_memory)
-        return CPU_DEFAULT_MEMORY_GIB * 2**30
+            total = float(torch.cuda.get_device_properties(self.device).total_memory)
+        else:
+            total = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+        gib = self.config.device_memory_gib
+        if gib is None:
+            return total if self.device.type == "cuda" else CPU_DEFAULT_MEMORY_GIB * 2**30
+        # The KV cache is allocated up front: more than the device has fails there.
+        if gib * 2**30 > total:
+            raise ConfigError("executor.device_memory_gib", (
+                f"{gib} GiB is more than the {total / 2**30:.2f} GiB the {self.device} device "
+                f"has"))
+        return gib * 2**30
 
     def _check_fits(self) -> None:
         size = self.dtype.itemsize

@@ -201,8 +201,12 @@ def load_hf_checkpoint(folder: str | Path, args: LlamaArgs, dtype: torch.dtype,
     """Load and shape-check a local Hugging Face Llama checkpoint."""
     from safetensors import safe_open
 
-    folder = Path(folder).expanduser()
-    if not folder.is_dir():
+    try:
+        folder = Path(folder).expanduser()
+        found = folder.is_dir()
+    except (OSError, RuntimeError, ValueError):  # a name too long, ~user unknown, a NUL byte
+        found = False
+    if not found:
         raise ConfigError(FIELD, f"checkpoint folder not found: {folder}")
     _check_config(folder, args)
     files = sorted(folder.glob("*.safetensors"))
