@@ -33,7 +33,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from experiments.common import run_jobs
-from experiments.policy_checks import CHECKS, Check
+from experiments.analysis.policy_checks import CHECKS, Check
 from experiments.simulation import Simulation
 from sim.errors import ConfigError, exit_on_config_error
 from sim.report import figure_html, format_number, latency_cdf_figure, write_page

@@ -105,7 +105,7 @@ def pair_saved(folder: Path, cfg: dict[str, Any], command_line: set[str] | None 
     import json
 
     from experiments.simulation import Simulation
-    from experiments.validate_config import (
+    from experiments.analysis.validate_config import (
         _options,
         _sim_cfg,
         apply_policy_overrides,
@@ -144,7 +144,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from omegaconf import OmegaConf
 
     from experiments.common import validation_files
-    from experiments.validate_config import ROOT, TARGET_STATS, command_line_policy_keys
+    from experiments.analysis.validate_config import ROOT, TARGET_STATS, command_line_policy_keys
     from sim.errors import ConfigError
 
     args = list(sys.argv[1:] if argv is None else argv)

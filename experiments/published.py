@@ -15,7 +15,8 @@ two engine keys), the seed and the kv keys a row does not set are the composed c
 command-line executor value is a what-if on every row). Writes into the Hydra run folder:
 ``published.csv`` (one row per published figure), ``published_tables.csv`` (per table: mean
 absolute and signed mean error), ``published.md`` (both tables) and ``published.html``.
-The request streams and the ShareGPT length model are in ``experiments/published_lengths.py``.
+The request streams and the ShareGPT length model are in
+``experiments/analysis/published_lengths.py``.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from plotly.subplots import make_subplots
 
 from experiments.common import markdown_table, merge, write_csv
 from experiments.intervals import with_intervals
-from experiments.published_lengths import LengthsWorkload, build_workload
+from experiments.analysis.published_lengths import LengthsWorkload, build_workload
 from experiments.simulation import BuiltIn
 from sim.errors import ConfigError, exit_on_config_error, require
 from sim.progress import job_bar

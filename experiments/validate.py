@@ -8,8 +8,8 @@
     python -m experiments.validate --config-name validate_gpu       # Llama-3-8B on a GPU
 
 0. With ``validate.qps: auto``, measures the saturation throughput of the real executor on
-   this workload (``experiments/saturation.py``: two probe runs offered more than it serves)
-   and runs everything below at ``validate.saturation_fraction`` of it (``saturation.json``).
+   this workload (``experiments/analysis/saturation.py``: two probe runs offered more than
+   it serves) and runs everything below at ``validate.saturation_fraction`` of it (``saturation.json``).
    ``validate.hardware: auto`` prices the simulation with the ``conf/hardware`` spec of the
    GPU the real executor runs on.
 1. Profiles the real executor over ``profile`` (the grid, in shuffled rounds), unless
@@ -75,8 +75,8 @@ import numpy as np
 from executors.recording import RecordingExecutor, Replay, is_serving_step, replay
 from executors.step_terms import ATTENTION_TILE
 from experiments.host_speed import neighbour_speeds, scaled_profile, speed_ratio
-from experiments.saturation import DEFAULT_FRACTION, Saturation, find_saturation
-from experiments.validate_config import (
+from experiments.analysis.saturation import DEFAULT_FRACTION, Saturation, find_saturation
+from experiments.analysis.validate_config import (
     TARGET_STATS,
     _options,
     _sim_cfg,
@@ -439,8 +439,8 @@ def resolve_hardware(base: dict[str, Any], opts: dict[str, Any]) -> None:
 
 
 def choose_qps(base: dict[str, Any], opts: dict[str, Any], out_dir: Path) -> Saturation | None:
-    """``validate.qps: auto``: measure the saturation (``experiments/saturation.py``) with real
-    runs of ``base`` (its KV pool, or ``validate.saturation_num_gpu_blocks``), set
+    """``validate.qps: auto``: measure the saturation (``experiments/analysis/saturation.py``)
+    with real runs of ``base`` (its KV pool, or ``validate.saturation_num_gpu_blocks``), set
     ``base["workload"]["qps"]`` to the chosen load and write ``saturation.json`` at once (a
     validation cut short still has it)."""
     if opts.get("qps") != "auto":

@@ -11,7 +11,7 @@ import pandas as pd
 import pytest
 
 from experiments.compare_policies import describe_scenario, plan_runs, run
-from experiments.policy_checks import static_slot_use
+from experiments.analysis.policy_checks import static_slot_use
 from sim.errors import ConfigError
 from tests.helpers import ROOT, compose_named
 

@@ -23,7 +23,7 @@ from experiments.published import (
     table_summary,
     write_outputs,
 )
-from experiments.published_lengths import (
+from experiments.analysis.published_lengths import (
     ShareGPTModel,
     arrivals,
     build_workload,

@@ -11,7 +11,7 @@ import pytest
 
 import experiments.validate as validate_mod
 from experiments.profile import ProfileGrid, blocks_needed
-from experiments.saturation import BURST_QPS, find_saturation
+from experiments.analysis.saturation import BURST_QPS, find_saturation
 from experiments.simulation import Simulation
 from sim.errors import ConfigError
 from sim.specs import load_model_spec

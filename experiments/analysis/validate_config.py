@@ -12,10 +12,10 @@ from typing import Any
 import yaml
 
 from executors.calibration import RUN_LEVELS
-from experiments.saturation import DEFAULT_FRACTION, check_fraction
+from experiments.analysis.saturation import DEFAULT_FRACTION, check_fraction
 from sim.errors import ConfigError, require
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # the project root
 #: The end-to-end figures a validation is judged on: each within its target on p50 and p90.
 TARGET_STATS = tuple((m, s) for m in ("TTFT", "TPOT", "E2E") for s in ("p50", "p90"))
 #: ``validate.host_speed`` values (``experiments/host_speed.py``).
