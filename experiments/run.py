@@ -11,7 +11,9 @@ under a ``.partial`` name until it is complete. With the cost model, summary.jso
 of the cost model's measured step-time error). A folder that holds another run's outputs is
 refused unless ``overwrite=true``. SIGINT or SIGTERM stops the run at once: the rows so far
 and a summary marked ``"status": "interrupted"`` are kept, and the process exits 130 / 143
-with one line. A file that cannot be written ends the run with one line naming it (exit 1).
+with one line. A file that cannot be written ends the run with one line naming it (exit 1); a
+bad config value, trace file or override (one Hydra refuses too) with one ``config error:``
+line (exit 2).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from experiments.intervals import (
     ErrorBarsConfig,
@@ -130,13 +133,23 @@ def run(cfg: DictConfig) -> dict:
         return {}
 
 
+def resolved(cfg: DictConfig) -> dict:
+    """``cfg`` as plain data with its interpolations resolved; one that does not resolve is a
+    ``ConfigError`` on its key."""
+    try:
+        return OmegaConf.to_container(cfg, resolve=True)
+    except OmegaConfBaseException as e:
+        raise ConfigError(getattr(e, "full_key", None) or "config",
+                          str(e).strip().splitlines()[0]) from None
+
+
 def run_job(cfg: DictConfig) -> dict:
     out_dir = Path(HydraConfig.get().runtime.output_dir)
     # A sweep's reports share one plotly.min.js on disk, kept in the sweep's folder.
     js_dir = (Path(HydraConfig.get().sweep.dir) if HydraConfig.get().mode == RunMode.MULTIRUN
               else None)
-    container = OmegaConf.to_container(cfg, resolve=True)
     with exit_on_config_error():
+        container = resolved(cfg)
         claim_output_dir(out_dir, bool(container.get("overwrite", False)))
     try:
         with exit_on_config_error():
@@ -187,5 +200,30 @@ def main(cfg: DictConfig) -> float:
         return objective_value(summary, str(cfg.get("objective") or "p99_ttft_ms"))
 
 
+@contextmanager
+def hydra_errors_as_config_errors() -> Iterator[None]:
+    """An override Hydra refuses (unknown key or group option, bad syntax) or an interpolation
+    it cannot resolve ends the command with one ``config error:`` line and exit code 2, as
+    the run's own checks do; with ``HYDRA_FULL_ERROR`` set, Hydra reports as it does."""
+    if os.environ.get("HYDRA_FULL_ERROR"):
+        yield
+        return
+    from hydra.errors import HydraException
+
+    os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises instead of printing and exiting 1
+    try:
+        yield
+    except (HydraException, OmegaConfBaseException) as e:
+        text = str(e).split("Config search path:")[0]  # not the search path of a missing option
+        why = " ".join(line.strip() for line in text.splitlines() if line.strip())
+        cause = e.__cause__
+        if isinstance(cause, OmegaConfBaseException) and str(cause).strip():
+            why += f" ({str(cause).strip().splitlines()[0]})"
+        exit_with(2, f"config error: {why}")
+    finally:
+        del os.environ["HYDRA_FULL_ERROR"]
+
+
 if __name__ == "__main__":
-    main()
+    with hydra_errors_as_config_errors():
+        main()
