@@ -21,6 +21,7 @@ import csv
 import io
 import json
 import math
+import os
 import re
 import subprocess
 import sys
@@ -529,3 +530,19 @@ def test_the_command_line_ends_a_hostile_value_with_one_line_and_exit_code_2(
     assert run.returncode == 2, run.stderr
     assert "Traceback" not in run.stderr
     assert run.stderr.splitlines() == [line.format(**names)]
+
+
+@pytest.mark.parametrize("override,start", [
+    ("workload.qpss=3", "config error: Could not override 'workload.qpss'."),
+    ("model=nosuch", "config error: In 'config': Could not find 'model/nosuch'"),
+    ("workload.qps=[1,2", "config error: no viable alternative at input '[1,2'"),
+    ("device=${nosuch}", "config error: device: Interpolation key 'nosuch' not found"),
+])
+def test_the_command_line_ends_an_override_hydra_refuses_with_one_line_and_exit_code_2(
+        tmp_path, override, start):
+    run = subprocess.run(
+        [sys.executable, "-m", "experiments.run", f"hydra.run.dir={tmp_path}", override],
+        cwd=ROOT, capture_output=True, text=True, timeout=120, check=False,
+        env={k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"})
+    assert run.returncode == 2, run.stderr
+    assert len(run.stderr.splitlines()) == 1 and run.stderr.startswith(start), run.stderr
