@@ -84,8 +84,10 @@ class CostModelConfig:
     # each step carries 1/N of it.
     num_scheduler_steps: int = 1
     # True: host work overlaps the GPU's (vLLM's async output processing, overlap schedulers):
-    # a step takes max(GPU, host) instead of GPU + host.
-    host_overlap: bool = False
+    # a step takes max(GPU, host) instead of GPU + host. None: the policy's engine default
+    # (``Policy.host_overlap_default``; vllm_v1 and sglang overlap), False where no policy
+    # says (a cost model built directly).
+    host_overlap: bool | None = None
     # Override the hardware spec's efficiencies (None: use the spec's).
     compute_efficiency: float | None = None
     memory_efficiency: float | None = None
@@ -236,7 +238,7 @@ class RooflineCostModel(Executor):
                 f: getattr(coefficients, f) / n_sched
                 for f in ("s_per_step", "s_per_seq", "s_per_first_seq")})
         self._coefficients = coefficients or self.roofline
-        self.host_overlap = c.host_overlap
+        self.host_overlap = bool(c.host_overlap)
         # Element-wise bytes stay priced by bandwidth unless a profile fitted s_per_token.
         self._ew_s_per_byte = (None if coefficients is not None
                                else 1.0 / (bw * c.elementwise_efficiency))
@@ -797,8 +799,12 @@ def _knee2_arrays(x: np.ndarray, y: np.ndarray, p: float) -> np.ndarray:
 @EXECUTORS.register("cost_model")
 def build_cost_model(model: ModelSpec, hardware: HardwareSpec, tensor_parallel: int,
                      config: dict[str, Any], block_size: int = 16, pipeline_parallel: int = 1,
-                     **_: Any) -> RooflineCostModel:
+                     engine_host_overlap: bool = False, **_: Any) -> RooflineCostModel:
+    """``executor=cost_model``; ``engine_host_overlap``: the policy's engine default for
+    ``host_overlap: null``."""
     cfg = CostModelConfig.from_dict(config)
+    if cfg.host_overlap is None:
+        cfg = replace(cfg, host_overlap=engine_host_overlap)
     if cfg.profile is not None:
         from executors.calibration import load_profile_for  # scipy-free, but keep it lazy
 

@@ -87,6 +87,7 @@ class VLLMV1Policy(Policy):
     supports_decode_jumps = True
     implements_chunked_prefill = True
     prefix_caching_default = True
+    host_overlap_default = True  # asynchronous scheduling: the next step is scheduled while this one runs
 
     config_class = VLLMV1Config
     config: VLLMV1Config

@@ -67,6 +67,11 @@ class Policy(ABC):
     config_class: ClassVar[type[PolicyConfig]] = PolicyConfig
     #: Whether its engine caches prefixes by default (``kv.enable_prefix_caching: null``).
     prefix_caching_default: ClassVar[bool] = False
+    #: Whether its engine runs the host's work (scheduling, input preparation, output
+    #: processing) while the GPU runs a step, by default (``executor.host_overlap: null``):
+    #: vLLM v1's asynchronous scheduling and SGLang's overlap scheduler do; vLLM v0 without
+    #: asynchronous output processing does not.
+    host_overlap_default: ClassVar[bool] = False
 
     @classmethod
     def engine_defaults(cls, hardware: Any) -> dict[str, Any]:

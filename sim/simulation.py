@@ -258,7 +258,7 @@ class Simulation:
             if where == "cluster":
                 raise
             raise ConfigError(f"{where}.{e.field}", str(e).split(": ", 1)[-1]) from None
-        make = lambda: self._make_executor(hardware, tp, pp)  # noqa: E731
+        make = lambda: self._make_executor(hardware, tp, pp, type(policy))  # noqa: E731
         executor = make()
         # A pool that does not fit names the field that set its parallelism.
         c = self.cluster
@@ -280,7 +280,8 @@ class Simulation:
                     lambda seed: self.components.make_policy(policy_cfg, seed), self.seed,
                     caching)
 
-    def _make_executor(self, hardware: HardwareSpec, tp: int, pp: int) -> Executor:
+    def _make_executor(self, hardware: HardwareSpec, tp: int, pp: int,
+                       policy: type[Policy]) -> Executor:
         ex = _section(self.cfg, "executor")
         name = ex.get("name")
         try:
@@ -289,9 +290,12 @@ class Simulation:
             raise ConfigError("executor.name", str(e.args[0])) from None
         # Only executors that model pipeline stages take pipeline_parallel.
         extra = {"pipeline_parallel": pp} if pp > 1 else {}
+        # The policy's engine default for what an executor leaves to the engine (the cost
+        # model's host_overlap: null).
         return factory(model=self.model, hardware=hardware, tensor_parallel=tp, config=ex,
                        block_size=self.kv_cfg.block_size, seed=self.seed,
-                       device=self.cfg.get("device"), **extra)
+                       device=self.cfg.get("device"),
+                       engine_host_overlap=policy.host_overlap_default, **extra)
 
     def _plan_memory(self, policy: Policy, executor: Executor, hardware: HardwareSpec,
                      tp: int, pp: int, tp_field: str = "cluster.tensor_parallel") -> MemoryPlan:

@@ -217,3 +217,21 @@ HOST = ["model=tiny", "workload.prompt_len.max=200", "workload.output_len.max=12
 def test_fast_equals_exact_with_overlapped_amortized_host_time(extra):
     s = _assert_same([*HOST, *extra])
     assert s["num_decode_jumps"] > 0 or s["step_engine"] == "array_core"
+
+
+@pytest.mark.parametrize(("policy", "overlaps"), [("fcfs", False), ("sjf", False),
+                                                   ("vllm_v1", True), ("sglang", True)])
+def test_host_overlap_defaults_to_the_policys_engine(policy, overlaps):
+    """``executor.host_overlap: null``: vLLM v1 (asynchronous scheduling) and SGLang (overlap
+    scheduler) run the host's work beside the GPU's, the vLLM v0 policies do not; a value
+    given wins."""
+    from experiments.simulation import Simulation
+    from tests.helpers import small_cfg
+
+    def summary(*extra: str) -> dict:
+        s = Simulation(small_cfg(f"policy={policy}", *extra), None).run().summary
+        return {k: v for k, v in s.items() if k != "wall_time_s"}
+
+    default = summary()
+    assert default == summary(f"executor.host_overlap={str(overlaps).lower()}")
+    assert default != summary(f"executor.host_overlap={str(not overlaps).lower()}")
