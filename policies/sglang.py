@@ -106,7 +106,8 @@ class SGLangPolicy(Policy):
     # decode jumps (every step is planned).
     implements_chunked_prefill = True
     prefix_caching_default = True
-    host_overlap_default = True  # the overlap scheduler: the next batch is prepared while this one runs
+    # The overlap scheduler: the next batch is prepared while this one runs.
+    host_overlap_default = True
 
     config_class = SGLangConfig
     config: SGLangConfig

@@ -87,7 +87,8 @@ class VLLMV1Policy(Policy):
     supports_decode_jumps = True
     implements_chunked_prefill = True
     prefix_caching_default = True
-    host_overlap_default = True  # asynchronous scheduling: the next step is scheduled while this one runs
+    # Asynchronous scheduling: the next step is scheduled while this one runs.
+    host_overlap_default = True
 
     config_class = VLLMV1Config
     config: VLLMV1Config
