@@ -30,17 +30,32 @@ def exact_delay(start: float, end: float) -> float:
 def timeout_at(env: simpy.Environment, t: float) -> simpy.Event:
     """An event that fires at exactly ``t`` (>= now), ordered as a timeout scheduled now.
 
-    For some pairs (a clock just below a power of two, a target far above it) no float delay
-    lands on ``t``; the event then goes into the queue at ``t`` itself, with the priority and
-    sequence number ``Environment.schedule`` would give a timeout (simpy has no public call
-    that takes an absolute time)."""
+    It goes into the queue at ``t`` itself, with the priority and sequence number
+    ``Environment.schedule`` gives a timeout made now: where a float delay ``d`` with
+    ``now + d == t`` exists, that is the very entry ``env.timeout(d)`` would make, and where
+    none does (a clock just below a power of two, a target far above it) it is the instant
+    the step-by-step loop reaches (simpy has no public call that takes an absolute time)."""
     if t < env.now:
         raise ValueError(f"timeout_at({t!r}) is before the clock ({env.now!r})")
-    d = exact_delay(env.now, t)
-    if env.now + d == t:
-        return env.timeout(d)
     ev = simpy.Event(env)
     ev._ok = True
     ev._value = None
     heapq.heappush(env._queue, (t, NORMAL, next(env._eid), ev))
     return ev
+
+
+def advance(env: simpy.Environment, t: float) -> bool:
+    """Move the clock to ``t`` (>= now) from inside the running process, as if a timeout of
+    that process fired there, when nothing is scheduled at or before ``t``: no other process
+    can run before then, so none can see the difference, and events scheduled after this
+    (by the caller, or by callbacks it runs) get the places they would get had it yielded.
+    False (the clock stays) when something is scheduled by then: the caller yields a timeout,
+    which orders it against those events as ever. Saves a simpy event per step on a replica
+    nothing else interleaves with."""
+    queue = env._queue
+    if queue and queue[0][0] <= t:
+        return False
+    if t < env._now:
+        raise ValueError(f"advance({t!r}) is before the clock ({env._now!r})")
+    env._now = t
+    return True

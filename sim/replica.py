@@ -19,7 +19,7 @@ import numpy as np
 import simpy
 
 from sim import stop as run_stop
-from sim.clock import timeout_at
+from sim.clock import advance, timeout_at
 from sim.decode_run import DecodeRun, is_decoding
 from sim.executor import Executor
 from sim.fast_forward import MAX_JUMP_STEPS, Jump, is_steady_decode, plan_jump, plan_run_jump
@@ -210,17 +210,22 @@ class Replica:
     # ---- the loop -----------------------------------------------------------------------
     def _run(self):
         env = self.env
+        builder, queues, kv, executor, policy = (self.builder, self.queues, self.kv,
+                                                 self.executor, self.policy)
+        waiting, running, swapped = queues.waiting, queues.running, queues.swapped
+        inf = float("inf")
         empty_plans = 0
         while True:
             if run_stop.requested:  # a signal asked the run to stop
                 run_stop.check()
-            if not self._has_work():
+            if not (waiting or running or swapped):
                 self._wakeup = env.event()
                 yield self._wakeup
                 self._wakeup = None
                 continue
-            self.builder.reset(env.now)
-            plan = self.policy.schedule(self.builder)
+            start = env.now
+            builder.reset(start)
+            plan = policy.schedule(builder)
             if plan.is_empty:
                 if self.check_integrity:  # a plan that only preempted changed state too
                     self.verify()
@@ -234,65 +239,78 @@ class Replica:
                     self._wakeup = None
                 continue
             empty_plans = 0
-            requests = self.builder.scheduled_requests
-            start = env.now
+            requests = builder.scheduled_requests
             if self.fast_forward and not self.check_integrity and is_steady_decode(plan):
-                block = plan.decode_block
-                q = self.queues
-                # The next arrival, or the policy's own next deadline if that comes first.
-                horizon = min(self.horizon(), self.policy.next_decision_time(start))
-                if horizon <= start:  # the next step may see the event: one step at a time
-                    jump = None
-                elif block is not None:
-                    run, run_step = self.builder.run, self.builder.run_block_step
-                    # A finish may bring a new arrival (a closed loop): then stop at it.
-                    past = not q.waiting and not q.swapped and (
-                        len(run) == len(q.running)) and not self.finishes_bring_arrivals
-                    max_steps = MAX_JUMP_STEPS
-                    if run.key is not None:  # a policy's order, which may change as they decode
-                        max_steps = self.policy.decode_order_steps(
-                            run.members, max_steps, run.end - run_step)
-                    jump = plan_run_jump(
-                        plan, run, run_step, self.executor.decode_durations, start,
-                        horizon, self.kv.num_free_blocks, max_steps,
-                        stretch_durations_fn=(self.executor.decode_stretch_durations
-                                              if past else None),
-                        step_pricer=self.executor.decode_step_pricer if past else None)
-                else:
-                    jump = plan_jump(plan, requests, self.executor.decode_durations, start,
-                                     horizon, self.kv.num_free_blocks, self.kv.block_size,
-                                     order_steps=self.policy.decode_order_steps)
+                jump = self._plan_jump(plan, requests, start)
                 if jump is not None:
                     # Queue lengths and blocks in use as the intermediate steps saw them
                     # (arrivals during the final step are processed before this process
                     # resumes).
-                    seen = (len(q.waiting), len(q.running), len(q.swapped))
-                    used0 = self.kv.num_used_blocks
-                    stops = self._finish_groups(block, jump) if block is not None else ()
+                    seen = (len(waiting), len(running), len(swapped))
+                    used0 = kv.num_used_blocks
+                    block = plan.decode_block
+                    if block is not None and builder.run.steps != builder.run_block_step:
+                        raise AssertionError("a decode jump applied out of step with its run")
                     done = 0
-                    for stop, members in stops:  # members finish at the end of these steps
+                    ends = jump.ends
+                    for stop, members in jump.groups:  # members finish at the end of these
                         # A stretch's new blocks are in use while it runs (a router reading
                         # KV use during the last step sees them, as step by step).
                         self._take_jump_blocks(plan, requests, jump, done, stop)
-                        yield timeout_at(env, float(jump.ends[stop - 1]))
-                        self._finish_jump_members(self.builder.run, jump, done, stop, members)
+                        t = float(ends[stop - 1])
+                        if not advance(env, t):
+                            yield timeout_at(env, t)
+                        self._finish_jump_members(builder.run, jump, done, stop, members)
                         self.num_jump_stops += 1
                         done = stop
                     self._take_jump_blocks(plan, requests, jump, done, jump.num_steps)
-                    yield timeout_at(env, float(jump.ends[-1]))
+                    t = float(ends[-1])
+                    if not advance(env, t):
+                        yield timeout_at(env, t)
                     self._apply_jump(plan, requests, jump, start, seen, used0, done)
                     continue
-            result = self.executor.execute(plan)
-            if result.duration < 0:
-                raise ValueError(f"executor returned a negative duration {result.duration}")
-            self.busy_until = env.now + result.duration
-            yield env.timeout(result.duration)
-            self.busy_until = float("inf")
-            self.busy_time += result.duration
+            result = executor.execute(plan)
+            duration = result.duration
+            if duration < 0:
+                raise ValueError(f"executor returned a negative duration {duration}")
+            # The instant a timeout of ``duration`` made now fires at.
+            if not advance(env, start + duration):
+                self.busy_until = start + duration
+                yield env.timeout(duration)
+                self.busy_until = inf
+            self.busy_time += duration
             self._apply(plan, requests, result)
-            self._record_step(start, result.duration, plan)
+            self._record_step(start, duration, plan)
             if self.check_integrity:
                 self.verify()
+
+    def _plan_jump(self, plan: StepPlan, requests: list[Request], start: float) -> Jump | None:
+        """The decode jump that starts with steady decode ``plan`` at ``start``, or None (one
+        step at a time)."""
+        # The next arrival, or the policy's own next deadline if that comes first.
+        horizon = min(self.horizon(), self.policy.next_decision_time(start))
+        if horizon <= start:  # the next step may see the event: one step at a time
+            return None
+        block = plan.decode_block
+        if block is None:
+            return plan_jump(plan, requests, self.executor.decode_durations, start, horizon,
+                             self.kv.num_free_blocks, self.kv.block_size,
+                             order_steps=self.policy.decode_order_steps)
+        q = self.queues
+        run, run_step = self.builder.run, self.builder.run_block_step
+        # A finish may bring a new arrival (a closed loop): then stop at it.
+        past = not q.waiting and not q.swapped and (
+            len(run) == len(q.running)) and not self.finishes_bring_arrivals
+        max_steps = MAX_JUMP_STEPS
+        if run.key is not None:  # a policy's order, which may change as they decode
+            max_steps = self.policy.decode_order_steps(run.members, max_steps,
+                                                       run.end - run_step)
+        executor = self.executor
+        return plan_run_jump(
+            plan, run, run_step, executor.decode_durations, start, horizon,
+            self.kv.num_free_blocks, max_steps,
+            stretch_durations_fn=executor.decode_stretch_durations if past else None,
+            step_pricer=executor.decode_step_pricer if past else None)
 
     def _apply(self, plan: StepPlan, requests: list[Request], result: StepResult) -> None:
         now = self.env.now
@@ -370,15 +388,6 @@ class Replica:
             owners = owners[lo:bisect_left(steps, stop + 1, lo)]
         if owners and not self.kv.grow(owners):
             raise AssertionError("decode jump overran the KV pool")  # planned so
-
-    def _finish_groups(self, block: DecodeBlock, jump: Jump) -> list[tuple[int, list[int]]]:
-        """The stops of a decode-run jump before its last step: (jump step, indices of the
-        members that sample their last token in it), in step order. They were planned with
-        the jump from the run's counters; the run must still be at the step the jump was
-        planned for."""
-        if self.builder.run.steps != self.builder.run_block_step:
-            raise AssertionError("a decode jump applied out of step with its run")
-        return jump.groups
 
     def _finish_jump_members(self, run: DecodeRun, jump: Jump, done: int, stop: int,
                              members: list[int]) -> None:
