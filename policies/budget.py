@@ -20,6 +20,8 @@ class Budget:
     """Limits for one step. Spending is tracked by the StepBuilder itself, so preempting a
     request that was already scheduled gives its tokens back automatically."""
 
+    __slots__ = ("max_num_batched_tokens", "max_num_seqs", "step")
+
     def __init__(self, step: StepBuilder, max_num_batched_tokens: int, max_num_seqs: int) -> None:
         self.step = step
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -32,6 +34,12 @@ class Budget:
     def seats_left(self) -> int:
         """How many more requests may hold GPU KV (the running set) under ``max_num_seqs``."""
         return self.max_num_seqs - len(self.step.running)
+
+    def now(self) -> tuple[int, int]:
+        """(``remaining_tokens``, ``seats_left()``) as they stand."""
+        step = self.step
+        return (self.max_num_batched_tokens - step.num_scheduled_tokens,
+                self.max_num_seqs - step.num_running)
 
 
 def chunk_size(pending: int, remaining: int, max_chunk: int | None = None) -> int:
@@ -209,7 +217,7 @@ def admit(step: StepBuilder, budget: Budget, candidates: Iterable[Request], *,
         candidates, step.pending_tokens, budget.remaining_tokens, budget.seats_left(),
         budget.max_num_batched_tokens, chunked=chunked, strict_order=strict_order,
         max_partial=max_partial, max_chunk=max_chunk, place=place,
-        budget_now=lambda: (budget.remaining_tokens, budget.seats_left()))]
+        budget_now=budget.now)]
 
 
 def resume_swapped(step: StepBuilder, budget: Budget, order: Iterable[Request] | None = None,

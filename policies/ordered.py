@@ -73,7 +73,10 @@ class OrderedPolicy(FCFSPolicy):
 
     def admit_waiting(self, step: StepBuilder, budget: Budget) -> list[Request]:
         with self.queue.ordered() as in_order:
-            with closing(self._making_room(step, budget, self.candidates(step, in_order))) as c:
+            candidates = self.candidates(step, in_order)
+            if getattr(self.config, "preemptive", False):
+                candidates = self._making_room(step, budget, candidates)
+            with closing(candidates) as c:  # type: ignore[type-var]
                 return admit(step, budget, c)
 
     def order_fixed_while_decoding(self) -> bool:
@@ -101,12 +104,11 @@ class OrderedPolicy(FCFSPolicy):
     # ---- internals ------------------------------------------------------------------------
     def _making_room(self, step: StepBuilder, budget: Budget,
                      candidates: Iterator[Request]) -> Iterator[Request]:
-        preemptive = getattr(self.config, "preemptive", False)
+        """``candidates``, each first making room for itself by preemption (``preemptive``)."""
         for req in candidates:
-            if preemptive:
-                def victims(req: Request = req) -> Iterator[Request]:
-                    # Most preemptible first, while allowed (``may_preempt`` is monotone).
-                    return takewhile(lambda v: self.may_preempt(req, v),
-                                     reversed(self.running_order(step)))
-                self.requeue(preempt_for(step, budget, req, victims))
+            def victims(req: Request = req) -> Iterator[Request]:
+                # Most preemptible first, while allowed (``may_preempt`` is monotone).
+                return takewhile(lambda v: self.may_preempt(req, v),
+                                 reversed(self.running_order(step)))
+            self.requeue(preempt_for(step, budget, req, victims))
             yield req

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from typing import Any
 
 from sim.request import Request, RequestStatus
@@ -46,35 +45,29 @@ class WaitingHeap:
         _, seq, req = entry
         return req.status in _WAITING and self._live.get(req.request_id) == seq
 
+    def _walk(self, taken: list[tuple[Any, int, Request]]) -> Iterator[Request]:
+        """Pop entries in key order, dropping stale ones; each live one goes to ``taken``."""
+        heap, live = self._heap, self._live
+        pop = heapq.heappop
+        while heap:
+            entry = pop(heap)
+            _, seq, req = entry
+            if req.status in _WAITING and live.get(req.request_id) == seq:
+                taken.append(entry)
+                yield req
+            elif live.get(req.request_id) == seq:  # stale: its request left the queue
+                del live[req.request_id]
+
     def _drop(self, entry: tuple[Any, int, Request]) -> None:
         _, seq, req = entry
         if self._live.get(req.request_id) == seq:
             del self._live[req.request_id]
 
-    @contextmanager
-    def ordered(self) -> Iterator[Iterator[Request]]:
-        """Iterate the waiting requests in key order, lazily. On exit every request taken
-        but still waiting (not admitted) is put back under its old key."""
-        taken: list[tuple[Any, int, Request]] = []
-
-        def walk() -> Iterator[Request]:
-            heap = self._heap
-            while heap:
-                entry = heapq.heappop(heap)
-                if not self._is_live(entry):
-                    self._drop(entry)
-                    continue
-                taken.append(entry)
-                yield entry[2]
-
-        try:
-            yield walk()
-        finally:
-            for entry in taken:
-                if self._is_live(entry):
-                    heapq.heappush(self._heap, entry)
-                else:
-                    self._drop(entry)
+    def ordered(self) -> _Ordered:
+        """Iterate the waiting requests in key order, lazily (``with heap.ordered() as
+        in_order``). On exit every request taken but still waiting (not admitted) is put back
+        under its old key."""
+        return _Ordered(self)
 
     def first(self, expired: Callable[[Request], bool]) -> Request | None:
         """The first waiting request in key order that is not ``expired``, or None. Entries
@@ -93,3 +86,26 @@ class WaitingHeap:
     def __len__(self) -> int:
         """Entries held, live or not yet found stale (an upper bound on those waiting)."""
         return len(self._heap)
+
+
+class _Ordered:
+    """``WaitingHeap.ordered``'s context: the lazy walk on enter, the put-back on exit (a
+    plain class: entered once per admission, where a generator-based context costs more
+    than the walk)."""
+
+    __slots__ = ("_heap", "_taken")
+
+    def __init__(self, heap: WaitingHeap) -> None:
+        self._heap = heap
+        self._taken: list[tuple[Any, int, Request]] = []
+
+    def __enter__(self) -> Iterator[Request]:
+        return self._heap._walk(self._taken)
+
+    def __exit__(self, *exc: object) -> None:
+        heap = self._heap
+        for entry in self._taken:
+            if heap._is_live(entry):
+                heapq.heappush(heap._heap, entry)
+            else:
+                heap._drop(entry)

@@ -192,6 +192,11 @@ class StepBuilder:
         return self._granted.get(req.request_id, 0)
 
     @property
+    def num_running(self) -> int:
+        """``len(step.running)``, without the view."""
+        return len(self._q.running)
+
+    @property
     def num_scheduled(self) -> int:
         return len(self.scheduled_requests)
 
