@@ -62,13 +62,11 @@ def _digits(n: Any) -> str:
 
 def as_int(value: Any, field: str, minimum: int | None = None) -> int:
     """``value`` as an int: an integer, or an integral finite float. ``minimum``: inclusive."""
-    if isinstance(value, Integral) and not isinstance(value, bool):
-        out = int(value)
-    elif (isinstance(value, Real) and not isinstance(value, bool) and math.isfinite(value)
-          and float(value).is_integer()):
-        out = int(value)
-    else:
+    number = isinstance(value, Real) and not isinstance(value, bool)
+    if not (isinstance(value, Integral) and number
+            or number and math.isfinite(value) and float(value).is_integer()):
         raise ConfigError(field, f"must be an integer, got {_shown(value)}")
+    out = int(value)
     if not -INT64_MAX <= out <= INT64_MAX:
         raise ConfigError(field, f"must be an integer of magnitude below 2**63, got "
                                  f"{value if isinstance(value, float) else _digits(out)}")

@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import atexit
 import copy
 import csv
 import io
@@ -23,6 +24,7 @@ import json
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -60,7 +62,7 @@ HOSTILE = st.one_of(
     st.lists(st.integers(-3, 3), max_size=3),
 )
 
-FUZZ = settings(deadline=None, max_examples=12, derandomize=True,
+FUZZ = settings(deadline=None, max_examples=20, derandomize=True,
                 suppress_health_check=[HealthCheck.too_slow])
 
 # ---- the composed configs -------------------------------------------------------------------
@@ -80,7 +82,9 @@ FIT = [[], ["cluster.tensor_parallel=8"],
 
 @cache
 def small_trace() -> str:
-    path = Path(tempfile.mkdtemp(prefix="fuzz-trace-")) / "trace.csv"
+    folder = tempfile.mkdtemp(prefix="fuzz-trace-")
+    atexit.register(shutil.rmtree, folder, True)
+    path = Path(folder) / "trace.csv"
     path.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n"
                     "0,100,20\n0.5,300,5\n1.25,50,40\n2,1000,1\n")
     return str(path)
@@ -243,7 +247,7 @@ def test_a_field_not_yet_bounded_is_refused_when_huge(key):
     assert check_build_and_run(base_config(None, None), {key: 1e308}) == "refused"
 
 
-@settings(FUZZ, max_examples=60)
+@settings(FUZZ, max_examples=100)
 @given(data=st.data())
 def test_hostile_values_in_several_keys_at_once_are_refused_or_run(data):
     group, option = data.draw(st.sampled_from(CASES), label="config")
@@ -423,7 +427,7 @@ def _data_rows(data: bytes, suffix: str) -> int | None:
     return sum(1 for row in rows[1:] if any(c.strip() for c in row))
 
 
-@settings(FUZZ, max_examples=150)
+@settings(FUZZ, max_examples=300)
 @given(data=TRACE_FILES, suffix=st.sampled_from([".csv", ".jsonl", ".json", ""]))
 def test_a_hostile_trace_file_loads_or_is_refused_at_its_line(data, suffix):
     with tempfile.TemporaryDirectory() as d:
