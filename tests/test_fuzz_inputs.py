@@ -247,6 +247,19 @@ def test_a_field_not_yet_bounded_is_refused_when_huge(key):
     assert check_build_and_run(base_config(None, None), {key: 1e308}) == "refused"
 
 
+@pytest.mark.parametrize("profile", ["folder", "utf16"])
+@pytest.mark.xfail(strict=True, raises=(IsADirectoryError, UnicodeDecodeError),
+                   reason="executors/calibration.py opens executor.profile unchecked")
+def test_a_folder_or_undecodable_file_as_the_cost_model_profile_is_refused(tmp_path, profile):
+    path = tmp_path
+    if profile == "utf16":
+        path = tmp_path / "profile.yaml"
+        path.write_bytes("model: tiny\n".encode("utf-16"))
+    cfg = with_value(base_config(None, None), ("executor", "profile"), str(path))
+    with pytest.raises(ConfigError, match=r"^executor\.profile: "):
+        Simulation(cfg)
+
+
 @settings(FUZZ, max_examples=100)
 @given(data=st.data())
 def test_hostile_values_in_several_keys_at_once_are_refused_or_run(data):
