@@ -33,6 +33,10 @@ import numpy as np
 
 from sim.request import Request, RequestStatus
 
+# The reductions themselves (``a.min()`` and the like go through numpy's Python wrappers
+# first: on arrays of a batch's size the wrapper costs as much as the reduction).
+_min, _max, _sum = np.minimum.reduce, np.maximum.reduce, np.add.reduce
+
 
 def _arrival_key(r: Request) -> tuple[float, int]:
     return (r.arrival_time, r.request_id)
@@ -171,16 +175,17 @@ class DecodeRun:
             # stays a lower bound).
             self.ctx0_sum -= c
             if c == self.ctx0_max:
-                self.ctx0_max = int(self.ctx0.max())
+                self.ctx0_max = int(_max(self.ctx0))
         elif self.members:
             c = cols[0, indices].tolist()
-            keep = np.ones(cols.shape[1], dtype=bool)
+            keep = np.empty(cols.shape[1], dtype=bool)
+            keep.fill(True)
             keep[indices] = False
             self._cols = cols = cols[:, keep]
             # As for one member: a maximum moves only if it left.
             self.ctx0_sum -= sum(c)
             if self.ctx0_max in c:
-                self.ctx0_max = int(cols[0].max())
+                self.ctx0_max = int(_max(cols[0]))
         else:
             self._cols = cols[:, :0]
             self._summarize()
@@ -242,9 +247,9 @@ class DecodeRun:
 
     def _summarize(self) -> None:
         if len(self.ctx0):
-            self.next_bound = int(self.bound.min())
-            self.ctx0_sum = int(self.ctx0.sum())
-            self.ctx0_max = int(self.ctx0.max())
+            self.next_bound = int(_min(self.bound))
+            self.ctx0_sum = int(_sum(self.ctx0))
+            self.ctx0_max = int(_max(self.ctx0))
         else:
             self.next_bound = self.ctx0_sum = self.ctx0_max = 0
 
@@ -257,7 +262,7 @@ class DecodeRun:
         bound = self._cols[2]
         need = (bound <= self.steps).nonzero()[0]
         if not len(need):
-            self.next_bound = int(bound.min()) if len(bound) else self.steps + 1
+            self.next_bound = int(_min(bound)) if len(bound) else self.steps + 1
             return None
         return need
 
@@ -287,7 +292,7 @@ class DecodeRun:
 
     def steps_left(self) -> int:
         """Run steps until the first member samples its last token."""
-        return int(self.end.min()) - self.steps
+        return int(_min(self._cols[1])) - self.steps
 
     def _trim(self) -> None:
         """Drop end times no member needs any more (bounded memory on long runs)."""
@@ -327,15 +332,15 @@ def jump_block_steps(first: np.ndarray, block_size: int, k: int,
     if k <= block_size:  # each member needs at most one
         member = (first <= lim).nonzero()[0]
         step = first[member]
-        order = np.argsort(step, kind="stable")
+        order = step.argsort(kind="stable")
         return step[order], member[order]
     count = np.where(first <= lim, (lim - first) // block_size + 1, 0)
-    total = int(count.sum())
+    total = int(_sum(count))
     if total == 0:
         empty = np.empty(0, dtype=np.int64)
         return empty, empty
-    member = np.repeat(np.arange(len(first), dtype=np.int64), count)
-    offset = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(count) - count, count)
+    member = np.arange(len(first), dtype=np.int64).repeat(count)
+    offset = np.arange(total, dtype=np.int64) - (count.cumsum() - count).repeat(count)
     step = first[member] + block_size * offset
     order = np.lexsort((member, step))
     return step[order], member[order]
@@ -345,4 +350,4 @@ def jump_new_blocks(first: np.ndarray, block_size: int, k: int,
                     last: np.ndarray | None = None) -> int:
     """Total new KV blocks steps 2..k of that jump need."""
     lim = _limits(first, k, last)
-    return int(np.where(first <= lim, (lim - first) // block_size + 1, 0).sum())
+    return int(_sum(np.where(first <= lim, (lim - first) // block_size + 1, 0)))

@@ -32,7 +32,6 @@ from __future__ import annotations
 import bisect
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from itertools import accumulate
 
 import numpy as np
@@ -44,6 +43,8 @@ from sim.request import Request
 # The most steps one jump takes (a bound on pricing ahead, not a result: a longer stretch
 # simply takes two jumps).
 MAX_JUMP_STEPS = 1 << 16
+# Reductions without numpy's Python wrappers (``a.min()``), which cost as much on a batch.
+_min, _max = np.minimum.reduce, np.maximum.reduce
 
 
 def is_steady_decode(plan: StepPlan) -> bool:
@@ -59,35 +60,60 @@ def is_steady_decode(plan: StepPlan) -> bool:
                for s in plan.scheduled)
 
 
-@dataclass
 class Jump:
-    num_steps: int
-    durations: np.ndarray  # [num_steps]
-    ends: np.ndarray  # [num_steps] absolute end time of each step
-    # The step (1-based, ascending) of each new KV block of steps 2..k (the blocks each step
-    # allocates: ``new_blocks``).
-    block_step_array: np.ndarray
-    # The rows (indices into the plan's rows or the run's members) that get the new KV blocks
-    # of steps 2..k, in the order the step-by-step loop allocates them (step by step, rows in
-    # order), so a jump hands out exactly the block ids single steps would.
-    block_members: np.ndarray | None = None
-    # A decode-run jump past finishes: the jump steps (1-based, ascending, before the last)
-    # at whose end some members finish while the others go on; the batch size of each step;
-    # and (filled in at the stops) the blocks freed at each of them.
-    stops: list[int] = field(default_factory=list)
-    batch_sizes: list[int] | None = None
-    freed: list[int] = field(default_factory=list)
-    # The step of each of ``block_members``' new blocks (ascending; a list, searched with
-    # bisect at every stop), to allocate them stretch by stretch, and (filled in when the
-    # jump starts) the request ids of their owners.
-    block_steps: list[int] | None = None
-    block_owners: list[int] = field(default_factory=list)
-    # A decode-run jump: the members (run indices, ascending) that finish in it, and those
-    # of them that finish in its last step.
-    finishing: list[int] = field(default_factory=list)
-    last_members: list[int] = field(default_factory=list)
-    # The stops with the members (run indices, ascending) that finish at each, in step order.
-    groups: list[tuple[int, list[int]]] = field(default_factory=list)
+    """A planned decode jump (see the module docstring); attributes below."""
+
+    __slots__ = (
+        "batch_sizes",
+        "block_members",
+        "block_owners",
+        "block_step_array",
+        "block_steps",
+        "durations",
+        "ends",
+        "finishing",
+        "freed",
+        "groups",
+        "last_members",
+        "num_steps",
+        "stops",
+    )
+
+    def __init__(self, num_steps: int, durations: np.ndarray, ends: np.ndarray,
+                 block_step_array: np.ndarray, block_members: np.ndarray | None = None,
+                 stops: list[int] | None = None, batch_sizes: list[int] | None = None,
+                 freed: list[int] | None = None, block_steps: list[int] | None = None,
+                 block_owners: list[int] | None = None, finishing: list[int] | None = None,
+                 last_members: list[int] | None = None,
+                 groups: list[tuple[int, list[int]]] | None = None) -> None:
+        self.num_steps = num_steps
+        self.durations = durations  # [num_steps]
+        self.ends = ends  # [num_steps] absolute end time of each step
+        # The step (1-based, ascending) of each new KV block of steps 2..k (the blocks each
+        # step allocates: ``new_blocks``).
+        self.block_step_array = block_step_array
+        # The rows (indices into the plan's rows or the run's members) that get the new KV
+        # blocks of steps 2..k, in the order the step-by-step loop allocates them (step by
+        # step, rows in order), so a jump hands out exactly the block ids single steps would.
+        self.block_members = block_members
+        # A decode-run jump past finishes: the jump steps (1-based, ascending, before the
+        # last) at whose end some members finish while the others go on; the batch size of
+        # each step; and (filled in at the stops) the blocks freed at each of them.
+        self.stops = [] if stops is None else stops
+        self.batch_sizes = batch_sizes
+        self.freed = [] if freed is None else freed
+        # The step of each of ``block_members``' new blocks (ascending; a list, searched with
+        # bisect at every stop), to allocate them stretch by stretch, and (filled in when the
+        # jump starts) the request ids of their owners.
+        self.block_steps = block_steps
+        self.block_owners = [] if block_owners is None else block_owners
+        # A decode-run jump: the members (run indices, ascending) that finish in it, and those
+        # of them that finish in its last step.
+        self.finishing = [] if finishing is None else finishing
+        self.last_members = [] if last_members is None else last_members
+        # The stops with the members (run indices, ascending) that finish at each, in step
+        # order.
+        self.groups = [] if groups is None else groups
 
     def new_blocks(self) -> np.ndarray:
         """[num_steps] KV blocks newly allocated in each step (for ``steps.csv``)."""
@@ -210,7 +236,7 @@ class _Stretches:
                  price, start: float) -> None:
         self.run, self.last, self.s0, self.k_max, self.price = run, last, s0, k_max, price
         self.n = len(last)
-        self.first_finish = int(last.min())
+        self.first_finish = int(_min(last))
         self.start = start
         self.durations: list[float] = []
         self.ends: list[float] = []
@@ -367,7 +393,7 @@ def _run_jump_past_finishes(s0: int, run: DecodeRun, first: np.ndarray,
     # blocks come from its front, so as long as they fit the blocks free now, the jump hands
     # out exactly the blocks step-by-step allocation would (stretch by stretch, so the pool's
     # peak use is the same too).
-    k_max = _kv_cap(first, bs, min(int(last.max()), max_steps), free_blocks, last)
+    k_max = _kv_cap(first, bs, min(int(_max(last)), max_steps), free_blocks, last)
     if k_max < 2:
         return None
     st = _Stretches(run, last, s0, k_max, stretch_durations_fn, start)

@@ -432,7 +432,7 @@ class Replica:
                 req.token_times.frombytes(times)
             for req in [r for r in requests if r.num_output_tokens >= r.max_output_len]:
                 self._finish(req, last)
-        self.busy_time += float(jump.durations.sum())
+        self.busy_time += float(np.add.reduce(jump.durations))
         # Steps 1..k-1 as the step-by-step loop would have recorded them (one C-level pass).
         m = k - 1
         sizes = jump.batch_sizes
