@@ -77,14 +77,15 @@ class StreamingQuantiles:
         d = v - self._shift
         self._dev_sum += float(d.sum())
         self._dev_sumsq += float(np.square(d, out=d).sum())
-        # Bin floor(log(max(v, min) / min) / log(gamma)), clipped to the histogram.
+        # Bin floor(log(max(v, min) / min) / log(gamma)), clipped to the histogram (the
+        # quotient is >= 0, where the cast to integers truncates as floor does).
         x = np.maximum(v, self._min, out=d)
         x /= self._min
         np.log(x, out=x)
         x /= self._log_gamma
-        np.floor(x, out=x)
         idx = x.astype(np.int64)
-        np.clip(idx, 0, self._bins - 1, out=idx)
+        np.minimum(idx, self._bins - 1, out=idx)
+        np.maximum(idx, 0, out=idx)
         self._counts += np.bincount(idx, minlength=self._bins)
         self._buffer = array("d")
 
