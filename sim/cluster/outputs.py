@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from sim.outputs import CsvSink, request_row
+from sim.outputs import CsvSink, finished_request_line, request_row
 
 if TYPE_CHECKING:
     from sim.cluster.colocated import Colocated
@@ -27,7 +27,9 @@ CLUSTER_REQUEST_COLUMNS = ("prefill_replica_id", "decode_replica_id", "kv_transf
 
 
 class ClusterRequestSink:
-    """Wraps the requests sink; appends ``extra(row)`` to every row a replica writes."""
+    """Wraps the requests sink; appends ``extra(row)`` to every row a replica writes.
+    ``extra`` reads the row's first two fields only (request and replica id): a finished
+    request's row is not built as a tuple, ``extra`` gets those two."""
 
     def __init__(self, inner: CsvSink) -> None:
         self.inner = inner
@@ -37,10 +39,39 @@ class ClusterRequestSink:
         self.inner.write(row + self.extra(row))
 
     def write_request(self, req: Request) -> None:
-        self.write(request_row(req))
+        """As ``write(request_row(req))``; to a file, a finished request's line is formatted
+        in one pass (``finished_request_line``) and the extra columns after it, when they
+        are integers and strings that need no quoting (what ``csv.writer`` writes as is)."""
+        line = finished_request_line(req) if self.inner.to_file else None
+        if line is None:
+            self.write(request_row(req))
+            return
+        extra = self.extra((req.request_id, req.replica_id))  # once: it may pop a record
+        text = _plain_fields(extra)
+        if text is None:
+            self.inner.write(request_row(req) + extra)
+        else:
+            self.inner.write_text(f"{line[:-2]},{text}\r\n")
 
     def close(self) -> None:
         self.inner.close()
+
+
+def _plain_fields(fields: tuple) -> str | None:
+    """``fields`` joined as ``csv.writer`` writes them, when each is an int or a string it
+    writes as is (no delimiter, quote or line break); else None."""
+    out = []
+    for v in fields:
+        if type(v) is int:
+            out.append(str(v))
+        elif type(v) is str and not _SPECIAL.intersection(v):
+            out.append(v)
+        else:
+            return None
+    return ",".join(out)
+
+
+_SPECIAL = frozenset(',"\r\n')
 
 
 def cluster_summary(cfg: ClusterConfig | DisaggregatedConfig, pools: list[Pool],
