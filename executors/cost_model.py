@@ -54,6 +54,7 @@ from executors.step_terms import (
     StepDecomposer,
     StepShape,
     _max,
+    block_decode_context,
     knee,
     knee2,
     step_shape,
@@ -335,6 +336,10 @@ class RooflineCostModel(Executor):
         same terms as ``execute`` (the decode context enters as an array). Where the decode
         geometry depends on the longest context (a FlashAttention split below 0.8 x the SM
         count), the steps are priced in runs of one geometry."""
+        block = plan.decode_block
+        if block is not None and not (plan.swap_out or plan.swap_in or plan.num_offload_loads):
+            # A decode run's step (one block, nothing else): its shape's decode terms alone.
+            return self.decode_run_durations(*block_decode_context(block), num_steps)
         shape = step_shape(plan)
         nd = shape.num_decode
         if not (nd == shape.num_tokens == shape.num_rows == shape.num_sampled) or (

@@ -147,6 +147,13 @@ class StepShape:
     prefill_diag_pairs_exact: int = 0  # chunk x chunk, not padded (tile 1)
 
 
+def block_decode_context(block: DecodeBlock) -> tuple[int, int, int]:
+    """A decode block's rows as ``step_shape`` counts them: (rows, total context and longest
+    context, each with the new token)."""
+    n = len(block)
+    return n, block.ctx_sum + n, block.ctx_max + 1
+
+
 def step_shape(plan: StepPlan) -> StepShape:
     """The shape of a plan. A row is "decode" exactly when ``ScheduledRequest.is_decode``.
 
@@ -164,13 +171,12 @@ def step_shape(plan: StepPlan) -> StepShape:
     tile = ATTENTION_TILE
     for s in plan.parts:
         if isinstance(s, DecodeBlock):  # decode rows as columns (sim/decode_run.py)
-            n = len(s)
+            n, ctx, mx = block_decode_context(s)
             n_rows += n
             n_tokens += n
             n_sampled += n
-            dec_ctx += s.ctx_sum + n
-            if s.ctx_max + 1 > dec_max:
-                dec_max = s.ctx_max + 1
+            dec_ctx += ctx
+            dec_max = max(dec_max, mx)
             n_dec += n
             continue
         n_rows += 1
