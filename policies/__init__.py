@@ -7,6 +7,7 @@ from policies import (  # noqa: F401  (registers)
     sglang,
     sjf,
     static,
+    trtllm,
     vllm_v1,
 )
 from policies.base import POLICIES, Policy, PolicyConfig, make_policy

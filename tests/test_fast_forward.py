@@ -17,7 +17,12 @@ EXTRA = {
     "chunked_prefill": ("policy.max_num_batched_tokens=256", "policy.max_num_seqs=64"),
     "vllm_v1": ("policy.max_num_batched_tokens=256", "policy.max_num_seqs=64",
                 "workload.shared_prefix_len=50", "workload.num_prefix_groups=2"),
+    # Pausing under KV pressure (guaranteed_no_evict never pauses: tests/test_trtllm.py).
+    "trtllm": ("policy.capacity_scheduler_policy=max_utilization", "policy.max_num_seqs=64",
+               "policy.max_num_batched_tokens=512", "policy.chunked_prefill=true"),
 }
+# Policies without swap to host memory: their runs always recompute.
+NO_SWAP = ("vllm_v1", "trtllm")
 
 
 def _run(mode: str, overrides: list[str]):
@@ -77,8 +82,7 @@ def test_random_small_workloads_under_kv_pressure(policy, seed, blocks, qps, swa
         f"policy={policy}", "model=tiny", f"seed={seed}", f"kv.num_gpu_blocks={blocks}",
         "kv.num_cpu_blocks=64", f"workload.qps={qps}", "workload.num_requests=40",
         "workload.prompt_len.max=200", "workload.output_len.max=120",
-        # vLLM v1 has no swap space: its runs always recompute.
-        f"policy.preemption_mode={'swap' if swap and policy != 'vllm_v1' else 'recompute'}",
+        f"policy.preemption_mode={'swap' if swap and policy not in NO_SWAP else 'recompute'}",
         *EXTRA.get(policy, ()),
     ])
 

@@ -42,6 +42,11 @@ POLICY_OPTIONS = {
         "preemptive": st.booleans()}),
     "vllm_v1": st.fixed_dictionaries({"max_num_batched_tokens": tokens, "max_num_seqs": seats,
                                       "scheduling_policy": st.sampled_from(["fcfs", "priority"])}),
+    "trtllm": st.fixed_dictionaries({
+        "max_num_batched_tokens": tokens, "max_num_seqs": seats,
+        "chunked_prefill": st.booleans(),
+        "capacity_scheduler_policy": st.sampled_from(["guaranteed_no_evict",
+                                                      "max_utilization"])}),
     "sglang": st.fixed_dictionaries({
         "max_num_batched_tokens": tokens, "max_num_seqs": seats,
         "chunked_prefill_size": st.integers(1, 40),
