@@ -223,7 +223,12 @@ SIDE_OPTIONS = {
     "sglang": st.fixed_dictionaries({"chunked_prefill_size": st.sampled_from([256, 2048]),
                                      "schedule_policy": st.sampled_from(["fcfs", "lpm"]),
                                      "preemption_mode": st.just("recompute")}),
+    "trtllm": st.fixed_dictionaries({
+        "capacity_scheduler_policy": st.sampled_from(["guaranteed_no_evict", "max_utilization"]),
+        "chunked_prefill": st.booleans(), "preemption_mode": st.just("recompute")}),
 }
+# Policies that preempt by recompute only (no swap space, or retraction).
+RECOMPUTE_ONLY = ("vllm_v1", "sglang", "trtllm")
 side_policies = st.sampled_from(sorted(SIDE_OPTIONS)).flatmap(
     lambda name: SIDE_OPTIONS[name].map(lambda opts: {"name": name, **opts}))
 
@@ -253,9 +258,8 @@ def test_any_policies_on_either_deployment_finish_every_request_with_intact_kv(
     cfg["seed"] = seed
     cfg["kv"]["num_gpu_blocks"] = blocks
     if cluster == "single":  # two co-located replicas running ``first``
-        # vLLM v1 has no swap space, SGLang retracts: they preempt by recompute only.
-        cfg["policy"] = {**first, "preemption_mode": mode if first["name"] not in (
-            "vllm_v1", "sglang") else "recompute"}
+        cfg["policy"] = {**first, "preemption_mode": mode if first["name"] not in
+                         RECOMPUTE_ONLY else "recompute"}
     else:  # ``first`` on the prefill pool, ``second`` on the decode pool
         cfg["policy"] = {"name": "fcfs", "preemption_mode": mode}
         cfg["cluster"]["prefill"]["policy"] = first
