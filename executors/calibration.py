@@ -499,12 +499,17 @@ def save_profile(profile: HardwareProfile, path: str | Path) -> Path:
 def load_profile(path: str | Path) -> HardwareProfile:
     from workloads.base import resolve_path
 
-    p = resolve_path(str(path), "executor.profile")
-    with p.open() as f:
-        try:
+    p = resolve_path(str(path), "executor.profile", file=True)
+    try:
+        with p.open(encoding="utf-8") as f:
             data = json.load(f) if p.suffix == ".json" else yaml.safe_load(f)
-        except (json.JSONDecodeError, yaml.YAMLError) as e:
-            raise ConfigError("executor.profile", f"{p}: cannot parse: {e}") from None
+    except (json.JSONDecodeError, yaml.YAMLError) as e:
+        raise ConfigError("executor.profile", f"{p}: cannot parse: {e}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError("executor.profile", f"{p}: not UTF-8 text ({e.reason} at byte "
+                          f"{e.start})") from None
+    except OSError as e:
+        raise ConfigError("executor.profile", f"{p}: {e.strerror or e}") from None
     return HardwareProfile.from_dict(data, str(p))
 
 

@@ -73,6 +73,11 @@ __all__ = ["CostModelConfig", "RooflineCostModel", "StepBreakdown", "build_cost_
 NO_DECODE_SHAPES_KEPT = 1 << 16
 
 
+#: The largest ``step_time_factor``: a thousand times slower is a different machine, and
+#: larger factors run a simulated clock whose times lose the precision latencies need.
+MAX_STEP_TIME_FACTOR = 1e3
+
+
 @dataclass(frozen=True)
 class CostModelConfig:
     name: str = "cost_model"
@@ -148,9 +153,8 @@ class CostModelConfig:
         for f in ("attention_efficiency", "kv_read_efficiency", "elementwise_efficiency"):
             v = getattr(self, f)
             require(0 < v <= 1, f"executor.{f}", f"must be in (0, 1], got {v}")
-        require(math.isfinite(self.step_time_factor) and self.step_time_factor > 0,
-                "executor.step_time_factor",
-                f"must be a finite number > 0, got {self.step_time_factor}")
+        require(0 < self.step_time_factor <= MAX_STEP_TIME_FACTOR, "executor.step_time_factor",
+                f"must be in (0, {MAX_STEP_TIME_FACTOR:g}], got {self.step_time_factor}")
         require(self.roofline_sharpness is None or self.roofline_sharpness >= 1,
                 "executor.roofline_sharpness",
                 f"must be >= 1 or null (max), got {self.roofline_sharpness}")

@@ -77,8 +77,10 @@ def plan_memory(
     activation_reserve_override_bytes: float | None = None,
     weight_bytes_override: float | None = None,
     parallel_field: str = "cluster.tensor_parallel",
+    activation_field: str | None = None,
 ) -> MemoryPlan:
-    """KV blocks that fit beside the weights and the activation reserve. ``parallel_field``:
+    """KV blocks that fit beside the weights and the activation reserve. ``activation_field``:
+    the option that set the reserve (None: the batch limits sized it). ``parallel_field``:
     the config field a model that does not fit is reported on (a disaggregated pool's own
     ``cluster.<side>.tensor_parallel``)."""
     if block_size < 1:
@@ -116,6 +118,18 @@ def plan_memory(
                 f"{int(hardware.memory_bytes // per_block)} fit"))
     else:
         free = usable - weights - act
+        if free < per_block and usable - weights >= per_block:
+            # The weights fit, their activations do not: name what sized them (the batch
+            # limits, the larger one, unless a reserve was set).
+            field = activation_field or (
+                "policy.max_num_batched_tokens" if max_num_batched_tokens >= max_num_seqs
+                else "policy.max_num_seqs")
+            raise ConfigError(field, (
+                f"{act / 1e9:.4g} GB of activations (max_num_batched_tokens="
+                f"{max_num_batched_tokens}, max_num_seqs={max_num_seqs}) leave no room for KV "
+                f"beside {model.name}'s {weights / 1e9:.2f} GB weights per GPU on "
+                f"{hardware.name} ({usable / 1e9:.2f} GB usable at TP={tensor_parallel}, "
+                f"PP={pipeline_parallel})"))
         if free < per_block:
             raise ConfigError(
                 parallel_field,

@@ -240,11 +240,14 @@ class Simulation:
                 raise ConfigError(f"cluster.{side}.hardware", str(e).split(": ", 1)[-1]) from None
             policy_cfg = {**self.policy_cfg, **pc.policy}
             pools.append(self._make_pool(side, count, hw, policy_cfg, c.tp(side), c.pp(side),
-                                         f"cluster.{side}"))
+                                         f"cluster.{side}", own=frozenset(pc.policy)))
         return pools
 
     def _make_pool(self, role: str, count: int, hardware: HardwareSpec,
-                   policy_cfg: dict[str, Any], tp: int, pp: int, where: str) -> Pool:
+                   policy_cfg: dict[str, Any], tp: int, pp: int, where: str,
+                   own: frozenset[str] = frozenset()) -> Pool:
+        """``where``: the pool's config section; ``own``: the policy keys the pool sets
+        itself (an error on any other names the run's ``policy`` section, where it was set)."""
         # Limits left null take the engine's default for this hardware (vLLM v1's depend on
         # the GPU), where the components know the policy's engine.
         defaults = getattr(self.components, "policy_defaults", None)
@@ -255,7 +258,8 @@ class Simulation:
         try:
             policy = self.components.make_policy(policy_cfg, self.seed)
         except ConfigError as e:
-            if where == "cluster":
+            key = e.field.split(".")[1] if e.field.startswith("policy.") else None
+            if where == "cluster" or (key is not None and key not in own):
                 raise
             raise ConfigError(f"{where}.{e.field}", str(e).split(": ", 1)[-1]) from None
         make = lambda: self._make_executor(hardware, tp, pp, type(policy))  # noqa: E731
@@ -315,6 +319,8 @@ class Simulation:
             swap_space_gib=k.swap_space_gib, num_gpu_blocks_override=k.num_gpu_blocks,
             activation_reserve_override_bytes=act,
             weight_bytes_override=executor.weight_bytes(), parallel_field=tp_field,
+            activation_field=(None if k.activation_reserve_gib is None
+                              else "kv.activation_reserve_gib"),
         )
         if k.num_cpu_blocks is not None:
             mp = MemoryPlan(**{**mp.__dict__, "num_cpu_blocks": int(k.num_cpu_blocks)})
