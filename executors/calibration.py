@@ -677,17 +677,15 @@ def bootstrap_interval(coefficients: Coefficients, drivers: Sequence[StepDrivers
     X, Xh = driver_matrix(list(drivers)), driver_matrix(list(held_drivers))
     rng = np.random.default_rng(seed)
     ratios = []
+    def resid(z: np.ndarray, Xb: np.ndarray, yb: np.ndarray, sb: np.ndarray) -> np.ndarray:
+        x = np.zeros(len(names))
+        x[idx] = z * x0[idx]
+        return (predict_array(x, Xb, p, knee) - yb) / sb
+
     for _ in range(fits):
         pick = rng.integers(0, len(y), len(y))
-        Xb, yb, sb = X[pick], y[pick], scale[pick]
-
-        def resid(z: np.ndarray) -> np.ndarray:
-            x = np.zeros(len(names))
-            x[idx] = z * x0[idx]
-            return (predict_array(x, Xb, p, knee) - yb) / sb
-
         r = least_squares(resid, np.ones(len(idx)), bounds=(0.0, np.inf), loss=loss,
-                          f_scale=0.05, max_nfev=200)
+                          f_scale=0.05, max_nfev=200, args=(X[pick], y[pick], scale[pick]))
         x = np.zeros(len(names))
         x[idx] = r.x * x0[idx]
         ratios.append(held_y / (predict_array(x, Xh, p, knee) * level_factor))
