@@ -11,6 +11,7 @@ import dataclasses
 import heapq
 import json
 import math
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -165,6 +166,11 @@ class Simulation:
         self.keep_requests = keep_requests
         self.progress_enabled = as_bool(cfg.get("progress", True), "progress")
         self.check_integrity = as_bool(cfg.get("check_integrity", False), "check_integrity")
+        # Where executor=real runs; refused when misspelt whichever executor runs.
+        device = cfg.get("device")
+        require(device is None or (isinstance(device, str)
+                                   and re.fullmatch(r"cpu|cuda(:\d{1,3})?", device) is not None),
+                "device", f"must be cpu, cuda, cuda:N or null, got {device!r}")
         self.step_mode = str(cfg.get("step_mode", "fast"))
         require(self.step_mode in ("fast", "exact"), "step_mode",
                 f"must be fast or exact, got {self.step_mode!r}")

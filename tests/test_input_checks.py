@@ -263,3 +263,14 @@ def test_a_pool_larger_than_the_device_memory_is_a_config_error():
     with pytest.raises(ConfigError, match=r"kv\.num_gpu_blocks: 1000000000000 blocks .* at "
                                           r"most 40960 fit"):
         Simulation(small_cfg("model=llama3_8b", "hardware=a100_80gb", "kv.num_gpu_blocks=1e12"))
+
+
+@pytest.mark.parametrize("device", ["tpu", "cuda:x", "CPU", 7])
+def test_a_misspelt_device_is_refused_whichever_executor_runs(device):
+    from experiments.simulation import Simulation
+    from sim.errors import ConfigError
+    from tests.helpers import small_cfg
+
+    with pytest.raises(ConfigError) as e:
+        Simulation({**small_cfg(), "device": device})
+    assert e.value.field == "device"
