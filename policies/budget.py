@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterable, Sequence
 from itertools import islice
 from typing import TypeVar
 
-from sim.request import Request, RequestStatus, full_length
+from sim.request import Request, RequestStatus
 from sim.step_builder import ReadOnly, StepBuilder
 
 VictimPicker = Callable[[StepBuilder, Request], "Request | None"]
@@ -175,7 +175,8 @@ def admit(step: StepBuilder, budget: Budget, candidates: Iterable[Request], *,
     above the watermark, and a request admitted with a partial chunk holds all of them from
     now on (``StepBuilder.reserve``), so its later chunks never need a block and can never
     run the pool dry halfway through. ``reserve_full`` admits a request only if the pool
-    holds its whole length (prompt + maximum output) and reserves it now (static batching);
+    holds its whole length (prompt + maximum output; a prefill replica's: its prompt,
+    ``StepBuilder.held_length``) and reserves it now (static batching);
     the watermark does not apply then, since a request that holds its whole length can never
     need another block.
     """
@@ -187,7 +188,7 @@ def admit(step: StepBuilder, budget: Budget, candidates: Iterable[Request], *,
 
     def place(req: Request, n: int, pending: int) -> bool:
         if reserve_full:
-            hold = full_length(req)
+            hold = step.held_length(req)
             fits = step.can_allocate(req, hold - req.num_computed_tokens)
         else:
             # The whole pending prefill, not this step's chunk (vLLM v0, Sarathi-Serve): a

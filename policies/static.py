@@ -32,7 +32,7 @@ from policies.base import POLICIES, Policy, PolicyConfig
 from policies.budget import Budget, admit, schedule_running
 from sim.errors import require
 from sim.plan import StepPlan
-from sim.request import Request, full_length
+from sim.request import Request
 from sim.step_builder import StepBuilder
 
 
@@ -102,4 +102,4 @@ class StaticBatchingPolicy(Policy):
         if not step.waiting or budget.seats_left() <= 0:
             return False
         head = step.waiting[0]
-        return step.can_allocate(head, full_length(head) - head.num_computed_tokens)
+        return step.can_allocate(head, step.held_length(head) - head.num_computed_tokens)

@@ -84,7 +84,8 @@ class Replica:
         self.finishes_bring_arrivals = False
         cfg = policy.config
         self.queues = ReplicaQueues()
-        self.builder = StepBuilder(self.queues, kv, cfg.preemption_mode, cfg.kv_watermark)
+        self.builder = StepBuilder(self.queues, kv, cfg.preemption_mode, cfg.kv_watermark,
+                                   hands_off=handoff is not None)
         if self.fast_forward:
             # Decoding requests as one persistent block (sim/decode_run.py).
             self.builder.enable_decode_run(policy.decode_run_key())
@@ -109,10 +110,8 @@ class Replica:
             return (f"prompt_exceeds_batch: prompt {req.prompt_len} > "
                     f"policy.max_num_batched_tokens {cfg.max_num_batched_tokens}")
         # The last sampled token never needs a KV slot; a prefill replica (handoff set) only
-        # ever holds the prompt, unless its policy reserves whole lengths (static batching).
-        holds_prompt_only = self.handoff is not None and not self.policy.reserves_full_length
-        need = blocks_for(req.prompt_len if holds_prompt_only else full_length(req),
-                          self.kv.block_size)
+        # ever holds the prompt (``StepBuilder.held_length``).
+        need = blocks_for(self.builder.held_length(req), self.kv.block_size)
         if need > self.kv.num_gpu_blocks:
             return (f"exceeds_kv_pool: needs {need} blocks, the pool has "
                     f"{self.kv.num_gpu_blocks}")

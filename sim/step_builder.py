@@ -32,7 +32,7 @@ from sim.decode_run import DecodeRun, is_decoding
 from sim.kv_manager import KVIntegrityError, KVView, blocks_for
 from sim.plan import DecodeBlock, ScheduledRequest, StepPlan
 from sim.prefix_cache import own_block_key, shared_block_hashes
-from sim.request import Request, RequestStatus
+from sim.request import Request, RequestStatus, full_length
 
 if TYPE_CHECKING:
     from sim.kv_manager import KVBlockManager
@@ -125,9 +125,12 @@ class StepBuilder:
 
     def __init__(self, queues: ReplicaQueues, kv: KVBlockManager,
                  preemption_mode: PreemptionMode = PreemptionMode.RECOMPUTE,
-                 kv_watermark: float = 0.0) -> None:
+                 kv_watermark: float = 0.0, hands_off: bool = False) -> None:
         self._q = queues
         self._kv = kv
+        #: A prefill replica of a disaggregated deployment: its requests leave after their
+        #: first token, so they never hold more than their prompt here (``held_length``).
+        self.hands_off = hands_off
         #: What a policy reads of the pool; it changes the pool only through this builder.
         self.kv = KVView(kv)
         # Requests holding blocks here while in no queue (disaggregation: a prefill replica's
@@ -556,6 +559,13 @@ class StepBuilder:
             self._granted.update(dict.fromkeys(run.ids, 1))
             run.scheduled_at = -1
         run.dissolve()
+
+    def held_length(self, req: Request) -> int:
+        """The KV tokens ``req`` holds here by its end: its whole length (prompt + maximum
+        output, ``full_length``), or on a replica that hands requests off after their first
+        token, its prompt (the first token needs no slot). What a policy that reserves whole
+        lengths up front reserves."""
+        return req.prompt_len if self.hands_off else full_length(req)
 
     # ---- handoff between replicas (disaggregation), called between steps ------------------
     def check_holders(self) -> None:

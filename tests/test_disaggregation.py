@@ -166,16 +166,16 @@ def test_static_on_both_pools_batches_each_side():
     run = run_disaggregated(reqs, prefill_policy=static2, decode_policy=static2,
                             prefill_blocks=4)
     pre, dec = run.executors
-    # The prefill pool reserves whole lengths too (2 blocks each): c's batch starts when a's
-    # and b's prompts have left.
-    assert [(s.time, [r[0] for r in s.rows]) for s in pre.steps] == [(0.0, [0, 1]), (2.5, [2])]
+    # A prefill replica holds prompts only (1 block each, StepBuilder.held_length): c's batch
+    # starts as soon as a's and b's has ended, while their KV is still on its way out.
+    assert [(s.time, [r[0] for r in s.rows]) for s in pre.steps] == [(0.0, [0, 1]), (1.0, [2])]
     assert [(s.time, [r[0] for r in s.rows]) for s in dec.steps] == [
         (2.5, [0]), (3.5, [0]), (4.5, [0]), (5.5, [0]), (6.5, [1, 2]), (7.5, [1])]
 
 
 def test_static_prefill_pool_rejects_what_it_could_never_reserve():
-    # 16 + 60 - 1 tokens: 5 blocks > 4 the prefill replica has; it used to wait forever.
-    r = Request(0, 0.0, 16, 60)
+    # An 80-token prompt: 5 blocks > 4 the prefill replica has (it holds prompts only).
+    r = Request(0, 0.0, 80, 2)
     run = run_disaggregated([r], prefill_policy={"name": "static"}, prefill_blocks=4)
     assert r.status is RequestStatus.REJECTED and "exceeds_kv_pool" in r.reject_reason
     assert run.deployment.num_unfinished == 0

@@ -114,3 +114,15 @@ def test_a_decode_pool_reserves_whole_lengths_under_guaranteed_no_evict(policy, 
         "workload.qps=200", "kv.num_gpu_blocks=40", "workload.prompt_len.max=200",
         "workload.output_len.max=300")).run().summary
     assert s["completed"] == 60 and (s["num_preemptions"] > 0) == paused
+
+
+def test_a_prefill_replica_reserves_prompts_only():
+    """Its requests leave after their first token (TensorRT-LLM's context servers run them
+    with one output token), so guaranteed_no_evict there holds the prompt: a 4-block prefill
+    replica of 16-token blocks admits four 16-token prompts with long outputs at once."""
+    from tests.test_disaggregation import run_disaggregated
+
+    reqs = [Request(i, 0.0, 16, 100) for i in range(4)]
+    run = run_disaggregated(reqs, prefill_policy={"name": "trtllm"}, prefill_blocks=4,
+                            decode_blocks=64)
+    assert [r[0] for r in run.executors[0].steps[0].rows] == [0, 1, 2, 3]
