@@ -8,7 +8,8 @@ the interval's low and high ratio (``executor.step_time_factor``) bounds what th
 headline figures would be if the cost model were that far off at the run's shapes
 (experiments/intervals.py). Each residual counts as one draw of the run's systematic error:
 a run spends its time on a few shapes, so the shape-to-shape error does not average out
-across its steps, while per-step noise does.
+across its steps. Held-out serving steps carry their per-step noise too, which a run's many
+steps would average out: there the interval errs wide.
 """
 
 from __future__ import annotations

@@ -7,9 +7,12 @@ of measured / predicted time on its held-out shapes under bootstrap refits
 Vidur's measured A100/H100 operator timings (``error_bars.roofline_step_time``, printed by
 ``python -m experiments.check_profiles``). The run is simulated twice more, every step time
 times the interval's low and high factor (``executor.step_time_factor``), on the same
-arrivals; each headline figure's interval spans its values in the three runs. A figure that
-moves one way with the step time (latencies up, throughput down) lands on its interval's
-ends in the two extra runs, so the interval holds the figure with the interval's ``LEVEL``.
+arrivals; each headline figure's interval spans its values in those runs (and in the run
+itself where the interval holds factor 1). A figure that moves one way with the step time
+(latencies up, throughput down) lands on its interval's ends in the two extra runs; one that
+does not (a tail ITL or TPOT near a preemption threshold can jump between them) gets only the
+span of the three runs. Not covered: TP communication, pipeline sends, swap and offload copies
+and KV transfers (priced apart, not scaled) and the workload's own randomness (another seed).
 
 The real executor measures its steps: its runs get no error bars.
 """
@@ -23,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from executors.cost_model import MAX_STEP_TIME_FACTOR
 from executors.uncertainty import LEVEL
 from sim.errors import ConfigError, require
 
@@ -81,7 +85,20 @@ def _factors(value: Any, field: str) -> tuple[float, float]:
 def step_time_interval(cfg: dict[str, Any], bars: ErrorBarsConfig,
                        ) -> tuple[float, float, str] | None:
     """(low, high, where it comes from) of the run's step-time factor, or None for no error
-    bars (turned off, or an executor that measures its steps)."""
+    bars (turned off, or an executor that measures its steps). Checked before the run: the
+    ends' factors times ``executor.step_time_factor`` must be factors the cost model takes."""
+    interval = _step_time_interval(cfg, bars)
+    if interval is not None:
+        base = (cfg.get("executor") or {}).get("step_time_factor", 1.0)
+        if isinstance(base, (int, float)) and not isinstance(base, bool):
+            require(base * interval[1] <= MAX_STEP_TIME_FACTOR, "executor.step_time_factor",
+                    f"{base} x the error bars' high end {interval[1]} exceeds "
+                    f"{MAX_STEP_TIME_FACTOR:g}; lower it or set error_bars.enabled=false")
+    return interval
+
+
+def _step_time_interval(cfg: dict[str, Any], bars: ErrorBarsConfig,
+                        ) -> tuple[float, float, str] | None:
     executor = cfg.get("executor") or {}
     if not bars.enabled or executor.get("name", "cost_model") != "cost_model":
         return None
@@ -125,7 +142,7 @@ def with_intervals(cfg: dict[str, Any], summary: dict[str, Any],
     ends = []
     for factor in (lo, hi):
         run_cfg = copy.deepcopy(cfg)
-        run_cfg["executor"]["step_time_factor"] = base * factor
+        run_cfg.setdefault("executor", {})["step_time_factor"] = base * factor
         run_cfg.update(record_steps=False, progress=False)
         log.debug("error bars: the run with every step time x%.3f", factor)
         ends.append(simulate(run_cfg))
@@ -133,7 +150,10 @@ def with_intervals(cfg: dict[str, Any], summary: dict[str, Any],
     for key, value in summary.items():
         out[key] = value
         if key in HEADLINE and isinstance(value, (int, float)):
-            values = [value] + [e[key] for e in ends if isinstance(e.get(key), (int, float))]
+            # The run itself is one of the interval's points only if its factor (1) is.
+            values = [e[key] for e in ends if isinstance(e.get(key), (int, float))]
+            if lo <= 1.0 <= hi or not values:
+                values.append(value)
             out[f"{key}_lo"], out[f"{key}_hi"] = min(values), max(values)
     out.update(error_bars_level=LEVEL, error_bars_step_time_lo=lo, error_bars_step_time_hi=hi,
                error_bars_source=source)

@@ -35,13 +35,14 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from experiments.intervals import (
+    HEADLINE,
     ErrorBarsConfig,
     step_time_interval,
     with_intervals,
 )
 from experiments.simulation import Simulation
 from sim import stop as sim_stop
-from sim.errors import ConfigError, RunInterrupted, exit_on_config_error, exit_with
+from sim.errors import ConfigError, RunInterrupted, exit_on_config_error, exit_with, require
 from sim.outputs import PARTIAL, write_atomic
 from sim.report import format_summary, write_report
 
@@ -92,21 +93,30 @@ def stop_on_signals() -> Iterator[None]:
             signal.signal(s, handler)
 
 
+#: The summary.json figures a job may return as its ``objective``: the headline figures, their
+#: error bars' ends, and the run's counts (tests/test_sweep.py checks that runs write each).
+OBJECTIVES: tuple[str, ...] = (
+    *HEADLINE, *(f"{k}_{end}" for k in HEADLINE for end in ("lo", "hi")),
+    *(f"std_{m}_ms" for m in ("ttft", "tpot", "itl", "e2el")),
+    "completed", "rejected", "num_preemptions", "num_swaps", "num_recomputes", "kv_peak_usage",
+    "prefix_cache_hit_rate", "kv_offload_hit_rate", "total_input_tokens", "total_output_tokens")
+
+
+def objective_name(cfg: dict) -> str:
+    """The ``objective`` config value, checked before any job runs."""
+    name = cfg.get("objective") or "p99_ttft_ms"
+    require(name in OBJECTIVES, "objective",
+            f"{name!r} is not a figure a job can return; known: {', '.join(OBJECTIVES)}")
+    return str(name)
+
+
 def objective_value(summary: dict, name: str) -> float:
-    """The summary figure ``objective`` names, as the number an optimizing sweeper minimizes
-    or maximizes (NaN for a job that failed or a figure with no value)."""
-    if not summary:
-        return math.nan
-    value = summary.get(name, ...)
-    if value is ...:
-        numeric = sorted(k for k, v in summary.items()
-                         if isinstance(v, (int, float)) and not isinstance(v, bool))
-        raise ConfigError("objective", f"{name!r} is not a summary.json figure; known: "
-                          f"{', '.join(numeric)}")
-    if value is None:
-        return math.nan
+    """The summary figure ``name`` (an ``OBJECTIVES`` entry), as the number an optimizing
+    sweeper minimizes or maximizes: NaN for a job that failed or a figure with no value (a
+    goodput without SLOs, error bars turned off)."""
+    value = summary.get(name)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ConfigError("objective", f"{name!r} is not a number ({value!r})")
+        return math.nan
     return float(value)
 
 
@@ -150,6 +160,7 @@ def run_job(cfg: DictConfig) -> dict:
               else None)
     with exit_on_config_error():
         container = resolved(cfg)
+        objective_name(container)
         claim_output_dir(out_dir, bool(container.get("overwrite", False)))
     try:
         with exit_on_config_error():
@@ -196,8 +207,7 @@ def run_job(cfg: DictConfig) -> dict:
 def main(cfg: DictConfig) -> float:
     """One job; returns its ``objective`` figure (what Hydra's optimizing sweepers read)."""
     summary = run(cfg)
-    with exit_on_config_error():
-        return objective_value(summary, str(cfg.get("objective") or "p99_ttft_ms"))
+    return objective_value(summary, str(cfg.get("objective") or "p99_ttft_ms"))
 
 
 @contextmanager

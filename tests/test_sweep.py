@@ -97,17 +97,31 @@ def test_sweep_csv_has_every_summary_key_and_sweep_html_draws_the_objective(tmp_
     assert "kv_block_size" not in md
 
 
-def test_the_objective_is_a_summary_figure():
-    from experiments.run import objective_value
+def test_the_objective_is_a_figure_runs_write(tmp_path):
+    """Every name ``objective`` accepts is in the summary of a run with error bars and goodput
+    SLOs; a name it does not accept is refused before any job runs, and in a sweep every job
+    is refused the same way (the sweep ends gathered, exit 1)."""
+    from experiments.intervals import with_intervals
+    from experiments.run import OBJECTIVES, objective_name, objective_value
+    from experiments.simulation import Simulation
+    from tests.helpers import small_cfg
 
-    assert objective_value({"p99_ttft_ms": 12.5}, "p99_ttft_ms") == 12.5
-    assert math.isnan(objective_value({"request_goodput": None}, "request_goodput"))
+    cfg = small_cfg("goodput={ttft_ms:500}", "kv.enable_prefix_caching=true")
+    summary = with_intervals(cfg, Simulation(cfg, None).run().summary)
+    assert set(OBJECTIVES) <= set(summary)
+    assert objective_value(summary, "p99_ttft_ms") == summary["p99_ttft_ms"]
     assert math.isnan(objective_value({}, "p99_ttft_ms"))  # a failed job
-    with pytest.raises(ConfigError, match="objective: 'p99' is not a summary.json figure; "
-                                          "known: p99_ttft_ms"):
-        objective_value({"p99_ttft_ms": 1.0, "model": "x"}, "p99")
-    with pytest.raises(ConfigError, match="objective: 'model' is not a number"):
-        objective_value({"model": "x"}, "model")
+    assert math.isnan(objective_value({"request_goodput": None}, "request_goodput"))
+    with pytest.raises(ConfigError, match="objective: 'p99' is not a figure a job can return"):
+        objective_name({"objective": "p99"})
+    r = subprocess.run(
+        [sys.executable, "-m", "experiments.run", "-m", "model=tiny", "workload.num_requests=20",
+         "progress=false", "workload.qps=5,20", "objective=nope", f"hydra.sweep.dir={tmp_path}"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+    assert r.returncode == 1
+    table = pd.read_csv(tmp_path / "sweep.csv")
+    assert table["status"].tolist() == ["failed", "failed"]
+    assert table["error"][0].startswith("config error: objective: 'nope' is not a figure")
 
 
 @pytest.mark.parametrize("launcher", ["joblib", "ray"])
