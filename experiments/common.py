@@ -14,6 +14,7 @@ from typing import Any
 
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 from experiments.simulation import Simulation, SimulationResult
 from sim.errors import ConfigError, exit_on_config_error
@@ -109,7 +110,8 @@ def run_jobs(fn: Callable[[Any], dict[str, Any]], jobs: list[Any],
     (``[k/n] jobs done, ... s``, in run.log too) show how far it got."""
     n, t0 = len(jobs), time.perf_counter()
     results: list[dict[str, Any]] = [{}] * n
-    with job_bar(n, progress) as bar:
+    # Log lines are written above the bar, not through it.
+    with job_bar(n, progress) as bar, logging_redirect_tqdm():
 
         def finished(k: int) -> None:
             bar.update(1)

@@ -32,9 +32,10 @@ import pandas as pd
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from experiments.common import run_jobs
 from experiments.analysis.policy_checks import CHECKS, Check
+from experiments.common import run_jobs
 from experiments.simulation import Simulation
+from sim.config_types import as_bool
 from sim.errors import ConfigError, exit_on_config_error
 from sim.report import figure_html, format_number, latency_cdf_figure, write_page
 from sim.report_options import report_options
@@ -112,7 +113,7 @@ def run(cfg: dict[str, Any], out_dir: Path, command_line: Sequence[str] = ()) ->
     sims = {(s, v): Simulation(c) for s, v, c in runs}  # validate everything before running
     tasks = [(s, v, c, out_dir / s / v) for s, v, c in runs]
     summaries = run_jobs(_run, tasks, max(1, int(cfg.get("jobs", 1))),
-                         progress=bool(cfg.get("progress", True)))
+                         progress=as_bool(cfg.get("progress", True), "progress"))
     rows = []
     for (s, v, _, _), summary in zip(tasks, summaries):
         row = {"scenario": s, "policy": v, **{k: x for k, x in summary.items() if k != "policy"}}

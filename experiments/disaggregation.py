@@ -26,7 +26,15 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig
 
-from experiments.common import merge, simulate, slo_attainment, run_hydra_experiment, run_jobs, write_tables
+from experiments.common import (
+    merge,
+    run_hydra_experiment,
+    run_jobs,
+    simulate,
+    slo_attainment,
+    write_tables,
+)
+from sim.config_types import as_bool
 from sim.errors import ConfigError
 
 
@@ -222,7 +230,7 @@ def run_experiment(cfg: dict[str, Any], out_dir: Path | None) -> list[dict[str, 
         deployment_config(cfg, dep)  # bad deployments fail before any simulation
     jobs = [(cfg, d, w, s) for w in exp["workloads"] for d in exp["deployments"] for s in seeds]
     runs = run_jobs(_job, jobs, int(exp.get("workers", 1)),
-                    progress=bool(cfg.get("progress", True)))
+                    progress=as_bool(cfg.get("progress", True), "progress"))
     rows = summarize(runs)
     if out_dir is not None:
         write_tables(out_dir, runs, rows)

@@ -24,6 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 from plotly.subplots import make_subplots
 
 from experiments.common import merge, run_hydra_experiment, run_jobs, simulate, write_tables
+from sim.config_types import as_bool
 from sim.errors import ConfigError
 from sim.report import write_page
 
@@ -76,7 +77,7 @@ def run_experiment(cfg: dict[str, Any], out_dir: Path | None) -> list[dict[str, 
                                                  exp["routers"], exp["caching"])
             for g in (offloads if c else [0.0])]
     rows = run_jobs(_job, jobs, int(exp.get("workers", 1)),
-                    progress=bool(cfg.get("progress", True)))
+                    progress=as_bool(cfg.get("progress", True), "progress"))
     if out_dir is not None:
         write_tables(out_dir, rows, rows)
         write_page(out_dir / "results.html", "Prefix caching", [_figure(rows)])

@@ -38,10 +38,11 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 from plotly.subplots import make_subplots
 
+from experiments.analysis.published_lengths import LengthsWorkload, build_workload
 from experiments.common import markdown_table, merge, write_csv
 from experiments.intervals import with_intervals
-from experiments.analysis.published_lengths import LengthsWorkload, build_workload
 from experiments.simulation import BuiltIn
+from sim.config_types import as_bool
 from sim.errors import ConfigError, exit_on_config_error, require
 from sim.progress import job_bar
 from sim.report import write_page
@@ -338,7 +339,7 @@ def run_rows(cfg: dict[str, Any], log: Any = print) -> list[dict[str, Any]]:
     workers = max(1, int(exp.get("workers", 1)))
     t0 = time.perf_counter()
 
-    bar = job_bar(len(unique), bool(cfg.get("progress", True)), desc="runs")
+    bar = job_bar(len(unique), as_bool(cfg.get("progress", True), "progress"), desc="runs")
 
     def done(k: str, res: dict[str, Any]) -> None:
         results[k] = res

@@ -18,7 +18,8 @@ import hydra
 import numpy as np
 from omegaconf import DictConfig
 
-from experiments.common import merge, simulate, run_hydra_experiment, run_jobs, write_tables
+from experiments.common import merge, run_hydra_experiment, run_jobs, simulate, write_tables
+from sim.config_types import as_bool
 
 METRICS = ("p99_ttft_ms", "mean_ttft_ms", "p99_tpot_ms", "p99_e2el_ms", "request_throughput")
 
@@ -37,7 +38,7 @@ def run_experiment(cfg: dict[str, Any], out_dir: Path | None) -> list[dict[str, 
     exp = cfg["experiment"]
     jobs = [(cfg, r, int(s)) for r in exp["routers"] for s in exp["seeds"]]
     runs = run_jobs(_job, jobs, int(exp.get("workers", 1)),
-                    progress=bool(cfg.get("progress", True)))
+                    progress=as_bool(cfg.get("progress", True), "progress"))
     rows = []
     for router in exp["routers"]:
         mine = [r for r in runs if r["router"] == router]

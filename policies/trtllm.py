@@ -82,6 +82,9 @@ class TensorRTLLMPolicy(Policy):
     # with whole lengths held, stay) while nothing finishes.
     supports_decode_jumps = True
     implements_chunked_prefill = True
+    # Its PyTorch backend's overlap scheduler (on by default) prepares the next batch while
+    # this one runs.
+    host_overlap_default = True
 
     config_class = TensorRTLLMConfig
     config: TensorRTLLMConfig

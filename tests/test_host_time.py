@@ -220,7 +220,8 @@ def test_fast_equals_exact_with_overlapped_amortized_host_time(extra):
 
 
 @pytest.mark.parametrize(("policy", "overlaps"), [("fcfs", False), ("sjf", False),
-                                                   ("vllm_v1", True), ("sglang", True)])
+                                                   ("vllm_v1", True), ("sglang", True),
+                                                   ("trtllm", True)])
 def test_host_overlap_defaults_to_the_policys_engine(policy, overlaps):
     """``executor.host_overlap: null``: vLLM v1 (asynchronous scheduling) and SGLang (overlap
     scheduler) run the host's work beside the GPU's, the vLLM v0 policies do not; a value

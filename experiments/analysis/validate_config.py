@@ -121,6 +121,9 @@ def cost_model_section(profile: Path, overrides: dict[str, Any] | None) -> dict[
     """``conf/executor/cost_model.yaml`` with the profile and ``validate.cost_model`` applied."""
     with (ROOT / "conf" / "executor" / "cost_model.yaml").open() as f:
         section = dict(yaml.safe_load(f) or {})
+    # The real executor it is compared with runs its host work between steps, whatever
+    # engine the policy stands for (a validate.cost_model value still wins).
+    section["host_overlap"] = False
     section.update(overrides or {})
     section["profile"] = str(profile)
     return section
