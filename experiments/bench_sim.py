@@ -46,8 +46,9 @@ CASES: dict[str, tuple[list[str], float]] = {
                   "policy.max_num_batched_tokens=4096"], 6),
     # A pool that binds: 3,000 blocks of 16 tokens hold about 40 of the recipe's requests, so
     # the batch is cut by preemption, by recompute or by swap.
-    "fcfs_kv3000": ([*_FCFS, "kv.num_gpu_blocks=3000"], 6),
-    "fcfs_kv3000_swap": ([*_FCFS, "kv.num_gpu_blocks=3000", "policy.preemption_mode=swap"], 6),
+    "fcfs_kv3000": ([*_FCFS, "kv.num_gpu_blocks_override=3000"], 6),
+    "fcfs_kv3000_swap": ([*_FCFS, "kv.num_gpu_blocks_override=3000",
+                          "policy.preemption_mode=swap"], 6),
     # vLLM's automatic prefix caching on the same recipe (no prompt shares a prefix).
     "fcfs_prefix_cache": ([*_FCFS, "kv.enable_prefix_caching=true"], 6),
     # vLLM v1's scheduler (prefix caching on) with the recipe's limits.

@@ -125,7 +125,7 @@ def pair_saved(folder: Path, cfg: dict[str, Any], command_line: set[str] | None 
         scaled = scaled_profile(profile, factor, folder / "paired_offline" / f"run_{i + 1}.yaml")
         run_cfg = copy.deepcopy(base)
         run_cfg["executor"] = cost_model_section(scaled, _options(cfg).get("cost_model"))
-        run_cfg["kv"] = {**run_cfg["kv"], "num_gpu_blocks": sim["kv_num_gpu_blocks"],
+        run_cfg["kv"] = {**run_cfg["kv"], "num_gpu_blocks_override": sim["kv_num_gpu_blocks"],
                          "num_cpu_blocks": sim["kv_num_cpu_blocks"]}
         out.append(Simulation(run_cfg, None).run().summary)
     return out, speeds

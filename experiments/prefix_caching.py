@@ -5,7 +5,7 @@
         'experiment.routers=[prefix_aware]'
 
 Every scenario (a workload whose prompts share prefixes) runs with caching off and on (on:
-for each offload tier size, ``kv.cpu_offload_gib``), for each GPU cache size (KV blocks per
+for each offload tier size, ``kv.kv_offloading_size``), for each GPU cache size (KV blocks per
 replica) and router, on four replicas. Prints one row per run: the share of prompt tokens
 served from GPU blocks and from the offload tier, TTFT, throughput and evictions; writes
 ``runs.csv``, ``results.csv``, ``results.md`` and ``results.html`` (hit rate and p99 TTFT
@@ -43,8 +43,8 @@ def _job(args: tuple[dict[str, Any], str, int | None, str, bool, float]) -> dict
     base["workload"] = merge(workload_defaults(str(wl.get("name"))), wl)
     run_cfg = merge(merge(base, scene),
                     {"cluster": {"router": router},
-                     "kv": {"num_gpu_blocks": blocks, "enable_prefix_caching": caching,
-                            "cpu_offload_gib": offload}})
+                     "kv": {"num_gpu_blocks_override": blocks, "enable_prefix_caching": caching,
+                            "kv_offloading_size": offload}})
     s = simulate(run_cfg).summary
     return {"scenario": scenario, "kv_blocks": s["kv_num_gpu_blocks"], "router": router,
             "caching": caching, "offload_gib": offload,

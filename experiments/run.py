@@ -22,6 +22,7 @@ import json
 import logging
 import math
 import os
+import re
 import signal
 import sys
 from collections.abc import Iterator
@@ -42,6 +43,7 @@ from experiments.intervals import (
 )
 from experiments.simulation import Simulation
 from sim import stop as sim_stop
+from sim.config_types import renamed
 from sim.errors import ConfigError, RunInterrupted, exit_on_config_error, exit_with, require
 from sim.outputs import PARTIAL, write_atomic
 from sim.report import format_summary, write_report
@@ -224,6 +226,10 @@ def hydra_errors_as_config_errors() -> Iterator[None]:
     try:
         yield
     except (HydraException, OmegaConfBaseException) as e:
+        key = re.search(r"Could not override '([^']+)'", str(e))
+        error = renamed(key.group(1)) if key else None
+        if error is not None:  # a key renamed to vLLM's name: say which
+            exit_with(2, f"config error: {error}")
         text = str(e).split("Config search path:")[0]  # not the search path of a missing option
         why = " ".join(line.strip() for line in text.splitlines() if line.strip())
         cause = e.__cause__

@@ -2,14 +2,15 @@
 
     python -m experiments.validate                                  # fcfs, tiny model, CPU
     python -m experiments.validate -m policy=fcfs,chunked_prefill,sjf
-    python -m experiments.validate kv.num_gpu_blocks=64              # preemption-heavy
+    python -m experiments.validate kv.num_gpu_blocks_override=64              # preemption-heavy
     python -m experiments.validate validate.profile=outputs/tiny_cpu.yaml validate.interleave=false
     python -m experiments.validate validate.qps=auto                 # at 0.85 x saturation
     python -m experiments.validate --config-name validate_gpu       # Llama-3-8B on a GPU
 
 0. With ``validate.qps: auto``, measures the saturation throughput of the real executor on
    this workload (``experiments/analysis/saturation.py``: two probe runs offered more than
-   it serves) and runs everything below at ``validate.saturation_fraction`` of it (``saturation.json``).
+   it serves) and runs everything below at ``validate.saturation_fraction`` of it
+   (``saturation.json``).
    ``validate.hardware: auto`` prices the simulation with the ``conf/hardware`` spec of the
    GPU the real executor runs on.
 1. Profiles the real executor over ``profile`` (the grid, in shuffled rounds), unless
@@ -447,7 +448,7 @@ def choose_qps(base: dict[str, Any], opts: dict[str, Any], out_dir: Path) -> Sat
         return None
     probe_cfg = copy.deepcopy(base)
     if opts.get("saturation_num_gpu_blocks") is not None:
-        probe_cfg["kv"]["num_gpu_blocks"] = int(opts["saturation_num_gpu_blocks"])
+        probe_cfg["kv"]["num_gpu_blocks_override"] = int(opts["saturation_num_gpu_blocks"])
 
     def run(cfg: dict[str, Any], out: Path) -> dict[str, Any]:
         return real_run(cfg, out)[0].summary
@@ -455,7 +456,7 @@ def choose_qps(base: dict[str, Any], opts: dict[str, Any], out_dir: Path) -> Sat
     sat = find_saturation(probe_cfg, run, out_dir,
                           float(opts.get("saturation_fraction", DEFAULT_FRACTION)))
     base["workload"]["qps"] = sat.qps
-    doc = {**sat.as_dict(), "probe_num_gpu_blocks": probe_cfg["kv"].get("num_gpu_blocks"),
+    doc = {**sat.as_dict(), "probe_num_gpu_blocks": probe_cfg["kv"].get("num_gpu_blocks_override"),
            "num_requests": base["workload"].get("num_requests")}
     (out_dir / "saturation.json").write_text(json.dumps(doc, indent=2) + "\n")
     log.info("%s", sat.describe())
@@ -674,7 +675,7 @@ def _validate(cfg: dict[str, Any], base: dict[str, Any], opts: dict[str, Any],
         sim_cfg["executor"] = cost_model_section(profile, opts.get("cost_model"))
         # The same KV pools as the real run (the cost model's memory planner would size them
         # from the hardware spec, not from the real executor's device and dtype).
-        sim_cfg["kv"] = {**sim_cfg["kv"], "num_gpu_blocks": real.memory.num_gpu_blocks,
+        sim_cfg["kv"] = {**sim_cfg["kv"], "num_gpu_blocks_override": real.memory.num_gpu_blocks,
                          "num_cpu_blocks": real.memory.num_cpu_blocks}
         return Simulation(sim_cfg, out_dir / name, keep_requests=True)
 
@@ -896,7 +897,7 @@ def main() -> None:
         print(f"{result.real.get('policy')} (chunked_prefill="
               f"{cfg.policy.get('chunked_prefill')}), {result.real.get('completed'):.0f} "
               f"requests at {result.qps:.2f} req/s on {result.real.get('hardware')} "
-              f"(kv.num_gpu_blocks={result.real.get('kv_num_gpu_blocks', 0):.0f}), preemptions real "
+              f"(kv.num_gpu_blocks_override={result.real.get('kv_num_gpu_blocks', 0):.0f}), preemptions real "
               f"{[r.get('num_preemptions') for r in result.real_runs]} sim "
               f"{result.sim.get('num_preemptions')}")
         print(format_table(result))

@@ -99,6 +99,21 @@ def as_bool(value: Any, field: str) -> bool:
 
 
 _COERCE = {int: as_int, float: as_float, bool: as_bool}
+#: Sizes in GiB whose names (vLLM's) carry no ``_gib`` suffix.
+GIB_FIELDS = frozenset({"kv.swap_space", "kv.kv_offloading_size"})
+#: Config keys renamed to vLLM's engine-argument names: the old name is refused with a
+#: message naming the new one (``renamed``).
+RENAMED_KEYS: dict[str, str] = {
+    "kv.num_gpu_blocks": "kv.num_gpu_blocks_override",
+    "kv.swap_space_gib": "kv.swap_space",
+    "kv.cpu_offload_gib": "kv.kv_offloading_size",
+}
+
+
+def renamed(field: str) -> ConfigError | None:
+    """The error for a key that was renamed to vLLM's name (``RENAMED_KEYS``), or None."""
+    new = RENAMED_KEYS.get(field)
+    return None if new is None else ConfigError(field, f"renamed to {new} (vLLM's name)")
 # Seconds per unit of a duration field, by the suffix of its name.
 _DURATION_UNITS = {"_s": 1.0, "_ms": 1e-3, "_us": 1e-6}
 
@@ -111,7 +126,7 @@ def check_magnitude(value: float, field: str) -> None:
         raise ConfigError(field, f"must be at most {MAX_TIME_S / unit:g} in magnitude (a "
                                  f"longer time leaves the simulated clock where floats cannot "
                                  f"carry microseconds), got {value}")
-    if field.endswith("_gib") and abs(value) > MAX_MEMORY_GIB:
+    if (field.endswith("_gib") or field in GIB_FIELDS) and abs(value) > MAX_MEMORY_GIB:
         raise ConfigError(field, f"must be at most {MAX_MEMORY_GIB} GiB in magnitude, got "
                                  f"{value}")
 

@@ -230,7 +230,7 @@ class KVBlockManager:
         if block_size < 1:
             raise ValueError(f"kv.block_size must be >= 1, got {block_size}")
         if num_gpu_blocks < 1:
-            raise ValueError(f"kv.num_gpu_blocks must be >= 1, got {num_gpu_blocks}")
+            raise ValueError(f"kv.num_gpu_blocks_override must be >= 1, got {num_gpu_blocks}")
         if num_cpu_blocks < 0:
             raise ValueError(f"kv.num_cpu_blocks must be >= 0, got {num_cpu_blocks}")
         if num_offload_blocks < 0:

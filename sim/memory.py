@@ -24,7 +24,7 @@ class MemoryPlan:
     activation_bytes: float
     kv_bytes_per_token: float  # this rank
     kv_bytes_per_block: float
-    num_offload_blocks: int = 0  # the offload tier's blocks in host memory (kv.cpu_offload_gib)
+    num_offload_blocks: int = 0  # the offload tier's blocks in host memory (kv.kv_offloading_size)
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -72,7 +72,7 @@ def plan_memory(
     pipeline_parallel: int = 1,
     max_num_batched_tokens: int = 8192,
     max_num_seqs: int = 256,
-    swap_space_gib: float = 4.0,
+    swap_space: float = 4.0,
     num_gpu_blocks_override: int | None = None,
     activation_reserve_override_bytes: float | None = None,
     weight_bytes_override: float | None = None,
@@ -88,8 +88,8 @@ def plan_memory(
     if not 0 < gpu_memory_utilization <= 1:
         raise ConfigError("kv.gpu_memory_utilization",
                           f"must be in (0, 1], got {gpu_memory_utilization}")
-    if swap_space_gib < 0:
-        raise ConfigError("kv.swap_space_gib", f"must be >= 0, got {swap_space_gib}")
+    if swap_space < 0:
+        raise ConfigError("kv.swap_space", f"must be >= 0, got {swap_space}")
     if activation_reserve_override_bytes is not None and activation_reserve_override_bytes < 0:
         # A negative reserve would plan a KV pool larger than the GPU's memory.
         raise ConfigError("kv.activation_reserve_gib",
@@ -102,15 +102,15 @@ def plan_memory(
     usable = hardware.memory_bytes * gpu_memory_utilization
     per_token = model.kv_bytes_per_token_per_rank(tensor_parallel, pipeline_parallel)
     per_block = per_token * block_size
-    num_cpu_blocks = int(swap_space_gib * 2**30 // per_block)
+    num_cpu_blocks = int(swap_space * 2**30 // per_block)
     if num_gpu_blocks_override is not None:
         if num_gpu_blocks_override < 1:
-            raise ConfigError("kv.num_gpu_blocks", f"must be >= 1, got {num_gpu_blocks_override}")
+            raise ConfigError("kv.num_gpu_blocks_override", f"must be >= 1, got {num_gpu_blocks_override}")
         num_gpu_blocks = int(num_gpu_blocks_override)
         # More blocks than the device's whole memory holds is no pool a GPU can have (vLLM
         # would fail allocating its KV tensor): say so rather than simulate it.
         if num_gpu_blocks * per_block > hardware.memory_bytes:
-            raise ConfigError("kv.num_gpu_blocks", (
+            raise ConfigError("kv.num_gpu_blocks_override", (
                 f"{num_gpu_blocks} blocks of {per_block:.0f} bytes ({model.name}, "
                 f"kv.block_size={block_size}, TP={tensor_parallel}, PP={pipeline_parallel}) "
                 f"need {num_gpu_blocks * per_block / 1e9:.4g} GB per GPU, more than the "

@@ -30,7 +30,7 @@ from sim.cluster.link import Link
 from sim.cluster.outputs import CLUSTER_REQUEST_COLUMNS, ClusterRequestSink, cluster_summary
 from sim.cluster.pool import Pool
 from sim.cluster.router import make_router
-from sim.config_types import as_bool, as_int, typed_fields
+from sim.config_types import as_bool, as_int, renamed, typed_fields
 from sim.errors import ConfigError, RunInterrupted, require
 from sim.executor import Executor
 from sim.memory import MemoryPlan, check_block_size, plan_memory
@@ -106,9 +106,9 @@ def goodput_slos(section: Any) -> dict[str, float] | None:
 class KVConfig:
     block_size: int = 16
     gpu_memory_utilization: float = 0.9
-    num_gpu_blocks: int | None = None  # like vLLM's num_gpu_blocks_override
-    swap_space_gib: float = 4.0  # CPU swap pool per GPU (vLLM's swap_space)
-    num_cpu_blocks: int | None = None  # overrides swap_space_gib
+    num_gpu_blocks_override: int | None = None
+    swap_space: float = 4.0  # CPU swap pool per GPU (vLLM's swap_space)
+    num_cpu_blocks: int | None = None  # overrides swap_space
     activation_reserve_gib: float | None = None  # overrides the estimate
     # vLLM's automatic prefix caching: full blocks stay findable by content after they are
     # freed, until handed out again (sim/prefix_cache.py, KVBlockManager).
@@ -117,15 +117,16 @@ class KVConfig:
     # The offload tier: host memory per GPU that keeps cached blocks evicted from the GPU,
     # loaded back over PCIe on a hit (vLLM's CPU offloading connector, LMCache, SGLang's
     # HiCache). Needs prefix caching.
-    cpu_offload_gib: float = 0.0
-    num_offload_blocks: int | None = None  # overrides cpu_offload_gib
+    kv_offloading_size: float = 0.0
+    num_offload_blocks: int | None = None  # overrides kv_offloading_size
 
     def __post_init__(self) -> None:
         check_block_size(self.block_size)
         require(self.num_cpu_blocks is None or self.num_cpu_blocks >= 0, "kv.num_cpu_blocks",
                 f"must be >= 0, got {self.num_cpu_blocks}")
-        require(math.isfinite(self.cpu_offload_gib) and self.cpu_offload_gib >= 0,
-                "kv.cpu_offload_gib", f"must be a finite number >= 0, got {self.cpu_offload_gib}")
+        require(math.isfinite(self.kv_offloading_size) and self.kv_offloading_size >= 0,
+                "kv.kv_offloading_size",
+                f"must be a finite number >= 0, got {self.kv_offloading_size}")
         require(self.num_offload_blocks is None or self.num_offload_blocks >= 0,
                 "kv.num_offload_blocks", f"must be >= 0, got {self.num_offload_blocks}")
         # A negative reserve would hand the planner more bytes than the GPU has.
@@ -144,6 +145,9 @@ def _dataclass_from(cls: type, data: dict[str, Any], section: str) -> Any:
     known = set(cls.__dataclass_fields__)
     unknown = sorted(set(data) - known)
     if unknown:
+        error = renamed(f"{section}.{unknown[0]}")
+        if error is not None:
+            raise error
         raise ConfigError(f"{section}.{unknown[0]}", f"unknown option; known: {', '.join(sorted(known))}")
     return cls(**typed_fields(cls, data, section))
 
@@ -280,7 +284,7 @@ class Simulation:
                    else self.kv_cfg.enable_prefix_caching)
         if memory.num_offload_blocks and not caching:
             field = ("kv.num_offload_blocks" if self.kv_cfg.num_offload_blocks is not None
-                     else "kv.cpu_offload_gib")
+                     else "kv.kv_offloading_size")
             raise ConfigError(field, (
                 "the offload tier keeps cached blocks evicted from the GPU: it needs prefix "
                 f"caching, which is off for policy {policy.config.name!r}; set "
@@ -322,7 +326,7 @@ class Simulation:
             gpu_memory_utilization=k.gpu_memory_utilization,
             tensor_parallel=tp, pipeline_parallel=pp,
             max_num_batched_tokens=p.max_num_batched_tokens, max_num_seqs=p.max_num_seqs,
-            swap_space_gib=k.swap_space_gib, num_gpu_blocks_override=k.num_gpu_blocks,
+            swap_space=k.swap_space, num_gpu_blocks_override=k.num_gpu_blocks_override,
             activation_reserve_override_bytes=act,
             weight_bytes_override=executor.weight_bytes(), parallel_field=tp_field,
             activation_field=(None if k.activation_reserve_gib is None
@@ -331,7 +335,7 @@ class Simulation:
         if k.num_cpu_blocks is not None:
             mp = MemoryPlan(**{**mp.__dict__, "num_cpu_blocks": int(k.num_cpu_blocks)})
         offload = (int(k.num_offload_blocks) if k.num_offload_blocks is not None
-                   else int(k.cpu_offload_gib * 2**30 // mp.kv_bytes_per_block))
+                   else int(k.kv_offloading_size * 2**30 // mp.kv_bytes_per_block))
         if offload:
             mp = MemoryPlan(**{**mp.__dict__, "num_offload_blocks": offload})
         return mp

@@ -23,7 +23,7 @@ from workloads.base import Workload
 
 # A small eligible run: the tiny model, a pool that holds every batch the policy may form.
 TINY = ("model=tiny", "workload.prompt_len.max=200", "workload.output_len.max=120",
-        "kv.num_gpu_blocks=20000")
+        "kv.num_gpu_blocks_override=20000")
 # Lengths drawn uniformly between their min and max, so one-token prompts and outputs occur.
 UNIFORM = ("workload.prompt_len.dist=uniform", "workload.output_len.dist=uniform")
 # Every policy that states ``array_core`` (a new one is checked by the tests that take this).
@@ -145,9 +145,9 @@ def test_same_seed_same_bytes(tmp_path):
     (("policy=sjf",), "does not decide on arrays"),
     (("policy=priority",), "does not decide on arrays"),
     (("policy=static",), "does not decide on arrays"),
-    (("check_integrity=true", "kv.num_gpu_blocks=500", "kv.num_cpu_blocks=16"), "check_integrity"),
+    (("check_integrity=true", "kv.num_gpu_blocks_override=500", "kv.num_cpu_blocks=16"), "check_integrity"),
     (("cluster.num_replicas=2",), "a cluster"),
-    (("kv.num_gpu_blocks=300",), "the KV pool can bind"),
+    (("kv.num_gpu_blocks_override=300",), "the KV pool can bind"),
     (("model.max_model_len=300",), "longer than model.max_model_len"),
 ])
 def test_runs_it_cannot_take_go_to_the_replica_loop(overrides, reason):
@@ -339,7 +339,7 @@ def test_a_pool_just_large_enough_takes_the_core_one_block_less_does_not(pool, c
             "workload.prompt_len.max=100", "workload.output_len.dist=uniform",
             "workload.output_len.min=60", "workload.output_len.max=60",
             "workload.num_requests=12", "workload.qps=100000", "policy.max_num_seqs=4",
-            "policy.kv_watermark=0.1", f"kv.num_gpu_blocks={pool}"]
+            "policy.kv_watermark=0.1", f"kv.num_gpu_blocks_override={pool}"]
     sim = Simulation(compose_cfg(*over))
     assert sim.run().summary["step_engine"] == ("array_core" if core else "replica")
     _assert_same(over)

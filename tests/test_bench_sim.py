@@ -62,8 +62,8 @@ def test_the_benchmark_runs_end_to_end(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("case, qps, expected", [
-    ("fcfs_kv3000", "6", ["kv.num_gpu_blocks=3000"]),
-    ("fcfs_kv3000_swap", "6", ["kv.num_gpu_blocks=3000", "policy.preemption_mode=swap"]),
+    ("fcfs_kv3000", "6", ["kv.num_gpu_blocks_override=3000"]),
+    ("fcfs_kv3000_swap", "6", ["kv.num_gpu_blocks_override=3000", "policy.preemption_mode=swap"]),
     ("replicas4", "24", ["cluster.num_replicas=4", "cluster.router=least_outstanding"]),
     ("disagg2x2", "12", ["cluster=disaggregated", "cluster.num_prefill_replicas=2",
                          "cluster.num_decode_replicas=2"]),

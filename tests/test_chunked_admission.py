@@ -132,7 +132,7 @@ def test_a_recompute_too_long_for_the_pool_above_the_watermark_still_runs(tmp_pa
     trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n0.0,2,30\n0.0,28,13\n")
     summary = Simulation(compose_cfg(
         f"policy={policy}", "workload=trace", f"workload.path={trace}", "kv.block_size=4",
-        "kv.num_gpu_blocks=10", "kv.num_cpu_blocks=0", "policy.kv_watermark=0.2",
+        "kv.num_gpu_blocks_override=10", "kv.num_cpu_blocks=0", "policy.kv_watermark=0.2",
         "policy.max_num_batched_tokens=32", "policy.max_num_seqs=2", "check_integrity=true",
         "record_steps=false"), tmp_path / "out").run().summary
     assert summary["completed"] == 2 and summary["num_preemptions"] >= 1

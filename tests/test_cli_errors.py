@@ -64,3 +64,26 @@ def test_bench_sim_sizes_are_whole_positive_counts(text: str, why: str) -> None:
     with pytest.raises(argparse.ArgumentTypeError, match=why):
         bench_sim._request_count(text)
     assert bench_sim._request_count("300") == 300
+
+
+@pytest.mark.parametrize(("old", "new"), [("kv.num_gpu_blocks", "kv.num_gpu_blocks_override"),
+                                          ("kv.swap_space_gib", "kv.swap_space"),
+                                          ("kv.cpu_offload_gib", "kv.kv_offloading_size")])
+def test_a_key_renamed_to_vllms_name_is_refused_naming_the_new_one(tmp_path, old, new):
+    """On the command line (Hydra refuses the key first) and in a config handed over whole."""
+    import subprocess
+    import sys
+
+    from experiments.simulation import Simulation
+    from sim.errors import ConfigError
+    from tests.helpers import ROOT, small_cfg
+
+    r = subprocess.run([sys.executable, "-m", "experiments.run", f"{old}=1",
+                        f"hydra.run.dir={tmp_path}"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=120, check=False)
+    assert r.returncode == 2
+    assert r.stderr.strip() == f"config error: {old}: renamed to {new} (vLLM's name)"
+    cfg = small_cfg()
+    cfg["kv"][old.split(".")[1]] = 1
+    with pytest.raises(ConfigError, match=f"^{old}: renamed to {new}"):
+        Simulation(cfg)

@@ -76,7 +76,7 @@ def test_colocated_replicas_fast_equals_exact(seed, qps, blocks, replicas, route
                                               swap):
     assert_fast_equals_exact([
         *_workload(seed, qps, 60), f"policy={policy}", *POLICY_EXTRA.get(policy, []),
-        "policy.max_num_seqs=16", f"kv.num_gpu_blocks={blocks}",
+        "policy.max_num_seqs=16", f"kv.num_gpu_blocks_override={blocks}",
         f"policy.preemption_mode={'swap' if swap else 'recompute'}",
         f"cluster.num_replicas={replicas}", f"cluster.router={router}"])
 
@@ -93,7 +93,7 @@ def test_disaggregated_pools_fast_equals_exact(seed, qps, blocks, prefill, decod
                                                swap):
     assert_fast_equals_exact([
         *_workload(seed, qps, 60), f"policy={policy}", *POLICY_EXTRA.get(policy, []),
-        "policy.max_num_seqs=16", f"kv.num_gpu_blocks={blocks}",
+        "policy.max_num_seqs=16", f"kv.num_gpu_blocks_override={blocks}",
         f"policy.preemption_mode={'swap' if swap else 'recompute'}",
         "cluster=disaggregated", f"cluster.num_prefill_replicas={prefill}",
         f"cluster.num_decode_replicas={decode}", f"cluster.decode_router={decode_router}",
@@ -117,7 +117,7 @@ def test_back_pressure_on_one_decode_replica_bounds_the_others_jumps():
     tiny pool on every replica makes all of it happen within a few milliseconds)."""
     s = assert_fast_equals_exact([
         *_workload(269074, 83.72447158133198, 80), "policy=priority",
-        "workload.priorities=[1,1,2]", "policy.max_num_seqs=64", "kv.num_gpu_blocks=44",
+        "workload.priorities=[1,1,2]", "policy.max_num_seqs=64", "kv.num_gpu_blocks_override=44",
         "policy.preemption_mode=swap", "cluster=disaggregated",
         "cluster.num_prefill_replicas=1", "cluster.num_decode_replicas=2",
         "cluster.decode_router=random", "cluster.link.preset=nvlink"])

@@ -55,7 +55,7 @@ def test_disaggregated_run_conserves_requests_and_reports_the_link(tmp_path):
     cfg = small_cfg("cluster=disaggregated", "cluster.num_prefill_replicas=2",
                     "cluster.num_decode_replicas=2", "cluster.link.preset=ethernet",
                     "+cluster.decode.policy.max_num_seqs=64", "check_integrity=true",
-                    "kv.num_gpu_blocks=1500",
+                    "kv.num_gpu_blocks_override=1500",
                     "workload.num_requests=120")
     res = run_simulation(cfg, tmp_path, keep_requests=True)
     s = json.loads((tmp_path / "summary.json").read_text())

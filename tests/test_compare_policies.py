@@ -46,9 +46,9 @@ def test_a_scenario_description_says_what_the_command_line_changed():
     cfg = compare_cfg()
     assert describe_scenario("high_load", cfg) == cfg["scenarios"]["high_load"]["about"]
     moved = describe_scenario("high_load", compare_cfg("scenarios.high_load.workload.qps=10",
-                                                       "+scenarios.high_load.kv.num_gpu_blocks=900"))
+                                                       "+scenarios.high_load.kv.num_gpu_blocks_override=900"))
     assert moved.endswith("\n(That describes the preset; this run changed the scenario's "
-                          "settings: kv.num_gpu_blocks=900, workload.qps=10.)")
+                          "settings: kv.num_gpu_blocks_override=900, workload.qps=10.)")
     assert moved.startswith("the default chat workload at 8 req/s")
     new = compare_cfg("+scenarios.mine.workload.qps=3")
     assert describe_scenario("mine", new) == ("This run changed the scenario's settings: "
@@ -135,7 +135,7 @@ def test_documented_literature_checks_hold_under_the_default_scenarios(tmp_path)
                         "scenarios.varied_outputs.workload.num_requests=150"],
      "continuous batching (fcfs) beats static"),
     # A pool that holds everything: nothing is preempted, swap and recompute never differ.
-    ("small_kv", ["scenarios.small_kv.kv.num_gpu_blocks=20000",
+    ("small_kv", ["scenarios.small_kv.kv.num_gpu_blocks_override=20000",
                   "scenarios.small_kv.workload.num_requests=150"],
      "fcfs: swap and recompute differ"),
 ])

@@ -111,7 +111,7 @@ def test_typed_fields_coerces_by_annotation_and_passes_other_types_through():
     (["policy.max_num_seqs=abc"], "policy.max_num_seqs"),
     (["workload.num_requests=2.5"], "workload.num_requests"),
     (["kv.block_size=16.5"], "kv.block_size"),
-    (["kv.num_gpu_blocks=abc"], "kv.num_gpu_blocks"),
+    (["kv.num_gpu_blocks_override=abc"], "kv.num_gpu_blocks_override"),
     (["cluster.tensor_parallel=1.5"], "cluster.tensor_parallel"),
     (["executor.attention_ctas_per_sm=2.5"], "executor.attention_ctas_per_sm"),
     (["hardware.num_sms=1.5"], "hardware.num_sms"),

@@ -275,7 +275,7 @@ def _cluster_run(mode: str, overrides: tuple[str, ...]):
       for seed, qps in ((0, 13), (1, 16), (2, 18))],
     ("chunked_prefill", "least_kv", ("policy.max_num_batched_tokens=256",)),
     ("sjf", "power_of_two", ("policy.preemptive=true",)),
-    ("fcfs", "round_robin", ("model=tiny", "kv.num_gpu_blocks=40", "workload.qps=60",
+    ("fcfs", "round_robin", ("model=tiny", "kv.num_gpu_blocks_override=40", "workload.qps=60",
                              "workload.prompt_len.max=200", "workload.output_len.max=120",
                              "policy.preemption_mode=swap", "kv.num_cpu_blocks=64")),
 ])

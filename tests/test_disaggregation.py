@@ -256,7 +256,7 @@ def test_any_policies_on_either_deployment_finish_every_request_with_intact_kv(
         cluster, first, second, mode, blocks, seed):
     cfg = copy.deepcopy(_base_cfg(cluster))
     cfg["seed"] = seed
-    cfg["kv"]["num_gpu_blocks"] = blocks
+    cfg["kv"]["num_gpu_blocks_override"] = blocks
     if cluster == "single":  # two co-located replicas running ``first``
         cfg["policy"] = {**first, "preemption_mode": mode if first["name"] not in
                          RECOMPUTE_ONLY else "recompute"}

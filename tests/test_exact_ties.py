@@ -16,7 +16,7 @@ TIE_CASES = {
     # step ends: the decode replica must not plan a jump through that instant before the
     # transfer's arrival event exists.
     "transfer_at_decode_step_end": (
-        ["cluster=disaggregated", "kv.num_gpu_blocks=2000", "cluster.link.latency_us=2000",
+        ["cluster=disaggregated", "kv.num_gpu_blocks_override=2000", "cluster.link.latency_us=2000",
          "cluster.link.bandwidth_gbps=0.3"],
         [(0.0, 50, 200), (0.020165410778646704, 279, 35)]),
     # A jump's end that no float delay reaches from the clock it starts at.

@@ -65,7 +65,7 @@ def test_default_workload_fast_equals_exact(policy, core):
 
 @pytest.mark.parametrize("policy", JUMPING)
 def test_preemption_heavy_case_fast_equals_exact(policy):
-    s = _assert_same([f"policy={policy}", "model=tiny", "kv.num_gpu_blocks=30",
+    s = _assert_same([f"policy={policy}", "model=tiny", "kv.num_gpu_blocks_override=30",
                       "workload.qps=30", "workload.num_requests=60",
                       "workload.prompt_len.max=200", "workload.output_len.max=150",
                       *EXTRA.get(policy, ())])
@@ -79,7 +79,7 @@ def test_preemption_heavy_case_fast_equals_exact(policy):
        swap=st.booleans())
 def test_random_small_workloads_under_kv_pressure(policy, seed, blocks, qps, swap):
     _assert_same([
-        f"policy={policy}", "model=tiny", f"seed={seed}", f"kv.num_gpu_blocks={blocks}",
+        f"policy={policy}", "model=tiny", f"seed={seed}", f"kv.num_gpu_blocks_override={blocks}",
         "kv.num_cpu_blocks=64", f"workload.qps={qps}", "workload.num_requests=40",
         "workload.prompt_len.max=200", "workload.output_len.max=120",
         f"policy.preemption_mode={'swap' if swap and policy not in NO_SWAP else 'recompute'}",
@@ -88,18 +88,18 @@ def test_random_small_workloads_under_kv_pressure(policy, seed, blocks, qps, swa
 
 
 @pytest.mark.parametrize("policy,load", [
-    ("fcfs", ("workload.qps=3", "workload.num_requests=60", "kv.num_gpu_blocks=120")),
+    ("fcfs", ("workload.qps=3", "workload.num_requests=60", "kv.num_gpu_blocks_override=120")),
     ("chunked_prefill", ("workload.qps=3", "workload.num_requests=60",
-                         "kv.num_gpu_blocks=120")),
+                         "kv.num_gpu_blocks_override=120")),
     # One batch of all requests at once: nothing waits while its members finish.
-    ("static", ("workload.qps=1000", "workload.num_requests=12", "kv.num_gpu_blocks=2000")),
+    ("static", ("workload.qps=1000", "workload.num_requests=12", "kv.num_gpu_blocks_override=2000")),
     # Runs kept in the policy's own order (Policy.decode_run_key); noisy predictions reorder
     # SJF's as they are used up.
-    ("sjf", ("workload.qps=3", "workload.num_requests=60", "kv.num_gpu_blocks=120",
+    ("sjf", ("workload.qps=3", "workload.num_requests=60", "kv.num_gpu_blocks_override=120",
              "policy.predictor=noisy")),
-    ("sjf", ("workload.qps=1000", "workload.num_requests=12", "kv.num_gpu_blocks=2000",
+    ("sjf", ("workload.qps=1000", "workload.num_requests=12", "kv.num_gpu_blocks_override=2000",
              "policy.predictor=noisy")),
-    ("priority", ("workload.qps=3", "workload.num_requests=60", "kv.num_gpu_blocks=120",
+    ("priority", ("workload.qps=3", "workload.num_requests=60", "kv.num_gpu_blocks_override=120",
                   "workload.priorities=[2,1,1,0]")),
 ])
 def test_jumps_past_finishes_equal_exact_with_the_same_blocks(policy, load):
@@ -115,9 +115,9 @@ def test_jumps_past_finishes_equal_exact_with_the_same_blocks(policy, load):
 
 
 @pytest.mark.parametrize("load", [
-    ("workload.qps=3", "workload.num_requests=60", "kv.num_gpu_blocks=120"),
+    ("workload.qps=3", "workload.num_requests=60", "kv.num_gpu_blocks_override=120"),
     # All at once: long jumps whose later stretches need new blocks after the stops.
-    ("workload.qps=1000", "workload.num_requests=12", "kv.num_gpu_blocks=2000"),
+    ("workload.qps=1000", "workload.num_requests=12", "kv.num_gpu_blocks_override=2000"),
 ])
 def test_state_seen_at_a_jump_stop_is_step_by_step(monkeypatch, load):
     """When members finish inside a jump past finishes, what the replica shows at that moment
@@ -164,7 +164,7 @@ def test_sjf_aging_deadlines_stop_jumps(seed, qps, aging, preemptive):
     the policy's own (``Policy.next_decision_time``) that no arrival or finish marks. Jumps
     must stop at it, or fast mode admits the aged request later than step-by-step (these
     cases took 1 to 11 steps more or fewer before they did)."""
-    s = _assert_same(["policy=sjf", "model=tiny", f"seed={seed}", "kv.num_gpu_blocks=60",
+    s = _assert_same(["policy=sjf", "model=tiny", f"seed={seed}", "kv.num_gpu_blocks_override=60",
                       f"workload.qps={qps}", "workload.num_requests=80",
                       "workload.prompt_len.max=400", "workload.output_len.max=300",
                       f"policy.aging_s={aging}", "policy.max_num_seqs=8",
@@ -277,7 +277,7 @@ def test_sjf_noisy_predictions_same_blocks_and_finish_order(seed, blocks, qps, m
     end there, so fast mode hands out the same block ids and finishes requests in the same
     order as step by step (these two cases differed before)."""
     overrides = ["policy=sjf", "policy.predictor=noisy", "model=tiny", f"seed={seed}",
-                 f"kv.num_gpu_blocks={blocks}", "kv.num_cpu_blocks=64", f"workload.qps={qps}",
+                 f"kv.num_gpu_blocks_override={blocks}", "kv.num_cpu_blocks=64", f"workload.qps={qps}",
                  "workload.num_requests=40", "workload.prompt_len.max=200",
                  "workload.output_len.max=120", f"policy.preemption_mode={mode}"]
     _assert_same_blocks_and_finish_order(overrides)
@@ -294,7 +294,7 @@ def test_orders_the_run_keeps_fast_equals_exact(extra, seed, blocks, qps):
     running order from the decode run instead of sorting it (``order_fixed_while_decoding``)
     and walk preemption victims only while ``may_preempt`` allows: the same schedule, block
     ids and finish order as step by step, under KV pressure and preemption."""
-    overrides = [*extra, "model=tiny", f"seed={seed}", f"kv.num_gpu_blocks={blocks}",
+    overrides = [*extra, "model=tiny", f"seed={seed}", f"kv.num_gpu_blocks_override={blocks}",
                  "kv.num_cpu_blocks=64", f"workload.qps={qps}", "workload.num_requests=60",
                  "workload.prompt_len.max=200", "workload.output_len.max=120",
                  "policy.max_num_seqs=16"]

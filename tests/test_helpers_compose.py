@@ -14,7 +14,7 @@ CASES = [
     ["step_mode=exact", "model=tiny"],
     ["model=tiny", "step_mode=fast", "step_mode=exact"],
     ["model=tiny", "workload.qps=3", "policy=sjf", "policy.predictor=noisy",
-     "kv.num_gpu_blocks=40", "cluster=disaggregated", "cluster.num_decode_replicas=2",
+     "kv.num_gpu_blocks_override=40", "cluster=disaggregated", "cluster.num_decode_replicas=2",
      "cluster.link.preset=pcie"],
     ["workload=trace", "workload.path=/tmp/x.csv", "policy.max_num_seqs=4"],
     ["policy=priority", "workload.priorities=[1,1,2]", "+extra=3"],

@@ -209,10 +209,10 @@ HOST = ["model=tiny", "workload.prompt_len.max=200", "workload.output_len.max=12
 
 
 @pytest.mark.parametrize("extra", [
-    ("policy=fcfs", "kv.num_gpu_blocks=20000"),  # the array core
+    ("policy=fcfs", "kv.num_gpu_blocks_override=20000"),  # the array core
     ("policy=fcfs", "array_core=false"),  # the replica loop's decode jumps
     ("policy=chunked_prefill", "policy.max_num_batched_tokens=128", "policy.max_num_seqs=64"),
-    ("policy=sjf", "kv.num_gpu_blocks=40"),  # preemptions
+    ("policy=sjf", "kv.num_gpu_blocks_override=40"),  # preemptions
 ])
 def test_fast_equals_exact_with_overlapped_amortized_host_time(extra):
     s = _assert_same([*HOST, *extra])

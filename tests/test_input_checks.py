@@ -1,4 +1,4 @@
-"""Input checks that used to let bad values through silently:
+"""Input checks on values that would otherwise pass silently:
 
 * tensor parallelism the model's heads cannot be split over (vLLM's rule), which the KV sizing
   floored to ``max(1, kv_heads // tp)``;
@@ -260,9 +260,10 @@ def test_rows_out_of_time_order_replay_sorted_and_stable(tmp_path):
 def test_a_pool_larger_than_the_device_memory_is_a_config_error():
     # 1e12 blocks of Llama-3-8B's 2 MiB cannot exist on one 80 GB GPU; the message says how
     # many can.
-    with pytest.raises(ConfigError, match=r"kv\.num_gpu_blocks: 1000000000000 blocks .* at "
-                                          r"most 40960 fit"):
-        Simulation(small_cfg("model=llama3_8b", "hardware=a100_80gb", "kv.num_gpu_blocks=1e12"))
+    with pytest.raises(ConfigError, match=r"kv\.num_gpu_blocks_override: 1000000000000 "
+                                          r"blocks .* at most 40960 fit"):
+        Simulation(small_cfg("model=llama3_8b", "hardware=a100_80gb",
+                             "kv.num_gpu_blocks_override=1e12"))
 
 
 @pytest.mark.parametrize("device", ["tpu", "cuda:x", "CPU", 7])

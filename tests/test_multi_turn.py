@@ -40,7 +40,7 @@ def test_a_turn_finds_everything_the_previous_turn_computed():
     """With a cache that never evicts, turn k + 1 is handed every full block of turn k's
     prompt and answer (its computed tokens: prompt + answer - 1)."""
     sim = Simulation(compose_cfg(*SMALL, "kv.enable_prefix_caching=true",
-                                 "kv.num_gpu_blocks=20000"), keep_requests=True)
+                                 "kv.num_gpu_blocks_override=20000"), keep_requests=True)
     wl = sim.workload
     res = sim.run()
     assert res.summary["kv_evictions"] == 0
@@ -58,9 +58,9 @@ def test_a_turn_finds_everything_the_previous_turn_computed():
 
 
 @pytest.mark.parametrize("extra", [[], ["kv.enable_prefix_caching=true"], ["policy=vllm_v1"],
-                                   ["policy=vllm_v1", "kv.num_gpu_blocks=200"],
+                                   ["policy=vllm_v1", "kv.num_gpu_blocks_override=200"],
                                    ["policy=sjf", "kv.enable_prefix_caching=true",
-                                    "kv.num_gpu_blocks=200", "policy.preemption_mode=swap"],
+                                    "kv.num_gpu_blocks_override=200", "policy.preemption_mode=swap"],
                                    ["policy=vllm_v1", "cluster.num_replicas=2",
                                     "cluster.router=prefix_aware"]])
 def test_fast_equals_exact(extra):

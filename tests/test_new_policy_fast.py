@@ -55,7 +55,7 @@ def _check(overrides: list[str]) -> dict:
 
 
 def test_it_jumps_and_is_not_fcfs():
-    setup = [*_workload(1, 30.0, 60), "kv.num_gpu_blocks=150", "policy.max_num_seqs=16"]
+    setup = [*_workload(1, 30.0, 60), "kv.num_gpu_blocks_override=150", "policy.max_num_seqs=16"]
     s = _check(setup)
     assert s["num_decode_jumps"] > 0 and s["policy"] == NAME
     ours = _run("fast", ["policy=fcfs", f"policy.name={NAME}", *setup], COMPONENTS)[1]
@@ -69,5 +69,5 @@ def test_it_jumps_and_is_not_fcfs():
        layout=st.sampled_from([(), ("cluster.num_replicas=2", "cluster.router=least_kv"),
                                ("cluster=disaggregated", "cluster.num_decode_replicas=2")]))
 def test_fast_equals_exact_on_random_small_workloads(seed, qps, blocks, swap, layout):
-    _check([*_workload(seed, qps, 50), f"kv.num_gpu_blocks={blocks}", "policy.max_num_seqs=16",
+    _check([*_workload(seed, qps, 50), f"kv.num_gpu_blocks_override={blocks}", "policy.max_num_seqs=16",
             f"policy.preemption_mode={'swap' if swap else 'recompute'}", *layout])

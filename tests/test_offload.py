@@ -1,4 +1,4 @@
-"""The offload tier (``kv.cpu_offload_gib``): cached blocks evicted from the GPU are copied to
+"""The offload tier (``kv.kv_offloading_size``): cached blocks evicted from the GPU are copied to
 host memory, kept there least recently used first, and loaded back into new GPU blocks for
 a later hit; the copies a step makes, in order; pricing at PCIe cost; runs that keep every
 request and the books; and the config errors."""
@@ -120,7 +120,7 @@ def test_a_prefix_evicted_from_the_gpu_is_loaded_back_into_new_blocks():
 BASE = ("model=tiny", "workload=multi_turn", "workload.num_sessions=40", "workload.qps=4",
         "workload.think_time_s=2", "workload.system_prompt_len=200",
         "workload.user_len.max=400", "workload.max_prompt_len=1000", "policy=vllm_v1",
-        "kv.num_gpu_blocks=500", "kv.block_size=4", "kv.num_cpu_blocks=0")
+        "kv.num_gpu_blocks_override=500", "kv.block_size=4", "kv.num_cpu_blocks=0")
 
 
 def test_a_tight_pool_loads_from_the_tier_instead_of_recomputing():
@@ -143,23 +143,23 @@ def test_a_tight_pool_loads_from_the_tier_instead_of_recomputing():
                                         "policy.preemption_mode=swap", "kv.num_cpu_blocks=100"],
                                    ["cluster.num_replicas=2", "cluster.router=prefix_aware"]])
 def test_fast_equals_exact_with_an_offload_tier(extra):
-    s = assert_fast_equals_exact([*BASE, "workload.num_sessions=20", "kv.num_gpu_blocks=300",
+    s = assert_fast_equals_exact([*BASE, "workload.num_sessions=20", "kv.num_gpu_blocks_override=300",
                                   "kv.num_offload_blocks=60", *extra])
     assert s["kv_offload_loads"] > 0 and s["kv_offload_stores"] > 0
 
 
 def test_offload_gib_sets_the_tier_from_the_block_size():
     s = Simulation(compose_cfg("model=tiny", "workload.num_requests=5",
-                               "kv.enable_prefix_caching=true", "kv.cpu_offload_gib=0.001"))
+                               "kv.enable_prefix_caching=true", "kv.kv_offloading_size=0.001"))
     per_block = s.memory.kv_bytes_per_block
     assert s.memory.num_offload_blocks == int(0.001 * 2**30 // per_block) > 0
 
 
 @pytest.mark.parametrize("overrides,field", [
-    (["kv.cpu_offload_gib=1", "kv.enable_prefix_caching=false"], "kv.cpu_offload_gib"),
+    (["kv.kv_offloading_size=1", "kv.enable_prefix_caching=false"], "kv.kv_offloading_size"),
     (["kv.num_offload_blocks=10", "policy=fcfs"], "kv.num_offload_blocks"),
-    (["kv.cpu_offload_gib=-1"], "kv.cpu_offload_gib"),
-    (["kv.cpu_offload_gib=inf", "policy=vllm_v1"], "kv.cpu_offload_gib"),
+    (["kv.kv_offloading_size=-1"], "kv.kv_offloading_size"),
+    (["kv.kv_offloading_size=inf", "policy=vllm_v1"], "kv.kv_offloading_size"),
     (["kv.num_offload_blocks=-3"], "kv.num_offload_blocks"),
 ])
 def test_bad_offload_settings_name_the_field(overrides, field):

@@ -50,7 +50,7 @@ def test_sjf_aging_serves_every_request_under_sustained_overload():
 
 
 def test_summary_counts_preemptions_of_each_kind():
-    common = ("kv.num_gpu_blocks=150", "workload.num_requests=80", "workload.qps=40")
+    common = ("kv.num_gpu_blocks_override=150", "workload.num_requests=80", "workload.qps=40")
     rec = run_simulation(small_cfg(*common)).summary
     assert rec["num_preemptions"] > 0 and rec["num_swaps"] == 0
     assert rec["num_recomputes"] == rec["num_preemptions"] and rec["num_swap_fallbacks"] == 0
@@ -75,7 +75,7 @@ def test_sjf_predictions_follow_the_run_seed():
 @pytest.mark.parametrize("policy", ["static", "sjf", "chunked_prefill", "priority"])
 def test_every_policy_runs_the_default_model_through_the_config(policy):
     res = run_simulation(small_cfg(f"policy={policy}", "workload.priorities=[1,1]",
-                                   "kv.num_gpu_blocks=1500", "check_integrity=true"))
+                                   "kv.num_gpu_blocks_override=1500", "check_integrity=true"))
     assert res.summary["completed"] == 60 and res.summary["policy"] == policy
 
 

@@ -174,7 +174,7 @@ def test_a_request_preempted_by_recompute_finds_its_own_blocks():
 # ---- whole runs -----------------------------------------------------------------------------
 SHARED_PROMPTS = ["model=tiny", "workload.num_requests=120", "workload.qps=40",
                   "workload.shared_prefix_len=100", "workload.num_prefix_groups=3",
-                  "kv.num_gpu_blocks=120", "kv.num_cpu_blocks=60", "check_integrity=true"]
+                  "kv.num_gpu_blocks_override=120", "kv.num_cpu_blocks=60", "check_integrity=true"]
 
 
 @pytest.mark.parametrize("policy", [["policy=fcfs"], ["policy=fcfs",
@@ -192,7 +192,7 @@ def test_every_policy_keeps_requests_and_kv_books_with_caching_on(policy):
 
 def test_caching_off_is_the_run_without_it():
     base = ["model=tiny", "workload.num_requests=80", "workload.qps=30",
-            "workload.shared_prefix_len=100", "kv.num_gpu_blocks=400", "step_mode=exact"]
+            "workload.shared_prefix_len=100", "kv.num_gpu_blocks_override=400", "step_mode=exact"]
     off = Simulation(compose_cfg(*base)).run()
     explicit = Simulation(compose_cfg(*base, "kv.enable_prefix_caching=false")).run()
     on = Simulation(compose_cfg(*base, "kv.enable_prefix_caching=true")).run()
@@ -214,7 +214,7 @@ def test_caching_off_is_the_run_without_it():
 def test_fast_equals_exact_with_caching_on(extra):
     assert_fast_equals_exact(["model=tiny", "workload.num_requests=60", "workload.qps=60",
                               "workload.shared_prefix_len=64", "workload.num_prefix_groups=2",
-                              "kv.num_gpu_blocks=90", "kv.enable_prefix_caching=true", *extra])
+                              "kv.num_gpu_blocks_override=90", "kv.enable_prefix_caching=true", *extra])
 
 
 @pytest.mark.skipif(not MOONCAKE.exists(), reason="needs ../shared/traces")
@@ -244,7 +244,7 @@ def test_unbounded_cache_hit_rate_on_mooncake_equals_a_count_from_its_hash_ids(t
         seen.update(tuple(full[:k]) for k in range(1, len(full) + 1))
     s = Simulation(compose_cfg(
         "model=tiny", "model.max_model_len=32000", "workload=trace", f"workload.path={trace}",
-        "policy.max_num_batched_tokens=32000", "kv.num_gpu_blocks=400000",
+        "policy.max_num_batched_tokens=32000", "kv.num_gpu_blocks_override=400000",
         "kv.enable_prefix_caching=true")).run().summary
     assert s["completed"] == len(rows) and s["kv_evictions"] == 0
     assert (s["prefix_cache_queries"], s["prefix_cache_hits"]) == (queries, hits)
@@ -270,7 +270,7 @@ def test_random_shared_prefixes_fast_equals_exact(seed, qps, blocks, prefix, gro
         "model=tiny", f"seed={seed}", f"workload.qps={qps}", "workload.num_requests=40",
         "workload.prompt_len.max=300", "workload.output_len.max=150",
         f"workload.shared_prefix_len={prefix}", f"workload.num_prefix_groups={groups}",
-        f"kv.block_size={block_size}", f"kv.num_gpu_blocks={blocks}",
+        f"kv.block_size={block_size}", f"kv.num_gpu_blocks_override={blocks}",
         f"kv.num_cpu_blocks={blocks // 2}", f"policy={policy}", *extra,
         "policy.max_num_seqs=16", f"policy.preemption_mode={'swap' if swap else 'recompute'}",
         "kv.enable_prefix_caching=true", f"kv.num_offload_blocks={offload}", *cluster])
@@ -281,7 +281,7 @@ def test_random_shared_prefixes_fast_equals_exact(seed, qps, blocks, prefix, gro
         "model=tiny", f"seed={seed}", f"workload.qps={qps}", "workload.num_requests=40",
         "workload.prompt_len.max=300", "workload.output_len.max=150",
         f"workload.shared_prefix_len={prefix}", f"workload.num_prefix_groups={groups}",
-        f"kv.block_size={block_size}", f"kv.num_gpu_blocks={blocks}",
+        f"kv.block_size={block_size}", f"kv.num_gpu_blocks_override={blocks}",
         f"kv.num_cpu_blocks={blocks // 2}", f"policy={policy}", *extra,
         "policy.max_num_seqs=16", f"policy.preemption_mode={'swap' if swap else 'recompute'}",
         "kv.enable_prefix_caching=true", f"kv.num_offload_blocks={offload}",
@@ -313,7 +313,7 @@ def test_a_prefix_aware_router_sends_a_group_where_its_prefix_is_cached():
     base = ["model=tiny", "policy=vllm_v1", "cluster.num_replicas=4",
             "workload.num_requests=300", "workload.qps=40", "workload.prompt_len.min=600",
             "workload.prompt_len.max=700", "workload.shared_prefix_len=512",
-            "workload.num_prefix_groups=16", "kv.num_gpu_blocks=400"]
+            "workload.num_prefix_groups=16", "kv.num_gpu_blocks_override=400"]
     rr = Simulation(compose_cfg(*base, "cluster.router=round_robin")).run().summary
     pa = Simulation(compose_cfg(*base, "cluster.router=prefix_aware")).run().summary
     approx = Simulation(compose_cfg(*base, "cluster.router=prefix_aware_approx")).run().summary

@@ -25,7 +25,7 @@ def test_greedy_outputs_do_not_depend_on_scheduling_on_the_gpu():
     from tests.helpers import compose_cfg
 
     outs = []
-    for extra in ((), ("policy.preemption_mode=swap", "kv.num_gpu_blocks=8"),
+    for extra in ((), ("policy.preemption_mode=swap", "kv.num_gpu_blocks_override=8"),
                   ("policy=chunked_prefill", "policy.max_num_batched_tokens=16",
                    "policy.max_num_seqs=16")):
         cfg = compose_cfg("executor=real", "device=cuda", "model=tiny", "executor.dtype=fp32",

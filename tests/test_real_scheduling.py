@@ -13,7 +13,7 @@ from experiments.simulation import Simulation  # noqa: E402
 from policies import POLICIES  # noqa: E402
 from tests.helpers import compose_cfg  # noqa: E402
 
-TINY_POOL = ("kv.num_gpu_blocks=8",)  # 128 tokens for 12 requests of up to 100: preemption
+TINY_POOL = ("kv.num_gpu_blocks_override=8",)  # 128 tokens for 12 requests of up to 100: preemption
 
 # Configurations per policy name; a name registered but not listed here runs with its
 # defaults, a name listed but not registered (a policy from another branch) is skipped.
@@ -50,7 +50,7 @@ def run(*overrides: str, out_dir=None):
     # Small pools keep the per-step integrity check cheap; all requests arrive at once.
     cfg = compose_cfg("executor=real", "device=cpu", "model=tiny", "seed=3",
                       "check_integrity=true", "workload.num_requests=12", "workload.qps=1000",
-                      "kv.num_gpu_blocks=256", "kv.num_cpu_blocks=64", *overrides)
+                      "kv.num_gpu_blocks_override=256", "kv.num_cpu_blocks=64", *overrides)
     cfg["workload"]["prompt_len"] = {"dist": "uniform", "min": 5, "max": 60}
     cfg["workload"]["output_len"] = {"dist": "uniform", "min": 8, "max": 40}
     res = Simulation(cfg, out_dir, keep_requests=True).run()
@@ -129,7 +129,7 @@ def test_greedy_outputs_do_not_depend_on_prefix_cache_hits(overrides, shared_bas
 @pytest.mark.parametrize("overrides", [
     ("policy=vllm_v1", *TINY_POOL),
     ("policy=fcfs", "policy.preemption_mode=recompute", *TINY_POOL),
-    ("policy=sjf", "policy.preemption_mode=swap", "kv.num_gpu_blocks=10"),
+    ("policy=sjf", "policy.preemption_mode=swap", "kv.num_gpu_blocks_override=10"),
 ])
 def test_greedy_outputs_do_not_depend_on_offload_loads(overrides, shared_baseline):
     """A tight GPU pool evicts the shared prefixes; the offload tier keeps their KV in host

@@ -114,7 +114,7 @@ def test_tight_pools_keep_every_request_and_the_books(extra):
     base = ["model=tiny", "policy=sglang", "workload.num_requests=80", "workload.qps=160",
             "workload.shared_prefix_len=48", "workload.num_prefix_groups=3",
             "workload.prompt_len.max=300", "workload.output_len.max=150",
-            "kv.num_gpu_blocks=60", "kv.num_cpu_blocks=0", "policy.chunked_prefill_size=128",
+            "kv.num_gpu_blocks_override=60", "kv.num_cpu_blocks=0", "policy.chunked_prefill_size=128",
             *extra]
     s = Simulation(compose_cfg(*base, "check_integrity=true")).run().summary
     assert s["completed"] + s["rejected"] == 80 and s["completed"] > 0

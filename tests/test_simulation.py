@@ -48,7 +48,7 @@ def test_outputs_and_summary_keys(tmp_path):
 
 
 def test_every_request_finishes_or_is_rejected_with_a_reason():
-    cfg = small_cfg("kv.num_gpu_blocks=120", "workload.num_requests=100", "workload.qps=50",
+    cfg = small_cfg("kv.num_gpu_blocks_override=120", "workload.num_requests=100", "workload.qps=50",
                     "check_integrity=true")
     res = Simulation(cfg, keep_requests=True).run()
     s = res.summary
@@ -238,7 +238,7 @@ def test_finished_request_line_leaves_other_requests_to_the_writer():
     assert finished_request_line(odd) is None
 
 
-@pytest.mark.parametrize("overrides", [(), ("kv.num_gpu_blocks=300", "policy.preemption_mode=swap"),
+@pytest.mark.parametrize("overrides", [(), ("kv.num_gpu_blocks_override=300", "policy.preemption_mode=swap"),
                                        ("workload.num_requests=30", "model.max_model_len=1500")])
 def test_csv_files_are_the_csv_writers_text_of_the_in_memory_rows(tmp_path, overrides):
     """The files' text (finished requests' lines and step rows formatted in one pass, jump

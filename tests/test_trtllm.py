@@ -96,7 +96,7 @@ def test_guaranteed_no_evict_never_pauses_and_fast_equals_exact(seed, blocks, qp
     """Tight pools, every arrival rate: nobody is ever paused, every request is served or
     refused, and decode jumps give the step-by-step schedule."""
     s = _assert_same([
-        "policy=trtllm", "model=tiny", f"seed={seed}", f"kv.num_gpu_blocks={blocks}",
+        "policy=trtllm", "model=tiny", f"seed={seed}", f"kv.num_gpu_blocks_override={blocks}",
         f"workload.qps={qps}", "workload.num_requests=40", "workload.prompt_len.max=200",
         "workload.output_len.max=120", f"policy.chunked_prefill={str(chunked).lower()}",
         "policy.max_num_batched_tokens=512", "policy.max_num_seqs=64", "check_integrity=false"])
@@ -111,7 +111,7 @@ def test_a_decode_pool_reserves_whole_lengths_under_guaranteed_no_evict(policy, 
     FCFS's on the same load preempt."""
     s = Simulation(compose_cfg(
         "cluster=disaggregated", f"policy={policy}", "model=tiny", "workload.num_requests=60",
-        "workload.qps=200", "kv.num_gpu_blocks=40", "workload.prompt_len.max=200",
+        "workload.qps=200", "kv.num_gpu_blocks_override=40", "workload.prompt_len.max=200",
         "workload.output_len.max=300")).run().summary
     assert s["completed"] == 60 and (s["num_preemptions"] > 0) == paused
 

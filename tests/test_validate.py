@@ -32,7 +32,7 @@ from tests.helpers import CONF, compose_cfg
 LOOP_WORKLOAD = ("model=tiny", "workload.num_requests=60", "workload.qps=40",
                  "workload.prompt_len.median=120", "workload.prompt_len.max=512",
                  "workload.output_len.median=20", "workload.output_len.max=100",
-                 "policy.max_num_batched_tokens=1024", "kv.num_gpu_blocks=96")
+                 "policy.max_num_batched_tokens=1024", "kv.num_gpu_blocks_override=96")
 
 
 def _recorded_run(*overrides: str):
@@ -65,7 +65,7 @@ def test_replay_with_the_recording_executor_reproduces_the_run():
 
 def test_replay_of_a_preempting_run_keeps_tokens_and_arrivals():
     """Recompute preemption re-prefills: tokens already emitted keep their steps."""
-    sim, rec, res = _recorded_run("kv.num_gpu_blocks=24", "workload.qps=200")
+    sim, rec, res = _recorded_run("kv.num_gpu_blocks_override=24", "workload.qps=200")
     assert res.summary["num_preemptions"] > 0
     arrivals = {r.request_id: r.arrival_time for r in res.requests}
     rep = replay(rec.steps, rec.inner, arrivals)

@@ -26,7 +26,7 @@ def _fixed_cfg(n: int = 100) -> dict:
     """Requests that each finish in the one step that prefills them (100-token prompts, one
     output token), constant arrivals: every step serves up to PER_STEP of them."""
     cfg = compose_cfg("model=tiny", f"workload.num_requests={n}", "workload.arrival=constant",
-                      "policy.max_num_batched_tokens=1000", "kv.num_gpu_blocks=4096",
+                      "policy.max_num_batched_tokens=1000", "kv.num_gpu_blocks_override=4096",
                       "step_mode=exact")
     cfg["workload"]["prompt_len"] = {"dist": "fixed", "value": 100}
     cfg["workload"]["output_len"] = {"dist": "fixed", "value": 1}
@@ -134,9 +134,9 @@ def test_gpu_preset_fits_an_h100_and_covers_its_workload():
     w = cfg["workload"]
     assert max(grid.prefill_chunks) >= w["prompt_len"]["max"] + w["output_len"]["max"]
     block = model.kv_bytes_per_token * cfg["kv"]["block_size"]
-    pools = (blocks_needed(shapes, 16) + cfg["kv"]["num_gpu_blocks"]) * block
+    pools = (blocks_needed(shapes, 16) + cfg["kv"]["num_gpu_blocks_override"]) * block
     activations = 2 * 2**30  # an 8,192-token prefill's live tensors and the logits, rounded up
-    assert cfg["kv"]["num_gpu_blocks"] == cfg["validate"]["saturation_num_gpu_blocks"] == 8192
+    assert cfg["kv"]["num_gpu_blocks_override"] == cfg["validate"]["saturation_num_gpu_blocks"] == 8192
     assert (model.weight_bytes() + pools + activations) / 2**30 < 70  # of ~79 GiB
     # The preemption-heavy pool (docs) holds several of the longest requests.
     longest = -(-(w["prompt_len"]["max"] + w["output_len"]["max"]) // 16)
@@ -203,7 +203,7 @@ def test_a_released_real_executor_holds_no_kv_and_runs_no_step():
     from sim.plan import ScheduledRequest, StepPlan
 
     sim = Simulation(compose_cfg("executor=real", "device=cpu", "model=tiny",
-                                 "kv.num_gpu_blocks=8", "workload.num_requests=2"))
+                                 "kv.num_gpu_blocks_override=8", "workload.num_requests=2"))
     ex = sim.executor
     ex.init_kv_cache(8, 2, 16)
     kv = KVBlockManager(8, 16)

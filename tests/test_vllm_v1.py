@@ -140,6 +140,6 @@ def test_fast_equals_exact(seed, qps, blocks, tokens, prefix, layout, order):
         "model=tiny", "policy=vllm_v1", f"seed={seed}", f"workload.qps={qps}",
         "workload.num_requests=40", "workload.prompt_len.max=300",
         "workload.output_len.max=150", f"workload.shared_prefix_len={prefix}",
-        "workload.num_prefix_groups=2", f"kv.num_gpu_blocks={blocks}",
+        "workload.num_prefix_groups=2", f"kv.num_gpu_blocks_override={blocks}",
         f"policy.max_num_batched_tokens={tokens}", "policy.max_num_seqs=16",
         f"policy.scheduling_policy={order}", "workload.priorities=[1,1,2]", *cluster])

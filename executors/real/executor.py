@@ -186,7 +186,7 @@ class RealExecutor(Executor):
         free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
         if need > free:
             raise ConfigError(
-                "kv.num_gpu_blocks",
+                "kv.num_gpu_blocks_override",
                 f"{num_gpu_blocks} blocks of {DTYPE_NAMES[self.dtype]} KV for {self.spec.name} "
                 f"need {need / 2**30:.1f} GiB, but only {free / 2**30:.1f} of the "
                 f"{total / 2**30:.1f} GiB of {self.device} are free "
