@@ -191,7 +191,7 @@ def row_setup(row: Row, exp: dict[str, Any], folder: Path) -> RunSetup:
         return RunSetup(
             groups={"model": s["model"], "hardware": BLOG_GPUS[gpu], "policy": "fcfs",
                     "cluster": "single"},
-            values={"model": {"weight_dtype": "bf16", "kv_dtype": "bf16"},
+            values={"model": {"weight_dtype": "bf16", "kv_cache_dtype": "bf16"},
                     "policy": {**VLLM_V06_POLICY, "max_num_seqs": engine["max_num_seqs"],
                                "max_num_batched_tokens":
                                max(max_len, VLLM_V06_MIN_BATCHED_TOKENS)},
@@ -221,7 +221,7 @@ def row_setup(row: Row, exp: dict[str, Any], folder: Path) -> RunSetup:
                 "request_rate": math.inf,
                 "output_mean": round(per_sample, 1) if outputs == "scaled" else None,
                 "max_output": int(mp.get("max_output", 1024))}
-    weights, kv_dtype = s["weights"], s["kv_cache"]
+    weights, kv_cache_dtype = s["weights"], s["kv_cache"]
     note = (f"outputs scaled to {per_sample:.1f} tokens/sample" if outputs == "scaled"
             else "reference output lengths") + "; TensorRT-LLM scheduled as fcfs"
     if weights == "fp8" and not float(_group("hardware", hardware).get("peak_tflops_fp8", 0)):
@@ -229,7 +229,7 @@ def row_setup(row: Row, exp: dict[str, Any], folder: Path) -> RunSetup:
     return RunSetup(
         groups={"model": "llama2_70b", "hardware": hardware, "policy": "fcfs",
                 "cluster": "single"},
-        values={"model": {"weight_dtype": weights, "kv_dtype": kv_dtype},
+        values={"model": {"weight_dtype": weights, "kv_cache_dtype": kv_cache_dtype},
                 "policy": {**VLLM_V06_POLICY, "max_num_seqs": _int(s["max_batch"], "max_batch",
                                                                     row),
                            "max_num_batched_tokens": int(mp.get("max_num_batched_tokens",

@@ -107,6 +107,7 @@ RENAMED_KEYS: dict[str, str] = {
     "kv.num_gpu_blocks": "kv.num_gpu_blocks_override",
     "kv.swap_space_gib": "kv.swap_space",
     "kv.cpu_offload_gib": "kv.kv_offloading_size",
+    "model.kv_dtype": "model.kv_cache_dtype",
 }
 
 

@@ -79,7 +79,7 @@ class Executor(ABC):
     # Optional hooks for executors that run on a real device (the real executor does).
     def kv_cache_dtype(self) -> str | None:
         """The dtype (a ``sim.specs`` name) of the KV cache this executor allocates, or None
-        for the model spec's ``kv_dtype``. The memory planner sizes blocks with it."""
+        for the model spec's ``kv_cache_dtype``. The memory planner sizes blocks with it."""
         return None
 
     def device_spec(self, hardware: HardwareSpec) -> HardwareSpec:

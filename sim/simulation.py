@@ -314,9 +314,9 @@ class Simulation:
     def _plan_memory(self, policy: Policy, executor: Executor, hardware: HardwareSpec,
                      tp: int, pp: int, tp_field: str = "cluster.tensor_parallel") -> MemoryPlan:
         k, p = self.kv_cfg, policy.config
-        kv_dtype = executor.kv_cache_dtype()
-        if kv_dtype is not None and kv_dtype != self.model.kv_dtype:
-            self.model = dataclasses.replace(self.model, kv_dtype=kv_dtype)
+        kv_cache_dtype = executor.kv_cache_dtype()
+        if kv_cache_dtype is not None and kv_cache_dtype != self.model.kv_cache_dtype:
+            self.model = dataclasses.replace(self.model, kv_cache_dtype=kv_cache_dtype)
         hardware = executor.device_spec(hardware)
         act = executor.activation_reserve_bytes(p.max_num_batched_tokens, p.max_num_seqs)
         if k.activation_reserve_gib is not None:

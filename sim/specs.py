@@ -13,7 +13,7 @@ from typing import Any
 
 import yaml
 
-from sim.config_types import typed_fields
+from sim.config_types import renamed, typed_fields
 from sim.errors import ConfigError, require, require_known_fields
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
@@ -68,7 +68,7 @@ class ModelSpec:
     attention_bias: bool = False  # Qwen2 has biases on q, k, v
     tie_word_embeddings: bool = False
     weight_dtype: str = "fp16"  # linear-layer weights; embeddings and norms stay 16-bit
-    kv_dtype: str = "fp16"
+    kv_cache_dtype: str = "fp16"
     activation_dtype: str = "fp16"
 
     def __post_init__(self) -> None:
@@ -77,7 +77,7 @@ class ModelSpec:
             require(v >= 1, f"model.{f}", f"must be >= 1, got {v}")
             require(v <= most, f"model.{f}", f"must be <= {most} (beyond any served model's; "
                                              f"the cost model's work grows with it), got {v}")
-        for f in ("name", "hf_name", "weight_dtype", "kv_dtype", "activation_dtype"):
+        for f in ("name", "hf_name", "weight_dtype", "kv_cache_dtype", "activation_dtype"):
             v = getattr(self, f)
             require(isinstance(v, str), f"model.{f}", f"must be a string, got {v!r}")
         require(self.rope_theta > 0, "model.rope_theta", f"must be > 0, got {self.rope_theta}")
@@ -88,8 +88,8 @@ class ModelSpec:
         require(self.num_heads % self.num_kv_heads == 0, "model.num_kv_heads",
                 f"{self.num_kv_heads} does not divide num_heads={self.num_heads}")
         dtype_bytes(self.weight_dtype, "model.weight_dtype")
-        require(self.kv_dtype in KV_DTYPES, "model.kv_dtype",
-                f"unknown KV dtype {self.kv_dtype!r}; known: {', '.join(KV_DTYPES)}")
+        require(self.kv_cache_dtype in KV_DTYPES, "model.kv_cache_dtype",
+                f"unknown KV dtype {self.kv_cache_dtype!r}; known: {', '.join(KV_DTYPES)}")
         require(self.activation_dtype in ("fp16", "bf16", "fp32"), "model.activation_dtype",
                 f"must be fp16, bf16 or fp32, got {self.activation_dtype!r}")
 
@@ -136,7 +136,7 @@ class ModelSpec:
 
     @property
     def kv_bytes_per_element(self) -> float:
-        return DTYPE_BYTES[self.kv_dtype]
+        return DTYPE_BYTES[self.kv_cache_dtype]
 
     def weight_bytes(self, tensor_parallel: int = 1, pipeline_parallel: int = 1) -> float:
         """Weight bytes held by one GPU (the largest rank under the given parallelism).
@@ -252,6 +252,10 @@ def _known(kind: str) -> list[str]:
 
 
 def _from_mapping(cls: type, data: dict[str, Any], kind: str, where: str) -> Any:
+    for key in data:
+        error = renamed(f"{kind}.{key}")
+        if error is not None:
+            raise error
     require_known_fields(data, cls, kind, f"field in {where}")
     missing = [f.name for f in fields(cls) if f.name not in data
                and f.default is MISSING and f.default_factory is MISSING]

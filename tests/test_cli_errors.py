@@ -87,3 +87,16 @@ def test_a_key_renamed_to_vllms_name_is_refused_naming_the_new_one(tmp_path, old
     cfg["kv"][old.split(".")[1]] = 1
     with pytest.raises(ConfigError, match=f"^{old}: renamed to {new}"):
         Simulation(cfg)
+
+
+def test_the_models_kv_dtype_is_renamed_to_vllms_kv_cache_dtype():
+    from experiments.simulation import Simulation
+    from sim.errors import ConfigError
+    from tests.helpers import small_cfg
+
+    cfg = small_cfg()
+    cfg["model"]["kv_dtype"] = "fp8"
+    with pytest.raises(ConfigError, match=r"^model\.kv_dtype: renamed to model\.kv_cache_dtype"):
+        Simulation(cfg)
+    cfg = small_cfg("model.kv_cache_dtype=fp8")
+    assert Simulation(cfg, None).run().summary["kv_bytes_per_token"] == 65_536

@@ -19,7 +19,7 @@ CASES = [
     ["workload=trace", "workload.path=/tmp/x.csv", "policy.max_num_seqs=4"],
     ["policy=priority", "workload.priorities=[1,1,2]", "+extra=3"],
     ["policy=fcfs", "policy=sjf", "policy.bucket_edges=[1,2]", "seed=5"],
-    ["hardware=h200", "executor=real", "model.kv_dtype=fp8"],
+    ["hardware=h200", "executor=real", "model.kv_cache_dtype=fp8"],
 ]
 
 

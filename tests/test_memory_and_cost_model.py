@@ -21,7 +21,7 @@ def test_llama3_8b_weights_are_16_06_gb():
 
 def test_dtypes_change_bytes():
     base = load_model_spec("llama3_8b")
-    assert load_model_spec("llama3_8b", kv_dtype="fp8").kv_bytes_per_token == 65_536
+    assert load_model_spec("llama3_8b", kv_cache_dtype="fp8").kv_bytes_per_token == 65_536
     int4 = load_model_spec("llama3_8b", weight_dtype="int4").weight_bytes()
     fp8 = load_model_spec("llama3_8b", weight_dtype="fp8").weight_bytes()
     assert int4 < fp8 < base.weight_bytes()

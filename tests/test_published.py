@@ -140,7 +140,7 @@ def test_blog_row_maps_to_vllm_v06_defaults(tmp_path):
     assert s.groups == {"model": "llama3_70b", "hardware": "a100_80gb", "policy": "fcfs",
                         "cluster": "single"}
     assert s.values == {
-        "model": {"weight_dtype": "bf16", "kv_dtype": "bf16"},
+        "model": {"weight_dtype": "bf16", "kv_cache_dtype": "bf16"},
         # The blog's server flags: --max-num-seqs 512 --num-scheduler-steps 10, async output.
         "policy": {"max_num_seqs": 512, "chunked_prefill": False,
                    "preemption_mode": "recompute", "kv_watermark": 0.01,
@@ -186,7 +186,7 @@ def test_mlperf_row_maps_to_replicas_batch_and_fp8(tmp_path):
     s = row_setup(row, exp, tmp_path)
     assert s.groups == {"model": "llama2_70b", "hardware": "h100_sxm", "policy": "fcfs",
                         "cluster": "single"}
-    assert s.values["model"] == {"weight_dtype": "fp8", "kv_dtype": "fp8"}
+    assert s.values["model"] == {"weight_dtype": "fp8", "kv_cache_dtype": "fp8"}
     assert s.values["policy"]["max_num_seqs"] == 896
     assert s.values["policy"]["max_num_batched_tokens"] == 8192
     assert s.values["cluster"] == {"tensor_parallel": 2, "num_replicas": 4}
