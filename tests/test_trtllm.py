@@ -126,3 +126,16 @@ def test_a_prefill_replica_reserves_prompts_only():
     run = run_disaggregated(reqs, prefill_policy={"name": "trtllm"}, prefill_blocks=4,
                             decode_blocks=64)
     assert [r[0] for r in run.executors[0].steps[0].rows] == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("chunked", ["true", "false"])
+def test_max_utilization_pauses_and_fast_equals_exact(chunked):
+    """A tight pool under max_utilization: requests are paused (recomputed), and decode jumps
+    give the step-by-step schedule, with and without chunked context."""
+    s = _assert_same([
+        "policy=trtllm", "policy.capacity_scheduler_policy=max_utilization", "model=tiny",
+        "kv.num_gpu_blocks_override=40", "workload.qps=30", "workload.num_requests=60",
+        "workload.prompt_len.max=200", "workload.output_len.max=150",
+        f"policy.chunked_prefill={chunked}", "policy.max_num_batched_tokens=512",
+        "policy.max_num_seqs=64"])
+    assert s["num_preemptions"] > 0 and s["num_decode_jumps"] > 0
