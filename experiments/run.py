@@ -42,6 +42,7 @@ from experiments.intervals import (
     with_intervals,
 )
 from experiments.simulation import Simulation
+from experiments.sweep import DEFAULT_OBJECTIVE
 from sim import stop as sim_stop
 from sim.config_types import renamed
 from sim.errors import ConfigError, RunInterrupted, exit_on_config_error, exit_with, require
@@ -106,7 +107,7 @@ OBJECTIVES: tuple[str, ...] = (
 
 def objective_name(cfg: dict) -> str:
     """The ``objective`` config value, checked before any job runs."""
-    name = cfg.get("objective") or "p99_ttft_ms"
+    name = cfg.get("objective") or DEFAULT_OBJECTIVE
     require(name in OBJECTIVES, "objective",
             f"{name!r} is not a figure a job can return; known: {', '.join(OBJECTIVES)}")
     return str(name)
@@ -209,7 +210,8 @@ def run_job(cfg: DictConfig) -> dict:
 def main(cfg: DictConfig) -> float:
     """One job; returns its ``objective`` figure (what Hydra's optimizing sweepers read)."""
     summary = run(cfg)
-    return objective_value(summary, str(cfg.get("objective") or "p99_ttft_ms"))
+    # Checked before the job ran: a sweep's refused job returns NaN here, not an error.
+    return objective_value(summary, str(cfg.get("objective") or DEFAULT_OBJECTIVE))
 
 
 @contextmanager

@@ -35,6 +35,8 @@ from sim.outputs import write_atomic
 from sim.report import write_page
 from sim.report_options import report_options
 
+#: The figure a job returns and sweep.html draws when ``objective`` is not set.
+DEFAULT_OBJECTIVE = "p99_ttft_ms"
 # The headline figures of each job's summary.json, in table order.
 FIGURES = ("completed", "rejected", "request_throughput", "request_goodput", "output_throughput",
            "mean_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "p99_tpot_ms", "mean_e2el_ms",
@@ -100,12 +102,13 @@ def sweep_figure(table: pd.DataFrame, objective: str) -> go.Figure:
         f"{objective} against {k}" for k in keys], vertical_spacing=0.3 / len(keys))
     for i, key in enumerate(keys, start=1):
         others = [k for k in keys if k != key]
+        axis = _axis(table[key])
         lines = [("", table.index)]
         if others:  # one line per value of the first other key, in its axis order
             by = _axis(table[others[0]])
             lines = [(v, by.index[by == v]) for v in sorted(by.unique())]
         for value, rows in lines:
-            x = _axis(table[key])[rows]
+            x = axis[rows]
             order = x.sort_values().index
             fig.add_trace(go.Scatter(
                 x=x[order], y=y[order], mode="lines+markers",
@@ -136,7 +139,7 @@ class GatherSweep(Callback):
         text = markdown_table([{k: _cell(v) for k, v in r.items()}
                                for r in table[shown].to_dict("records")])
         write_atomic(sweep_dir / "sweep.md", text + "\n")
-        objective = str(config.get("objective") or "p99_ttft_ms")
+        objective = str(config.get("objective") or DEFAULT_OBJECTIVE)
         try:  # the jobs' reports and this page share the sweep folder's plotly.min.js
             plotly_js = report_options(config.get("report")).plotly_js
         except ConfigError:  # every job has already failed on it

@@ -115,6 +115,14 @@ def latest_arrival_victim(step: StepBuilder, requester: Request) -> Request | No
     return None
 
 
+def no_victim(step: StepBuilder, requester: Request) -> Request | None:
+    """The picker of a policy whose requests hold their whole length from admission (static
+    batching, TensorRT-LLM's guaranteed_no_evict): a next token that finds no block is a
+    broken reservation, never a reason to preempt."""
+    raise RuntimeError(f"request {requester.request_id} holds KV for its whole length, yet "
+                       f"its next token found no block")
+
+
 def victim_from_end(ordered: Sequence[Request]) -> VictimPicker:
     """A picker that takes the last request of ``ordered`` (most preemptible last) that is
     still running and not yet in this step. ``latest_arrival_victim`` is this over the

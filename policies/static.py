@@ -29,10 +29,9 @@ from dataclasses import dataclass
 from itertools import islice
 
 from policies.base import POLICIES, Policy, PolicyConfig
-from policies.budget import Budget, admit, schedule_running
+from policies.budget import Budget, admit, no_victim, schedule_running
 from sim.errors import require
 from sim.plan import StepPlan
-from sim.request import Request
 from sim.step_builder import StepBuilder
 
 
@@ -49,11 +48,6 @@ class StaticConfig(PolicyConfig):
     @property
     def batch_size(self) -> int:
         return self.max_batch_size or self.max_num_seqs
-
-
-def _no_victim(step: StepBuilder, requester: Request) -> Request | None:
-    raise RuntimeError(f"static batching reserved request {requester.request_id}'s KV up "
-                       f"front, yet its next token found no slot")
 
 
 @POLICIES.register("static")
@@ -92,7 +86,7 @@ class StaticBatchingPolicy(Policy):
         # The whole running set when every request belongs to the batch (as the shared
         # decode run needs), else only the batch.
         order = running if len(members) == len(running) else members
-        schedule_running(step, budget, _no_victim, order)
+        schedule_running(step, budget, no_victim, order)
         return step.build()
 
     @staticmethod

@@ -31,10 +31,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from policies.base import POLICIES, Policy, PolicyConfig
-from policies.budget import Budget, admit, schedule_running
+from policies.budget import (
+    Budget,
+    admit,
+    latest_arrival_victim,
+    no_victim,
+    schedule_running,
+)
 from sim.errors import require
 from sim.plan import StepPlan
-from sim.request import Request
 from sim.step_builder import StepBuilder
 
 CAPACITY_POLICIES = ("guaranteed_no_evict", "max_utilization")
@@ -61,20 +66,6 @@ class TensorRTLLMConfig(PolicyConfig):
                 "TensorRT-LLM keeps no watermark of free blocks; leave it at 0")
 
 
-def _no_victim(step: StepBuilder, requester: Request) -> Request | None:
-    raise RuntimeError(f"request {requester.request_id} holds KV for its whole length "
-                       f"(guaranteed_no_evict), yet its next token found no block")
-
-
-def _last_admitted(step: StepBuilder, requester: Request) -> Request | None:
-    """``max_utilization``: the running request admitted last (and not yet in this step);
-    the requester itself when it is that one."""
-    for victim in reversed(step.running):
-        if not step.is_scheduled(victim):
-            return victim
-    return None
-
-
 @POLICIES.register("trtllm")
 class TensorRTLLMPolicy(Policy):
     # With nothing admitted a decode-only step repeats until an arrival, finish or KV
@@ -99,7 +90,9 @@ class TensorRTLLMPolicy(Policy):
         cfg = self.config
         budget = Budget(step, cfg.max_num_batched_tokens, cfg.max_num_seqs)
         no_evict = self.reserves_full_length
-        preempted = schedule_running(step, budget, _no_victim if no_evict else _last_admitted)
+        # max_utilization pauses the one admitted last: the latest arrival running.
+        preempted = schedule_running(step, budget,
+                                     no_victim if no_evict else latest_arrival_victim)
         if not preempted and step.waiting:
             # After a pause, admitting would hand the paused request's blocks to a newcomer.
             admit(step, budget, step.waiting, chunked=cfg.chunked_prefill,
