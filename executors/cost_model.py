@@ -183,9 +183,9 @@ class RooflineCostModel(Executor):
         None: the hardware's and the config's)."""
         # The heads must split over the ranks (vLLM's rule; one home in the model spec).
         model.check_tensor_parallel(tensor_parallel)
-        require(pipeline_parallel >= 1, "cluster.pipeline_parallel",
+        require(pipeline_parallel >= 1, "cluster.pipeline_parallel_size",
                 f"must be >= 1, got {pipeline_parallel}")
-        require(pipeline_parallel <= model.num_layers, "cluster.pipeline_parallel",
+        require(pipeline_parallel <= model.num_layers, "cluster.pipeline_parallel_size",
                 f"{pipeline_parallel} stages for {model.name}'s {model.num_layers} layers")
         self.model = model
         self.hardware = hardware

@@ -81,7 +81,7 @@ def case_overrides(case: str, n: int, step_mode: str, out_dir: Path,
     # Million-request runs keep no per-step history either.
     streaming = n >= 100_000
     no_steps = n > 200_000 if steps_csv == "auto" else steps_csv == "off"
-    return ["model=llama3_8b", "hardware=a100_80gb", "cluster.tensor_parallel=1",
+    return ["model=llama3_8b", "hardware=a100_80gb", "cluster.tensor_parallel_size=1",
             "kv.block_size=16", "workload=vidur_bench", f"workload.num_requests={n}",
             f"workload.qps={CASES[case][1]:g}", "seed=42", f"step_mode={step_mode}", "progress=false",
             f"itl_quantiles={'streaming' if streaming else 'exact'}",

@@ -255,7 +255,7 @@ def build_executor(cfg: dict[str, Any]) -> tuple[Executor, ModelSpec, dict[str, 
     model = model_spec_from(dict(cfg["model"]), "model config")
     hardware = hardware_spec_from(dict(cfg["hardware"]), "hardware config")
     ex = dict(cfg["executor"])
-    tp = int(cfg.get("cluster", {}).get("tensor_parallel", 1))
+    tp = int(cfg.get("cluster", {}).get("tensor_parallel_size", 1))
     try:
         factory = executors.EXECUTORS.get(str(ex.get("name")))
     except KeyError as e:

@@ -63,7 +63,7 @@ BLOG_METRICS = ("request_throughput", "mean_tpot_ms", "mean_ttft_ms")
 # vLLM 0.6's engine defaults: 256 sequences; without chunked prefill (off for these models'
 # 8k contexts) max_num_batched_tokens = max(max_model_len, 2048); recompute preemption, a 1%
 # watermark, 16-token blocks, 90% of GPU memory, prefix caching off.
-VLLM_V06_POLICY = {"max_num_seqs": 256, "chunked_prefill": False,
+VLLM_V06_POLICY = {"max_num_seqs": 256, "enable_chunked_prefill": False,
                    "preemption_mode": "recompute", "kv_watermark": 0.01}
 VLLM_V06_MIN_BATCHED_TOKENS = 2048
 # The blog's server flags (vLLM's nightly benchmark configuration of that release:
@@ -197,7 +197,7 @@ def row_setup(row: Row, exp: dict[str, Any], folder: Path) -> RunSetup:
                                max(max_len, VLLM_V06_MIN_BATCHED_TOKENS)},
                     "executor": {k: engine[k] for k in ("num_scheduler_steps",
                                                         "host_overlap")},
-                    "cluster": {"tensor_parallel": gpus, "num_replicas": 1},
+                    "cluster": {"tensor_parallel_size": gpus, "num_replicas": 1},
                     "kv": kv, "workload": workload},
             note=note,
             label=" ".join([s["model"], s["gpus"], s["dataset"]]
@@ -234,7 +234,7 @@ def row_setup(row: Row, exp: dict[str, Any], folder: Path) -> RunSetup:
                                                                     row),
                            "max_num_batched_tokens": int(mp.get("max_num_batched_tokens",
                                                                 8192))},
-                "cluster": {"tensor_parallel": tp, "num_replicas": replicas},
+                "cluster": {"tensor_parallel_size": tp, "num_replicas": replicas},
                 "kv": kv, "workload": workload},
         note=note,
         label=f"llama2_70b {s['system']} {replicas}xTP{tp} batch {s['max_batch']} {weights}")

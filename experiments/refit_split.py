@@ -68,7 +68,7 @@ def split_errors(folder: Path, seq_knee: int | None, cfg: dict | None = None,
 
     cfg, rows, steps, given = load_folder(folder, cfg)
     model = model_spec_from(dict(cfg["model"]), f"{folder}/.hydra/config.yaml model")
-    tp = int(cfg.get("cluster", {}).get("tensor_parallel", 1))
+    tp = int(cfg.get("cluster", {}).get("tensor_parallel_size", 1))
     block = int(cfg["kv"]["block_size"])
     geometry = given.decomposition()  # as the cost model will decompose steps
     names = [f.name for f in dataclasses.fields(StepShape)]

@@ -2,7 +2,7 @@
 
     python -m experiments.run                       # the embedded default
     python -m experiments.run policy=fcfs hardware=h100_sxm model=llama3_70b \
-        cluster.tensor_parallel=4 workload.qps=8 workload.num_requests=500
+        cluster.tensor_parallel_size=4 workload.qps=8 workload.num_requests=500
     python -m experiments.run -m workload.qps=2,4,8  # a multirun sweep
 
 Writes requests.csv, steps.csv, summary.json and report.html into Hydra's output folder, each

@@ -506,7 +506,7 @@ def fit_profile_here(cfg: dict[str, Any], out_dir: Path, statistic: str = "media
     finally:
         _release(executor)  # its KV pool, before the remaining runs allocate theirs
     csv = write_csv(rows, out_dir / "profile.csv")
-    tp = int(sim_cfg.get("cluster", {}).get("tensor_parallel", 1))
+    tp = int(sim_cfg.get("cluster", {}).get("tensor_parallel_size", 1))
     prof = calibrate(rows, model, tp, block_size, source=str(csv), statistic=statistic,
                      attention_tile=getattr(executor, "attention_tile", ATTENTION_TILE))
     path = save_profile(prof, out_dir / "hardware_profile.yaml")
@@ -538,7 +538,7 @@ def refit_on_serving_steps(base: dict[str, Any], profile_path: Path, out_dir: Pa
     steps = [st for run in per_run for st in run]
     runs = [i for i, run in enumerate(per_run) for _ in run]
     model = model_spec_from(dict(base["model"]), "model config")
-    tp = int(base.get("cluster", {}).get("tensor_parallel", 1))
+    tp = int(base.get("cluster", {}).get("tensor_parallel_size", 1))
     prof = calibrate(rows, model, tp, int(base["kv"]["block_size"]), source=str(source),
                      steps=steps, statistic=statistic,
                      # The knee the rows chose: the steps adjust prices, not the roofline shape.
@@ -894,8 +894,8 @@ def main() -> None:
             print(f"validate failed: {type(e).__name__}: {e}\nfinished runs so far: {out_dir}",
                   file=sys.stderr)
             raise
-        print(f"{result.real.get('policy')} (chunked_prefill="
-              f"{cfg.policy.get('chunked_prefill')}), {result.real.get('completed'):.0f} "
+        print(f"{result.real.get('policy')} (enable_chunked_prefill="
+              f"{cfg.policy.get('enable_chunked_prefill')}), {result.real.get('completed'):.0f} "
               f"requests at {result.qps:.2f} req/s on {result.real.get('hardware')} "
               f"(kv.num_gpu_blocks_override={result.real.get('kv_num_gpu_blocks', 0):.0f}), preemptions real "
               f"{[r.get('num_preemptions') for r in result.real_runs]} sim "

@@ -48,12 +48,12 @@ from sim.step_builder import StepBuilder
 class ChunkedPrefillConfig(PolicyConfig):
     name: str = "chunked_prefill"
     max_num_batched_tokens: int = 512
-    chunked_prefill: bool = True
+    enable_chunked_prefill: bool = True
     max_num_partial_prefills: int = 1
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        require(self.chunked_prefill, "policy.chunked_prefill",
+        require(self.enable_chunked_prefill, "policy.enable_chunked_prefill",
                 "must be true for the chunked_prefill policy")
         # Stall-free needs room for a decode token of every running request in every step.
         require(self.max_num_seqs <= self.max_num_batched_tokens, "policy.max_num_seqs",

@@ -8,7 +8,7 @@ Each step is either a prefill step or a decode step:
    recently arrived running request is preempted (recompute by default).
 3. If that preempted nobody, swapped requests come back in order while blocks last.
 
-``policy.chunked_prefill=true`` is refused here and in every policy built on these steps
+``policy.enable_chunked_prefill=true`` is refused here and in every policy built on these steps
 (``ConfigError``): in vLLM v0 the flag switches to a different step structure (decodes first,
 then prompt chunks), which is ``policy=chunked_prefill``. The one chunked case left is a
 recomputed request whose prompt + generated tokens exceed a whole step's budget: it

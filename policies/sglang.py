@@ -64,7 +64,7 @@ class SGLangConfig(PolicyConfig):
     name: str = "sglang"
     max_num_seqs: int = 4096  # SGLang's max_running_requests
     max_num_batched_tokens: int = 16384  # SGLang's max_prefill_tokens
-    chunked_prefill: bool = True
+    enable_chunked_prefill: bool = True
     chunked_prefill_size: int = 8192
     schedule_policy: str = "fcfs"
     schedule_conservativeness: float = 1.0

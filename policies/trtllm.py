@@ -6,7 +6,7 @@ default) and ``max_num_seqs`` (``max_batch_size``, 2,048):
 1. every running request gets its next tokens: a decode token, or a prompt's next chunk;
 2. then waiting requests are admitted in arrival order with their whole prompt, strictly in
    order: the first that does not fit (tokens, seats or KV) stops admission. With
-   ``policy.chunked_prefill=true`` (TensorRT-LLM's ``enable_chunked_context``) the last one
+   ``policy.enable_chunked_prefill=true`` (TensorRT-LLM's ``enable_chunked_context``) the last one
    admitted may start with a partial chunk; its later chunks come in step 1.
 Prompts and decodes share a step (in-flight batching), where vLLM v0 runs prefill-only steps.
 
@@ -50,7 +50,7 @@ class TensorRTLLMConfig(PolicyConfig):
     name: str = "trtllm"
     max_num_seqs: int = 2048
     max_num_batched_tokens: int = 8192
-    chunked_prefill: bool = False
+    enable_chunked_prefill: bool = False
     kv_watermark: float = 0.0
     capacity_scheduler_policy: str = "guaranteed_no_evict"
 
@@ -95,6 +95,6 @@ class TensorRTLLMPolicy(Policy):
                                      no_victim if no_evict else latest_arrival_victim)
         if not preempted and step.waiting:
             # After a pause, admitting would hand the paused request's blocks to a newcomer.
-            admit(step, budget, step.waiting, chunked=cfg.chunked_prefill,
+            admit(step, budget, step.waiting, chunked=cfg.enable_chunked_prefill,
                   reserve_full=no_evict)
         return step.build()

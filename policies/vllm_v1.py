@@ -63,7 +63,7 @@ class VLLMV1Config(PolicyConfig):
     name: str = "vllm_v1"
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
-    chunked_prefill: bool = True
+    enable_chunked_prefill: bool = True
     kv_watermark: float = 0.0
     scheduling_policy: str = "fcfs"  # vLLM's --scheduling-policy: fcfs | priority
 
@@ -71,7 +71,7 @@ class VLLMV1Config(PolicyConfig):
         super().__post_init__()
         require(self.scheduling_policy in SCHEDULING_POLICIES, "policy.scheduling_policy",
                 f"must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}")
-        require(self.chunked_prefill, "policy.chunked_prefill",
+        require(self.enable_chunked_prefill, "policy.enable_chunked_prefill",
                 "vLLM v1 always chunks prefills: must be true for the vllm_v1 policy")
         require(self.preemption_mode == "recompute", "policy.preemption_mode",
                 f"vLLM v1 preempts by recompute only, got {self.preemption_mode!r}")

@@ -196,7 +196,7 @@ def pool_blocker(sim: ArrayCoreHost, w: WorkloadArrays) -> str | None:
     largest = nlargest(cfg.max_num_seqs, map(add, w.prompt_lens, w.output_lens))
     if largest[0] > sim.model.max_model_len:
         return "a request longer than model.max_model_len (refused at arrival)"
-    if not cfg.chunked_prefill and max(w.prompt_lens) > cfg.max_num_batched_tokens:
+    if not cfg.enable_chunked_prefill and max(w.prompt_lens) > cfg.max_num_batched_tokens:
         return "a prompt longer than policy.max_num_batched_tokens (refused at arrival)"
     blocks = sim.memory.num_gpu_blocks
     watermark = watermark_blocks(cfg.kv_watermark, blocks)

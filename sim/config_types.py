@@ -1,10 +1,11 @@
 """Strict scalar types for config values, with errors that name the field.
 
-Hydra hands over whatever YAML or the command line spelled: ``policy.chunked_prefill=no``
-arrives as the string ``"no"`` (YAML 1.1's false is not recognised by Hydra's override
-grammar), ``policy.max_num_seqs=2.5`` as a float, ``workload.qps=abc`` as a string. Python's
-``bool()``, ``int()`` and ``float()`` would turn these into a truthy flag, a silently
-truncated count or a bare ``ValueError`` mid-run; these helpers refuse them up front:
+Hydra hands over whatever YAML or the command line spelled:
+``policy.enable_chunked_prefill=no`` arrives as the string ``"no"`` (YAML 1.1's false is not
+recognised by Hydra's override grammar), ``policy.max_num_seqs=2.5`` as a float,
+``workload.qps=abc`` as a string. Python's ``bool()``, ``int()`` and ``float()`` would turn
+these into a truthy flag, a silently truncated count or a bare ``ValueError`` mid-run; these
+helpers refuse them up front:
 
 * an int field takes an integer (a float only when it is integral, e.g. ``1e5`` on the
   command line) in the signed 64-bit range numpy and the C code below compute in; never a
@@ -108,6 +109,15 @@ RENAMED_KEYS: dict[str, str] = {
     "kv.swap_space_gib": "kv.swap_space",
     "kv.cpu_offload_gib": "kv.kv_offloading_size",
     "model.kv_dtype": "model.kv_cache_dtype",
+    "cluster.tensor_parallel": "cluster.tensor_parallel_size",
+    "cluster.pipeline_parallel": "cluster.pipeline_parallel_size",
+    "cluster.prefill.tensor_parallel": "cluster.prefill.tensor_parallel_size",
+    "cluster.prefill.pipeline_parallel": "cluster.prefill.pipeline_parallel_size",
+    "cluster.decode.tensor_parallel": "cluster.decode.tensor_parallel_size",
+    "cluster.decode.pipeline_parallel": "cluster.decode.pipeline_parallel_size",
+    "policy.chunked_prefill": "policy.enable_chunked_prefill",
+    "cluster.prefill.policy.chunked_prefill": "cluster.prefill.policy.enable_chunked_prefill",
+    "cluster.decode.policy.chunked_prefill": "cluster.decode.policy.enable_chunked_prefill",
 }
 
 

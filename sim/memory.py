@@ -76,13 +76,13 @@ def plan_memory(
     num_gpu_blocks_override: int | None = None,
     activation_reserve_override_bytes: float | None = None,
     weight_bytes_override: float | None = None,
-    parallel_field: str = "cluster.tensor_parallel",
+    parallel_field: str = "cluster.tensor_parallel_size",
     activation_field: str | None = None,
 ) -> MemoryPlan:
     """KV blocks that fit beside the weights and the activation reserve. ``activation_field``:
     the option that set the reserve (None: the batch limits sized it). ``parallel_field``:
     the config field a model that does not fit is reported on (a disaggregated pool's own
-    ``cluster.<side>.tensor_parallel``)."""
+    ``cluster.<side>.tensor_parallel_size``)."""
     if block_size < 1:
         raise ConfigError("kv.block_size", f"must be >= 1, got {block_size}")
     if not 0 < gpu_memory_utilization <= 1:

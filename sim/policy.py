@@ -25,7 +25,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from sim.config_types import typed_fields
+from sim.config_types import renamed, typed_fields
 from sim.errors import ConfigError, require, require_known_fields
 from sim.plan import StepPlan
 from sim.request import Request
@@ -39,7 +39,7 @@ class PolicyConfig:
     name: str = "fcfs"
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
-    chunked_prefill: bool = False
+    enable_chunked_prefill: bool = False
     preemption_mode: str = "recompute"
     kv_watermark: float = 0.01  # fraction of blocks kept free when admitting (vLLM v0)
 
@@ -56,6 +56,10 @@ class PolicyConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> PolicyConfig:
+        for key in data:
+            error = renamed(f"policy.{key}")
+            if error is not None:
+                raise error
         require_known_fields(data, cls, "policy", f"option for policy {data.get('name')!r}")
         return cls(**typed_fields(cls, data, "policy"))
 
@@ -96,7 +100,7 @@ class Policy(ABC):
     #: output) from admission on: a decode replica then reserves that much for a transfer.
     reserves_full_length: ClassVar[bool] = False
     #: True if the policy implements chunked prefill's step structure (decodes first, then
-    #: prefill chunks in the same step), which ``policy.chunked_prefill=true`` asks for.
+    #: prefill chunks in the same step), which ``policy.enable_chunked_prefill=true`` asks for.
     implements_chunked_prefill: ClassVar[bool] = False
     #: True if the policy also decides on plain numbers (FCFS's ``head_admissions``, chunked
     #: prefill's ``chunk_plan``), so that a fast run whose KV pool can never bind may use the
@@ -121,8 +125,8 @@ class Policy(ABC):
         # vLLM v0's flag switches the whole scheduler to decode-first chunking; a policy with
         # prefill-only steps that merely cut prompts into chunks would stall every decode
         # behind a queue of half-done prompts, so the flag is refused rather than half-done.
-        if config.chunked_prefill and not self.implements_chunked_prefill:
-            raise ConfigError("policy.chunked_prefill", (
+        if config.enable_chunked_prefill and not self.implements_chunked_prefill:
+            raise ConfigError("policy.enable_chunked_prefill", (
                 f"policy {config.name!r} does not implement chunked prefill (decodes first, "
                 f"then prompt chunks in the same step); use policy=chunked_prefill"))
         self.config = config

@@ -106,7 +106,7 @@ class Replica:
         if total > self.max_model_len:
             return (f"too_long: prompt {req.prompt_len} + output {req.max_output_len} "
                     f"> model.max_model_len {self.max_model_len}")
-        if not cfg.chunked_prefill and req.prompt_len > cfg.max_num_batched_tokens:
+        if not cfg.enable_chunked_prefill and req.prompt_len > cfg.max_num_batched_tokens:
             return (f"prompt_exceeds_batch: prompt {req.prompt_len} > "
                     f"policy.max_num_batched_tokens {cfg.max_num_batched_tokens}")
         # The last sampled token never needs a KV slot; a prefill replica (handoff set) only

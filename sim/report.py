@@ -33,9 +33,9 @@ HOVER_FORMAT = ",.4~r"  # d3: 4 significant digits, thousands separators, never 
 
 
 def format_summary(s: dict[str, Any]) -> str:
-    par = f"TP{s.get('tensor_parallel', 1)}"
-    if s.get("pipeline_parallel", 1) > 1:
-        par += f" PP{s['pipeline_parallel']}"
+    par = f"TP{s.get('tensor_parallel_size', 1)}"
+    if s.get("pipeline_parallel_size", 1) > 1:
+        par += f" PP{s['pipeline_parallel_size']}"
     if "cluster" in s:  # cluster runs only
         par += f", {s['cluster']} x{s['num_replicas']}"
     head = (f"{s.get('model')} on {s.get('hardware')} ({par}), "
@@ -96,7 +96,7 @@ def _pools(s: dict[str, Any]) -> dict[tuple[Any, ...], int]:
     """Replicas of a cluster run grouped by (role, hardware, TP, PP, KV blocks), counted."""
     pools: dict[tuple[Any, ...], int] = {}
     for r in s.get("replicas", []):
-        key = (r["role"], r["hardware"], r["tensor_parallel"], r["pipeline_parallel"],
+        key = (r["role"], r["hardware"], r["tensor_parallel_size"], r["pipeline_parallel_size"],
                r["kv_num_gpu_blocks"])
         pools[key] = pools.get(key, 0) + 1
     return pools

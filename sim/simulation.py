@@ -234,13 +234,13 @@ class Simulation:
     def is_cluster(self) -> bool:
         """Anything beyond the plain single replica: adds the cluster outputs."""
         c = self.cluster
-        return self.is_disaggregated or c.num_replicas > 1 or c.pipeline_parallel > 1
+        return self.is_disaggregated or c.num_replicas > 1 or c.pipeline_parallel_size > 1
 
     def _make_pools(self) -> list[Pool]:
         c = self.cluster
         if isinstance(c, ClusterConfig):
             return [self._make_pool("replica", c.num_replicas, self.hardware, self.policy_cfg,
-                                    c.tensor_parallel, c.pipeline_parallel, "cluster")]
+                                    c.tensor_parallel_size, c.pipeline_parallel_size, "cluster")]
         pools = []
         for side, count in (("prefill", c.num_prefill_replicas), ("decode", c.num_decode_replicas)):
             pc = getattr(c, side)
@@ -271,13 +271,14 @@ class Simulation:
             key = e.field.split(".")[1] if e.field.startswith("policy.") else None
             if where == "cluster" or (key is not None and key not in own):
                 raise
-            raise ConfigError(f"{where}.{e.field}", str(e).split(": ", 1)[-1]) from None
+            raise (renamed(f"{where}.{e.field}")
+                   or ConfigError(f"{where}.{e.field}", str(e).split(": ", 1)[-1])) from None
         make = lambda: self._make_executor(hardware, tp, pp, type(policy))  # noqa: E731
         executor = make()
         # A pool that does not fit names the field that set its parallelism.
         c = self.cluster
         tp_field = (c.tp_field(role) if isinstance(c, DisaggregatedConfig)
-                    else "cluster.tensor_parallel")
+                    else "cluster.tensor_parallel_size")
         memory = self._plan_memory(policy, executor, hardware, tp, pp, tp_field)
         caching = (type(policy).prefix_caching_default
                    if self.kv_cfg.enable_prefix_caching is None
@@ -312,7 +313,8 @@ class Simulation:
                        engine_host_overlap=policy.host_overlap_default, **extra)
 
     def _plan_memory(self, policy: Policy, executor: Executor, hardware: HardwareSpec,
-                     tp: int, pp: int, tp_field: str = "cluster.tensor_parallel") -> MemoryPlan:
+                     tp: int, pp: int,
+                     tp_field: str = "cluster.tensor_parallel_size") -> MemoryPlan:
         k, p = self.kv_cfg, policy.config
         kv_cache_dtype = executor.kv_cache_dtype()
         if kv_cache_dtype is not None and kv_cache_dtype != self.model.kv_cache_dtype:
@@ -345,14 +347,14 @@ class Simulation:
         # Prompts longer than the model's context are rejected at arrival (as vLLM does), so
         # only the ones that fit it must fit a step.
         longest = min(self.workload.max_prompt_len, self.model.max_model_len - 1)
-        if not p.chunked_prefill and p.max_num_batched_tokens < longest:
+        if not p.enable_chunked_prefill and p.max_num_batched_tokens < longest:
             raise ConfigError(
                 f"{section}.max_num_batched_tokens",
                 f"{p.max_num_batched_tokens} is below the longest prompt the workload can send "
                 f"within model.max_model_len ({longest} tokens) and policy "
                 f"{p.name!r} does not chunk prompts: such prompts could never be scheduled. "
                 f"Raise it or use policy=chunked_prefill.")
-        if p.max_num_batched_tokens < p.max_num_seqs and not p.chunked_prefill:
+        if p.max_num_batched_tokens < p.max_num_seqs and not p.enable_chunked_prefill:
             raise ConfigError(
                 f"{section}.max_num_batched_tokens",
                 f"{p.max_num_batched_tokens} is below policy.max_num_seqs={p.max_num_seqs}: "
@@ -605,7 +607,7 @@ class Simulation:
             "hardware": self.hardware.name,
             "policy": self.policy.config.name,
             "executor": str(self.cfg["executor"].get("name")),
-            "tensor_parallel": self.cluster.tensor_parallel,
+            "tensor_parallel_size": self.cluster.tensor_parallel_size,
             "seed": self.seed,
             "weight_bytes_per_gpu": self.memory.weight_bytes,
         })

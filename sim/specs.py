@@ -163,7 +163,7 @@ class ModelSpec:
         return 2 * self.num_layers * self.kv_size * self.kv_bytes_per_element
 
     def check_tensor_parallel(self, tensor_parallel: int,
-                              field: str = "cluster.tensor_parallel") -> None:
+                              field: str = "cluster.tensor_parallel_size") -> None:
         """Refuse a TP degree the model's heads cannot be split over, by vLLM's rule: the
         attention heads divide evenly over the ranks, and either the KV heads do too (each rank
         holds ``num_kv_heads / TP``) or the ranks divide evenly over the KV heads (each rank
@@ -178,7 +178,7 @@ class ModelSpec:
                 f"holds one replicated KV head (TP a multiple of {kv})")
 
     def kv_heads_per_rank(self, tensor_parallel: int = 1,
-                          field: str = "cluster.tensor_parallel") -> int:
+                          field: str = "cluster.tensor_parallel_size") -> int:
         """KV heads one TP rank stores: ``num_kv_heads / TP`` when they split evenly, else one
         replicated head (``TP`` a multiple of ``num_kv_heads``); other TPs are refused."""
         self.check_tensor_parallel(tensor_parallel, field)

@@ -1,6 +1,6 @@
 """Chunked prefill admits as vLLM v0 and Sarathi-Serve do: only if the whole pending prefill's
 blocks fit above the watermark, and it holds them all from its first chunk (regression tests
-for an audit's repros). And ``policy.chunked_prefill=true`` is refused on policies whose
+for an audit's repros). And ``policy.enable_chunked_prefill=true`` is refused on policies whose
 steps are not chunked prefill's. Tiny pools, exact block ids; each step takes 1 s."""
 
 from __future__ import annotations
@@ -116,9 +116,9 @@ def test_chunked_prefill_flag_is_refused_where_steps_are_not_chunked(policy):
     # FCFS with the flag ran prefill-only steps of partial prompts while every decode
     # stalled (p99 ITL 131 ms vs 56 ms for policy=chunked_prefill in the audit's run).
     with pytest.raises(ConfigError) as e:
-        Simulation(compose_cfg(f"policy={policy}", "policy.chunked_prefill=true",
+        Simulation(compose_cfg(f"policy={policy}", "policy.enable_chunked_prefill=true",
                                "workload.num_requests=4"))
-    assert e.value.field == "policy.chunked_prefill"
+    assert e.value.field == "policy.enable_chunked_prefill"
     assert "policy=chunked_prefill" in str(e.value)
 
 

@@ -100,3 +100,75 @@ def test_the_models_kv_dtype_is_renamed_to_vllms_kv_cache_dtype():
         Simulation(cfg)
     cfg = small_cfg("model.kv_cache_dtype=fp8")
     assert Simulation(cfg, None).run().summary["kv_bytes_per_token"] == 65_536
+
+
+DISAGG = ("cluster=disaggregated",)
+
+
+@pytest.mark.parametrize(("old", "new", "value", "groups"), [
+    ("cluster.tensor_parallel", "cluster.tensor_parallel_size", "2", ()),
+    ("cluster.pipeline_parallel", "cluster.pipeline_parallel_size", "2", ()),
+    ("cluster.tensor_parallel", "cluster.tensor_parallel_size", "2", DISAGG),
+    ("cluster.pipeline_parallel", "cluster.pipeline_parallel_size", "2", DISAGG),
+    ("cluster.prefill.tensor_parallel", "cluster.prefill.tensor_parallel_size", "2", DISAGG),
+    ("cluster.prefill.pipeline_parallel", "cluster.prefill.pipeline_parallel_size", "2", DISAGG),
+    ("cluster.decode.tensor_parallel", "cluster.decode.tensor_parallel_size", "2", DISAGG),
+    ("cluster.decode.pipeline_parallel", "cluster.decode.pipeline_parallel_size", "2", DISAGG),
+    ("policy.chunked_prefill", "policy.enable_chunked_prefill", "true",
+     ("policy=chunked_prefill",)),
+    ("policy.chunked_prefill", "policy.enable_chunked_prefill", "true", ("policy=fcfs",)),
+    ("policy.chunked_prefill", "policy.enable_chunked_prefill", "false", ("policy=fcfs",)),
+    ("cluster.prefill.policy.chunked_prefill", "cluster.prefill.policy.enable_chunked_prefill",
+     "true", DISAGG),
+    ("cluster.decode.policy.chunked_prefill", "cluster.decode.policy.enable_chunked_prefill",
+     "false", DISAGG),
+])
+def test_vllms_parallelism_and_chunked_prefill_names_refuse_the_others(tmp_path, old, new,
+                                                                       value, groups):
+    """On the command line (Hydra refuses the key first) and in a config handed over whole."""
+    import subprocess
+
+    from experiments.simulation import Simulation
+    from sim.errors import ConfigError
+    from tests.helpers import ROOT, small_cfg
+
+    r = subprocess.run([sys.executable, "-m", "experiments.run", *groups, f"{old}={value}",
+                        f"hydra.run.dir={tmp_path}"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=120, check=False)
+    assert r.returncode == 2
+    assert r.stderr.strip() == f"config error: {old}: renamed to {new} (vLLM's name)"
+    cfg = small_cfg(*groups)
+    *path, key = old.split(".")
+    section = cfg
+    for name in path:
+        section = section[name]
+    section[key] = value == "true" if key == "chunked_prefill" else int(value)
+    with pytest.raises(ConfigError, match=f"^{old}: renamed to {new}"):
+        Simulation(cfg)
+
+
+def test_a_cluster_or_policy_mapping_with_the_other_names_is_refused_naming_vllms():
+    from policies import make_policy
+    from sim.cluster.config import cluster_config_from
+    from sim.errors import ConfigError
+
+    for section, old, new in [
+            ({"tensor_parallel": 2}, "tensor_parallel", "tensor_parallel_size"),
+            ({"name": "single", "pipeline_parallel": 2}, "pipeline_parallel",
+             "pipeline_parallel_size"),
+            ({"name": "disaggregated", "tensor_parallel": 2}, "tensor_parallel",
+             "tensor_parallel_size"),
+            ({"name": "disaggregated", "prefill": {"tensor_parallel": 2}},
+             "prefill.tensor_parallel", "prefill.tensor_parallel_size"),
+            ({"name": "disaggregated", "decode": {"pipeline_parallel": 2}},
+             "decode.pipeline_parallel", "decode.pipeline_parallel_size")]:
+        with pytest.raises(ConfigError, match=rf"^cluster\.{old}: renamed to cluster\.{new} "):
+            cluster_config_from(section)
+    assert cluster_config_from({"tensor_parallel_size": 2,
+                                "pipeline_parallel_size": 2}).num_gpus == 4
+    for name in ("chunked_prefill", "fcfs", "vllm_v1"):
+        with pytest.raises(ConfigError, match=r"^policy\.chunked_prefill: renamed to "
+                                              r"policy\.enable_chunked_prefill "):
+            make_policy({"name": name, "chunked_prefill": True})
+    assert make_policy({"name": "chunked_prefill",
+                        "enable_chunked_prefill": True}).config.enable_chunked_prefill

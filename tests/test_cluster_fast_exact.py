@@ -98,7 +98,7 @@ def test_disaggregated_pools_fast_equals_exact(seed, qps, blocks, prefill, decod
         "cluster=disaggregated", f"cluster.num_prefill_replicas={prefill}",
         f"cluster.num_decode_replicas={decode}", f"cluster.decode_router={decode_router}",
         f"cluster.link.preset={link}", f"cluster.link.scope={scope}",
-        f"cluster.prefill.pipeline_parallel={prefill_pp}"])
+        f"cluster.prefill.pipeline_parallel_size={prefill_pp}"])
 
 
 def test_disaggregated_decode_replicas_take_decode_jumps():

@@ -82,8 +82,8 @@ def test_disaggregated_run_conserves_requests_and_reports_the_link(tmp_path):
 
 def test_disaggregated_pools_take_their_own_hardware_tp_and_policy():
     cfg = small_cfg("model=llama3_70b", "hardware=h100_sxm", "cluster=disaggregated",
-                    "cluster.tensor_parallel=4", "cluster.decode.hardware=h200",
-                    "cluster.decode.tensor_parallel=2",
+                    "cluster.tensor_parallel_size=4", "cluster.decode.hardware=h200",
+                    "cluster.decode.tensor_parallel_size=2",
                     "+cluster.decode.policy.max_num_seqs=32")
     sim = Simulation(cfg)
     pre, dec = sim.pools
@@ -106,15 +106,15 @@ def test_disaggregated_pools_take_their_own_hardware_tp_and_policy():
 @pytest.mark.parametrize("overrides,field", [
     (("cluster.num_replicas=0",), "cluster.num_replicas"),
     (("cluster.router=nearest",), "cluster.router"),
-    (("cluster.pipeline_parallel=0",), "cluster.pipeline_parallel"),
+    (("cluster.pipeline_parallel_size=0",), "cluster.pipeline_parallel_size"),
     (("+cluster.racks=2",), "cluster.racks"),
     (("cluster=disaggregated", "cluster.num_decode_replicas=0"), "cluster.num_decode_replicas"),
     (("cluster=disaggregated", "cluster.decode_router=x"), "cluster.decode_router"),
     (("cluster=disaggregated", "cluster.link.preset=wifi"), "cluster.link.preset"),
     (("cluster=disaggregated", "+cluster.prefill.policy.max_num_seqs=0"),
      "cluster.prefill.policy.max_num_seqs"),
-    (("cluster=disaggregated", "cluster.decode.tensor_parallel=0"),
-     "cluster.decode.tensor_parallel"),
+    (("cluster=disaggregated", "cluster.decode.tensor_parallel_size=0"),
+     "cluster.decode.tensor_parallel_size"),
     (("cluster=disaggregated", "cluster.decode.hardware=tpu"), "cluster.decode.hardware"),
 ])
 def test_bad_cluster_config_is_refused_naming_the_field(overrides, field):

@@ -98,9 +98,9 @@ def test_typed_fields_coerces_by_annotation_and_passes_other_types_through():
 # ---- whole runs: refused when built, naming the field ---------------------------------------
 @pytest.mark.parametrize("overrides,field", [
     # bools: YAML 1.1 "no"/"yes" arrive as strings; never truthy
-    (["policy.chunked_prefill=no"], "policy.chunked_prefill"),
-    (["policy.chunked_prefill=maybe"], "policy.chunked_prefill"),
-    (["policy.chunked_prefill=1"], "policy.chunked_prefill"),
+    (["policy.enable_chunked_prefill=no"], "policy.enable_chunked_prefill"),
+    (["policy.enable_chunked_prefill=maybe"], "policy.enable_chunked_prefill"),
+    (["policy.enable_chunked_prefill=1"], "policy.enable_chunked_prefill"),
     (["record_steps=no"], "record_steps"),
     (["check_integrity=yes"], "check_integrity"),
     (["workload.token_ids=no"], "workload.token_ids"),
@@ -112,7 +112,7 @@ def test_typed_fields_coerces_by_annotation_and_passes_other_types_through():
     (["workload.num_requests=2.5"], "workload.num_requests"),
     (["kv.block_size=16.5"], "kv.block_size"),
     (["kv.num_gpu_blocks_override=abc"], "kv.num_gpu_blocks_override"),
-    (["cluster.tensor_parallel=1.5"], "cluster.tensor_parallel"),
+    (["cluster.tensor_parallel_size=1.5"], "cluster.tensor_parallel_size"),
     (["executor.attention_ctas_per_sm=2.5"], "executor.attention_ctas_per_sm"),
     (["hardware.num_sms=1.5"], "hardware.num_sms"),
     (["workload.prompt_len.max=4096.5"], "workload.prompt_len.max"),
@@ -136,10 +136,10 @@ def test_typed_fields_coerces_by_annotation_and_passes_other_types_through():
     (["workload.priorities=[1,abc]"], "workload.priorities[1]"),
     (["workload.priorities=3"], "workload.priorities"),
     # cluster sections
-    (["cluster=disaggregated", "cluster.decode.tensor_parallel=abc"],
-     "cluster.decode.tensor_parallel"),
-    (["cluster=disaggregated", "+cluster.decode.policy.chunked_prefill=no"],
-     "cluster.decode.policy.chunked_prefill"),
+    (["cluster=disaggregated", "cluster.decode.tensor_parallel_size=abc"],
+     "cluster.decode.tensor_parallel_size"),
+    (["cluster=disaggregated", "+cluster.decode.policy.enable_chunked_prefill=no"],
+     "cluster.decode.policy.enable_chunked_prefill"),
     (["cluster=disaggregated", "cluster.num_decode_replicas=1.5"], "cluster.num_decode_replicas"),
     (["cluster=disaggregated", "+cluster.link.bandwidth_gbps=abc"],
      "cluster.link.bandwidth_gbps"),
@@ -192,11 +192,11 @@ def test_top_level_flags_take_only_bools(key, value):
 
 
 def test_well_typed_values_still_build_and_integral_floats_count():
-    sim = Simulation(small_cfg("policy.chunked_prefill=false", "workload.num_requests=60.0",
+    sim = Simulation(small_cfg("policy.enable_chunked_prefill=false", "workload.num_requests=60.0",
                                "seed=7", "workload.priorities=[1,0.5]",
                                "kv.activation_reserve_gib=0"))
     assert sim.workload.num_requests == 60 and type(sim.workload.num_requests) is int
-    assert sim.policy.config.chunked_prefill is False
+    assert sim.policy.config.enable_chunked_prefill is False
     assert sim.seed == 7 and sim.memory.activation_bytes == 0
     assert sim.workload.priorities == [1.0, 0.5]
 

@@ -225,7 +225,7 @@ SIDE_OPTIONS = {
                                      "preemption_mode": st.just("recompute")}),
     "trtllm": st.fixed_dictionaries({
         "capacity_scheduler_policy": st.sampled_from(["guaranteed_no_evict", "max_utilization"]),
-        "chunked_prefill": st.booleans(), "preemption_mode": st.just("recompute")}),
+        "enable_chunked_prefill": st.booleans(), "preemption_mode": st.just("recompute")}),
 }
 # Policies that preempt by recompute only (no swap space, or retraction).
 RECOMPUTE_ONLY = ("vllm_v1", "sglang", "trtllm")

@@ -19,7 +19,7 @@ EXTRA = {
                 "workload.shared_prefix_len=50", "workload.num_prefix_groups=2"),
     # Pausing under KV pressure (guaranteed_no_evict never pauses: tests/test_trtllm.py).
     "trtllm": ("policy.capacity_scheduler_policy=max_utilization", "policy.max_num_seqs=64",
-               "policy.max_num_batched_tokens=512", "policy.chunked_prefill=true"),
+               "policy.max_num_batched_tokens=512", "policy.enable_chunked_prefill=true"),
 }
 # Policies without swap to host memory: their runs always recompute.
 NO_SWAP = ("vllm_v1", "trtllm")

@@ -75,9 +75,9 @@ SMALL_WORKLOAD = {
     "trace": [],  # a small trace file of its own (below)
 }
 # Models that do not fit one A100-80GB run on eight, as pipeline stages of eight GPUs.
-FIT = [[], ["cluster.tensor_parallel=8"],
-       ["cluster.tensor_parallel=8", "cluster.pipeline_parallel=2"],
-       ["cluster.tensor_parallel=8", "cluster.pipeline_parallel=4"]]
+FIT = [[], ["cluster.tensor_parallel_size=8"],
+       ["cluster.tensor_parallel_size=8", "cluster.pipeline_parallel_size=2"],
+       ["cluster.tensor_parallel_size=8", "cluster.pipeline_parallel_size=4"]]
 
 
 @cache

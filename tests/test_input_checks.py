@@ -31,20 +31,20 @@ HEADER = "TIMESTAMP,ContextTokens,GeneratedTokens\n"
 
 @pytest.mark.parametrize("overrides,field,numbers", [
     # 32 query heads do not split over 3 ranks.
-    (("cluster.tensor_parallel=3",), "cluster.tensor_parallel", ("3", "num_heads=32")),
+    (("cluster.tensor_parallel_size=3",), "cluster.tensor_parallel_size", ("3", "num_heads=32")),
     # 28 query heads split over 7 or 14 ranks, but 4 KV heads neither split nor replicate evenly.
-    (("model=qwen25_7b", "cluster.tensor_parallel=7"), "cluster.tensor_parallel",
+    (("model=qwen25_7b", "cluster.tensor_parallel_size=7"), "cluster.tensor_parallel_size",
      ("7", "num_kv_heads=4")),
-    (("model=qwen25_7b", "cluster.tensor_parallel=14"), "cluster.tensor_parallel",
+    (("model=qwen25_7b", "cluster.tensor_parallel_size=14"), "cluster.tensor_parallel_size",
      ("14", "num_kv_heads=4")),
-    (("model=tiny", "cluster.tensor_parallel=3"), "cluster.tensor_parallel",
+    (("model=tiny", "cluster.tensor_parallel_size=3"), "cluster.tensor_parallel_size",
      ("3", "num_heads=4")),
-    (("model=qwen25_7b", "cluster=disaggregated", "cluster.decode.tensor_parallel=7"),
-     "cluster.decode.tensor_parallel", ("7", "num_kv_heads=4")),
-    (("model=qwen25_7b", "cluster=disaggregated", "cluster.prefill.tensor_parallel=7"),
-     "cluster.prefill.tensor_parallel", ("7", "num_kv_heads=4")),
+    (("model=qwen25_7b", "cluster=disaggregated", "cluster.decode.tensor_parallel_size=7"),
+     "cluster.decode.tensor_parallel_size", ("7", "num_kv_heads=4")),
+    (("model=qwen25_7b", "cluster=disaggregated", "cluster.prefill.tensor_parallel_size=7"),
+     "cluster.prefill.tensor_parallel_size", ("7", "num_kv_heads=4")),
     # The shared default is named where a pool inherits it.
-    (("cluster=disaggregated", "cluster.tensor_parallel=6"), "cluster.tensor_parallel",
+    (("cluster=disaggregated", "cluster.tensor_parallel_size=6"), "cluster.tensor_parallel_size",
      ("6", "num_heads=32")),
 ])
 def test_tensor_parallel_the_heads_cannot_split_over_is_refused(overrides, field, numbers):
@@ -58,17 +58,20 @@ def test_tensor_parallel_the_heads_cannot_split_over_is_refused(overrides, field
 def test_shared_tensor_parallel_that_no_pool_uses_is_not_checked():
     # Both pools set their own TP, so the shared default of 6 sizes nothing.
     sim = Simulation(small_cfg("model=llama3_70b", "hardware=h100_sxm", "cluster=disaggregated",
-                               "cluster.tensor_parallel=6", "cluster.prefill.tensor_parallel=4",
-                               "cluster.decode.tensor_parallel=8"))
+                               "cluster.tensor_parallel_size=6",
+                               "cluster.prefill.tensor_parallel_size=4",
+                               "cluster.decode.tensor_parallel_size=8"))
     assert [p.tensor_parallel for p in sim.pools] == [4, 8]
 
 
 @pytest.mark.parametrize("overrides,field", [
-    (("cluster.tensor_parallel=1",), "cluster.tensor_parallel"),
-    (("cluster=disaggregated", "cluster.tensor_parallel=4", "cluster.decode.tensor_parallel=1"),
-     "cluster.decode.tensor_parallel"),
-    (("cluster=disaggregated", "cluster.tensor_parallel=1", "cluster.decode.tensor_parallel=4"),
-     "cluster.tensor_parallel"),  # the prefill pool inherits the shared TP that does not fit
+    (("cluster.tensor_parallel_size=1",), "cluster.tensor_parallel_size"),
+    (("cluster=disaggregated", "cluster.tensor_parallel_size=4",
+      "cluster.decode.tensor_parallel_size=1"),
+     "cluster.decode.tensor_parallel_size"),
+    (("cluster=disaggregated", "cluster.tensor_parallel_size=1",
+      "cluster.decode.tensor_parallel_size=4"),
+     "cluster.tensor_parallel_size"),  # the prefill pool inherits the shared TP that does not fit
 ])
 def test_a_pool_too_big_for_its_gpus_names_the_field_that_set_its_parallelism(overrides, field):
     # Llama-3-70B's ~141 GB of weights do not fit one 80 GB GPU.
@@ -87,15 +90,15 @@ def test_replicated_kv_heads_hold_one_head_per_rank():
     plan = plan_memory(m, load_hardware_spec("h100_sxm"), block_size=16, tensor_parallel=16)
     assert plan.kv_bytes_per_token == one_head and plan.kv_bytes_per_block == 16 * one_head
     # And the whole run builds at TP=16 (each rank holds one of the 8 KV heads, twice over).
-    sim = Simulation(small_cfg("cluster.tensor_parallel=16"))
+    sim = Simulation(small_cfg("cluster.tensor_parallel_size=16"))
     assert sim.memory.kv_bytes_per_token == one_head
 
 
 def test_per_rank_kv_bytes_refuse_rather_than_floor():
     qwen = load_model_spec("qwen25_7b")  # 28 heads, 4 KV heads
-    with pytest.raises(ConfigError, match=r"cluster\.tensor_parallel: 7 .*num_kv_heads=4"):
+    with pytest.raises(ConfigError, match=r"cluster\.tensor_parallel_size: 7 .*num_kv_heads=4"):
         qwen.kv_bytes_per_token_per_rank(7)
-    with pytest.raises(ConfigError, match=r"cluster\.tensor_parallel: 3 .*num_heads=64"):
+    with pytest.raises(ConfigError, match=r"cluster\.tensor_parallel_size: 3 .*num_heads=64"):
         plan_memory(load_model_spec("llama3_70b"), load_hardware_spec("h100_sxm"),
                     block_size=16, tensor_parallel=3)
 
@@ -133,7 +136,7 @@ def test_tensor_parallel_cases_vllm_accepts_and_refuses(heads, kv_heads, accepte
     for tp in accepted:
         m.check_tensor_parallel(tp)
     for tp in refused:
-        with pytest.raises(ConfigError, match="cluster.tensor_parallel"):
+        with pytest.raises(ConfigError, match="cluster.tensor_parallel_size"):
             m.check_tensor_parallel(tp)
 
 
@@ -144,8 +147,8 @@ def test_tensor_parallel_rule_matches_vllm(heads_per_kv, kv_heads, tp):
     vllm_ok = m.num_heads % tp == 0 and (kv_heads % tp == 0 or tp % kv_heads == 0)
     if not vllm_ok:
         with pytest.raises(ConfigError) as e:
-            m.check_tensor_parallel(tp, "cluster.decode.tensor_parallel")
-        assert e.value.field == "cluster.decode.tensor_parallel" and f"{tp} " in str(e.value)
+            m.check_tensor_parallel(tp, "cluster.decode.tensor_parallel_size")
+        assert e.value.field == "cluster.decode.tensor_parallel_size" and f"{tp} " in str(e.value)
         return
     per_rank = m.kv_heads_per_rank(tp)
     if tp <= kv_heads:

@@ -46,7 +46,7 @@ def test_memory_planner_follows_vllm_rule():
 
 
 def test_model_that_does_not_fit_is_refused():
-    with pytest.raises(ConfigError, match="cluster.tensor_parallel"):
+    with pytest.raises(ConfigError, match="cluster.tensor_parallel_size"):
         plan_memory(load_model_spec("llama3_70b"), load_hardware_spec("a100_80gb"), block_size=16)
 
 

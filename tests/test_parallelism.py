@@ -141,6 +141,7 @@ def test_pipelined_simulation_runs_from_the_config(tmp_path):
     from tests.helpers import small_cfg
 
     s = run_simulation(small_cfg("model=llama3_70b", "hardware=h100_sxm",
-                                 "cluster.tensor_parallel=2", "cluster.pipeline_parallel=2",
-                                 "check_integrity=true"), tmp_path).summary
-    assert s["completed"] == 60 and s["pipeline_parallel"] == 2 and s["num_gpus"] == 4
+                                 "cluster.tensor_parallel_size=2",
+                                 "cluster.pipeline_parallel_size=2", "check_integrity=true"),
+                       tmp_path).summary
+    assert s["completed"] == 60 and s["pipeline_parallel_size"] == 2 and s["num_gpus"] == 4

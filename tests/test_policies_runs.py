@@ -95,7 +95,7 @@ def test_sjf_config_errors_name_the_field(override, field):
 
 @pytest.mark.parametrize("policy,override,field", [
     ("chunked_prefill", "policy.max_num_seqs=1024", "policy.max_num_seqs"),
-    ("chunked_prefill", "policy.chunked_prefill=false", "policy.chunked_prefill"),
+    ("chunked_prefill", "policy.enable_chunked_prefill=false", "policy.enable_chunked_prefill"),
     ("chunked_prefill", "policy.max_num_partial_prefills=0", "policy.max_num_partial_prefills"),
     ("static", "policy.max_batch_size=0", "policy.max_batch_size"),
     ("priority", "+policy.aging_s=3", "policy.aging_s"),

@@ -116,8 +116,8 @@ def test_a_run_with_check_integrity_stops_at_the_step_a_policy_broke_the_state(m
     with pytest.raises(KVIntegrityError, match="waiting request 1 is RUNNING"):
         run_requests({}, reqs, num_gpu_blocks=8, block_size=4)
     # And on pipelined replicas (their own step loop).
-    cfg = small_cfg("model=llama3_70b", "hardware=h100_sxm", "cluster.tensor_parallel=2",
-                    "cluster.pipeline_parallel=2", "check_integrity=true")
+    cfg = small_cfg("model=llama3_70b", "hardware=h100_sxm", "cluster.tensor_parallel_size=2",
+                    "cluster.pipeline_parallel_size=2", "check_integrity=true")
     with pytest.raises(KVIntegrityError, match=r"waiting request \d+ is RUNNING"):
         Simulation(cfg).run()
 

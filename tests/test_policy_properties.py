@@ -44,7 +44,7 @@ POLICY_OPTIONS = {
                                       "scheduling_policy": st.sampled_from(["fcfs", "priority"])}),
     "trtllm": st.fixed_dictionaries({
         "max_num_batched_tokens": tokens, "max_num_seqs": seats,
-        "chunked_prefill": st.booleans(),
+        "enable_chunked_prefill": st.booleans(),
         "capacity_scheduler_policy": st.sampled_from(["guaranteed_no_evict",
                                                       "max_utilization"])}),
     "sglang": st.fixed_dictionaries({

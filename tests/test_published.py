@@ -142,11 +142,11 @@ def test_blog_row_maps_to_vllm_v06_defaults(tmp_path):
     assert s.values == {
         "model": {"weight_dtype": "bf16", "kv_cache_dtype": "bf16"},
         # The blog's server flags: --max-num-seqs 512 --num-scheduler-steps 10, async output.
-        "policy": {"max_num_seqs": 512, "chunked_prefill": False,
+        "policy": {"max_num_seqs": 512, "enable_chunked_prefill": False,
                    "preemption_mode": "recompute", "kv_watermark": 0.01,
                    "max_num_batched_tokens": 8192},
         "executor": {"num_scheduler_steps": 10, "host_overlap": True},
-        "cluster": {"tensor_parallel": 4, "num_replicas": 1},
+        "cluster": {"tensor_parallel_size": 4, "num_replicas": 1},
         "kv": {"block_size": 16, "gpu_memory_utilization": 0.9,
                "enable_prefix_caching": False},
         "workload": {"name": "published", "dataset": "fixed", "num_prompts": 500,
@@ -172,7 +172,7 @@ def test_sharegpt_row_at_a_rate_carries_the_length_model(tmp_path):
                     output_len="", request_rate="2")
     s = row_setup(row, {"sharegpt": {"output_sigma": 0.6}, "num_prompts": 40}, tmp_path)
     assert s.groups["hardware"] == "h100_sxm"
-    assert s.values["cluster"] == {"tensor_parallel": 1, "num_replicas": 1}
+    assert s.values["cluster"] == {"tensor_parallel_size": 1, "num_replicas": 1}
     assert s.values["workload"] == {"name": "published", "dataset": "sharegpt",
                                     "num_prompts": 40, "request_rate": 2.0,
                                     "sharegpt": {"output_sigma": 0.6}}
@@ -189,7 +189,7 @@ def test_mlperf_row_maps_to_replicas_batch_and_fp8(tmp_path):
     assert s.values["model"] == {"weight_dtype": "fp8", "kv_cache_dtype": "fp8"}
     assert s.values["policy"]["max_num_seqs"] == 896
     assert s.values["policy"]["max_num_batched_tokens"] == 8192
-    assert s.values["cluster"] == {"tensor_parallel": 2, "num_replicas": 4}
+    assert s.values["cluster"] == {"tensor_parallel_size": 2, "num_replicas": 4}
     assert s.values["workload"] == {
         "name": "published", "dataset": "mlperf",
         "path": str(tmp_path / "mlperf_llama2_lengths.csv"), "num_prompts": 1000,

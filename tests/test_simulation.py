@@ -92,12 +92,13 @@ def _main(*args, cwd=ROOT):
 
 
 def test_main_job_command_line_with_the_issue_overrides(tmp_path):
-    p = _main("policy=fcfs", "hardware=h100_sxm", "model=llama3_70b", "cluster.tensor_parallel=4",
-              "workload.qps=8", "workload.num_requests=500", f"hydra.run.dir={tmp_path}")
+    p = _main("policy=fcfs", "hardware=h100_sxm", "model=llama3_70b",
+              "cluster.tensor_parallel_size=4", "workload.qps=8", "workload.num_requests=500",
+              f"hydra.run.dir={tmp_path}")
     assert p.returncode == 0, p.stderr
     assert "llama3_70b on h100_sxm (TP4)" in p.stdout
     s = json.loads((tmp_path / "summary.json").read_text())
-    assert s["completed"] == 500 and s["tensor_parallel"] == 4
+    assert s["completed"] == 500 and s["tensor_parallel_size"] == 4
     for f in ("requests.csv", "steps.csv", "report.html"):
         assert (tmp_path / f).exists()
     html = (tmp_path / "report.html").read_text()

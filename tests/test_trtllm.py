@@ -66,7 +66,7 @@ def test_chunked_context_starts_a_long_prompt_beside_the_others():
     """Budget 8 with enable_chunked_context: A's 3 tokens and the first 5 of B's 9-token
     prompt share step 0 (B holds its whole length, 5 blocks, from then on); B's last 4 come
     beside A's decode at t=1."""
-    run = run_requests({**TRT, "chunked_prefill": True},
+    run = run_requests({**TRT, "enable_chunked_prefill": True},
                        [Request(0, 0.0, 3, 3), Request(1, 0.0, 9, 2)],
                        num_gpu_blocks=12, block_size=2)
     assert [st.rows for st in run.steps] == [
@@ -98,7 +98,7 @@ def test_guaranteed_no_evict_never_pauses_and_fast_equals_exact(seed, blocks, qp
     s = _assert_same([
         "policy=trtllm", "model=tiny", f"seed={seed}", f"kv.num_gpu_blocks_override={blocks}",
         f"workload.qps={qps}", "workload.num_requests=40", "workload.prompt_len.max=200",
-        "workload.output_len.max=120", f"policy.chunked_prefill={str(chunked).lower()}",
+        "workload.output_len.max=120", f"policy.enable_chunked_prefill={str(chunked).lower()}",
         "policy.max_num_batched_tokens=512", "policy.max_num_seqs=64", "check_integrity=false"])
     assert s["num_preemptions"] == 0
     assert s["completed"] + s["rejected"] == 40
@@ -136,6 +136,6 @@ def test_max_utilization_pauses_and_fast_equals_exact(chunked):
         "policy=trtllm", "policy.capacity_scheduler_policy=max_utilization", "model=tiny",
         "kv.num_gpu_blocks_override=40", "workload.qps=30", "workload.num_requests=60",
         "workload.prompt_len.max=200", "workload.output_len.max=150",
-        f"policy.chunked_prefill={chunked}", "policy.max_num_batched_tokens=512",
+        f"policy.enable_chunked_prefill={chunked}", "policy.max_num_batched_tokens=512",
         "policy.max_num_seqs=64"])
     assert s["num_preemptions"] > 0 and s["num_decode_jumps"] > 0

@@ -113,8 +113,8 @@ def test_engine_defaults_follow_the_gpu_and_prefix_caching_is_on(hardware, token
 
 @pytest.mark.parametrize("override,field", [("policy.preemption_mode=swap",
                                               "policy.preemption_mode"),
-                                             ("policy.chunked_prefill=false",
-                                              "policy.chunked_prefill"),
+                                             ("policy.enable_chunked_prefill=false",
+                                              "policy.enable_chunked_prefill"),
                                              ("policy.kv_watermark=0.01", "policy.kv_watermark"),
                                              ("policy.scheduling_policy=lifo",
                                               "policy.scheduling_policy")])

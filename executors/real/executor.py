@@ -77,8 +77,8 @@ class RealExecutor(Executor):
     def __init__(self, spec: ModelSpec, config: RealExecutorConfig, *, device: str | None = None,
                  seed: int = 0, tensor_parallel: int = 1) -> None:
         if tensor_parallel != 1:
-            raise ConfigError("cluster.tensor_parallel", f"the real executor runs one device; "
-                                                         f"got {tensor_parallel}")
+            raise ConfigError("cluster.tensor_parallel_size",
+                              f"the real executor runs one device; got {tensor_parallel}")
         self.spec = spec
         self.config = config
         self.device = resolve_device(config.device if config.device is not None else device)

@@ -9,7 +9,7 @@ from typing import Any
 
 from sim.cluster.link import LinkConfig
 from sim.cluster.router import ROUTERS
-from sim.config_types import typed_fields
+from sim.config_types import renamed, typed_fields
 from sim.errors import ConfigError, require
 from sim.specs import ModelSpec
 
@@ -30,37 +30,41 @@ def _check_router(name: str, where: str) -> None:
 def _unknown(data: dict[str, Any], known: set[str], section: str) -> None:
     unknown = sorted(set(data) - known)
     if unknown:
+        error = renamed(f"{section}.{unknown[0]}")
+        if error is not None:
+            raise error
         raise ConfigError(f"{section}.{unknown[0]}",
                           f"unknown option; known: {', '.join(sorted(known))}")
 
 
 @dataclass(frozen=True)
 class ClusterConfig:
-    """``num_replicas`` identical replicas (each ``tensor_parallel x pipeline_parallel`` GPUs)
-    behind ``router``. The default (one replica) is the plain single-replica run."""
+    """``num_replicas`` identical replicas (each ``tensor_parallel_size x
+    pipeline_parallel_size`` GPUs) behind ``router``. The default (one replica) is the plain
+    single-replica run."""
 
     name: str = "single"
-    tensor_parallel: int = 1
-    pipeline_parallel: int = 1
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
     num_replicas: int = 1
     router: str = "round_robin"
 
     def __post_init__(self) -> None:
-        require(self.tensor_parallel >= 1, "cluster.tensor_parallel",
-                f"must be >= 1, got {self.tensor_parallel}")
-        require(self.pipeline_parallel >= 1, "cluster.pipeline_parallel",
-                f"must be >= 1, got {self.pipeline_parallel}")
+        require(self.tensor_parallel_size >= 1, "cluster.tensor_parallel_size",
+                f"must be >= 1, got {self.tensor_parallel_size}")
+        require(self.pipeline_parallel_size >= 1, "cluster.pipeline_parallel_size",
+                f"must be >= 1, got {self.pipeline_parallel_size}")
         _check_count(self.num_replicas, "cluster.num_replicas")
         _check_router(self.router, "cluster.router")
 
     @property
     def num_gpus(self) -> int:
-        return self.num_replicas * self.tensor_parallel * self.pipeline_parallel
+        return self.num_replicas * self.tensor_parallel_size * self.pipeline_parallel_size
 
     def check_model(self, model: ModelSpec) -> None:
-        """Refuse a ``tensor_parallel`` the model's heads cannot be split over (vLLM's rule,
-        ``ModelSpec.check_tensor_parallel``)."""
-        model.check_tensor_parallel(self.tensor_parallel, "cluster.tensor_parallel")
+        """Refuse a ``tensor_parallel_size`` the model's heads cannot be split over (vLLM's
+        rule, ``ModelSpec.check_tensor_parallel``)."""
+        model.check_tensor_parallel(self.tensor_parallel_size, "cluster.tensor_parallel_size")
 
 
 @dataclass(frozen=True)
@@ -68,8 +72,8 @@ class PoolConfig:
     """One side of a disaggregated deployment. ``None`` inherits the run's value."""
 
     hardware: str | None = None  # a conf/hardware/<name>.yaml
-    tensor_parallel: int | None = None
-    pipeline_parallel: int | None = None
+    tensor_parallel_size: int | None = None
+    pipeline_parallel_size: int | None = None
     policy: dict[str, Any] = field(default_factory=dict)  # merged over the run's policy
 
 
@@ -78,8 +82,8 @@ class DisaggregatedConfig:
     name: str = "disaggregated"
     num_prefill_replicas: int = 1
     num_decode_replicas: int = 1
-    tensor_parallel: int = 1  # default for both pools
-    pipeline_parallel: int = 1
+    tensor_parallel_size: int = 1  # default for both pools
+    pipeline_parallel_size: int = 1
     router: str = "least_outstanding"  # picks the prefill replica at arrival
     decode_router: str = "least_outstanding"  # picks the decode replica after the prefill
     prefill: PoolConfig = field(default_factory=PoolConfig)
@@ -87,7 +91,7 @@ class DisaggregatedConfig:
     link: LinkConfig = field(default_factory=LinkConfig)
 
     def __post_init__(self) -> None:
-        for f in ("tensor_parallel", "pipeline_parallel"):
+        for f in ("tensor_parallel_size", "pipeline_parallel_size"):
             require(getattr(self, f) >= 1, f"cluster.{f}", f"must be >= 1, got {getattr(self, f)}")
         for f in ("num_prefill_replicas", "num_decode_replicas"):
             _check_count(getattr(self, f), f"cluster.{f}")
@@ -95,23 +99,23 @@ class DisaggregatedConfig:
         _check_router(self.decode_router, "cluster.decode_router")
         for side in ("prefill", "decode"):
             pool = getattr(self, side)
-            for f in ("tensor_parallel", "pipeline_parallel"):
+            for f in ("tensor_parallel_size", "pipeline_parallel_size"):
                 v = getattr(pool, f)
                 require(v is None or v >= 1, f"cluster.{side}.{f}", f"must be >= 1, got {v}")
 
     def tp(self, side: str) -> int:
-        v = getattr(self, side).tensor_parallel
-        return self.tensor_parallel if v is None else v
+        v = getattr(self, side).tensor_parallel_size
+        return self.tensor_parallel_size if v is None else v
 
     def pp(self, side: str) -> int:
-        v = getattr(self, side).pipeline_parallel
-        return self.pipeline_parallel if v is None else v
+        v = getattr(self, side).pipeline_parallel_size
+        return self.pipeline_parallel_size if v is None else v
 
     def tp_field(self, side: str) -> str:
         """The config field that sets ``side``'s tensor parallelism: the pool's own, else the
         shared default (what an error about it names)."""
-        own = getattr(self, side).tensor_parallel is not None
-        return f"cluster.{side}.tensor_parallel" if own else "cluster.tensor_parallel"
+        own = getattr(self, side).tensor_parallel_size is not None
+        return f"cluster.{side}.tensor_parallel_size" if own else "cluster.tensor_parallel_size"
 
     def check_model(self, model: ModelSpec) -> None:
         """Refuse a pool's tensor parallelism that the model's heads cannot be split over,
