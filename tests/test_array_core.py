@@ -47,6 +47,7 @@ def test_random_eligible_runs_equal_exact_and_use_the_core():
     assert s["step_engine"] == "array_core"
 
 
+@pytest.mark.slow
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 10_000), qps=st.floats(1.0, 400.0), seqs=st.integers(1, 40),
        budget=st.integers(200, 2000), out_min=st.integers(1, 4), block=st.sampled_from([1, 16]),
@@ -59,6 +60,7 @@ def test_core_equals_exact_on_random_small_workloads(seed, qps, seqs, budget, ou
     assert s["step_engine"] == "array_core"
 
 
+@pytest.mark.slow
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 10_000), qps=st.floats(1.0, 400.0), seqs=st.integers(1, 40),
        budget=st.integers(40, 600), partials=st.integers(1, 3), out_min=st.integers(1, 3),

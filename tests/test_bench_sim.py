@@ -39,6 +39,7 @@ def test_case_overrides_refuse_an_unknown_steps_setting() -> None:
         case_overrides("fcfs", 100, "fast", Path("unused"), "sometimes")
 
 
+@pytest.mark.slow
 def test_the_benchmark_runs_end_to_end(tmp_path: Path) -> None:
     out = tmp_path / "bench"
     p = subprocess.run(
@@ -76,6 +77,7 @@ def test_the_table_cases_set_their_layout_and_rate(case: str, qps: str,
     assert set(expected) <= set(ov)
 
 
+@pytest.mark.slow
 def test_every_default_case_composes_and_runs(tmp_path: Path) -> None:
     """Each of the table's cases is a valid run (Hydra composes it, the simulation finishes
     every request): a typo in a case's overrides fails here, not in a benchmark run."""

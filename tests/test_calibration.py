@@ -179,6 +179,7 @@ def test_fit_with_noise_predicts_held_out_rows():
     assert held < 0.02
 
 
+@pytest.mark.slow
 def test_scaled_least_squares_fits_skewed_times_at_their_mean():
     """Times with right-skewed noise (interference on a shared host): the default fit
     (relative, robust) lands near the median, below the mean a simulated clock sums; residuals
@@ -196,6 +197,7 @@ def test_scaled_least_squares_fits_skewed_times_at_their_mean():
         fit_coefficients(drivers[:3], y[:3], scale=[1.0, 0.0, 1.0])
 
 
+@pytest.mark.slow
 def test_calibrate_with_serving_steps_fits_their_mean_and_holds_half_out():
     """Profile rows measured warm plus serving steps that run 10% slower on average (skewed):
     the refit prices the held-out steps' summed time within a few percent; the profile alone
@@ -525,6 +527,7 @@ def test_split_holds_out_interleaved_shapes_of_every_kind():
         assert any(rows[i]["kind"] == kind for i in held)
 
 
+@pytest.mark.slow
 def test_profile_fit_simulate_compare_loop(tmp_path):
     """The whole loop on the tiny model: profile a stand-in executor, fit, simulate with the
     profile, compare with the stand-in's own simulation (loose bound: CI cannot rot)."""
@@ -578,6 +581,7 @@ def test_check_profiles_meets_targets():
     assert np.mean([c.calibrated_mape for c in results]) <= 5.0  # the headline target
 
 
+@pytest.mark.slow
 def test_calibrate_command_prices_cpu_profiles_untiled(tmp_path, capsys):
     """``experiments/calibrate.py``: rows measured on ``cpu`` are fitted with untiled prefill
     attention (torch's reference kernels) unless ``attention_tile=`` says otherwise."""

@@ -66,6 +66,7 @@ def test_bench_sim_sizes_are_whole_positive_counts(text: str, why: str) -> None:
     assert bench_sim._request_count("300") == 300
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("old", "new"), [("kv.num_gpu_blocks", "kv.num_gpu_blocks_override"),
                                           ("kv.swap_space_gib", "kv.swap_space"),
                                           ("kv.cpu_offload_gib", "kv.kv_offloading_size")])
@@ -105,6 +106,7 @@ def test_the_models_kv_dtype_is_renamed_to_vllms_kv_cache_dtype():
 DISAGG = ("cluster=disaggregated",)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("old", "new", "value", "groups"), [
     ("cluster.tensor_parallel", "cluster.tensor_parallel_size", "2", ()),
     ("cluster.pipeline_parallel", "cluster.pipeline_parallel_size", "2", ()),

@@ -45,6 +45,7 @@ def test_slo_attainment_counts_rejected_and_slow_requests_as_misses():
     assert slo_attainment([ok, slow_ttft, slow_tpot, one], 5, 1.0, 0.2) == 2 / 5
 
 
+@pytest.mark.slow
 def test_disaggregation_experiment_smoke(tmp_path):
     cfg = _compose("disaggregation", "experiment.duration_s=1", "experiment.min_requests=8",
                    "experiment.workers=1", "experiment.rel_tolerance=0.5",

@@ -66,6 +66,7 @@ POLICY_EXTRA = {"priority": ["workload.priorities=[1,1,2]"],
                 "chunked_prefill": ["policy.max_num_batched_tokens=256"]}
 
 
+@pytest.mark.slow
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 10_000), qps=st.floats(5.0, 80.0), blocks=st.integers(60, 400),
        replicas=st.integers(2, 3),
@@ -81,6 +82,7 @@ def test_colocated_replicas_fast_equals_exact(seed, qps, blocks, replicas, route
         f"cluster.num_replicas={replicas}", f"cluster.router={router}"])
 
 
+@pytest.mark.slow
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 10_000), qps=st.floats(5.0, 120.0), blocks=st.integers(40, 400),
        prefill=st.integers(1, 2), decode=st.integers(1, 3),
@@ -101,6 +103,7 @@ def test_disaggregated_pools_fast_equals_exact(seed, qps, blocks, prefill, decod
         f"cluster.prefill.pipeline_parallel_size={prefill_pp}"])
 
 
+@pytest.mark.slow
 def test_disaggregated_decode_replicas_take_decode_jumps():
     """The decode pool jumps (a lower bound on its next outside event lets it), the prefill
     pool steps one at a time (it hands every request off after its prompt step)."""
@@ -124,6 +127,7 @@ def test_back_pressure_on_one_decode_replica_bounds_the_others_jumps():
     assert s["num_decode_jumps"] > 0
 
 
+@pytest.mark.slow
 def test_a_request_arriving_exactly_at_a_decode_step_end(tmp_path):
     """A request reaches an idle prefill replica at the very instant a decode step ends: the
     decode replica, resuming at that instant, must not jump past the prefill step the arrival

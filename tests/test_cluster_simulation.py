@@ -51,6 +51,7 @@ def test_random_router_is_deterministic_under_the_seed(tmp_path):
     assert a != (tmp_path / "c" / "requests.csv").read_text()
 
 
+@pytest.mark.slow
 def test_disaggregated_run_conserves_requests_and_reports_the_link(tmp_path):
     cfg = small_cfg("cluster=disaggregated", "cluster.num_prefill_replicas=2",
                     "cluster.num_decode_replicas=2", "cluster.link.preset=ethernet",

@@ -20,6 +20,7 @@ def compare_cfg(*overrides: str) -> dict:
     return compose_named("compare_policies", *overrides)
 
 
+@pytest.mark.slow
 def test_all_scenarios_run_every_variant_and_write_the_table(tmp_path):
     cfg = compare_cfg("num_requests=12", "jobs=1")
     table = run(cfg, tmp_path)
@@ -55,6 +56,7 @@ def test_a_scenario_description_says_what_the_command_line_changed():
                                               "workload.qps=3.")
 
 
+@pytest.mark.slow
 def test_one_scenario_from_the_command_line(tmp_path):
     p = subprocess.run([sys.executable, "-m", "experiments.compare_policies",
                         "scenario=long_prompts", "num_requests=8", "jobs=1",
@@ -117,6 +119,7 @@ def assert_documented_checks_hold(checks: pd.DataFrame) -> None:
             f"{r.scenario}: {r.claim}: {r.detail}" for r in failed.itertuples())
 
 
+@pytest.mark.slow
 def test_documented_literature_checks_hold_under_the_default_scenarios(tmp_path):
     """The default conf/compare_policies.yaml (full request counts, seed 0) still shows every
     effect docs/policies.md reports, so the page cannot silently go stale again."""

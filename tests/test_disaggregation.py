@@ -249,6 +249,7 @@ def test_every_policy_has_cluster_property_options():
     assert set(SIDE_OPTIONS) == set(policies.POLICIES.names())
 
 
+@pytest.mark.slow
 @settings(max_examples=30, deadline=None)
 @given(st.sampled_from(["single", "disaggregated"]), side_policies, side_policies,
        st.sampled_from(["recompute", "swap"]), st.integers(40, 120), st.integers(0, 10_000))

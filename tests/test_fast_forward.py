@@ -73,6 +73,7 @@ def test_preemption_heavy_case_fast_equals_exact(policy):
     assert (s["num_preemptions"] > 0) == (policy != "static") and s["num_decode_jumps"] > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", JUMPING)
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 10_000), blocks=st.integers(40, 400), qps=st.floats(1.0, 60.0),

@@ -429,6 +429,7 @@ def _data_rows(data: bytes, suffix: str) -> int | None:
     return sum(1 for row in rows[1:] if any(c.strip() for c in row))
 
 
+@pytest.mark.slow
 @settings(FUZZ, max_examples=300)
 @given(data=TRACE_FILES, suffix=st.sampled_from([".csv", ".jsonl", ".json", ""]))
 def test_a_hostile_trace_file_loads_or_is_refused_at_its_line(data, suffix):
@@ -506,6 +507,7 @@ def _latin1_trace(folder: Path) -> str:
     return str(path)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overrides,line", [
     (["workload.num_requests=1e30"],
      ("config error: workload.num_requests: must be an integer of magnitude below 2**63, got "

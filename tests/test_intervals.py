@@ -108,6 +108,7 @@ def _profile_rows(noise: float, seed: int = 0, sparse: bool = False,
     return rows, model
 
 
+@pytest.mark.slow
 def test_calibrated_profile_carries_its_held_out_interval():
     """Rows off by a lognormal factor of spread 5% on a dense grid of shapes: the profile's
     90% interval is about the noise's own (exp(+-1.645 x 0.05) = 0.92 .. 1.09); exact rows
@@ -197,6 +198,7 @@ def test_every_headline_figure_gets_an_interval_that_holds_it():
     assert with_intervals({**cfg, "error_bars": {"enabled": False}}, summary) is summary
 
 
+@pytest.mark.slow
 def test_the_command_writes_intervals_and_refuses_a_bad_section(tmp_path):
     out = tmp_path / "run"
     ok = subprocess.run(

@@ -48,6 +48,7 @@ stretch_st = st.tuples(st.sampled_from([1, 2, 5, 10, 11, 12, 27, 54, 55, 82, 128
                        st.integers(1, 9000), st.integers(0, 50), st.integers(1, 40))
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(which=st.integers(0, len(JOINT) - 1), raw=st.lists(stretch_st, min_size=1, max_size=8))
 def test_stretches_priced_at_once_are_priced_one_by_one_bit_for_bit(which, raw):

@@ -57,6 +57,7 @@ def test_a_turn_finds_everything_the_previous_turn_computed():
     assert res.summary["prefix_cache_hit_rate"] > 0.5
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("extra", [[], ["kv.enable_prefix_caching=true"], ["policy=vllm_v1"],
                                    ["policy=vllm_v1", "kv.num_gpu_blocks_override=200"],
                                    ["policy=sjf", "kv.enable_prefix_caching=true",

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -63,6 +64,7 @@ def test_it_jumps_and_is_not_fcfs():
     assert not ours["first_scheduled_time"].equals(fcfs["first_scheduled_time"])
 
 
+@pytest.mark.slow
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 10_000), qps=st.floats(5.0, 80.0), blocks=st.integers(40, 400),
        swap=st.booleans(),

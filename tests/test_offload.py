@@ -123,6 +123,7 @@ BASE = ("model=tiny", "workload=multi_turn", "workload.num_sessions=40", "worklo
         "kv.num_gpu_blocks_override=500", "kv.block_size=4", "kv.num_cpu_blocks=0")
 
 
+@pytest.mark.slow
 def test_a_tight_pool_loads_from_the_tier_instead_of_recomputing():
     off = Simulation(compose_cfg(*BASE)).run().summary
     on = Simulation(compose_cfg(*BASE, "kv.num_offload_blocks=4000",

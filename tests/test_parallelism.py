@@ -136,6 +136,7 @@ def test_pipeline_never_schedules_a_request_twice_in_flight():
     assert list(r.token_times) == [4.0, 8.0, 12.0, 16.0]
 
 
+@pytest.mark.slow
 def test_pipelined_simulation_runs_from_the_config(tmp_path):
     from experiments.simulation import run_simulation
     from tests.helpers import small_cfg

@@ -72,6 +72,7 @@ def test_sjf_predictions_follow_the_run_seed():
     assert run(3) != run(4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", ["static", "sjf", "chunked_prefill", "priority"])
 def test_every_policy_runs_the_default_model_through_the_config(policy):
     res = run_simulation(small_cfg(f"policy={policy}", "workload.priorities=[1,1]",

@@ -177,6 +177,7 @@ SHARED_PROMPTS = ["model=tiny", "workload.num_requests=120", "workload.qps=40",
                   "kv.num_gpu_blocks_override=120", "kv.num_cpu_blocks=60", "check_integrity=true"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", [["policy=fcfs"], ["policy=fcfs",
                                                       "policy.preemption_mode=swap"],
                                     ["policy=sjf"], ["policy=priority"],
@@ -251,6 +252,7 @@ def test_unbounded_cache_hit_rate_on_mooncake_equals_a_count_from_its_hash_ids(t
     assert hits > 0
 
 
+@pytest.mark.slow
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 10_000), qps=st.floats(5.0, 120.0), blocks=st.integers(40, 300),
        prefix=st.integers(1, 250), groups=st.integers(1, 4),

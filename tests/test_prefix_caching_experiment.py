@@ -19,6 +19,7 @@ def _cfg(*overrides: str) -> dict:
                          "experiment.kv_blocks=[null,400]", *overrides)
 
 
+@pytest.mark.slow
 def test_the_grid_runs_every_combination_and_writes_its_tables(tmp_path):
     rows = run_experiment(_cfg("experiment.offload_gib=[0,1]"), tmp_path)
     # Caching off once per size and router; on, once per offload tier size.

@@ -34,6 +34,7 @@ def ids(n: int, seed: int) -> list[int]:
     return torch.randint(0, 512, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", [False, True], ids=["tiny", "scaled-rope-bias-tied-gqa4"])
 def test_paged_logits_equal_dense_for_prefill_decode_and_chunked_prefill(variant):
     ex, kv = tiny_executor(spec=spec(variant), block_size=4)

@@ -157,6 +157,7 @@ def test_a_bad_report_option_is_a_config_error(override, why):
     assert e.value.field.startswith("report.")
 
 
+@pytest.mark.slow
 def test_the_command_line_names_a_bad_plotly_js(tmp_path):
     p = subprocess.run([sys.executable, "-m", "experiments.run", *SMALL,
                         "report.plotly_js=cdn", f"hydra.run.dir={tmp_path}"],
@@ -217,6 +218,7 @@ def assert_page_works_offline(page: Path, figures: int, tmp: Path) -> None:
         assert "class=\"xtick\"" in markup
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["directory", "inline"])
 def test_report_html_draws_every_figure_in_chromium(tmp_path, mode):
     page = _report(tmp_path / "run", options=ReportOptions(plotly_js=mode))
@@ -224,6 +226,7 @@ def test_report_html_draws_every_figure_in_chromium(tmp_path, mode):
     assert_page_works_offline(page, 3, tmp_path)
 
 
+@pytest.mark.slow
 def test_policies_html_draws_every_figure_in_chromium(tmp_path):
     cfg = compose_named("compare_policies", "scenario=long_prompts", "num_requests=12",
                         "jobs=1")
@@ -239,6 +242,7 @@ def test_the_browser_check_catches_a_page_that_cannot_load_plotly(tmp_path):
     assert drawn_figures(dom) == []
 
 
+@pytest.mark.slow
 def test_a_sweeps_pages_share_one_plotly_js_and_draw_in_chromium(tmp_path):
     sweep = tmp_path / "sweep"
     p = subprocess.run([sys.executable, "-m", "experiments.run", "-m", "model=tiny",

@@ -32,6 +32,7 @@ def _strict(path: Path) -> dict:
     return json.loads(path.read_text(), parse_constant=refuse)
 
 
+@pytest.mark.slow
 def test_a_summary_without_latencies_is_strict_json(tmp_path):
     # Every prompt is longer than the model's context: all rejected, no latency exists.
     r = _run(*SMALL, "model.max_model_len=64", "workload.prompt_len.min=100",
@@ -51,6 +52,7 @@ def test_figures_json_cannot_carry_are_written_as_null(tmp_path):
     assert not (tmp_path / "summary.json.partial").exists()
 
 
+@pytest.mark.slow
 def test_a_write_failure_is_one_line_and_leaves_nothing_that_looks_complete(tmp_path):
     """The disk fills up while requests.csv is written (its writer raises ENOSPC, patched in
     by a ``sitecustomize`` module before the command starts)."""
@@ -84,6 +86,7 @@ def test_a_write_failure_is_one_line_and_leaves_nothing_that_looks_complete(tmp_
     assert not names & {"requests.csv", "steps.csv", "summary.json", "report.html", ".run.lock"}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig,code,engine", [(signal.SIGINT, 130, "replica"),
                                              (signal.SIGTERM, 143, "array_core")])
 def test_a_signal_stops_the_run_with_a_summary_marked_interrupted(tmp_path, sig, code, engine):
@@ -115,6 +118,7 @@ def test_a_signal_stops_the_run_with_a_summary_marked_interrupted(tmp_path, sig,
     assert not partial.exists() and not (tmp_path / ".run.lock").exists()
 
 
+@pytest.mark.slow
 def test_a_folder_with_another_runs_outputs_is_refused_unless_overwrite(tmp_path):
     assert _run(*SMALL, f"hydra.run.dir={tmp_path}").returncode == 0
     before = (tmp_path / "requests.csv").read_text()
@@ -129,6 +133,7 @@ def test_a_folder_with_another_runs_outputs_is_refused_unless_overwrite(tmp_path
     assert len(pd.read_csv(tmp_path / "requests.csv")) == 30
 
 
+@pytest.mark.slow
 def test_two_runs_into_one_folder_at_once_one_is_refused(tmp_path):
     args = [sys.executable, "-m", "experiments.run", "model=tiny", "workload.num_requests=3000",
             "progress=false", f"hydra.run.dir={tmp_path}"]
@@ -139,6 +144,7 @@ def test_two_runs_into_one_folder_at_once_one_is_refused(tmp_path):
     assert len(pd.read_csv(tmp_path / "requests.csv")) == 3000
 
 
+@pytest.mark.slow
 def test_default_folders_of_runs_started_together_differ(tmp_path):
     args = [sys.executable, "-m", "experiments.run", *SMALL]
     procs = [subprocess.Popen(args, cwd=tmp_path, env=ENV, stdout=subprocess.PIPE,

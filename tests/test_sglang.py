@@ -107,6 +107,7 @@ def test_bad_settings_name_the_field(override, field):
     assert e.value.field == field
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("extra", [[], ["policy.schedule_policy=lpm"],
                                    ["kv.num_offload_blocks=80"],
                                    ["cluster.num_replicas=2", "cluster.router=prefix_aware"]])

@@ -47,6 +47,7 @@ def test_outputs_and_summary_keys(tmp_path):
     assert res.summary["output_throughput"] > 0
 
 
+@pytest.mark.slow
 def test_every_request_finishes_or_is_rejected_with_a_reason():
     cfg = small_cfg("kv.num_gpu_blocks_override=120", "workload.num_requests=100", "workload.qps=50",
                     "check_integrity=true")
@@ -91,6 +92,7 @@ def _main(*args, cwd=ROOT):
                           capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_main_job_command_line_with_the_issue_overrides(tmp_path):
     p = _main("policy=fcfs", "hardware=h100_sxm", "model=llama3_70b",
               "cluster.tensor_parallel_size=4", "workload.qps=8", "workload.num_requests=500",
@@ -107,6 +109,7 @@ def test_main_job_command_line_with_the_issue_overrides(tmp_path):
     assert (tmp_path / "plotly.min.js").stat().st_size > 1_000_000
 
 
+@pytest.mark.slow
 def test_cfg_job_and_multirun(tmp_path):
     p = _main("--cfg", "job", "model=llama2_7b")
     assert p.returncode == 0 and "num_layers: 32" in p.stdout and "vocab_size: 32000" in p.stdout
@@ -118,11 +121,13 @@ def test_cfg_job_and_multirun(tmp_path):
         assert json.loads((tmp_path / d / "summary.json").read_text())["completed"] == 20
 
 
+@pytest.mark.slow
 def test_unknown_model_lists_known_ones():
     p = _main("model=llama9")
     assert p.returncode != 0 and "llama3_8b" in p.stderr
 
 
+@pytest.mark.slow
 def test_config_error_exits_cleanly_with_field_name(tmp_path):
     p = _main("workload.qps=0", f"hydra.run.dir={tmp_path}")
     assert p.returncode == 2 and "workload.qps" in p.stderr and "Traceback" not in p.stderr

@@ -161,6 +161,7 @@ def test_split_rule_config_errors_name_the_field():
         CostModelConfig(attention_split_kv_len=0)
 
 
+@pytest.mark.slow
 def test_profiles_record_the_split_rule_and_old_ones_load_as_fill(tmp_path):
     model = load_model_spec("tiny")
     rows = []

@@ -27,6 +27,7 @@ def _sweep(tmp_path: Path, qps: str) -> subprocess.CompletedProcess:
         timeout=300, check=False)
 
 
+@pytest.mark.slow
 def test_a_failing_job_is_reported_and_the_others_run(tmp_path):
     r = _sweep(tmp_path, "5,-1,20")
     assert r.returncode == 1
@@ -41,6 +42,7 @@ def test_a_failing_job_is_reported_and_the_others_run(tmp_path):
     assert (tmp_path / "sweep.md").read_text().startswith("| job | workload.qps | status |")
 
 
+@pytest.mark.slow
 def test_a_sweep_that_succeeds_exits_0_with_its_table(tmp_path):
     r = _sweep(tmp_path, "5,20")
     assert r.returncode == 0, r.stderr
@@ -50,6 +52,7 @@ def test_a_sweep_that_succeeds_exits_0_with_its_table(tmp_path):
     assert table["request_throughput"][1] > table["request_throughput"][0]
 
 
+@pytest.mark.slow
 def test_a_job_that_crashes_is_recorded_and_the_sweep_is_still_gathered(tmp_path):
     """Any exception, not only a config error (here the run itself raises for qps=7)."""
     patch = tmp_path / "patch"
@@ -74,6 +77,7 @@ def test_a_job_that_crashes_is_recorded_and_the_sweep_is_still_gathered(tmp_path
     assert table["error"][1] == "RuntimeError: broken on purpose"
 
 
+@pytest.mark.slow
 def test_sweep_csv_has_every_summary_key_and_sweep_html_draws_the_objective(tmp_path):
     r = subprocess.run(
         [sys.executable, "-m", "experiments.run", "-m", "model=tiny", "workload.num_requests=20",
@@ -97,6 +101,7 @@ def test_sweep_csv_has_every_summary_key_and_sweep_html_draws_the_objective(tmp_
     assert "kv_block_size" not in md
 
 
+@pytest.mark.slow
 def test_the_objective_is_a_figure_runs_write(tmp_path):
     """Every name ``objective`` accepts is in the summary of a run with error bars and goodput
     SLOs; a name it does not accept is refused before any job runs, and in a sweep every job
@@ -124,6 +129,7 @@ def test_the_objective_is_a_figure_runs_write(tmp_path):
     assert table["error"][0].startswith("config error: objective: 'nope' is not a figure")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("launcher", ["joblib", "ray"])
 def test_a_two_job_sweep_runs_on_a_parallel_launcher(tmp_path, launcher):
     """Hydra's joblib launcher (processes on this machine) and Ray launcher (a Ray cluster the

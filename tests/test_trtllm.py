@@ -89,6 +89,7 @@ def test_bad_settings_name_the_field(override, field):
     assert e.value.field == field
 
 
+@pytest.mark.slow
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 10_000), blocks=st.integers(30, 200), qps=st.floats(2.0, 80.0),
        chunked=st.booleans())

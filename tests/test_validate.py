@@ -224,6 +224,7 @@ def _validate_cfg(*overrides: str) -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_validate_config_errors_name_the_field(tmp_path):
     with pytest.raises(ConfigError, match="validate.bogus"):
         validate(_validate_cfg("+validate.bogus=1"), tmp_path)

@@ -128,6 +128,7 @@ def test_other_policies_keep_caching_off_by_default():
     assert not Simulation(compose_cfg("workload.num_requests=5")).prefix_caching
 
 
+@pytest.mark.slow
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 10_000), qps=st.floats(5.0, 120.0), blocks=st.integers(30, 300),
        tokens=st.sampled_from([64, 256, 2048]), prefix=st.sampled_from([0, 40, 200]),
