@@ -40,7 +40,7 @@ from sim.errors import ConfigError
 from sim.plan import ScheduledRequest, StepPlan
 from sim.specs import ModelSpec
 
-#: The profile CSV schema (README "Profiling and calibration" documents each column).
+#: The profile CSV schema (docs/calibration.md, "Profile CSV schema", documents each column).
 SHAPE_COLUMNS = ("kind", "batch_size", "num_tokens", "num_prefill_seqs", "prefill_chunk",
                  "prefill_cached", "num_decode_seqs", "decode_context", "num_sampled")
 TIMING_COLUMNS = ("warmup", "repeats", "median_s", "mean_s", "std_s", "p10_s", "p90_s", "min_s")

@@ -7,7 +7,7 @@
 Shapes (``conf/profile.yaml``): decode batches (batch size x context length), prefill chunks
 (chunk size x tokens already cached) and mixed steps (decode rows plus one prefill chunk). Each
 shape is run ``warmup`` times unmeasured, then ``repeats`` times; the CSV (columns
-``executors.calibration.PROFILE_COLUMNS``, documented in the README) holds the median and spread
+``executors.calibration.PROFILE_COLUMNS``, documented in docs/calibration.md) holds the median and spread
 of the executor's reported step durations (the real executor's are measured wall times).
 
 Plans are real: every run registers fresh requests with the executor (seeded prompt token ids

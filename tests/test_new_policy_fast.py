@@ -1,4 +1,4 @@
-"""A policy written from the README's "Adding a policy" alone, defined here and handed to the
+"""A policy written from docs/adding-a-policy.md alone, defined here and handed to the
 engine through its components (not registered): it runs fast (decode jumps, through finishes)
 and exactly as step by step, on one replica under KV pressure with either preemption mode,
 behind a router and disaggregated, on random small workloads."""

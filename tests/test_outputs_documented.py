@@ -1,4 +1,4 @@
-"""The README's lists of `requests.csv` / `steps.csv` columns and `summary.json` keys (and
+"""docs/outputs.md's lists of `requests.csv` / `steps.csv` columns and `summary.json` keys (and
 docs/cluster.md's cluster keys) are exactly what runs write: users' scripts read these names,
 so a column added or renamed without its documentation fails here."""
 
@@ -42,9 +42,10 @@ def _documented_names(text: str) -> set[str]:
 
 
 def _outputs_section() -> str:
-    readme = (ROOT / "README.md").read_text()
-    start = readme.index("### Outputs")
-    return readme[start:readme.index("\n## ", start)]
+    """docs/outputs.md's section of the three files' lists, up to the next section."""
+    page = (ROOT / "docs" / "outputs.md").read_text()
+    start = page.index("## requests.csv, steps.csv and summary.json")
+    return page[start:page.index("\n## ", start + 1)]
 
 
 def _between(text: str, start: str, end: str) -> str:
@@ -73,9 +74,9 @@ def test_pattern_expansion() -> None:
         "mean_kv_time_ms", "p99_kv_time_ms"}
 
 
-def test_the_readme_lists_exactly_what_runs_write(tmp_path: Path) -> None:
-    """Single replica: the README's lists without its cluster bullet. Co-located replicas:
-    exactly that bullet's names more (the README says so; disaggregation is docs/cluster.md)."""
+def test_outputs_md_lists_exactly_what_runs_write(tmp_path: Path) -> None:
+    """Single replica: docs/outputs.md's lists without its cluster bullet. Co-located replicas:
+    exactly that bullet's names more (the page says so; disaggregation is docs/cluster.md)."""
     section = _outputs_section()
     bullet = _between(section, "- cluster runs only", "`replicas` list")
     cluster = _documented_names(bullet) - FILES
@@ -85,8 +86,8 @@ def test_the_readme_lists_exactly_what_runs_write(tmp_path: Path) -> None:
     assert _run(tmp_path / "two", "cluster.num_replicas=2") - single == cluster
 
 
-def test_the_readme_lists_exactly_the_error_bars_keys(tmp_path: Path) -> None:
-    """What ``experiments.run`` adds to summary.json with error bars: the README's bullet."""
+def test_outputs_md_lists_exactly_the_error_bars_keys(tmp_path: Path) -> None:
+    """What ``experiments.run`` adds to summary.json with error bars: docs/outputs.md's bullet."""
     from experiments.intervals import with_intervals
 
     bullet = _between(_outputs_section(), "- error bars (", "come from;")
