@@ -10,9 +10,10 @@ results, with their setups in the folder's README) at run time, simulates each r
 (``row_setup``: model, GPUs, tensor parallelism, replicas, batch limits, dtypes, lengths and
 request rate as the row and README state them, and the blog's vLLM server flags from
 ``experiment.blog``; rows with the same setup share one run) and prints published | simulated |
-error per row and per table. Nothing is tuned to the rows: the executor section (but the blog's
-two engine keys), the seed and the kv keys a row does not set are the composed config's (so a
-command-line executor value is a what-if on every row). Writes into the Hydra run folder:
+error per row and per table. Nothing is tuned to the rows: the executor section (but the keys
+of a row's engine flags, set through ``experiment.blog`` and ``experiment.mlperf``), the seed
+and the kv keys a row does not set are the composed config's (so a command-line executor value
+is a what-if on every row). Writes into the Hydra run folder:
 ``published.csv`` (one row per published figure), ``published_tables.csv`` (per table: mean
 absolute and signed mean error), ``published.md`` (both tables) and ``published.html``.
 The request streams and the ShareGPT length model are in
@@ -71,6 +72,11 @@ VLLM_V06_MIN_BATCHED_TOKENS = 2048
 # experiment.blog in conf/published.yaml, where a what-if changes them.
 BLOG_ENGINE = {"max_num_seqs": 512, "num_scheduler_steps": 10, "host_overlap": True}
 ENGINE_KV = {"block_size": 16, "gpu_memory_utilization": 0.9, "enable_prefix_caching": False}
+# The MLPerf rows' options (experiment.mlperf): the output lengths, and TensorRT-LLM's
+# settings: its default max_num_tokens, the capacity scheduler of NVIDIA's MLPerf harness
+# (--trtllm_batch_sched_policy max_util) and its C++ executor's host work between steps.
+MLPERF_OPTIONS = {"outputs": "scaled", "max_output": 1024, "max_num_batched_tokens": 8192,
+                  "capacity_scheduler_policy": "max_utilization", "host_overlap": False}
 
 
 @dataclass(frozen=True)
@@ -210,8 +216,8 @@ def row_setup(row: Row, exp: dict[str, Any], folder: Path) -> RunSetup:
     replicas, tp = (_int(s[k], k, row) for k in ("replicas", "tensor_parallel"))
     require(replicas * tp == _int(s["gpus"], "gpus", row), "published_dir",
             f"{row.id}: {replicas} replicas x TP{tp} is not {s['gpus']} GPUs")
-    mp = dict(exp.get("mlperf") or {})
-    outputs = mp.get("outputs", "scaled")
+    mp = _options(exp, "mlperf", MLPERF_OPTIONS)
+    outputs = mp["outputs"]
     require(outputs in ("scaled", "reference"), "experiment.mlperf.outputs",
             f"must be scaled or reference, got {outputs!r}")
     per_sample = (_number(s["tokens_per_s"], row.id) / _number(s["samples_per_s"], row.id))
@@ -220,20 +226,21 @@ def row_setup(row: Row, exp: dict[str, Any], folder: Path) -> RunSetup:
                 "num_prompts": int(exp.get("mlperf_samples") or _count_lines(folder)),
                 "request_rate": math.inf,
                 "output_mean": round(per_sample, 1) if outputs == "scaled" else None,
-                "max_output": int(mp.get("max_output", 1024))}
+                "max_output": int(mp["max_output"])}
     weights, kv_cache_dtype = s["weights"], s["kv_cache"]
     note = (f"outputs scaled to {per_sample:.1f} tokens/sample" if outputs == "scaled"
-            else "reference output lengths") + "; TensorRT-LLM scheduled as fcfs"
+            else "reference output lengths")
     if weights == "fp8" and not float(_group("hardware", hardware).get("peak_tflops_fp8", 0)):
         note += f"; {hardware} has no FP8: GEMMs priced at its fp16 peak"
     return RunSetup(
-        groups={"model": "llama2_70b", "hardware": hardware, "policy": "fcfs",
+        groups={"model": "llama2_70b", "hardware": hardware, "policy": "trtllm",
                 "cluster": "single"},
         values={"model": {"weight_dtype": weights, "kv_cache_dtype": kv_cache_dtype},
-                "policy": {**VLLM_V06_POLICY, "max_num_seqs": _int(s["max_batch"], "max_batch",
-                                                                    row),
-                           "max_num_batched_tokens": int(mp.get("max_num_batched_tokens",
-                                                                8192))},
+                "policy": {"max_num_seqs": _int(s["max_batch"], "max_batch", row),
+                           "max_num_batched_tokens": int(mp["max_num_batched_tokens"]),
+                           "capacity_scheduler_policy": mp["capacity_scheduler_policy"]},
+                "executor": {"host_overlap": as_bool(mp["host_overlap"],
+                                                     "experiment.mlperf.host_overlap")},
                 "cluster": {"tensor_parallel": tp, "num_replicas": replicas},
                 "kv": kv, "workload": workload},
         note=note,
@@ -242,11 +249,16 @@ def row_setup(row: Row, exp: dict[str, Any], folder: Path) -> RunSetup:
 
 def blog_engine(exp: dict[str, Any]) -> dict[str, Any]:
     """The blog rows' engine flags: ``BLOG_ENGINE`` with ``experiment.blog`` over it."""
-    given = dict(exp.get("blog") or {})
-    unknown = sorted(set(given) - set(BLOG_ENGINE))
-    require(not unknown, f"experiment.blog.{unknown[0] if unknown else ''}",
-            f"unknown key; known: {', '.join(BLOG_ENGINE)}")
-    return {**BLOG_ENGINE, **given}
+    return _options(exp, "blog", BLOG_ENGINE)
+
+
+def _options(exp: dict[str, Any], section: str, defaults: dict[str, Any]) -> dict[str, Any]:
+    """``defaults`` with ``experiment.<section>`` over them; an unknown key is refused."""
+    given = dict(exp.get(section) or {})
+    unknown = sorted(set(given) - set(defaults))
+    require(not unknown, f"experiment.{section}.{unknown[0] if unknown else ''}",
+            f"unknown key; known: {', '.join(defaults)}")
+    return {**defaults, **given}
 
 
 def _count_lines(folder: Path) -> int:

@@ -11,6 +11,13 @@ import sys
 import numpy as np
 import pytest
 
+from experiments.analysis.published_lengths import (
+    ShareGPTModel,
+    arrivals,
+    build_workload,
+    fit_sharegpt,
+    scaled_outputs,
+)
 from experiments.published import (
     BLOG,
     MLPERF,
@@ -22,13 +29,6 @@ from experiments.published import (
     run_experiment,
     table_summary,
     write_outputs,
-)
-from experiments.analysis.published_lengths import (
-    ShareGPTModel,
-    arrivals,
-    build_workload,
-    fit_sharegpt,
-    scaled_outputs,
 )
 from sim.errors import ConfigError
 from sim.specs import load_model_spec
@@ -162,9 +162,10 @@ def test_blog_engine_flags_are_configurable(tmp_path):
     with pytest.raises(ConfigError) as e:
         row_setup(_blog_row(), {"blog": {"num_sched_steps": 1}}, tmp_path)
     assert e.value.field == "experiment.blog.num_sched_steps"
-    # MLPerf rows (TensorRT-LLM) keep the composed executor: the flags are vLLM's.
+    # MLPerf rows (TensorRT-LLM) take no vLLM flags: their host work runs between steps.
     row = Row("mlperf:1", MLPERF, "offline", MLPERF_H100, "output_throughput", 1.0, "")
-    assert "executor" not in row_setup(row, {"mlperf_samples": 10}, tmp_path).values
+    assert row_setup(row, {"mlperf_samples": 10}, tmp_path).values["executor"] == {
+        "host_overlap": False}
 
 
 def test_sharegpt_row_at_a_rate_carries_the_length_model(tmp_path):
@@ -184,11 +185,14 @@ def test_mlperf_row_maps_to_replicas_batch_and_fp8(tmp_path):
     exp = {"mlperf_samples": 1000, "mlperf": {"outputs": "scaled", "max_output": 1024,
                                               "max_num_batched_tokens": 8192}}
     s = row_setup(row, exp, tmp_path)
-    assert s.groups == {"model": "llama2_70b", "hardware": "h100_sxm", "policy": "fcfs",
+    assert s.groups == {"model": "llama2_70b", "hardware": "h100_sxm", "policy": "trtllm",
                         "cluster": "single"}
     assert s.values["model"] == {"weight_dtype": "fp8", "kv_cache_dtype": "fp8"}
-    assert s.values["policy"]["max_num_seqs"] == 896
-    assert s.values["policy"]["max_num_batched_tokens"] == 8192
+    # TensorRT-LLM's scheduler as NVIDIA's harness ran it: max_batch_size from the row, the
+    # default max_num_tokens, the max_utilization capacity scheduler, no host overlap.
+    assert s.values["policy"] == {"max_num_seqs": 896, "max_num_batched_tokens": 8192,
+                                  "capacity_scheduler_policy": "max_utilization"}
+    assert s.values["executor"] == {"host_overlap": False}
     assert s.values["cluster"] == {"tensor_parallel": 2, "num_replicas": 4}
     assert s.values["workload"] == {
         "name": "published", "dataset": "mlperf",
@@ -196,8 +200,25 @@ def test_mlperf_row_maps_to_replicas_batch_and_fp8(tmp_path):
         "request_rate": math.inf, "output_mean": 290.3, "max_output": 1024}
     cfg = run_config(compose_named("published"), s)
     assert cfg["model"]["num_layers"] == 80 and cfg["model"]["vocab_size"] == 32000
-    assert cfg["hardware"]["name"] == "h100_sxm" and cfg["policy"]["name"] == "fcfs"
+    assert cfg["hardware"]["name"] == "h100_sxm" and cfg["policy"]["name"] == "trtllm"
+    assert cfg["policy"]["kv_watermark"] == 0.0 and not cfg["policy"]["chunked_prefill"]
     assert cfg["executor"]["name"] == "cost_model" and "experiment" not in cfg
+    assert cfg["executor"]["host_overlap"] is False
+
+
+def test_mlperf_options_are_configurable_and_checked(tmp_path):
+    row = Row("mlperf:1", MLPERF, "offline", MLPERF_H100, "output_throughput", 1.0, "")
+    exp = {"mlperf_samples": 10, "mlperf": {"capacity_scheduler_policy": "guaranteed_no_evict",
+                                            "host_overlap": True}}
+    s = row_setup(row, exp, tmp_path)
+    assert s.values["policy"]["capacity_scheduler_policy"] == "guaranteed_no_evict"
+    assert s.values["executor"] == {"host_overlap": True}
+    with pytest.raises(ConfigError) as e:
+        row_setup(row, {"mlperf_samples": 10, "mlperf": {"max_batch": 4}}, tmp_path)
+    assert e.value.field == "experiment.mlperf.max_batch"
+    with pytest.raises(ConfigError) as e:
+        row_setup(row, {"mlperf_samples": 10, "mlperf": {"host_overlap": "yes"}}, tmp_path)
+    assert e.value.field == "experiment.mlperf.host_overlap"
 
 
 def test_mlperf_row_that_does_not_add_up_is_refused(tmp_path):
