@@ -2,6 +2,7 @@
 
     python -m experiments.check_profiles                          # ../shared/profiles/vidur
     python -m experiments.check_profiles profiles_dir=/path/to/vidur
+    python -m experiments.check_profiles detail=true   # per layer, measured vs cost model
 
 For Llama-2-7B on A100 and H100 and Llama-3-8B on A100 it compares the per-layer linear time
 (the four projections: attn_pre_proj + attn_post_proj + mlp_up_proj + mlp_down_proj, TP 1,
@@ -12,6 +13,9 @@ the calibrated model fitted on half the rows (shapes sorted, every other one) an
 other half. The last line is ``profiles MAPE: roofline X% calibrated Y%``: the mean over the
 five checks. Element-wise operators (norms, RoPE, activation, add) and attention's reshape
 copies are priced by other terms and are not part of these sums (docs/calibration.md).
+``detail=true`` adds, for every ``*_mlp.csv`` profile at its lowest TP degree, one layer's
+measured linear and element-wise time at a few token counts beside the cost model's ``linear``
+and ``elementwise`` terms (spec defaults).
 """
 
 from __future__ import annotations
@@ -30,8 +34,13 @@ from executors.step_terms import StepDecomposer, StepShape
 from executors.uncertainty import LEVEL, ratio_interval
 from sim.errors import ConfigError, apply_cli_overrides
 from sim.specs import ModelSpec, load_hardware_spec
+from workloads.base import resolve_path
 
 LINEAR_OPS = ("attn_pre_proj", "attn_post_proj", "mlp_up_proj", "mlp_down_proj")
+# Vidur's element-wise operators of a layer (the cost model's ``elementwise`` term).
+ELEMENTWISE_OPS = ("input_layernorm", "attn_rope", "post_attention_layernorm", "mlp_act", "add")
+DETAIL_TOKENS = (1, 8, 64, 512, 2048, 4096)
+HARDWARE = {"a100": "a100_80gb", "h100": "h100_sxm"}  # the profile files' GPU prefixes
 LINEAR_FILES = (  # (label, file, hardware conf)
     ("Llama-2-7B A100", "compute/a100_Llama-2-7b-hf_mlp.csv", "a100_80gb"),
     ("Llama-2-7B H100", "compute/h100_Llama-2-7b-hf_mlp.csv", "h100_sxm"),
@@ -135,10 +144,39 @@ def check_attention(root: Path) -> list[CheckResult]:
     return out
 
 
+def layer_detail(root: Path) -> list[str]:
+    """Per ``*_mlp.csv`` profile (lowest TP degree): one layer's measured linear and
+    element-wise medians against the cost model's terms at ``DETAIL_TOKENS``."""
+    lines = [(f"{'profile':<34} {'tokens':>6} {'linear us':>10} {'model':>8} {'ratio':>6} "
+              f"{'elementwise us':>15} {'model':>7}")]
+    for path in sorted((root / "compute").glob("*_mlp.csv")):
+        gpu = path.name.split("_", 1)[0]
+        if gpu not in HARDWARE:
+            continue
+        df = _read(path)
+        df = df[df.num_tensor_parallel_workers == df.num_tensor_parallel_workers.min()]
+        r = df.iloc[0]
+        tp = int(r.num_tensor_parallel_workers)
+        model = _geometry(path.stem, int(r.n_embd), int(r.n_head), int(r.n_kv_head),
+                          int(r.n_expanded_embd), int(r.vocab_size))
+        cm = RooflineCostModel(model, load_hardware_spec(HARDWARE[gpu]), tp)
+        lin = df[[f"time_stats.{op}.median" for op in LINEAR_OPS]].sum(axis=1).groupby(
+            df.num_tokens).median()
+        ew = df[[f"time_stats.{op}.median" for op in ELEMENTWISE_OPS]].sum(axis=1).groupby(
+            df.num_tokens).median()
+        for n in DETAIL_TOKENS:
+            if n not in lin.index:
+                continue
+            b = cm.breakdown_shape(ShapeSpec("prefill", num_prefill_seqs=1, prefill_chunk=n,
+                                             num_sampled=0).shape())
+            lines.append(f"{path.stem + f' tp{tp}':<34} {n:>6} {lin[n] * 1e3:>10.1f} "
+                         f"{b.linear * 1e6:>8.1f} {lin[n] * 1e-3 / b.linear:>6.2f} "
+                         f"{ew[n] * 1e3:>15.1f} {b.elementwise * 1e6:>7.1f}")
+    return lines
+
+
 def check_profiles(profiles_dir: str | Path) -> list[CheckResult]:
     """Every check, in print order."""
-    from workloads.base import resolve_path
-
     root = resolve_path(str(profiles_dir), "profiles_dir")
     results = [check_linear(root, *spec) for spec in LINEAR_FILES]
     return results + check_attention(root)
@@ -166,17 +204,24 @@ def format_results(results: Sequence[CheckResult]) -> list[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``key=value`` overrides; the only key is ``profiles_dir``."""
-    cfg = {"profiles_dir": "../shared/profiles/vidur"}
+    """``key=value`` overrides: ``profiles_dir`` and ``detail`` (true | false)."""
+    cfg = {"profiles_dir": "../shared/profiles/vidur", "detail": "false"}
     if not apply_cli_overrides(sys.argv[1:] if argv is None else argv, cfg,
-                               "profiles_dir=<folder>"):
+                               "profiles_dir=<folder>, detail=true|false"):
         return 2
     try:
+        if cfg["detail"] not in ("true", "false"):
+            raise ConfigError("detail", f"must be true or false, got {cfg['detail']!r}")
         results = check_profiles(cfg["profiles_dir"])
+        detail = (layer_detail(resolve_path(cfg["profiles_dir"], "profiles_dir"))
+                  if cfg["detail"] == "true" else [])
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
     print("\n".join(format_results(results)))
+    if detail:
+        print()
+        print("\n".join(detail))
     return 0
 
 

@@ -10,9 +10,10 @@ results, with their setups in the folder's README) at run time, simulates each r
 (``row_setup``: model, GPUs, tensor parallelism, replicas, batch limits, dtypes, lengths and
 request rate as the row and README state them, and the blog's vLLM server flags from
 ``experiment.blog``; rows with the same setup share one run) and prints published | simulated |
-error per row and per table. Nothing is tuned to the rows: the executor section (but the blog's
-two engine keys), the seed and the kv keys a row does not set are the composed config's (so a
-command-line executor value is a what-if on every row). Writes into the Hydra run folder:
+error per row and per table. Nothing is tuned to the rows: the executor section (but the keys
+of a row's engine flags, set through ``experiment.blog`` and ``experiment.mlperf``), the seed
+and the kv keys a row does not set are the composed config's (so a command-line executor value
+is a what-if on every row). Writes into the Hydra run folder:
 ``published.csv`` (one row per published figure), ``published_tables.csv`` (per table: mean
 absolute and signed mean error), ``published.md`` (both tables) and ``published.html``.
 The request streams and the ShareGPT length model are in
@@ -60,17 +61,22 @@ MLPERF_GPUS = {"H100-SXM-80GB": "h100_sxm", "H200-SXM-141GB": "h200"}
 # MLPerf's figures and the summary.json keys that simulate them.
 MLPERF_METRICS = {"tokens_per_s": "output_throughput", "samples_per_s": "request_throughput"}
 BLOG_METRICS = ("request_throughput", "mean_tpot_ms", "mean_ttft_ms")
-# vLLM 0.6's engine defaults: 256 sequences; without chunked prefill (off for these models'
-# 8k contexts) max_num_batched_tokens = max(max_model_len, 2048); recompute preemption, a 1%
-# watermark, 16-token blocks, 90% of GPU memory, prefix caching off.
-VLLM_V06_POLICY = {"max_num_seqs": 256, "enable_chunked_prefill": False,
-                   "preemption_mode": "recompute", "kv_watermark": 0.01}
+# Each source's engine (conf/engine/<name>.yaml: its policy and the defaults that differ).
+ENGINES = {BLOG: "vllm_v0_6", MLPERF: "trtllm"}
+# vLLM 0.6 without chunked prefill (off by default for these models' 8k contexts) batches
+# max(max_model_len, 2048) tokens, a rule of the model the engine file cannot state.
 VLLM_V06_MIN_BATCHED_TOKENS = 2048
-# The blog's server flags (vLLM's nightly benchmark configuration of that release:
-# --max-num-seqs 512 --num-scheduler-steps 10, asynchronous output processing on by default);
-# experiment.blog in conf/published.yaml, where a what-if changes them.
-BLOG_ENGINE = {"max_num_seqs": 512, "num_scheduler_steps": 10, "host_overlap": True}
-ENGINE_KV = {"block_size": 16, "gpu_memory_utilization": 0.9, "enable_prefix_caching": False}
+# The blog's server flags over engine=vllm_v0_6 (vLLM's nightly benchmark configuration of
+# that release: --max-num-seqs 512 --num-scheduler-steps 10; asynchronous output processing,
+# on by default, is the engine's): experiment.blog in conf/published.yaml, where a what-if
+# changes them. host_overlap null: the engine's.
+BLOG_ENGINE = {"max_num_seqs": 512, "num_scheduler_steps": 10, "host_overlap": None}
+# The MLPerf rows' options (experiment.mlperf): the output lengths, and NVIDIA's settings of
+# TensorRT-LLM over engine=trtllm: TensorRT-LLM's default max_num_tokens, the capacity
+# scheduler of NVIDIA's MLPerf harness (--trtllm_batch_sched_policy max_util), and its C++
+# executor's host work between steps. KV block reuse is off, as the harness runs it.
+MLPERF_OPTIONS = {"outputs": "scaled", "max_output": 1024, "max_num_batched_tokens": 8192,
+                  "capacity_scheduler_policy": "max_utilization", "host_overlap": False}
 
 
 @dataclass(frozen=True)
@@ -89,9 +95,11 @@ class Row:
 
 @dataclass(frozen=True)
 class RunSetup:
-    """A row's run: config group choices (``conf/<group>/<name>.yaml``), values over them
-    (``workload`` replaces the section outright), and what the run cannot model as stated."""
+    """A row's run: its engine (``conf/engine/<name>.yaml``: a policy and values), config
+    group choices (``conf/<group>/<name>.yaml``), values over them (``workload`` replaces the
+    section outright), and what the run cannot model as stated."""
 
+    engine: str
     groups: dict[str, str]
     values: dict[str, Any]
     note: str = ""
@@ -167,7 +175,6 @@ def _int(value: str, what: str, row: Row) -> int:
 def row_setup(row: Row, exp: dict[str, Any], folder: Path) -> RunSetup:
     """The run that simulates ``row`` (``exp``: the config's ``experiment`` section)."""
     s = row.setup
-    kv = dict(ENGINE_KV)
     if row.source == BLOG:
         m = re.fullmatch(r"(\d+)x(\w+)", s["gpus"])
         require(m is not None and m.group(2) in BLOG_GPUS, "published_dir",
@@ -187,18 +194,21 @@ def row_setup(row: Row, exp: dict[str, Any], folder: Path) -> RunSetup:
             note = "ShareGPT length model (a fit, not the data set)"
         else:
             raise ConfigError("published_dir", f"{row.id}: unknown dataset {s['dataset']!r}")
-        engine = blog_engine(exp)
+        flags = blog_engine(exp)
+        executor = {"num_scheduler_steps": flags["num_scheduler_steps"]}
+        if flags["host_overlap"] is not None:
+            executor["host_overlap"] = as_bool(flags["host_overlap"],
+                                               "experiment.blog.host_overlap")
         return RunSetup(
-            groups={"model": s["model"], "hardware": BLOG_GPUS[gpu], "policy": "fcfs",
-                    "cluster": "single"},
+            engine=ENGINES[BLOG],
+            groups={"model": s["model"], "hardware": BLOG_GPUS[gpu], "cluster": "single"},
             values={"model": {"weight_dtype": "bf16", "kv_cache_dtype": "bf16"},
-                    "policy": {**VLLM_V06_POLICY, "max_num_seqs": engine["max_num_seqs"],
+                    "policy": {"max_num_seqs": flags["max_num_seqs"],
                                "max_num_batched_tokens":
                                max(max_len, VLLM_V06_MIN_BATCHED_TOKENS)},
-                    "executor": {k: engine[k] for k in ("num_scheduler_steps",
-                                                        "host_overlap")},
+                    "executor": executor,
                     "cluster": {"tensor_parallel_size": gpus, "num_replicas": 1},
-                    "kv": kv, "workload": workload},
+                    "workload": workload},
             note=note,
             label=" ".join([s["model"], s["gpus"], s["dataset"]]
                            + ([f"{s['input_len']}/{s['output_len']}"] if s["input_len"] else [])
@@ -210,8 +220,8 @@ def row_setup(row: Row, exp: dict[str, Any], folder: Path) -> RunSetup:
     replicas, tp = (_int(s[k], k, row) for k in ("replicas", "tensor_parallel"))
     require(replicas * tp == _int(s["gpus"], "gpus", row), "published_dir",
             f"{row.id}: {replicas} replicas x TP{tp} is not {s['gpus']} GPUs")
-    mp = dict(exp.get("mlperf") or {})
-    outputs = mp.get("outputs", "scaled")
+    mp = _options(exp, "mlperf", MLPERF_OPTIONS)
+    outputs = mp["outputs"]
     require(outputs in ("scaled", "reference"), "experiment.mlperf.outputs",
             f"must be scaled or reference, got {outputs!r}")
     per_sample = (_number(s["tokens_per_s"], row.id) / _number(s["samples_per_s"], row.id))
@@ -220,33 +230,39 @@ def row_setup(row: Row, exp: dict[str, Any], folder: Path) -> RunSetup:
                 "num_prompts": int(exp.get("mlperf_samples") or _count_lines(folder)),
                 "request_rate": math.inf,
                 "output_mean": round(per_sample, 1) if outputs == "scaled" else None,
-                "max_output": int(mp.get("max_output", 1024))}
+                "max_output": int(mp["max_output"])}
     weights, kv_cache_dtype = s["weights"], s["kv_cache"]
     note = (f"outputs scaled to {per_sample:.1f} tokens/sample" if outputs == "scaled"
-            else "reference output lengths") + "; TensorRT-LLM scheduled as fcfs"
+            else "reference output lengths")
     if weights == "fp8" and not float(_group("hardware", hardware).get("peak_tflops_fp8", 0)):
         note += f"; {hardware} has no FP8: GEMMs priced at its fp16 peak"
     return RunSetup(
-        groups={"model": "llama2_70b", "hardware": hardware, "policy": "fcfs",
-                "cluster": "single"},
+        engine=ENGINES[MLPERF],
+        groups={"model": "llama2_70b", "hardware": hardware, "cluster": "single"},
         values={"model": {"weight_dtype": weights, "kv_cache_dtype": kv_cache_dtype},
-                "policy": {**VLLM_V06_POLICY, "max_num_seqs": _int(s["max_batch"], "max_batch",
-                                                                    row),
-                           "max_num_batched_tokens": int(mp.get("max_num_batched_tokens",
-                                                                8192))},
+                "policy": {"max_num_seqs": _int(s["max_batch"], "max_batch", row),
+                           "max_num_batched_tokens": int(mp["max_num_batched_tokens"]),
+                           "capacity_scheduler_policy": mp["capacity_scheduler_policy"]},
+                "executor": {"host_overlap": as_bool(mp["host_overlap"],
+                                                     "experiment.mlperf.host_overlap")},
                 "cluster": {"tensor_parallel_size": tp, "num_replicas": replicas},
-                "kv": kv, "workload": workload},
+                "kv": {"enable_prefix_caching": False}, "workload": workload},
         note=note,
         label=f"llama2_70b {s['system']} {replicas}xTP{tp} batch {s['max_batch']} {weights}")
 
 
 def blog_engine(exp: dict[str, Any]) -> dict[str, Any]:
     """The blog rows' engine flags: ``BLOG_ENGINE`` with ``experiment.blog`` over it."""
-    given = dict(exp.get("blog") or {})
-    unknown = sorted(set(given) - set(BLOG_ENGINE))
-    require(not unknown, f"experiment.blog.{unknown[0] if unknown else ''}",
-            f"unknown key; known: {', '.join(BLOG_ENGINE)}")
-    return {**BLOG_ENGINE, **given}
+    return _options(exp, "blog", BLOG_ENGINE)
+
+
+def _options(exp: dict[str, Any], section: str, defaults: dict[str, Any]) -> dict[str, Any]:
+    """``defaults`` with ``experiment.<section>`` over them; an unknown key is refused."""
+    given = dict(exp.get(section) or {})
+    unknown = sorted(set(given) - set(defaults))
+    require(not unknown, f"experiment.{section}.{unknown[0] if unknown else ''}",
+            f"unknown key; known: {', '.join(defaults)}")
+    return {**defaults, **given}
 
 
 def _count_lines(folder: Path) -> int:
@@ -254,15 +270,32 @@ def _count_lines(folder: Path) -> int:
         return sum(1 for _ in fh) - 1
 
 
+def engine_file(name: str) -> tuple[dict[str, str], dict[str, Any]]:
+    """``conf/engine/<name>.yaml`` as the group choices its defaults list overrides and the
+    values it sets."""
+    data = _group("engine", name)
+    groups = {}
+    for entry in data.pop("defaults", None) or []:
+        key, choice = next(iter(entry.items())) if isinstance(entry, dict) else (entry, None)
+        require(str(key).startswith("override /") and isinstance(choice, str), "engine",
+                f"conf/engine/{name}.yaml: a defaults entry must be 'override /<group>: "
+                f"<name>', got {entry!r}")
+        groups[str(key).removeprefix("override /")] = choice
+    return groups, data
+
+
 def run_config(base: dict[str, Any], setup: RunSetup) -> dict[str, Any]:
-    """The full simulation config of ``setup`` over the composed ``base`` (its executor,
-    kv, seed and engine switches are kept)."""
+    """The full simulation config of ``setup`` over the composed ``base``: its engine's group
+    choices and values, then the row's (the base's executor, kv, seed and engine switches are
+    kept where neither sets them)."""
     cfg = {k: v for k, v in base.items() if k not in ("experiment", "published_dir")}
-    for group, name in setup.groups.items():
+    engine_groups, engine_values = engine_file(setup.engine)
+    for group, name in {**engine_groups, **setup.groups}.items():
         cfg[group] = _group(group, name)
     values = dict(setup.values)
     cfg["workload"] = dict(values.pop("workload"))
-    return {**merge(cfg, values), "progress": False, "record_steps": False}
+    return {**merge(merge(cfg, engine_values), values), "progress": False,
+            "record_steps": False}
 
 
 # ---- running --------------------------------------------------------------------------------

@@ -214,6 +214,19 @@ def main(cfg: DictConfig) -> float:
     return objective_value(summary, str(cfg.get("objective") or DEFAULT_OBJECTIVE))
 
 
+def null_group_override(overrides: list[str]) -> None:
+    """A config group set to null (``engine=null``) is refused naming the group (Hydra itself
+    fails on it with a traceback): a group takes one of its options (``engine=none``)."""
+    conf = Path(__file__).resolve().parent.parent / "conf"
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        group = conf / key.lstrip("+~")
+        if sep and value.strip() in ("null", "~", "") and key.strip("+~") and group.is_dir():
+            options = sorted(f.stem for f in group.glob("*.yaml"))
+            exit_with(2, f"config error: {group.name}: a config group takes one of its options "
+                         f"{options}, got {value.strip() or 'nothing'!r}")
+
+
 @contextmanager
 def hydra_errors_as_config_errors() -> Iterator[None]:
     """An override Hydra refuses (unknown key or group option, bad syntax) or an interpolation
@@ -226,6 +239,7 @@ def hydra_errors_as_config_errors() -> Iterator[None]:
 
     os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises instead of printing and exiting 1
     try:
+        null_group_override(sys.argv[1:])
         yield
     except (HydraException, OmegaConfBaseException) as e:
         key = re.search(r"Could not override '([^']+)'", str(e))

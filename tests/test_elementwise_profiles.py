@@ -50,3 +50,18 @@ def test_elementwise_kernels_run_at_about_0_6_of_the_weights_rate(label, file, h
     full = elementwise_ratio(file, hardware, tp)
     assert 0.5 <= full <= 0.7, (label, hardware, tp, full)
     assert elementwise_ratio(file, hardware, tp, efficiency=0.6) == pytest.approx(1.0, abs=0.15)
+
+
+def test_check_profiles_detail_lists_each_layer_beside_the_cost_model(capsys):
+    """``check_profiles detail=true``: per profile and token count, one layer's measured
+    linear and element-wise time beside the cost model's (spec defaults)."""
+    from experiments.check_profiles import DETAIL_TOKENS, layer_detail, main
+
+    lines = layer_detail(ROOT)
+    rows = [line.split() for line in lines[1:]]
+    assert len(rows) == 5 * len(DETAIL_TOKENS)  # five *_mlp.csv profiles at TP 1
+    h100_7b = {int(r[2]): r for r in rows if r[0] == "h100_Llama-2-7b-hf_mlp"}
+    # Batch-1 projections: 156 us measured, 134.3 us priced (ratio 1.16); element-wise 19 us.
+    assert h100_7b[1][3:6] == ["156.0", "134.3", "1.16"] and h100_7b[1][6] == "19.0"
+    assert main(["detail=maybe"]) == 2
+    assert "config error: detail: must be true or false" in capsys.readouterr().err

@@ -11,10 +11,18 @@ import sys
 import numpy as np
 import pytest
 
+from experiments.analysis.published_lengths import (
+    ShareGPTModel,
+    arrivals,
+    build_workload,
+    fit_sharegpt,
+    scaled_outputs,
+)
 from experiments.published import (
     BLOG,
     MLPERF,
     Row,
+    engine_file,
     error_pct,
     published_folder,
     row_setup,
@@ -22,13 +30,6 @@ from experiments.published import (
     run_experiment,
     table_summary,
     write_outputs,
-)
-from experiments.analysis.published_lengths import (
-    ShareGPTModel,
-    arrivals,
-    build_workload,
-    fit_sharegpt,
-    scaled_outputs,
 )
 from sim.errors import ConfigError
 from sim.specs import load_model_spec
@@ -137,34 +138,42 @@ MLPERF_H100 = {"system": "8xH100-SXM-80GB", "gpus": "8", "replicas": "4",
 
 def test_blog_row_maps_to_vllm_v06_defaults(tmp_path):
     s = row_setup(_blog_row(), {}, tmp_path)
-    assert s.groups == {"model": "llama3_70b", "hardware": "a100_80gb", "policy": "fcfs",
-                        "cluster": "single"}
+    assert s.engine == "vllm_v0_6"
+    assert s.groups == {"model": "llama3_70b", "hardware": "a100_80gb", "cluster": "single"}
     assert s.values == {
         "model": {"weight_dtype": "bf16", "kv_cache_dtype": "bf16"},
-        # The blog's server flags: --max-num-seqs 512 --num-scheduler-steps 10, async output.
-        "policy": {"max_num_seqs": 512, "enable_chunked_prefill": False,
-                   "preemption_mode": "recompute", "kv_watermark": 0.01,
-                   "max_num_batched_tokens": 8192},
-        "executor": {"num_scheduler_steps": 10, "host_overlap": True},
+        # The blog's server flags: --max-num-seqs 512 --num-scheduler-steps 10 (asynchronous
+        # output processing is the engine's); vLLM 0.6's max(max_model_len, 2048) tokens.
+        "policy": {"max_num_seqs": 512, "max_num_batched_tokens": 8192},
+        "executor": {"num_scheduler_steps": 10},
         "cluster": {"tensor_parallel_size": 4, "num_replicas": 1},
-        "kv": {"block_size": 16, "gpu_memory_utilization": 0.9,
-               "enable_prefix_caching": False},
         "workload": {"name": "published", "dataset": "fixed", "num_prompts": 500,
                      "request_rate": math.inf, "input_len": 462, "output_len": 16}}
     assert s.note == ""
+    # The run: vLLM 0.6's engine (fcfs, host work overlapped) under the row's values.
+    cfg = run_config(compose_named("published"), s)
+    assert cfg["policy"]["name"] == "fcfs" and cfg["policy"]["max_num_seqs"] == 512
+    assert cfg["policy"]["kv_watermark"] == 0.01
+    assert cfg["executor"]["host_overlap"] is True
+    assert cfg["executor"]["num_scheduler_steps"] == 10
+    assert (cfg["kv"]["block_size"], cfg["kv"]["gpu_memory_utilization"]) == (16, 0.9)
 
 
 def test_blog_engine_flags_are_configurable(tmp_path):
     s = row_setup(_blog_row(), {"blog": {"num_scheduler_steps": 1, "max_num_seqs": 256}},
                   tmp_path)
     assert s.values["policy"]["max_num_seqs"] == 256
-    assert s.values["executor"] == {"num_scheduler_steps": 1, "host_overlap": True}
+    assert s.values["executor"] == {"num_scheduler_steps": 1}
+    s = row_setup(_blog_row(), {"blog": {"host_overlap": False}}, tmp_path)
+    assert s.values["executor"] == {"num_scheduler_steps": 10, "host_overlap": False}
+    assert run_config(compose_named("published"), s)["executor"]["host_overlap"] is False
     with pytest.raises(ConfigError) as e:
         row_setup(_blog_row(), {"blog": {"num_sched_steps": 1}}, tmp_path)
     assert e.value.field == "experiment.blog.num_sched_steps"
-    # MLPerf rows (TensorRT-LLM) keep the composed executor: the flags are vLLM's.
+    # MLPerf rows (TensorRT-LLM) take no vLLM flags: their host work runs between steps.
     row = Row("mlperf:1", MLPERF, "offline", MLPERF_H100, "output_throughput", 1.0, "")
-    assert "executor" not in row_setup(row, {"mlperf_samples": 10}, tmp_path).values
+    assert row_setup(row, {"mlperf_samples": 10}, tmp_path).values["executor"] == {
+        "host_overlap": False}
 
 
 def test_sharegpt_row_at_a_rate_carries_the_length_model(tmp_path):
@@ -184,11 +193,14 @@ def test_mlperf_row_maps_to_replicas_batch_and_fp8(tmp_path):
     exp = {"mlperf_samples": 1000, "mlperf": {"outputs": "scaled", "max_output": 1024,
                                               "max_num_batched_tokens": 8192}}
     s = row_setup(row, exp, tmp_path)
-    assert s.groups == {"model": "llama2_70b", "hardware": "h100_sxm", "policy": "fcfs",
-                        "cluster": "single"}
+    assert s.engine == "trtllm"
+    assert s.groups == {"model": "llama2_70b", "hardware": "h100_sxm", "cluster": "single"}
     assert s.values["model"] == {"weight_dtype": "fp8", "kv_cache_dtype": "fp8"}
-    assert s.values["policy"]["max_num_seqs"] == 896
-    assert s.values["policy"]["max_num_batched_tokens"] == 8192
+    # TensorRT-LLM's scheduler as NVIDIA's harness ran it: max_batch_size from the row, the
+    # default max_num_tokens, the max_utilization capacity scheduler, no host overlap.
+    assert s.values["policy"] == {"max_num_seqs": 896, "max_num_batched_tokens": 8192,
+                                  "capacity_scheduler_policy": "max_utilization"}
+    assert s.values["executor"] == {"host_overlap": False}
     assert s.values["cluster"] == {"tensor_parallel_size": 2, "num_replicas": 4}
     assert s.values["workload"] == {
         "name": "published", "dataset": "mlperf",
@@ -196,8 +208,41 @@ def test_mlperf_row_maps_to_replicas_batch_and_fp8(tmp_path):
         "request_rate": math.inf, "output_mean": 290.3, "max_output": 1024}
     cfg = run_config(compose_named("published"), s)
     assert cfg["model"]["num_layers"] == 80 and cfg["model"]["vocab_size"] == 32000
-    assert cfg["hardware"]["name"] == "h100_sxm" and cfg["policy"]["name"] == "fcfs"
+    assert cfg["hardware"]["name"] == "h100_sxm" and cfg["policy"]["name"] == "trtllm"
+    assert cfg["policy"]["capacity_scheduler_policy"] == "max_utilization"
     assert cfg["executor"]["name"] == "cost_model" and "experiment" not in cfg
+    # engine=trtllm's 32-token blocks; block reuse off and host work between steps, as
+    # NVIDIA's harness runs TensorRT-LLM.
+    assert cfg["kv"]["block_size"] == 32 and cfg["kv"]["enable_prefix_caching"] is False
+    assert cfg["executor"]["host_overlap"] is False
+
+
+def test_mlperf_options_are_configurable_and_checked(tmp_path):
+    row = Row("mlperf:1", MLPERF, "offline", MLPERF_H100, "output_throughput", 1.0, "")
+    exp = {"mlperf_samples": 10, "mlperf": {"capacity_scheduler_policy": "guaranteed_no_evict",
+                                            "host_overlap": True}}
+    s = row_setup(row, exp, tmp_path)
+    assert s.values["policy"]["capacity_scheduler_policy"] == "guaranteed_no_evict"
+    assert s.values["executor"] == {"host_overlap": True}
+    with pytest.raises(ConfigError) as e:
+        row_setup(row, {"mlperf_samples": 10, "mlperf": {"max_batch": 4}}, tmp_path)
+    assert e.value.field == "experiment.mlperf.max_batch"
+    with pytest.raises(ConfigError) as e:
+        row_setup(row, {"mlperf_samples": 10, "mlperf": {"host_overlap": "yes"}}, tmp_path)
+    assert e.value.field == "experiment.mlperf.host_overlap"
+
+
+def test_engine_file_gives_its_policy_and_values(tmp_path, monkeypatch):
+    assert engine_file("trtllm") == ({"policy": "trtllm"},
+                                     {"kv": {"block_size": 32, "enable_prefix_caching": True}})
+    assert engine_file("vllm_v0_6") == ({"policy": "fcfs"}, {"executor": {"host_overlap": True}})
+    import experiments.published as pub
+    (tmp_path / "engine").mkdir()
+    (tmp_path / "engine" / "odd.yaml").write_text("defaults:\n  - policy: fcfs\n")
+    monkeypatch.setattr(pub, "CONF", tmp_path)
+    with pytest.raises(ConfigError, match="override /<group>: <name>") as e:
+        engine_file("odd")
+    assert e.value.field == "engine"
 
 
 def test_mlperf_row_that_does_not_add_up_is_refused(tmp_path):
@@ -300,6 +345,7 @@ def test_a_small_run_end_to_end(tmp_path):
         assert (tmp_path / name).is_file()
 
 
+@pytest.mark.slow
 @needs_tables
 def test_the_command_line(tmp_path):
     p = subprocess.run([sys.executable, "-m", "experiments.published", "experiment.rows=[blog:3]",
@@ -329,6 +375,7 @@ def documented_bounds() -> dict[tuple[str, str], float]:
     return bounds
 
 
+@pytest.mark.slow
 @needs_tables
 def test_every_row_stays_within_its_documented_bound():
     """Every published row at its stated size with its error bars (about 20 s on 2 cores:
