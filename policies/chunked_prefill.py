@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 from policies.base import POLICIES, Policy, PolicyConfig
 from policies.budget import (
@@ -50,11 +51,10 @@ class ChunkedPrefillConfig(PolicyConfig):
     max_num_batched_tokens: int = 512
     enable_chunked_prefill: bool = True
     max_num_partial_prefills: int = 1
+    always_chunks: ClassVar[str | None] = "Sarathi-Serve's step structure chunks prefills"
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        require(self.enable_chunked_prefill, "policy.enable_chunked_prefill",
-                "must be true for the chunked_prefill policy")
         # Stall-free needs room for a decode token of every running request in every step.
         require(self.max_num_seqs <= self.max_num_batched_tokens, "policy.max_num_seqs",
                 f"{self.max_num_seqs} exceeds policy.max_num_batched_tokens="

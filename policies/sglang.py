@@ -41,7 +41,7 @@ stands for ``max_running_requests``, which SGLang derives from its pools. Not mo
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from policies.base import POLICIES, Policy, PolicyConfig
 from sim.errors import require
@@ -69,6 +69,7 @@ class SGLangConfig(PolicyConfig):
     schedule_policy: str = "fcfs"
     schedule_conservativeness: float = 1.0
     kv_watermark: float = 0.0
+    always_chunks: ClassVar[str | None] = "SGLang always chunks prefills (chunked_prefill_size)"
 
     def __post_init__(self) -> None:
         super().__post_init__()

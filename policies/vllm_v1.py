@@ -32,7 +32,7 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass
 from itertools import islice
-from typing import Any
+from typing import Any, ClassVar
 
 from policies.base import POLICIES, Policy, PolicyConfig
 from policies.budget import Budget, admission_rule, latest_arrival_victim, schedule_running
@@ -66,13 +66,12 @@ class VLLMV1Config(PolicyConfig):
     enable_chunked_prefill: bool = True
     kv_watermark: float = 0.0
     scheduling_policy: str = "fcfs"  # vLLM's --scheduling-policy: fcfs | priority
+    always_chunks: ClassVar[str | None] = "vLLM v1 always chunks prefills"
 
     def __post_init__(self) -> None:
         super().__post_init__()
         require(self.scheduling_policy in SCHEDULING_POLICIES, "policy.scheduling_policy",
                 f"must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}")
-        require(self.enable_chunked_prefill, "policy.enable_chunked_prefill",
-                "vLLM v1 always chunks prefills: must be true for the vllm_v1 policy")
         require(self.preemption_mode == "recompute", "policy.preemption_mode",
                 f"vLLM v1 preempts by recompute only, got {self.preemption_mode!r}")
         require(self.kv_watermark == 0.0, "policy.kv_watermark",

@@ -42,8 +42,14 @@ class PolicyConfig:
     enable_chunked_prefill: bool = False
     preemption_mode: str = "recompute"
     kv_watermark: float = 0.01  # fraction of blocks kept free when admitting (vLLM v0)
+    #: Set by a policy whose scheduler always chunks prefills (why, as the error says it):
+    #: ``enable_chunked_prefill=false`` is then refused rather than ignored.
+    always_chunks: ClassVar[str | None] = None
 
     def __post_init__(self) -> None:
+        if self.always_chunks is not None:
+            require(self.enable_chunked_prefill, "policy.enable_chunked_prefill",
+                    f"{self.always_chunks}: must be true for the {self.name} policy")
         require(self.max_num_seqs >= 1, "policy.max_num_seqs",
                 f"must be >= 1, got {self.max_num_seqs}")
         require(self.max_num_batched_tokens >= 1, "policy.max_num_batched_tokens",

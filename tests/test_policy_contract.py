@@ -142,3 +142,15 @@ def test_every_block_holder_is_queued_once_or_in_transit() -> None:
     queues.waiting.extend([other, other])
     with pytest.raises(KVIntegrityError, match=r"requests \[1\] are in two queues"):
         step.check_holders()
+
+
+@pytest.mark.parametrize("name", ["chunked_prefill", "vllm_v1", "sglang"])
+def test_a_scheduler_that_always_chunks_refuses_chunked_prefill_off(name):
+    """Their schedulers chunk whatever the flag says: false is refused, not ignored."""
+    from policies.base import make_policy
+    from sim.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^policy\.enable_chunked_prefill: .*must be true "
+                                          rf"for the {name} policy"):
+        make_policy({"name": name, "enable_chunked_prefill": False})
+    assert make_policy({"name": name}).config.enable_chunked_prefill
