@@ -300,4 +300,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from experiments.hydra_errors import hydra_errors_as_config_errors
+
+    with hydra_errors_as_config_errors():
+        main()

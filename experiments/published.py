@@ -43,7 +43,8 @@ from experiments.analysis.published_lengths import LengthsWorkload, build_worklo
 from experiments.common import markdown_table, merge, write_csv
 from experiments.intervals import with_intervals
 from experiments.simulation import BuiltIn
-from sim.config_types import as_bool
+from policies.trtllm import CAPACITY_POLICIES
+from sim.config_types import as_bool, as_int
 from sim.errors import ConfigError, exit_on_config_error, require
 from sim.progress import job_bar
 from sim.report import write_page
@@ -224,13 +225,20 @@ def row_setup(row: Row, exp: dict[str, Any], folder: Path) -> RunSetup:
     outputs = mp["outputs"]
     require(outputs in ("scaled", "reference"), "experiment.mlperf.outputs",
             f"must be scaled or reference, got {outputs!r}")
+    max_output = as_int(mp["max_output"], "experiment.mlperf.max_output", minimum=1)
+    batched = as_int(mp["max_num_batched_tokens"], "experiment.mlperf.max_num_batched_tokens",
+                     minimum=1)
+    capacity = mp["capacity_scheduler_policy"]
+    require(capacity in CAPACITY_POLICIES, "experiment.mlperf.capacity_scheduler_policy",
+            f"must be one of {CAPACITY_POLICIES}, got {capacity!r}")
     per_sample = (_number(s["tokens_per_s"], row.id) / _number(s["samples_per_s"], row.id))
     workload = {"name": "published", "dataset": "mlperf",
                 "path": str(folder / MLPERF_LENGTHS),
-                "num_prompts": int(exp.get("mlperf_samples") or _count_lines(folder)),
+                "num_prompts": (_count_lines(folder) if exp.get("mlperf_samples") is None else
+                                as_int(exp["mlperf_samples"], "experiment.mlperf_samples", 1)),
                 "request_rate": math.inf,
                 "output_mean": round(per_sample, 1) if outputs == "scaled" else None,
-                "max_output": int(mp["max_output"])}
+                "max_output": max_output}
     weights, kv_cache_dtype = s["weights"], s["kv_cache"]
     note = (f"outputs scaled to {per_sample:.1f} tokens/sample" if outputs == "scaled"
             else "reference output lengths")
@@ -241,8 +249,8 @@ def row_setup(row: Row, exp: dict[str, Any], folder: Path) -> RunSetup:
         groups={"model": "llama2_70b", "hardware": hardware, "cluster": "single"},
         values={"model": {"weight_dtype": weights, "kv_cache_dtype": kv_cache_dtype},
                 "policy": {"max_num_seqs": _int(s["max_batch"], "max_batch", row),
-                           "max_num_batched_tokens": int(mp["max_num_batched_tokens"]),
-                           "capacity_scheduler_policy": mp["capacity_scheduler_policy"]},
+                           "max_num_batched_tokens": batched,
+                           "capacity_scheduler_policy": capacity},
                 "executor": {"host_overlap": as_bool(mp["host_overlap"],
                                                      "experiment.mlperf.host_overlap")},
                 "cluster": {"tensor_parallel_size": tp, "num_replicas": replicas},
@@ -544,6 +552,11 @@ def main(cfg: DictConfig) -> None:
     command = " ".join(["python -m experiments.published", *HydraConfig.get().overrides.task])
     t0 = time.perf_counter()
     with exit_on_config_error():
+        engine = HydraConfig.get().runtime.choices.get("engine")
+        require(engine in (None, "none"), "engine", (
+            f"each published row runs its source's engine ({', '.join(ENGINES.values())}), "
+            f"got engine={engine}; the rows' engine flags are experiment.blog.* and "
+            f"experiment.mlperf.*"))
         rows, summary = run_experiment(container, out, command)  # type: ignore[arg-type]
     print(markdown_table(shown(rows)))
     print()
@@ -552,4 +565,7 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from experiments.hydra_errors import hydra_errors_as_config_errors
+
+    with hydra_errors_as_config_errors():
+        main()

@@ -58,4 +58,7 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from experiments.hydra_errors import hydra_errors_as_config_errors
+
+    with hydra_errors_as_config_errors():
+        main()

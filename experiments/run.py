@@ -22,7 +22,6 @@ import json
 import logging
 import math
 import os
-import re
 import signal
 import sys
 from collections.abc import Iterator
@@ -35,6 +34,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from experiments.hydra_errors import hydra_errors_as_config_errors
 from experiments.intervals import (
     HEADLINE,
     ErrorBarsConfig,
@@ -44,7 +44,6 @@ from experiments.intervals import (
 from experiments.simulation import Simulation
 from experiments.sweep import DEFAULT_OBJECTIVE
 from sim import stop as sim_stop
-from sim.config_types import renamed
 from sim.errors import ConfigError, RunInterrupted, exit_on_config_error, exit_with, require
 from sim.outputs import PARTIAL, write_atomic
 from sim.report import format_summary, write_report
@@ -212,48 +211,6 @@ def main(cfg: DictConfig) -> float:
     summary = run(cfg)
     # Checked before the job ran: a sweep's refused job returns NaN here, not an error.
     return objective_value(summary, str(cfg.get("objective") or DEFAULT_OBJECTIVE))
-
-
-def null_group_override(overrides: list[str]) -> None:
-    """A config group set to null (``engine=null``) is refused naming the group (Hydra itself
-    fails on it with a traceback): a group takes one of its options (``engine=none``)."""
-    conf = Path(__file__).resolve().parent.parent / "conf"
-    for item in overrides:
-        key, sep, value = item.partition("=")
-        group = conf / key.lstrip("+~")
-        if sep and value.strip() in ("null", "~", "") and key.strip("+~") and group.is_dir():
-            options = sorted(f.stem for f in group.glob("*.yaml"))
-            exit_with(2, f"config error: {group.name}: a config group takes one of its options "
-                         f"{options}, got {value.strip() or 'nothing'!r}")
-
-
-@contextmanager
-def hydra_errors_as_config_errors() -> Iterator[None]:
-    """An override Hydra refuses (unknown key or group option, bad syntax) or an interpolation
-    it cannot resolve ends the command with one ``config error:`` line and exit code 2, as
-    the run's own checks do; with ``HYDRA_FULL_ERROR`` set, Hydra reports as it does."""
-    if os.environ.get("HYDRA_FULL_ERROR"):
-        yield
-        return
-    from hydra.errors import HydraException
-
-    os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises instead of printing and exiting 1
-    try:
-        null_group_override(sys.argv[1:])
-        yield
-    except (HydraException, OmegaConfBaseException) as e:
-        key = re.search(r"Could not override '([^']+)'", str(e))
-        error = renamed(key.group(1)) if key else None
-        if error is not None:  # a key renamed to vLLM's name: say which
-            exit_with(2, f"config error: {error}")
-        text = str(e).split("Config search path:")[0]  # not the search path of a missing option
-        why = " ".join(line.strip() for line in text.splitlines() if line.strip())
-        cause = e.__cause__
-        if isinstance(cause, OmegaConfBaseException) and str(cause).strip():
-            why += f" ({str(cause).strip().splitlines()[0]})"
-        exit_with(2, f"config error: {why}")
-    finally:
-        del os.environ["HYDRA_FULL_ERROR"]
 
 
 if __name__ == "__main__":

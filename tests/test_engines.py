@@ -98,18 +98,38 @@ def test_no_engine_is_the_default():
     assert compose_cfg("engine=none", "policy=trtllm")["kv"]["block_size"] == 16
 
 
-@pytest.mark.parametrize("override", ["engine=null", "engine=", "policy=null"])
-def test_a_config_group_set_to_null_is_refused_naming_the_group(override):
-    """Hydra fails on a group set to null with a traceback; the main job says which group and
-    its options instead."""
+@pytest.mark.parametrize("override", ["engine=null", "engine=", "policy=NULL", "engine=none,~",
+                                      "+engine=null"])
+def test_a_config_group_set_to_null_is_refused_before_hydra_sees_it(override, capsys):
+    from experiments.hydra_errors import null_group_override
+
+    with pytest.raises(SystemExit) as e:
+        null_group_override(["workload.qps=2", override])
+    assert e.value.code == 2
+    group = override.strip("+").split("=")[0]
+    assert capsys.readouterr().err.startswith(
+        f"config error: {group}: a config group takes one of its options [")
+    null_group_override(["engine=none", "policy=fcfs", "workload.qps=2", "seed=0"])  # passes
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("argv,error", [
+    (["run", "engine=null", "workload.num_requests=2"],
+     "engine: a config group takes one of its options ["),
+    (["run", "-m", "engine=none,null", "workload.num_requests=2"],
+     "engine: a config group takes one of its options ["),
+    (["published", "engine=null"], "engine: a config group takes one of its options ["),
+    (["published", "engine=sglang", "experiment.rows=[blog:2]"],
+     "engine: each published row runs its source's engine"),
+])
+def test_a_command_refuses_an_engine_it_cannot_take_in_one_line(argv, error):
+    """Hydra fails on a group set to null with a traceback; each command names the group and
+    its options instead. The published rows run their sources' engines themselves."""
     import subprocess
     import sys
 
-    r = subprocess.run([sys.executable, "-m", "experiments.run", override,
-                        "workload.num_requests=2"], capture_output=True, text=True,
-                       timeout=120, check=False)
-    group = override.split("=")[0]
+    r = subprocess.run([sys.executable, "-m", f"experiments.{argv[0]}", *argv[1:]],
+                       capture_output=True, text=True, timeout=120, check=False)
     assert r.returncode == 2, r.stderr
-    last = r.stderr.strip().splitlines()[-1]
-    assert last.startswith(f"config error: {group}: a config group takes one of its options")
+    assert r.stderr.strip().splitlines()[-1].startswith(f"config error: {error}")
     assert "Traceback" not in r.stderr

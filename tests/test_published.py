@@ -176,6 +176,23 @@ def test_blog_engine_flags_are_configurable(tmp_path):
         "host_overlap": False}
 
 
+@pytest.mark.parametrize("exp,field", [
+    ({"mlperf": {"max_num_batched_tokens": "abc"}}, "experiment.mlperf.max_num_batched_tokens"),
+    ({"mlperf": {"max_output": 2.5}}, "experiment.mlperf.max_output"),
+    ({"mlperf": {"max_output": 0}}, "experiment.mlperf.max_output"),
+    ({"mlperf": {"capacity_scheduler_policy": "bogus"}},
+     "experiment.mlperf.capacity_scheduler_policy"),
+    ({"mlperf": {"host_overlap": "no"}}, "experiment.mlperf.host_overlap"),
+    ({"mlperf_samples": 0}, "experiment.mlperf_samples"),
+    ({"mlperf_samples": 1.5}, "experiment.mlperf_samples"),
+])
+def test_a_bad_mlperf_option_is_refused_naming_it(exp, field, tmp_path):
+    row = Row("mlperf:1", MLPERF, "offline", MLPERF_H100, "output_throughput", 1.0, "")
+    with pytest.raises(ConfigError) as e:
+        row_setup(row, {"mlperf_samples": 10, **exp}, tmp_path)
+    assert e.value.field == field
+
+
 def test_sharegpt_row_at_a_rate_carries_the_length_model(tmp_path):
     row = _blog_row(gpus="1xH100", model="llama3_8b", dataset="sharegpt", input_len="",
                     output_len="", request_rate="2")
