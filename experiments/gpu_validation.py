@@ -12,13 +12,15 @@ wheels of ``--wheels`` into a folder of their own, else ``pip install -e ".[real
 validate_gpu`` for ``fcfs``, ``preempt`` (fcfs on a pool of 384 blocks), ``chunked_prefill``
 and ``sjf``. Each part is a child process given the time left of the budget, counted from this
 command's start; a part that would start with less than ``--min-part`` seconds left is not
-started. After every part ``--out`` holds five files, rewritten whole each time:
+started. ``--out`` gets these files, each written whole once there is something to write and
+rewritten after every part:
 
 - ``progress.md``: each part's state (done, failed with its exit code, stopped at the budget,
   not started) and its seconds;
-- ``gpu_check.md``: the kernel table (once ``gpu_check`` has finished);
-- ``table.md``: ``experiments.validate.summary_table`` over the validations run so far;
-- ``runs.tar.gz``: their Hydra folders;
+- ``gpu_check.md``: the kernel table (once ``gpu_check`` has finished on a GPU);
+- ``table.md``: ``experiments.validate.summary_table`` over the validations run so far (from
+  the first one on);
+- ``runs.tar.gz``: their Hydra folders (likewise);
 - ``log.txt``: every part's output.
 
 This module imports only the standard library: it runs before anything is installed.
@@ -61,7 +63,7 @@ class Part:
 
 
 @dataclass
-class Session:
+class Runner:
     """One command's parts, budget and files."""
 
     out: Path
@@ -115,7 +117,7 @@ def missing_modules() -> list[str]:
     return [m for m in NEEDED_MODULES if importlib.util.find_spec(m) is None]
 
 
-def install(session: Session, part: Part, wheels: Path | None, site: Path) -> None:
+def install(runner: Runner, part: Part, wheels: Path | None, site: Path) -> None:
     """Install what is missing: the wheels of ``wheels`` (no index, no dependency resolution:
     the folder holds every wheel needed) into ``site``, put first on the children's path; or
     the project's ``real`` extra from the package index."""
@@ -130,39 +132,39 @@ def install(session: Session, part: Part, wheels: Path | None, site: Path) -> No
             part.state = "failed (no wheels)"
             part.note += f"; {wheels} holds no .whl file"
             return
-        session.run(part, [sys.executable, "-m", "pip", "install", "-q", "--no-index",
+        runner.run(part, [sys.executable, "-m", "pip", "install", "-q", "--no-index",
                            "--no-deps", "--no-compile", "--upgrade", "--target", str(site),
                            *files])
-        path = session.env.get("PYTHONPATH")
-        session.env["PYTHONPATH"] = str(site) + (os.pathsep + path if path else "")
+        path = runner.env.get("PYTHONPATH")
+        runner.env["PYTHONPATH"] = str(site) + (os.pathsep + path if path else "")
     else:
-        session.run(part, [sys.executable, "-m", "pip", "install", "-q", "-e", ".[real]"])
+        runner.run(part, [sys.executable, "-m", "pip", "install", "-q", "-e", ".[real]"])
 
 
-def write_tables(session: Session, finished: list[str]) -> None:
+def write_tables(runner: Runner, finished: list[str]) -> None:
     """table.md over the validations so far, and their folders into runs.tar.gz."""
-    folders = [str(session.work / name) for name in finished]
+    folders = [str(runner.work / name) for name in finished]
     code = ("import sys; from experiments.validate import summary_table; "
             "print(summary_table(sys.argv[1:]))")
     try:
         res = subprocess.run([sys.executable, "-c", code, *folders], check=False, cwd=ROOT,
-                             env=session.env, capture_output=True, text=True,
+                             env=runner.env, capture_output=True, text=True,
                              timeout=TABLE_TIMEOUT_S)
         text = res.stdout if res.returncode == 0 else f"summary_table failed:\n{res.stderr}"
     except subprocess.TimeoutExpired:
         text = f"summary_table took more than {TABLE_TIMEOUT_S} s"
-    _write(session.out / "table.md", "```\n" + text.rstrip("\n") + "\n```\n")
-    tmp = session.out / "runs.tar.gz.partial"
+    _write(runner.out / "table.md", "```\n" + text.rstrip("\n") + "\n```\n")
+    tmp = runner.out / "runs.tar.gz.partial"
     with tarfile.open(tmp, "w:gz") as tar:
         for name in finished:
-            if (session.work / name).exists():
-                tar.add(session.work / name, arcname=name)
-    tmp.replace(session.out / "runs.tar.gz")
+            if (runner.work / name).exists():
+                tar.add(runner.work / name, arcname=name)
+    tmp.replace(runner.out / "runs.tar.gz")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, required=True, help="the folder for the five files")
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
+    ap.add_argument("--out", type=Path, required=True, help="the folder for the results")
     ap.add_argument("--budget", type=float, default=540.0,
                     help="seconds for everything, installs included (default 540)")
     ap.add_argument("--min-part", type=float, default=60.0,
@@ -189,30 +191,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     work = args.work or ROOT / "outputs" / "gpu_validation" / time.strftime("%Y-%m-%d_%H-%M-%S")
     work = work.resolve()
-    session = Session(args.out.resolve(), work, args.budget, args.min_part)
-    (session.out / "log.txt").write_text("", encoding="utf-8")
+    runner = Runner(args.out.resolve(), work, args.budget, args.min_part)
+    (runner.out / "log.txt").write_text("", encoding="utf-8")
     order = [p for p in PARTS if p in chosen]
-    session.parts = [Part(name) for name in order]
-    session.write_progress()
+    runner.parts = [Part(name) for name in order]
+    runner.write_progress()
     finished: list[str] = []
-    for part in session.parts:
+    for part in runner.parts:
         if part.name == "install":
-            install(session, part, args.wheels, args.site.resolve())
+            install(runner, part, args.wheels, args.site.resolve())
         elif part.name == "gpu_check":
-            session.run(part, [sys.executable, "-m", "experiments.gpu_check", "--out",
-                               str(session.out / "gpu_check.md"),
+            runner.run(part, [sys.executable, "-m", "experiments.gpu_check", "--out",
+                               str(runner.out / "gpu_check.md"),
                                "--requests", str(args.requests)])
         else:
-            session.run(part, [sys.executable, "-m", "experiments.validate", "--config-name",
+            runner.run(part, [sys.executable, "-m", "experiments.validate", "--config-name",
                                "validate_gpu", *VALIDATIONS[part.name], *args.overrides,
                                f"hydra.run.dir={work / part.name}"])
             if part.state != "not started":
                 finished.append(part.name)
-                write_tables(session, finished)
-        session.write_progress()
+                write_tables(runner, finished)
+        runner.write_progress()
         note = f"; {part.note}" if part.note else ""
         print(f"{part.name}: {part.state} ({part.seconds:.0f} s){note}", flush=True)
-    return 0 if all(p.state == "done" for p in session.parts) else 1
+    return 0 if all(p.state == "done" for p in runner.parts) else 1
 
 
 if __name__ == "__main__":

@@ -332,7 +332,7 @@ def format_table(result: ValidationResult) -> str:
 
 def summary_table(folders: Sequence[str | Path], target_pct: float = 5.0) -> str:
     """One table over finished validations (their Hydra folders, named by their last path
-    part): the issue's six figures per configuration as the docs quote them, then per
+    part): the six target figures per configuration as the docs quote them, then per
     configuration the offered load (and how it was chosen), the held-out step-time MAPE, the
     replayed busy time and the preemptions.
 

@@ -551,8 +551,8 @@ def test_profile_fit_simulate_compare_loop(tmp_path):
     ref = real.run().summary
     sim = Simulation(compose_cfg(*base, f"executor.profile={path}")).run().summary
     for key in ("median_ttft_ms", "median_tpot_ms", "median_e2el_ms", "p90_e2el_ms"):
-        # Loose on purpose (the issue: "a loose bound so it cannot rot"); tight figures come
-        # from the benchmark (docs/calibration.md).
+        # Loose on purpose, so that it cannot rot; tight figures come from the benchmark
+        # (docs/calibration.md).
         assert sim[key] == pytest.approx(ref[key], rel=0.15), key
 
 

@@ -93,7 +93,7 @@ def _main(*args, cwd=ROOT):
 
 
 @pytest.mark.slow
-def test_main_job_command_line_with_the_issue_overrides(tmp_path):
+def test_main_job_command_line_with_typical_overrides(tmp_path):
     p = _main("policy=fcfs", "hardware=h100_sxm", "model=llama3_70b",
               "cluster.tensor_parallel_size=4", "workload.qps=8", "workload.num_requests=500",
               f"hydra.run.dir={tmp_path}")

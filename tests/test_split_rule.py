@@ -203,7 +203,7 @@ def test_profiles_record_the_split_rule_and_old_ones_load_as_fill(tmp_path):
 
 @pytest.mark.parametrize("rule", ["flash", "fill"])
 def test_batch1_decode_stays_near_the_weight_read_floor(rule):
-    """Issue 2's floor (tests/test_memory_and_cost_model.py, 512 tokens) under either rule."""
+    """The batch-1 decode floor (tests/test_memory_and_cost_model.py, 512 tokens) under either rule."""
     m, hw = load_model_spec("llama3_8b"), load_hardware_spec("a100_80gb")
     cm = RooflineCostModel(m, hw, 1, CostModelConfig(attention_split_rule=rule))
     floor = m.weight_bytes() / (hw.memory_bandwidth_gbps * 1e9)

@@ -20,7 +20,7 @@ def synthetic(**kw):
     return make_workload(cfg, seed=0)
 
 
-def test_default_workload_matches_the_issue():
+def test_default_workload_is_the_documented_one():
     cfg = compose_cfg()["workload"]
     reqs = list(make_workload(cfg, seed=0))
     assert len(reqs) == 2000
