@@ -13,8 +13,7 @@ from pathlib import Path
 
 from omegaconf.errors import OmegaConfBaseException
 
-from sim.config_types import renamed
-from sim.errors import exit_with
+from sim.errors import exit_with, renamed
 
 
 def null_group_override(overrides: list[str]) -> None:

@@ -102,29 +102,6 @@ def as_bool(value: Any, field: str) -> bool:
 _COERCE = {int: as_int, float: as_float, bool: as_bool}
 #: Sizes in GiB whose names (vLLM's) carry no ``_gib`` suffix.
 GIB_FIELDS = frozenset({"kv.swap_space", "kv.kv_offloading_size"})
-#: Config keys renamed to vLLM's engine-argument names: the old name is refused with a
-#: message naming the new one (``renamed``).
-RENAMED_KEYS: dict[str, str] = {
-    "kv.num_gpu_blocks": "kv.num_gpu_blocks_override",
-    "kv.swap_space_gib": "kv.swap_space",
-    "kv.cpu_offload_gib": "kv.kv_offloading_size",
-    "model.kv_dtype": "model.kv_cache_dtype",
-    "cluster.tensor_parallel": "cluster.tensor_parallel_size",
-    "cluster.pipeline_parallel": "cluster.pipeline_parallel_size",
-    "cluster.prefill.tensor_parallel": "cluster.prefill.tensor_parallel_size",
-    "cluster.prefill.pipeline_parallel": "cluster.prefill.pipeline_parallel_size",
-    "cluster.decode.tensor_parallel": "cluster.decode.tensor_parallel_size",
-    "cluster.decode.pipeline_parallel": "cluster.decode.pipeline_parallel_size",
-    "policy.chunked_prefill": "policy.enable_chunked_prefill",
-    "cluster.prefill.policy.chunked_prefill": "cluster.prefill.policy.enable_chunked_prefill",
-    "cluster.decode.policy.chunked_prefill": "cluster.decode.policy.enable_chunked_prefill",
-}
-
-
-def renamed(field: str) -> ConfigError | None:
-    """The error for a key that was renamed to vLLM's name (``RENAMED_KEYS``), or None."""
-    new = RENAMED_KEYS.get(field)
-    return None if new is None else ConfigError(field, f"renamed to {new} (vLLM's name)")
 # Seconds per unit of a duration field, by the suffix of its name.
 _DURATION_UNITS = {"_s": 1.0, "_ms": 1e-3, "_us": 1e-6}
 

@@ -25,7 +25,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from sim.config_types import renamed, typed_fields
+from sim.config_types import typed_fields
 from sim.errors import ConfigError, require, require_known_fields
 from sim.plan import StepPlan
 from sim.request import Request
@@ -62,10 +62,6 @@ class PolicyConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> PolicyConfig:
-        for key in data:
-            error = renamed(f"policy.{key}")
-            if error is not None:
-                raise error
         require_known_fields(data, cls, "policy", f"option for policy {data.get('name')!r}")
         return cls(**typed_fields(cls, data, "policy"))
 

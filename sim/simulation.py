@@ -30,8 +30,8 @@ from sim.cluster.link import Link
 from sim.cluster.outputs import CLUSTER_REQUEST_COLUMNS, ClusterRequestSink, cluster_summary
 from sim.cluster.pool import Pool
 from sim.cluster.router import make_router
-from sim.config_types import as_bool, as_int, renamed, typed_fields
-from sim.errors import ConfigError, RunInterrupted, require
+from sim.config_types import as_bool, as_int, typed_fields
+from sim.errors import ConfigError, RunInterrupted, renamed, require, require_known_fields
 from sim.executor import Executor
 from sim.memory import MemoryPlan, check_block_size, plan_memory
 from sim.metrics import MetricsCollector
@@ -142,13 +142,7 @@ def _section(cfg: dict[str, Any], name: str) -> dict[str, Any]:
 
 
 def _dataclass_from(cls: type, data: dict[str, Any], section: str) -> Any:
-    known = set(cls.__dataclass_fields__)
-    unknown = sorted(set(data) - known)
-    if unknown:
-        error = renamed(f"{section}.{unknown[0]}")
-        if error is not None:
-            raise error
-        raise ConfigError(f"{section}.{unknown[0]}", f"unknown option; known: {', '.join(sorted(known))}")
+    require_known_fields(data, cls, section, "option")
     return cls(**typed_fields(cls, data, section))
 
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import yaml
 
-from sim.config_types import renamed, typed_fields
+from sim.config_types import typed_fields
 from sim.errors import ConfigError, require, require_known_fields
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
@@ -252,10 +252,6 @@ def _known(kind: str) -> list[str]:
 
 
 def _from_mapping(cls: type, data: dict[str, Any], kind: str, where: str) -> Any:
-    for key in data:
-        error = renamed(f"{kind}.{key}")
-        if error is not None:
-            raise error
     require_known_fields(data, cls, kind, f"field in {where}")
     missing = [f.name for f in fields(cls) if f.name not in data
                and f.default is MISSING and f.default_factory is MISSING]

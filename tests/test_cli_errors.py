@@ -174,3 +174,33 @@ def test_a_cluster_or_policy_mapping_with_the_other_names_is_refused_naming_vllm
             make_policy({"name": name, "chunked_prefill": True})
     assert make_policy({"name": "chunked_prefill",
                         "enable_chunked_prefill": True}).config.enable_chunked_prefill
+
+
+def test_renamed_keys_are_refused_in_a_whole_config_and_on_hydras_refusal(capsys):
+    """The quick half of the command-line tests above: a config handed over whole (the kv
+    section, a disaggregated pool's policy) and Hydra's refusal of an old key on the command
+    line, each naming vLLM's key."""
+    from hydra.errors import ConfigCompositionException
+
+    from experiments.hydra_errors import hydra_errors_as_config_errors
+    from experiments.simulation import Simulation
+    from sim.errors import ConfigError
+    from tests.helpers import compose_cfg, small_cfg
+
+    for old, new in [("num_gpu_blocks", "num_gpu_blocks_override"),
+                     ("swap_space_gib", "swap_space"), ("cpu_offload_gib", "kv_offloading_size")]:
+        cfg = small_cfg()
+        cfg["kv"][old] = 1
+        with pytest.raises(ConfigError, match=rf"^kv\.{old}: renamed to kv\.{new} "):
+            Simulation(cfg)
+    cfg = compose_cfg("cluster=disaggregated")
+    cfg["cluster"]["decode"]["policy"] = {"chunked_prefill": False}
+    with pytest.raises(ConfigError, match=r"^cluster\.decode\.policy\.chunked_prefill: renamed "
+                                          r"to cluster\.decode\.policy\.enable_chunked_prefill"):
+        Simulation(cfg)
+    with pytest.raises(SystemExit) as e, hydra_errors_as_config_errors():
+        raise ConfigCompositionException("Could not override 'cluster.tensor_parallel'.")
+    assert e.value.code == 2
+    assert capsys.readouterr().err.strip() == (
+        "config error: cluster.tensor_parallel: renamed to cluster.tensor_parallel_size "
+        "(vLLM's name)")

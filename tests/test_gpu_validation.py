@@ -48,6 +48,7 @@ def test_bad_arguments_are_refused(tmp_path: Path, capsys) -> None:
     assert "--budget must be > 0" in err and "is not a folder" in err and "nosuch" in err
 
 
+@pytest.mark.slow
 def test_install_from_a_folder_of_wheels_without_an_index(tmp_path: Path, monkeypatch) -> None:
     """A package the parts need is missing: its wheel is installed from --wheels into a folder
     of its own, which the later parts find first on their path."""

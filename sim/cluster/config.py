@@ -9,8 +9,8 @@ from typing import Any
 
 from sim.cluster.link import LinkConfig
 from sim.cluster.router import ROUTERS
-from sim.config_types import renamed, typed_fields
-from sim.errors import ConfigError, require
+from sim.config_types import typed_fields
+from sim.errors import ConfigError, refuse_unknown, require
 from sim.specs import ModelSpec
 
 # The most replicas one pool may have: each is built up front (about a millisecond and tens of
@@ -25,16 +25,6 @@ def _check_count(value: int, field: str) -> None:
 def _check_router(name: str, where: str) -> None:
     require(isinstance(name, str) and name in ROUTERS.names(), where,
             f"unknown router {name!r}; known: {', '.join(ROUTERS.names())}")
-
-
-def _unknown(data: dict[str, Any], known: set[str], section: str) -> None:
-    unknown = sorted(set(data) - known)
-    if unknown:
-        error = renamed(f"{section}.{unknown[0]}")
-        if error is not None:
-            raise error
-        raise ConfigError(f"{section}.{unknown[0]}",
-                          f"unknown option; known: {', '.join(sorted(known))}")
 
 
 @dataclass(frozen=True)
@@ -129,7 +119,7 @@ def _pool_from(data: Any, side: str) -> PoolConfig:
         return PoolConfig()
     if not isinstance(data, dict):
         raise ConfigError(f"cluster.{side}", f"must be a mapping, got {data!r}")
-    _unknown(data, set(PoolConfig.__dataclass_fields__), f"cluster.{side}")
+    refuse_unknown(data, set(PoolConfig.__dataclass_fields__), f"cluster.{side}")
     policy = data.get("policy") or {}
     if not isinstance(policy, dict):
         raise ConfigError(f"cluster.{side}.policy", f"must be a mapping, got {policy!r}")
@@ -150,12 +140,12 @@ def cluster_config_from(data: dict[str, Any],
 def _cluster_config_from(data: dict[str, Any]) -> ClusterConfig | DisaggregatedConfig:
     name = data.get("name", "single")
     if name == "disaggregated":
-        _unknown(data, set(DisaggregatedConfig.__dataclass_fields__), "cluster")
+        refuse_unknown(data, set(DisaggregatedConfig.__dataclass_fields__), "cluster")
         data["prefill"] = _pool_from(data.get("prefill"), "prefill")
         data["decode"] = _pool_from(data.get("decode"), "decode")
         data["link"] = LinkConfig.from_value(data.get("link"))
         return DisaggregatedConfig(**typed_fields(DisaggregatedConfig, data, "cluster"))
     if name != "single":
         raise ConfigError("cluster.name", f"must be 'single' or 'disaggregated', got {name!r}")
-    _unknown(data, set(ClusterConfig.__dataclass_fields__), "cluster")
+    refuse_unknown(data, set(ClusterConfig.__dataclass_fields__), "cluster")
     return ClusterConfig(**typed_fields(ClusterConfig, data, "cluster"))
