@@ -67,19 +67,6 @@ ENGINES = {BLOG: "vllm_v0_6", MLPERF: "trtllm"}
 # vLLM 0.6 without chunked prefill (off by default for these models' 8k contexts) batches
 # max(max_model_len, 2048) tokens, a rule of the model the engine file cannot state.
 VLLM_V06_MIN_BATCHED_TOKENS = 2048
-# The blog's server flags over engine=vllm_v0_6 (vLLM's nightly benchmark configuration of
-# that release: --max-num-seqs 512 --num-scheduler-steps 10; asynchronous output processing,
-# on by default, is the engine's): experiment.blog in conf/published.yaml, where a what-if
-# changes them. host_overlap null: the engine's.
-BLOG_ENGINE = {"max_num_seqs": 512, "num_scheduler_steps": 10, "host_overlap": None}
-# The MLPerf rows' options (experiment.mlperf): the output lengths, and NVIDIA's settings of
-# TensorRT-LLM over engine=trtllm: TensorRT-LLM's default max_num_tokens, the capacity
-# scheduler of NVIDIA's MLPerf harness (--trtllm_batch_sched_policy max_util), and its C++
-# executor's host work between steps. KV block reuse is off, as the harness runs it.
-MLPERF_OPTIONS = {"outputs": "scaled", "max_output": 1024, "max_num_batched_tokens": 8192,
-                  "capacity_scheduler_policy": "max_utilization", "host_overlap": False}
-
-
 @dataclass(frozen=True)
 class Row:
     """One published figure: ``setup`` is its CSV line (strings), ``metric`` the
@@ -221,7 +208,7 @@ def row_setup(row: Row, exp: dict[str, Any], folder: Path) -> RunSetup:
     replicas, tp = (_int(s[k], k, row) for k in ("replicas", "tensor_parallel"))
     require(replicas * tp == _int(s["gpus"], "gpus", row), "published_dir",
             f"{row.id}: {replicas} replicas x TP{tp} is not {s['gpus']} GPUs")
-    mp = _options(exp, "mlperf", MLPERF_OPTIONS)
+    mp = _options(exp, "mlperf")
     outputs = mp["outputs"]
     require(outputs in ("scaled", "reference"), "experiment.mlperf.outputs",
             f"must be scaled or reference, got {outputs!r}")
@@ -254,18 +241,21 @@ def row_setup(row: Row, exp: dict[str, Any], folder: Path) -> RunSetup:
                 "executor": {"host_overlap": as_bool(mp["host_overlap"],
                                                      "experiment.mlperf.host_overlap")},
                 "cluster": {"tensor_parallel_size": tp, "num_replicas": replicas},
+                # engine=trtllm reuses KV blocks; NVIDIA's harness runs without block reuse.
                 "kv": {"enable_prefix_caching": False}, "workload": workload},
         note=note,
         label=f"llama2_70b {s['system']} {replicas}xTP{tp} batch {s['max_batch']} {weights}")
 
 
 def blog_engine(exp: dict[str, Any]) -> dict[str, Any]:
-    """The blog rows' engine flags: ``BLOG_ENGINE`` with ``experiment.blog`` over it."""
-    return _options(exp, "blog", BLOG_ENGINE)
+    """The blog rows' engine flags: ``experiment.blog`` over conf/published.yaml's."""
+    return _options(exp, "blog")
 
 
-def _options(exp: dict[str, Any], section: str, defaults: dict[str, Any]) -> dict[str, Any]:
-    """``defaults`` with ``experiment.<section>`` over them; an unknown key is refused."""
+def _options(exp: dict[str, Any], section: str) -> dict[str, Any]:
+    """``experiment.<section>`` over conf/published.yaml's (the blog's server flags, the MLPerf
+    rows' options: each key explained there); an unknown key is refused."""
+    defaults = OmegaConf.to_container(OmegaConf.load(CONF / "published.yaml").experiment[section])
     given = dict(exp.get(section) or {})
     unknown = sorted(set(given) - set(defaults))
     require(not unknown, f"experiment.{section}.{unknown[0] if unknown else ''}",
