@@ -25,13 +25,23 @@ of equal membership (``Executor.decode_stretch_durations``), and the replica sto
 of each step in which members finish, to finish them at
 their exact time (so routers, callbacks and ``requests.csv`` see what step-by-step
 simulation shows), without planning or pricing anything there.
+
+**Lazy horizons.** Co-located replicas behind a router that reads only request counts
+(``Router.reads_only_counts``) need not stop at every arrival in the cluster: a replica's count
+changes only at its own arrivals and finishes, and finishes inside a jump happen at their exact
+times (the stops). Such a replica jumps up to a later, soft horizon (``UpcomingArrivals``), and
+the one that receives an arrival in the middle of a jump cuts it to the steps that started
+before the arrival (``Jump.truncate``); the others jump on. A jump never has a step that ends at
+the very instant of an arrival (it ends before that step instead): whether such a step's end
+or the arrival comes first depends on when each was scheduled, which only stepping shows.
 """
 
 from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
 from itertools import accumulate
 
 import numpy as np
@@ -119,6 +129,83 @@ class Jump:
         """[num_steps] KV blocks newly allocated in each step (for ``steps.csv``)."""
         k = self.num_steps
         return np.bincount(self.block_step_array - 1, minlength=k)[:k]
+
+    def truncate(self, k: int) -> None:
+        """Keep only the first ``k`` steps (1 <= k <= num_steps): the jump that planning with
+        a horizon just after step k's start gives (step durations do not depend on how many
+        steps are planned). Stops before step k stay; members whose last step is step k
+        finish at the jump's end; nobody else finishes. Blocks and owners already known keep
+        their allocation order (a prefix of it). ``freed`` holds only stops already passed,
+        which are before k."""
+        if k >= self.num_steps:
+            return
+        if k < 1:
+            raise ValueError(f"a jump keeps at least one step, got {k}")
+        self.num_steps = k
+        self.durations = self.durations[:k]
+        self.ends = self.ends[:k]
+        n = int(self.block_step_array.searchsorted(k, side="right"))
+        self.block_step_array = self.block_step_array[:n]
+        if self.block_members is not None:
+            self.block_members = self.block_members[:n]
+        if self.block_steps is not None:
+            self.block_steps = self.block_steps[:n]
+        if self.block_owners:
+            self.block_owners = self.block_owners[:n]
+        if self.batch_sizes is not None:
+            self.batch_sizes = self.batch_sizes[:k]
+        kept = [(s, members) for s, members in self.groups if s < k]
+        last = [members for s, members in self.groups if s == k]
+        self.groups = kept
+        self.stops = [s for s, _ in kept]
+        self.last_members = last[0] if last else []
+        self.finishing = sorted([m for _, members in kept for m in members]
+                                + self.last_members)
+
+
+class UpcomingArrivals:
+    """The workload's requests in arrival order, read a few ahead of the arrival process, so
+    that lazy horizons (module docstring) can see the times of the next arrivals. The
+    workload is a lazy, seeded stream: reading a request early changes nothing else."""
+
+    def __init__(self, requests: Iterable[Request]) -> None:
+        self._it: Iterator[Request] = iter(requests)
+        self._ahead: deque[Request] = deque()
+        # The time of the arrival the arrival process waits for (inf before and after).
+        self.next_time = math.inf
+
+    def pop(self) -> Request | None:
+        """The next request (its time becomes ``next_time``), or None when none is left."""
+        req = self._ahead.popleft() if self._ahead else next(self._it, None)
+        self.next_time = math.inf if req is None else req.arrival_time
+        return req
+
+    def time(self, i: int) -> float:
+        """The time of upcoming arrival ``i`` (0: ``next_time``), inf past the last."""
+        if i == 0:
+            return self.next_time
+        ahead = self._ahead
+        while len(ahead) < i:
+            req = next(self._it, None)
+            if req is None:
+                return math.inf
+            ahead.append(req)
+        return ahead[i - 1].arrival_time
+
+    def first_tie(self, ends: np.ndarray) -> int:
+        """The index of the first of ``ends`` (ascending) that is an upcoming arrival's time,
+        to the last bit, or ``len(ends)`` if none is."""
+        last = float(ends[-1])
+        best = len(ends)
+        i = 0
+        while True:
+            t = self.time(i)
+            if t > last:
+                return best
+            j = int(ends.searchsorted(t))
+            if j < best and ends[j] == t:
+                best = j
+            i += 1
 
 
 def _price_until(price, start: float, length: int, horizon: float,
