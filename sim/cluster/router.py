@@ -16,7 +16,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Any, ClassVar, Protocol
 
 import numpy as np
 
@@ -42,6 +42,18 @@ ROUTERS: Registry[type[Router]] = Registry("router")
 
 
 class Router(ABC):
+    #: True if ``choose`` reads nothing of the targets but ``num_outstanding`` (and its own
+    #: state and generator). A replica's count changes only at its own arrivals and finishes,
+    #: so co-located replicas behind such a router may jump past arrivals routed elsewhere
+    #: (sim/fast_forward.py, lazy horizons). A subclass states it itself: what its parent
+    #: stated, a subclass's own reads may break.
+    reads_only_counts: ClassVar[bool] = False
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "reads_only_counts" not in cls.__dict__:
+            cls.reads_only_counts = False
+
     def __init__(self, rng: np.random.Generator) -> None:
         self.rng = rng
 
@@ -52,6 +64,8 @@ class Router(ABC):
 
 @ROUTERS.register("round_robin")
 class RoundRobin(Router):
+    reads_only_counts = True
+
     def __init__(self, rng: np.random.Generator) -> None:
         super().__init__(rng)
         self._next = 0
@@ -64,6 +78,8 @@ class RoundRobin(Router):
 
 @ROUTERS.register("random")
 class RandomRouter(Router):
+    reads_only_counts = True
+
     def choose(self, req: Request, targets: Sequence[RouteTarget]) -> int:
         return int(self.rng.integers(len(targets)))
 
@@ -71,6 +87,8 @@ class RandomRouter(Router):
 @ROUTERS.register("least_outstanding")
 class LeastOutstanding(Router):
     """Fewest unfinished requests; ties go to the lowest index."""
+
+    reads_only_counts = True
 
     def choose(self, req: Request, targets: Sequence[RouteTarget]) -> int:
         return min(range(len(targets)), key=lambda i: targets[i].num_outstanding)
@@ -91,6 +109,8 @@ class LeastKV(Router):
 class PowerOfTwo(Router):
     """Two distinct replicas drawn at random; the one with fewer outstanding requests wins
     (the first drawn on a tie). Mitzenmacher's "power of two choices"."""
+
+    reads_only_counts = True
 
     def choose(self, req: Request, targets: Sequence[RouteTarget]) -> int:
         n = len(targets)
