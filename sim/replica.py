@@ -22,7 +22,14 @@ from sim import stop as run_stop
 from sim.clock import advance, timeout_at
 from sim.decode_run import DecodeRun, is_decoding
 from sim.executor import Executor
-from sim.fast_forward import MAX_JUMP_STEPS, Jump, is_steady_decode, plan_jump, plan_run_jump
+from sim.fast_forward import (
+    MAX_JUMP_STEPS,
+    Jump,
+    UpcomingArrivals,
+    is_steady_decode,
+    plan_jump,
+    plan_run_jump,
+)
 from sim.kv_manager import KVBlockManager, blocks_for
 from sim.metrics import MetricsCollector
 from sim.outputs import STEP_ROW_FORMAT, CsvSink, DecodeStepRows, request_row
@@ -79,6 +86,12 @@ class Replica:
                              and getattr(policy, "supports_decode_jumps", False))
         self.num_jumps = 0
         self.num_jump_stops = 0  # finishes inside jumps past finishes
+        # Lazy horizons (sim/fast_forward.py; ``enable_lazy_horizon``): the upcoming arrivals,
+        # how many of them a jump may run past, and, while the loop waits inside a jump, that
+        # jump, its steps taken and the time waited for (an arrival here cuts the jump).
+        self.upcoming: UpcomingArrivals | None = None
+        self.lazy_span = 0
+        self._jump_wait: tuple[Jump, int, float] | None = None
         # The workload answers finishes with new requests (a closed loop): jumps stop at the
         # first finish, when the next arrival may change (set by the simulation).
         self.finishes_bring_arrivals = False
@@ -129,6 +142,8 @@ class Replica:
             self.metrics.on_rejected(req)
             self.requests_sink.write(request_row(req))
             return
+        if self._jump_wait is not None:
+            self._cut_jump()
         self.executor.add_request(req.request_id, req.prompt_token_ids)
         self.queues.waiting.append(req)
         self.policy.on_arrival(req)
@@ -159,6 +174,33 @@ class Replica:
         """True between ``notify`` and the loop resuming: the replica plans its next step at
         this very moment (a disaggregated decode replica's horizon reads it)."""
         return self._wakeup is not None and self._wakeup.triggered
+
+    def enable_lazy_horizon(self, upcoming: UpcomingArrivals, span: int) -> None:
+        """Jump as far as upcoming arrival ``span`` (or the policy's next deadline), and cut a
+        jump when a request arrives here. Only for a co-located replica behind a router that
+        reads only request counts (``Router.reads_only_counts``), without prefix caching and
+        with no closed loop: no one else reads this replica's state during a jump, and its KV
+        blocks are taken when the steps that need them have run."""
+        if self.fast_forward:
+            self.upcoming = upcoming
+            self.lazy_span = max(1, span)
+
+    def _cut_jump(self) -> None:
+        """A request arrives here while the loop waits inside a lazy jump: the jump ends with
+        the step in progress, as if planned with this instant as its horizon. Steps that
+        start before now belong, and so does the step that starts now if the loop resumed now
+        (it planned that step before the arrival, as step by step does)."""
+        jump, done, t = self._jump_wait  # type: ignore[misc]
+        now = self.env.now
+        ends = jump.ends
+        n = jump.num_steps
+        k = max(done + 1, min(n, 1 + int(ends[:n - 1].searchsorted(now))))
+        if k >= n:
+            return
+        jump.truncate(k)
+        if float(ends[k - 1]) < t:  # the loop waits past the new end: wake it there
+            self._jump_wait = None
+            self.process.interrupt()
 
     def notify(self) -> None:
         """Wake the loop if it sleeps waiting for work or for free blocks."""
@@ -250,22 +292,38 @@ class Replica:
                     block = plan.decode_block
                     if block is not None and builder.run.steps != builder.run_block_step:
                         raise AssertionError("a decode jump applied out of step with its run")
-                    done = 0
-                    ends = jump.ends
-                    for stop, members in jump.groups:  # members finish at the end of these
-                        # A stretch's new blocks are in use while it runs (a router reading
-                        # KV use during the last step sees them, as step by step).
-                        self._take_jump_blocks(plan, requests, jump, done, stop)
-                        t = float(ends[stop - 1])
+                    lazy = self.upcoming is not None
+                    done = g = 0  # steps taken, stops passed
+                    while True:
+                        groups = jump.groups  # members finish at the end of these stops
+                        stop = groups[g][0] if g < len(groups) else jump.num_steps
+                        if not lazy:
+                            # A stretch's new blocks are in use while it runs (a router
+                            # reading KV use during the last step sees them, as step by step).
+                            self._take_jump_blocks(plan, requests, jump, done, stop)
+                        t = float(jump.ends[stop - 1])
                         if not advance(env, t):
-                            yield timeout_at(env, t)
-                        self._finish_jump_members(builder.run, jump, done, stop, members)
+                            if lazy:
+                                self._jump_wait = (jump, done, t)
+                                try:
+                                    yield timeout_at(env, t)
+                                except simpy.Interrupt:  # cut by an arrival: a new end
+                                    continue
+                                self._jump_wait = None
+                            else:
+                                yield timeout_at(env, t)
+                        if lazy:
+                            # No router reads KV use: the stretch's blocks once it has run
+                            # (a cut may have shortened it).
+                            self._take_jump_blocks(plan, requests, jump, done, stop)
+                        if stop == jump.num_steps:
+                            break
+                        self._finish_jump_members(builder.run, jump, done, stop, groups[g][1])
                         self.num_jump_stops += 1
                         done = stop
-                    self._take_jump_blocks(plan, requests, jump, done, jump.num_steps)
-                    t = float(ends[-1])
-                    if not advance(env, t):
-                        yield timeout_at(env, t)
+                        g += 1
+                    if lazy and block is not None:
+                        self._grant_run_blocks(jump)
                     self._apply_jump(plan, requests, jump, start, seen, used0, done)
                     continue
             result = executor.execute(plan)
@@ -286,10 +344,30 @@ class Replica:
     def _plan_jump(self, plan: StepPlan, requests: list[Request], start: float) -> Jump | None:
         """The decode jump that starts with steady decode ``plan`` at ``start``, or None (one
         step at a time)."""
-        # The next arrival, or the policy's own next deadline if that comes first.
-        horizon = min(self.horizon(), self.policy.next_decision_time(start))
+        # The next arrival, or the policy's own next deadline if that comes first; with a
+        # lazy horizon, a later arrival (an arrival here cuts the jump).
+        up = self.upcoming
+        if up is None:
+            horizon = min(self.horizon(), self.policy.next_decision_time(start))
+        elif up.next_time <= start:  # an arrival now, yet to be routed: one step
+            return None
+        else:
+            horizon = min(up.time(self.lazy_span - 1), self.policy.next_decision_time(start))
         if horizon <= start:  # the next step may see the event: one step at a time
             return None
+        jump = self._size_jump(plan, requests, start, horizon)
+        if jump is not None and up is not None:
+            # End before a step that ends at an arrival's instant (sim/fast_forward.py).
+            j = up.first_tie(jump.ends)
+            if j < jump.num_steps:
+                if j < 2:
+                    return None
+                jump.truncate(j)
+        return jump
+
+    def _size_jump(self, plan: StepPlan, requests: list[Request], start: float,
+                   horizon: float) -> Jump | None:
+        """The jump of ``_plan_jump`` up to ``horizon``, by the plan's shape."""
         block = plan.decode_block
         if block is None:
             return plan_jump(plan, requests, self.executor.decode_durations, start, horizon,
@@ -371,12 +449,9 @@ class Replica:
             # The owners of all the jump's new blocks, in allocation order, once.
             block = plan.decode_block
             if block is not None:
-                run = self.builder.run  # finished members leave it only when the jump ends
-                if jump.num_steps <= run.block_size:  # at most one block each
-                    run.add_block_each(members)
-                else:
-                    run.add_blocks(np.bincount(members, minlength=len(run.ids)))
-                ids = run.ids
+                if self.upcoming is None:  # lazy: when the jump ends (it may be cut)
+                    self._grant_run_blocks(jump)
+                ids = self.builder.run.ids  # finished members leave only when the jump ends
             else:
                 ids = [r.request_id for r in requests]
             jump.block_owners = [ids[m] for m in members.tolist()]
@@ -387,6 +462,17 @@ class Replica:
             owners = owners[lo:bisect_left(steps, stop + 1, lo)]
         if owners and not self.kv.grow(owners):
             raise AssertionError("decode jump overran the KV pool")  # planned so
+
+    def _grant_run_blocks(self, jump: Jump) -> None:
+        """The decode run's members hold the jump's new blocks (their KV bounds move)."""
+        members = jump.block_members
+        if members is None or not len(members):
+            return
+        run = self.builder.run
+        if jump.num_steps <= run.block_size:  # at most one block each
+            run.add_block_each(members)
+        else:
+            run.add_blocks(np.bincount(members, minlength=len(run.ids)))
 
     def _finish_jump_members(self, run: DecodeRun, jump: Jump, done: int, stop: int,
                              members: list[int]) -> None:
@@ -435,7 +521,7 @@ class Replica:
         # Steps 1..k-1 as the step-by-step loop would have recorded them (one C-level pass).
         m = k - 1
         sizes = jump.batch_sizes
-        if self.steps_sink.enabled:
+        if m and self.steps_sink.enabled:
             waiting, running, swapped = queue_lengths
             change = jump.new_blocks()[:m]
             if jump.stops:  # blocks freed at the stops, after their step's new ones
@@ -452,7 +538,8 @@ class Replica:
                                  jump.durations[:m].tolist(), rows, waiting, runs, swapped,
                                  used)
         self.num_steps += m
-        self._record_step(float(ends[-2]), float(jump.durations[-1]), plan,
+        # A jump cut to one step (an arrival here during its first) records only that step.
+        self._record_step(float(ends[-2]) if k > 1 else start, float(jump.durations[-1]), plan,
                           None if sizes is None else sizes[-1])
         self.num_jumps += 1
 

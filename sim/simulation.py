@@ -33,6 +33,7 @@ from sim.cluster.router import make_router
 from sim.config_types import as_bool, as_int, typed_fields
 from sim.errors import ConfigError, RunInterrupted, renamed, require, require_known_fields
 from sim.executor import Executor
+from sim.fast_forward import UpcomingArrivals
 from sim.memory import MemoryPlan, check_block_size, plan_memory
 from sim.metrics import MetricsCollector
 from sim.outputs import (
@@ -397,18 +398,18 @@ class Simulation:
                     heapq.heappush(later, (nxt.arrival_time, seq))
                     env.process(arrive_later(nxt, seq))
 
-        # The next arrival's time: decode jumps stop before it (sim/fast_forward.py).
-        next_arrival = [float("inf")]
+        # The requests, read a few ahead; the next arrival's time: decode jumps stop before
+        # it (sim/fast_forward.py).
+        upcoming = UpcomingArrivals(self.workload)
         deployment = self._build_deployment(
             env, metrics, req_sink, step_sink, on_done,
-            (lambda: min(next_arrival[0], later[0][0] if later else float("inf")))
-            if closed else (lambda: next_arrival[0]))
+            (lambda: min(upcoming.next_time, later[0][0] if later else float("inf")))
+            if closed else (lambda: upcoming.next_time), upcoming)
         for r in deployment.replicas:
             r.finishes_bring_arrivals = closed
 
         def arrivals():
-            for req in self.workload:
-                next_arrival[0] = req.arrival_time
+            while (req := upcoming.pop()) is not None:
                 delay = req.arrival_time - env.now
                 if delay > 0:
                     yield timeout_at(env, req.arrival_time)
@@ -417,7 +418,6 @@ class Simulation:
                 deployment.add_request(req)
                 if req.is_finished:  # rejected at arrival
                     on_done(req)
-            next_arrival[0] = float("inf")
 
         env.process(arrivals())
         interrupted: RunInterrupted | None = None
@@ -468,7 +468,8 @@ class Simulation:
 
     def _build_deployment(self, env: simpy.Environment, metrics: MetricsCollector,
                           req_sink: CsvSink, step_sink: CsvSink, on_done,
-                          horizon) -> Colocated | Disaggregated:
+                          horizon, upcoming: UpcomingArrivals | None = None,
+                          ) -> Colocated | Disaggregated:
         common = dict(max_model_len=self.model.max_model_len,
                       check_integrity=self.check_integrity)
         rows: CsvSink = req_sink
@@ -481,7 +482,15 @@ class Simulation:
             replicas = self.pools[0].build(env, 0, metrics, rows, step_sink,
                                            on_finished=on_done, horizon=horizon,
                                            fast_forward=self._jumps, **common)
-            deployment = Colocated(replicas, make_router(c.router, self.seed))
+            router = make_router(c.router, self.seed)
+            deployment = Colocated(replicas, router)
+            # A router that reads only request counts lets each replica jump past arrivals
+            # routed elsewhere (lazy horizons, sim/fast_forward.py).
+            if (upcoming is not None and len(replicas) > 1 and router.reads_only_counts
+                    and self._jumps and not self.workload.closed_loop
+                    and not any(r.kv.enable_prefix_caching for r in replicas)):
+                for r in replicas:
+                    r.enable_lazy_horizon(upcoming, len(replicas))
         else:
             prefill_pool, decode_pool = self.pools
             holder: list[Disaggregated] = []
