@@ -30,6 +30,7 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +46,7 @@ from experiments.intervals import with_intervals
 from experiments.simulation import BuiltIn
 from policies.trtllm import CAPACITY_POLICIES
 from sim.config_types import as_bool, as_int
-from sim.errors import ConfigError, exit_on_config_error, require
+from sim.errors import ConfigError, exit_on_config_error, refuse_unknown, require
 from sim.progress import job_bar
 from sim.report import write_page
 from sim.simulation import Simulation
@@ -252,14 +253,19 @@ def blog_engine(exp: dict[str, Any]) -> dict[str, Any]:
     return _options(exp, "blog")
 
 
+@cache
+def _published_defaults() -> dict[str, Any]:
+    """conf/published.yaml's ``experiment`` section, read once."""
+    section = OmegaConf.load(CONF / "published.yaml").experiment
+    return OmegaConf.to_container(section)  # type: ignore[return-value]
+
+
 def _options(exp: dict[str, Any], section: str) -> dict[str, Any]:
     """``experiment.<section>`` over conf/published.yaml's (the blog's server flags, the MLPerf
     rows' options: each key explained there); an unknown key is refused."""
-    defaults = OmegaConf.to_container(OmegaConf.load(CONF / "published.yaml").experiment[section])
+    defaults = _published_defaults()[section]
     given = dict(exp.get(section) or {})
-    unknown = sorted(set(given) - set(defaults))
-    require(not unknown, f"experiment.{section}.{unknown[0] if unknown else ''}",
-            f"unknown key; known: {', '.join(defaults)}")
+    refuse_unknown(given, defaults, f"experiment.{section}", "key")
     return {**defaults, **given}
 
 

@@ -70,6 +70,8 @@ class SGLangConfig(PolicyConfig):
     schedule_conservativeness: float = 1.0
     kv_watermark: float = 0.0
     always_chunks: ClassVar[str | None] = "SGLang always chunks prefills (chunked_prefill_size)"
+    recompute_only: ClassVar[str | None] = "SGLang retracts requests by recompute only"
+    no_watermark: ClassVar[str | None] = "SGLang admits by its token estimate, not a watermark"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -89,11 +91,6 @@ class SGLangConfig(PolicyConfig):
                 f"must be one of {SCHEDULE_ORDERS}, got {self.schedule_policy!r}")
         require(self.schedule_conservativeness > 0, "policy.schedule_conservativeness",
                 f"must be > 0, got {self.schedule_conservativeness}")
-        require(self.preemption_mode == "recompute", "policy.preemption_mode",
-                f"SGLang retracts requests by recompute only, got {self.preemption_mode!r}")
-        require(self.kv_watermark == 0.0, "policy.kv_watermark",
-                f"SGLang admits by its token estimate, not a watermark: must be 0, got "
-                f"{self.kv_watermark}")
 
 
 def _estimate(req: Request) -> int:

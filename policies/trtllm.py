@@ -29,6 +29,7 @@ the budget leaves) and may reuse a paused request's KV blocks when they were not
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from policies.base import POLICIES, Policy, PolicyConfig
 from policies.budget import (
@@ -53,6 +54,9 @@ class TensorRTLLMConfig(PolicyConfig):
     enable_chunked_prefill: bool = False
     kv_watermark: float = 0.0
     capacity_scheduler_policy: str = "guaranteed_no_evict"
+    recompute_only: ClassVar[str | None] = (
+        "TensorRT-LLM pauses a request by freeing its KV (recompute); it has no swap")
+    no_watermark: ClassVar[str | None] = "TensorRT-LLM keeps no watermark of free blocks"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -60,10 +64,6 @@ class TensorRTLLMConfig(PolicyConfig):
                 "policy.capacity_scheduler_policy",
                 f"must be one of {', '.join(CAPACITY_POLICIES)}, got "
                 f"{self.capacity_scheduler_policy!r}")
-        require(self.preemption_mode == "recompute", "policy.preemption_mode",
-                "TensorRT-LLM pauses a request by freeing its KV (recompute); it has no swap")
-        require(self.kv_watermark == 0.0, "policy.kv_watermark",
-                "TensorRT-LLM keeps no watermark of free blocks; leave it at 0")
 
 
 @POLICIES.register("trtllm")

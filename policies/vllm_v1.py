@@ -67,15 +67,13 @@ class VLLMV1Config(PolicyConfig):
     kv_watermark: float = 0.0
     scheduling_policy: str = "fcfs"  # vLLM's --scheduling-policy: fcfs | priority
     always_chunks: ClassVar[str | None] = "vLLM v1 always chunks prefills"
+    recompute_only: ClassVar[str | None] = "vLLM v1 preempts by recompute only"
+    no_watermark: ClassVar[str | None] = "vLLM v1 admits without a watermark"
 
     def __post_init__(self) -> None:
         super().__post_init__()
         require(self.scheduling_policy in SCHEDULING_POLICIES, "policy.scheduling_policy",
                 f"must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}")
-        require(self.preemption_mode == "recompute", "policy.preemption_mode",
-                f"vLLM v1 preempts by recompute only, got {self.preemption_mode!r}")
-        require(self.kv_watermark == 0.0, "policy.kv_watermark",
-                f"vLLM v1 admits without a watermark: must be 0, got {self.kv_watermark}")
 
 
 @POLICIES.register("vllm_v1")

@@ -42,14 +42,25 @@ class PolicyConfig:
     enable_chunked_prefill: bool = False
     preemption_mode: str = "recompute"
     kv_watermark: float = 0.01  # fraction of blocks kept free when admitting (vLLM v0)
-    #: Set by a policy whose scheduler always chunks prefills (why, as the error says it):
-    #: ``enable_chunked_prefill=false`` is then refused rather than ignored.
+    # Rules of an engine's scheduler that a setting cannot change, each stated (when set) by
+    # why, as the error says it: the setting that would break it is refused, not ignored.
+    #: Its scheduler always chunks prefills (``enable_chunked_prefill`` must be true).
     always_chunks: ClassVar[str | None] = None
+    #: It preempts by recompute only (``preemption_mode`` must be recompute).
+    recompute_only: ClassVar[str | None] = None
+    #: It admits without a watermark of free blocks (``kv_watermark`` must be 0).
+    no_watermark: ClassVar[str | None] = None
 
     def __post_init__(self) -> None:
         if self.always_chunks is not None:
             require(self.enable_chunked_prefill, "policy.enable_chunked_prefill",
                     f"{self.always_chunks}: must be true for the {self.name} policy")
+        if self.recompute_only is not None:
+            require(self.preemption_mode == "recompute", "policy.preemption_mode",
+                    f"{self.recompute_only}: must be recompute, got {self.preemption_mode!r}")
+        if self.no_watermark is not None:
+            require(self.kv_watermark == 0.0, "policy.kv_watermark",
+                    f"{self.no_watermark}: must be 0, got {self.kv_watermark}")
         require(self.max_num_seqs >= 1, "policy.max_num_seqs",
                 f"must be >= 1, got {self.max_num_seqs}")
         require(self.max_num_batched_tokens >= 1, "policy.max_num_batched_tokens",
