@@ -11,6 +11,9 @@ The jump ends at the first of:
 - the step in which some member produces its last token (it finishes after that step), unless
   the jump may run past finishes (below);
 - the last step whose new KV blocks still fit the free pool (the next would need a preemption);
+  with prefix caching on while requests wait, the last whose new blocks evict no cached
+  content (an eviction can change what a waiting request's cache hit costs, and so whether
+  the policy admits it: ``KVBlockManager.free_without_eviction``);
 - the last step that starts before the next external event (``horizon``): an arrival, which
   may change what the policy schedules or what a router sees, or a deadline of the policy's
   own (``Policy.next_decision_time``: SJF's aging) if that comes first.

@@ -33,7 +33,8 @@ to ``copy_log`` (the step plan's ``swaps``)::
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Mapping, Sequence
+from typing import Any
 
 
 class KVIntegrityError(AssertionError):
@@ -174,6 +175,19 @@ class _CachingPool(_Pool):
 
     def is_free(self, block: int) -> bool:
         return block in self.pos
+
+    def front_without(self, keyed: Mapping[int, Any]) -> int:
+        """How many blocks the free queue's front holds before the first one in ``keyed``
+        (a block with cached content): those can be handed out without evicting anything."""
+        n = self.num_blocks - self.fresh  # never handed out: no content
+        q, pos, at = self.free_queue, self.pos, self.base + self.head
+        for b in q[self.head:]:
+            if pos.get(b) == at:  # a live entry
+                if b in keyed:
+                    return n
+                n += 1
+            at += 1
+        return n
 
     def revive(self, block: int) -> None:
         """Take the free ``block`` out of the queue, wherever it is (one reference now)."""
@@ -462,6 +476,13 @@ class KVBlockManager:
         self.peak_used_blocks = max(self.peak_used_blocks,
                                     self.num_gpu_blocks - self._gpu.num_free)
         return gpu
+
+    def free_without_eviction(self) -> int:
+        """Free blocks that can be handed out, front first, before one whose cached content
+        would be evicted (all free blocks without prefix caching or cached content)."""
+        if not self.block_key:
+            return self._gpu.num_free
+        return self._gpu.front_without(self.block_key)  # type: ignore[attr-defined]
 
     def num_free_among(self, blocks: list[int]) -> int:
         """How many of ``blocks`` (cached blocks) are free: attaching them takes as many free

@@ -368,12 +368,17 @@ class Replica:
     def _size_jump(self, plan: StepPlan, requests: list[Request], start: float,
                    horizon: float) -> Jump | None:
         """The jump of ``_plan_jump`` up to ``horizon``, by the plan's shape."""
+        q = self.queues
+        # The blocks the jump may take: the free ones, or, while requests wait with prefix
+        # caching on, those before the first that would evict cached content (a waiting
+        # request's cache hit, and so whether it fits, may change with it).
+        free = (self.kv.free_without_eviction() if q.waiting and self.kv.enable_prefix_caching
+                else self.kv.num_free_blocks)
         block = plan.decode_block
         if block is None:
             return plan_jump(plan, requests, self.executor.decode_durations, start, horizon,
-                             self.kv.num_free_blocks, self.kv.block_size,
+                             free, self.kv.block_size,
                              order_steps=self.policy.decode_order_steps)
-        q = self.queues
         run, run_step = self.builder.run, self.builder.run_block_step
         # A finish may bring a new arrival (a closed loop): then stop at it.
         past = not q.waiting and not q.swapped and (
@@ -385,7 +390,7 @@ class Replica:
         executor = self.executor
         return plan_run_jump(
             plan, run, run_step, executor.decode_durations, start, horizon,
-            self.kv.num_free_blocks, max_steps,
+            free, max_steps,
             stretch_durations_fn=executor.decode_stretch_durations if past else None,
             step_pricer=executor.decode_step_pricer if past else None)
 

@@ -66,6 +66,23 @@ def test_a_hit_hands_out_the_very_blocks_and_eviction_is_least_recently_freed():
     kv.check_integrity()
 
 
+def test_free_blocks_before_an_eviction_count_the_queue_front_without_content():
+    """What a decode jump may take while requests wait: the free queue's front up to the
+    first block whose cached content taking it would evict."""
+    kv = KVBlockManager(6, 4, 0, enable_prefix_caching=True)
+    assert kv.free_without_eviction() == 6  # nothing cached yet
+    kv.allocate_slots("a", 12)  # blocks 0, 1, 2
+    kv.register("a", ["k0"], 1)  # block 0 holds k0
+    kv.free("a")
+    assert kv._gpu.free_blocks() == [3, 4, 5, 2, 1, 0]
+    assert kv.free_without_eviction() == 5  # 3, 4, 5, 2, 1; then 0 (k0)
+    kv.attach("b", kv.match(["k0"]))  # block 0 leaves the queue from the middle
+    assert kv.free_without_eviction() == kv.num_free_blocks == 5
+    kv.allocate_slots("c", 8)  # 3, 4
+    kv.free("b")  # 0 (k0) returns to the back
+    assert kv.free_without_eviction() == 3 and kv.num_free_blocks == 4
+
+
 def test_register_keeps_the_first_block_of_a_key():
     kv = KVBlockManager(8, 2, 0, enable_prefix_caching=True)
     kv.allocate_slots("a", 4)

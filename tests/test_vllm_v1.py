@@ -4,7 +4,7 @@ its engine defaults, and fast equals exact."""
 from __future__ import annotations
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from experiments.simulation import Simulation
@@ -130,6 +130,11 @@ def test_other_policies_keep_caching_off_by_default():
 
 @pytest.mark.slow
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# A decode jump whose new blocks evict the cached prefix a waiting request would hit.
+@example(seed=0, qps=10.0, blocks=36, tokens=256, prefix=40, layout="disaggregated",
+         order="fcfs")
+@example(seed=0, qps=5.0, blocks=39, tokens=256, prefix=40, layout="disaggregated",
+         order="fcfs")
 @given(seed=st.integers(0, 10_000), qps=st.floats(5.0, 120.0), blocks=st.integers(30, 300),
        tokens=st.sampled_from([64, 256, 2048]), prefix=st.sampled_from([0, 40, 200]),
        layout=st.sampled_from(["single", "replicas", "disaggregated"]),
