@@ -203,9 +203,9 @@ def admit(step: StepBuilder, budget: Budget, candidates: Iterable[Request], *,
             # request admitted on its first chunk's blocks would grow into a shortage and be
             # preempted mid-prefill, again and again.
             hold = pending if n < pending else 0  # beyond what it holds when scheduled
-            fits = step.can_allocate(req, pending, use_watermark=True)
-            if not fits and (step.blocks_needed(req, pending) + step.watermark_blocks
-                             > step.kv.num_gpu_blocks):
+            need, wm = step.blocks_needed(req, pending), step.watermark_blocks
+            fits = step.kv.can_allocate(need, wm)
+            if not fits and need + wm > step.kv.num_gpu_blocks:
                 # It could never fit above the watermark, even in an empty pool: a request
                 # recomputed after it grew that long (vLLM v0 would drop it as ignored).
                 # Waiting cannot help, so it is admitted as it always could be: this step's

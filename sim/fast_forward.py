@@ -290,8 +290,14 @@ def plan_run_jump(plan: StepPlan, run: DecodeRun, run_step: int, durations_fn,
     k_max = min(run.steps_left(), max_steps)
     if k_max < 2:
         return None
+    price = None if step_pricer is None else step_pricer(len(run))
+    if price is not None:
+        # Contexts (new token included) of jump step j: ctx0 + run_step + j per member.
+        n = len(run)
+        price = _stepwise(price, run.ctx0_sum + n * (run_step + 1), n,
+                          run.ctx0_max + run_step + 1)
     jump = _sized_jump(plan, first, run.block_size, durations_fn, k_max, start, horizon,
-                       free_blocks)
+                       free_blocks, price)
     if jump is not None:  # members finish only in its last step
         jump.finishing = jump.last_members = (
             run.end <= run_step + jump.num_steps).nonzero()[0].tolist()
@@ -535,13 +541,45 @@ def _run_jump_past_finishes(s0: int, run: DecodeRun, first: np.ndarray,
     return jump
 
 
+def _stepwise(price: Callable[[int, int], float], ctx: int, nd: int, mx: int,
+              ) -> Callable[[float, float, int], tuple[list[float], list[float]]]:
+    """Price a plain jump's steps one at a time (``Executor.decode_step_pricer``): step 1's
+    contexts total ``ctx`` (the longest ``mx``), each step adds ``nd`` and 1. The returned
+    function gives the durations and end times from ``start`` of the steps up to the first
+    that ends at or after ``horizon``, or ``k`` steps."""
+
+    def steps(start: float, horizon: float, k: int) -> tuple[list[float], list[float]]:
+        durations: list[float] = []
+        ends: list[float] = []
+        t = start
+        c, x = ctx, mx
+        for _ in range(k):
+            d = price(c, x)
+            t += d  # the same sequential additions as env.now += duration
+            durations.append(d)
+            ends.append(t)
+            if t >= horizon:
+                break
+            c += nd
+            x += 1
+        return durations, ends
+    return steps
+
+
 def _sized_jump(plan: StepPlan, first: np.ndarray, bs: int, durations_fn, k_max: int,
-                start: float, horizon: float, free_blocks: int) -> Jump | None:
-    """The jump for rows that first need a new KV block in steps ``first`` (1-based)."""
+                start: float, horizon: float, free_blocks: int,
+                stepwise=None) -> Jump | None:
+    """The jump for rows that first need a new KV block in steps ``first`` (1-based);
+    ``stepwise`` (``_stepwise``), if given, prices its steps one at a time."""
     k_max = _kv_cap(first, bs, k_max, free_blocks)
     if k_max < 2:
         return None
-    sized = _jump_length(durations_fn, plan, k_max, start, horizon)
+    if stepwise is not None:
+        durations, ends = stepwise(start, horizon, k_max)
+        k = _steps_before(ends, horizon)
+        sized = None if k < 2 else (k, np.array(durations[:k]), np.array(ends[:k]))
+    else:
+        sized = _jump_length(durations_fn, plan, k_max, start, horizon)
     if sized is None:
         return None
     k, durations, ends = sized
