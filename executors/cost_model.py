@@ -446,8 +446,8 @@ class RooflineCostModel(Executor):
         ``decode_run_durations`` evaluated per step, with ``math.hypot`` for the p = 2 knee
         (a tenth of numpy's scalar call; it rounds differently from ``np.hypot`` in the last
         bit for ~0.5% of pairs, so a price may differ from ``decode_run_durations``' by an ulp
-        or two). Decode jumps past finishes price their steps one at a time with it, as far
-        as the horizon (sim/fast_forward.py). None where the curve has no plain-float form: a
+        or two). Decode jumps price their steps one at a time with it, as far as the
+        horizon (sim/fast_forward.py). None where the curve has no plain-float form: a
         decode geometry that varies with the context, a tile term, streaming keys other than
         the longest context, more than two waves, or a knee other than p = 2 or max."""
         pricer = self._step_pricers.get(num_decode, _UNSET)

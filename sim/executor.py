@@ -59,8 +59,8 @@ class Executor(ABC):
     def decode_step_pricer(self, num_decode: int) -> Callable[[int, int], float] | None:
         """The duration of one decode-only step of ``num_decode`` rows as a plain function of
         the total and the longest context (new token included), for pricing a decode jump
-        one step at a time as far as the next event; None: price it by stretches
-        (``decode_stretch_durations``)."""
+        one step at a time as far as the next event; None: price it in arrays
+        (``decode_durations``, or by stretches: ``decode_stretch_durations``)."""
         return None
 
     def decode_stretch_durations(self, stretches: list[tuple[int, int, int, int]],

@@ -27,7 +27,14 @@ finishes: it is priced one step at a time as far as the horizon
 of equal membership (``Executor.decode_stretch_durations``), and the replica stops at the end
 of each step in which members finish, to finish them at
 their exact time (so routers, callbacks and ``requests.csv`` see what step-by-step
-simulation shows), without planning or pricing anything there.
+simulation shows), without planning or pricing anything there. A lone replica (no router or
+other replica beside it, no closed loop: ``Replica.unobserved``) finishes them at their
+times without waking its loop at each: nothing outside reads it between its own events.
+
+**Pricing.** A jump of the decode run is priced one step at a time, as far as the horizon,
+wherever the executor has a plain-float price for the batch (``Executor.decode_step_pricer``);
+otherwise, and for a plan of single rows, in one array call (``Executor.decode_durations``,
+sized on a first estimate).
 
 **Lazy horizons.** Co-located replicas behind a router that reads only request counts
 (``Router.reads_only_counts``) need not stop at every arrival in the cluster: a replica's count
@@ -279,7 +286,7 @@ def plan_run_jump(plan: StepPlan, run: DecodeRun, run_step: int, durations_fn,
     ``run`` at its step ``run_step``: the same jump, from the run's arrays (no per-row work).
     With ``stretch_durations_fn`` (``Executor.decode_stretch_durations``) the jump may run past
     finishes (module docstring); the caller passes it only when that is safe. ``step_pricer``
-    (``Executor.decode_step_pricer``), if given, prices such a jump one step at a time."""
+    (``Executor.decode_step_pricer``), if given, prices its steps one at a time."""
     # Run step s computes each member's token ctx0 + s + 1; this plan is run step
     # ``run_step``, so jump step j (1-based) first needs a new block when
     # run_step + j - 1 >= bound.
