@@ -256,7 +256,9 @@ def fit_coefficients(drivers: Sequence[StepDrivers], y: Sequence[float],
     many times is fitted at the mean of its times, which skewed noise puts above the median
     that a relative, robust (``soft_l1``) fit lands near.
     """
-    X = driver_matrix(list(drivers))
+    # Column-major: the fit reads the design matrix a column at a time (elementwise, so the
+    # same floats), thousands of times.
+    X = np.asfortranarray(driver_matrix(list(drivers)))
     yv = np.asarray(y, dtype=float)
     if len(yv) != len(X) or not len(yv):
         raise ValueError(f"{len(X)} driver rows for {len(yv)} times")
@@ -371,11 +373,12 @@ def _fit_at_knee(X: np.ndarray, yv: np.ndarray, sv: np.ndarray, seq_knee: int,
     starts = [np.ones(len(idx)), np.where(x_lin[idx] > 0, 1.0, 10.0)]
     for p in grid:
         best_p: tuple[float, np.ndarray] | None = None
+        memo: dict = {}  # the knee terms of one sharpness (predict_array)
         for z0 in starts:
             def resid(z: np.ndarray) -> np.ndarray:
                 x = np.zeros(len(names))
                 x[idx] = z * scale[idx]
-                return (predict_array(x, X, p, seq_knee) - yv) / sv
+                return (predict_array(x, X, p, seq_knee, memo) - yv) / sv
 
             r = least_squares(resid, z0, bounds=(0.0, np.inf), x_scale=1.0, loss=loss,
                               f_scale=0.05, max_nfev=2000)

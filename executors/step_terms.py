@@ -16,6 +16,7 @@ derives them from the hardware spec, the calibrated cost model fits them to a me
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 from functools import lru_cache
 from typing import ClassVar, NamedTuple
@@ -728,27 +729,54 @@ def first_rows(rows: float | np.ndarray, seq_knee: int) -> float | np.ndarray:
 
 
 def predict_array(x: np.ndarray, X: np.ndarray, sharpness: float,
-                  seq_knee: int = 0) -> np.ndarray:
+                  seq_knee: int = 0, memo: dict | None = None) -> np.ndarray:
     """Vectorised ``Coefficients.breakdown(...).total`` (without comm/swap) for fitting.
 
     ``x`` is in ``Coefficients.names()`` order; ``X`` from ``driver_matrix``. With
     ``sharpness`` 1 every knee is a sum, so the model is linear in ``x`` (the fit's start).
+    ``memo``: a dict kept across calls with the same ``X``, ``sharpness`` and ``seq_knee``
+    (a fit's residuals): each knee term is computed once per value of the prices it reads,
+    since a finite-difference Jacobian moves one price at a time. The sum is the same float
+    either way.
     """
     (step, seq, tok, flop, wbyte, aflop, dflop, kvbyte, ctab, smb, wave, kern, part, tile, prow,
      first) = x
     c = {name: X[:, i] for i, name in enumerate(DRIVER_COLUMNS)}
     p = sharpness
-    cta = ctab * c["decode_cta_bytes"]
+
+    def linear(lhs: str, rhs: str) -> np.ndarray:
+        return knee_array([flop * c[lhs], wbyte * c[rhs]], p)
+
+    def prefill() -> np.ndarray:
+        return knee_array([aflop * c["prefill_flops"] + dflop * c["prefill_diag_flops"],
+                           kvbyte * c["prefill_bytes"]], p)
+
+    def decode(count: str, flops: str, kv: str, sm: str) -> np.ndarray:
+        cta = ctab * c["decode_cta_bytes"]
+        return c[count] * knee_array([aflop * c[flops], np.maximum(np.maximum(
+            kvbyte * c[kv], cta), smb * c[sm])], p)
+
+    def term(key: tuple, make: Callable[[], np.ndarray]) -> np.ndarray:
+        if memo is None:
+            return make()
+        value = memo.get(key)
+        if value is None:
+            if len(memo) > 64:  # the values of one Jacobian's moves and the point itself
+                memo.clear()
+            value = memo[key] = make()
+        return value
+
     return (step * c["nonempty"] + seq * c["rows"] + tok * c["tokens"]
             + first * first_rows(c["rows"], seq_knee)
-            + knee_array([flop * c["linear_flops"], wbyte * c["linear_bytes"]], p)
-            + knee_array([flop * c["lm_head_flops"], wbyte * c["lm_head_bytes"]], p)
-            + knee_array([aflop * c["prefill_flops"] + dflop * c["prefill_diag_flops"],
-                          kvbyte * c["prefill_bytes"]], p)
-            + c["decode_waves"] * knee_array([aflop * c["decode_wave_flops"], np.maximum(np.maximum(
-                kvbyte * c["decode_wave_bytes"], cta), smb * c["decode_sm_bytes"])], p)
-            + c["decode_tail"] * knee_array([aflop * c["decode_tail_flops"], np.maximum(np.maximum(
-                kvbyte * c["decode_tail_bytes"], cta), smb * c["decode_tail_sm_bytes"])], p)
+            + term(("linear", flop, wbyte), lambda: linear("linear_flops", "linear_bytes"))
+            + term(("lm_head", flop, wbyte), lambda: linear("lm_head_flops", "lm_head_bytes"))
+            + term(("prefill", aflop, dflop, kvbyte), prefill)
+            + term(("waves", aflop, kvbyte, ctab, smb),
+                   lambda: decode("decode_waves", "decode_wave_flops", "decode_wave_bytes",
+                                  "decode_sm_bytes"))
+            + term(("tail", aflop, kvbyte, ctab, smb),
+                   lambda: decode("decode_tail", "decode_tail_flops", "decode_tail_bytes",
+                                  "decode_tail_sm_bytes"))
             + wave * c["decode_wave_count"]
             + kern * (c["prefill_kernels"] + c["decode_kernels"])
             + part * c["decode_partials"] + tile * c["decode_chain_tiles"]
