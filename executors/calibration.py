@@ -375,7 +375,7 @@ def _fit_at_knee(X: np.ndarray, yv: np.ndarray, sv: np.ndarray, seq_knee: int,
         best_p: tuple[float, np.ndarray] | None = None
         memo: dict = {}  # the knee terms of one sharpness (predict_array)
         for z0 in starts:
-            def resid(z: np.ndarray) -> np.ndarray:
+            def resid(z: np.ndarray, p: float = p, memo: dict = memo) -> np.ndarray:
                 x = np.zeros(len(names))
                 x[idx] = z * scale[idx]
                 return (predict_array(x, X, p, seq_knee, memo) - yv) / sv

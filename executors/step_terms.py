@@ -26,7 +26,6 @@ import numpy as np
 from sim.plan import DecodeBlock, StepPlan
 from sim.specs import ModelSpec
 
-
 #: Query rows per attention tile. FlashAttention-style kernels give each thread block a tile of
 #: 64 (or 128) query rows, so a prefill chunk costs whole tiles: Vidur's A100 prefill profile
 #: steps every 64 tokens (e.g. chunks of 160 and 192 tokens take the same time).
