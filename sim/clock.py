@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import bisect
 import heapq
+import itertools
 import math
 
 import simpy
@@ -70,7 +71,7 @@ class StepChain:
     ``passed``: how many of them have gone by; ``wake``: the step at whose end the owner
     resumes (1-based; it may be brought forward while the owner sleeps, ``cut``)."""
 
-    __slots__ = ("ends", "passed", "eid", "wake", "event", "stale")
+    __slots__ = ("eid", "ends", "event", "passed", "stale", "wake")
 
     def __init__(self, ends: list[float]) -> None:
         self.ends = ends
@@ -171,7 +172,7 @@ class ChainEnvironment(simpy.Environment):
             if moved:
                 if len(moved) > 1:
                     moved.sort(key=lambda m: m[0])
-                    if any(a[0] == b[0] for a, b in zip(moved, moved[1:])):
+                    if any(a[0] == b[0] for a, b in itertools.pairwise(moved)):
                         c = min((m[1] for m in moved), key=lambda c: (c.ends[c.passed], c.eid))
                         c.passed += 1
                         c.eid = next(eids)
