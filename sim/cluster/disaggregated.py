@@ -133,8 +133,9 @@ class Disaggregated:
     def lazy_decode_horizon(self, j: int) -> float:
         """How far lazy decode replica ``j`` prices a jump (a jump may end anywhere: what
         reaches the replica meanwhile cuts it): the earliest arrival of a transfer to it, or
-        upcoming arrival ``span`` if that is sooner. While transfers wait for its blocks
-        (back-pressure), a finish reserves for them: no jumps then."""
+        the arrival ``span`` places after the next one (``UpcomingArrivals.time``) if that is
+        sooner. While transfers wait for its blocks (back-pressure), a finish reserves for
+        them: no jumps then."""
         if self._pending[j]:
             return -float("inf")
         h = self._upcoming.time(self._lazy_span)  # type: ignore[union-attr]
@@ -152,7 +153,12 @@ class Disaggregated:
         instant starts a step now. While transfers wait for its blocks
         (back-pressure), a finish reserves for them: no jumps then. While transfers wait for
         another decode replica's blocks, a finish there may start one at any moment, and its
-        arrival frees prefill blocks: no later than now plus the quickest of those transfers."""
+        arrival frees prefill blocks: no later than now plus the quickest of those transfers.
+
+        A jump up to this bound stops at every prefill step end, whichever decode replica that
+        step hands off to. Behind a decode router that reads only counts (and without prefix
+        caching) decode replicas sleep through their jumps instead, cut only by what reaches
+        them (``enable_lazy_decode``); this bound serves the other runs."""
         if self._pending[j]:
             return -float("inf")
         now = self.env.now
