@@ -50,9 +50,10 @@ stepping shows (ties to the last bit included), and its stops and end wake it in
 order. A reservation first takes the new blocks of the steps that have started (each took them
 as it started), then reserves: it gets the block ids, and sees the free count, of stepping.
 The jump goes on while its later steps' blocks fit what is left free (the batch is the same,
-and a decode step's plan depends on free blocks only through whether they fit), ends before
-the first step whose blocks do not, and ends with the step in progress if the reservation
-fails (its finishes must then reserve for the transfers that wait). An arriving transfer ends
+and free blocks only shrink, as they do in any jump: the policy plans the same step while its
+blocks fit, ``Policy.supports_decode_jumps``), ends before the first step whose blocks do
+not, and ends with the step in progress if the reservation fails (its finishes must then
+reserve for the transfers that wait). An arriving transfer ends
 the jump with the step in progress. The jump is priced as far as the replica's next transfer
 arrival or a few arrivals ahead (``Disaggregated.lazy_decode_horizon``): any end is exact.
 """
