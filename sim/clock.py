@@ -4,7 +4,9 @@ The fast path computes when a stretch of steps ends as a sum of step durations, 
 step-by-step loop reaches the same instant by adding one duration at a time. simpy schedules a
 timeout at ``now + delay``; for the two paths to order events identically (an arrival at the
 very instant a step ends, a transfer landing on a step boundary), the fast path's event must
-fire at that sum to the last bit, not an ulp beside it."""
+fire at that sum to the last bit, not an ulp beside it. ``ChainEnvironment`` goes one further
+for a process that sleeps through many steps: each step end keeps the place in the event order
+its own timeout would have had, without being an event."""
 
 from __future__ import annotations
 
