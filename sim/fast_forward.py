@@ -44,6 +44,25 @@ the one that receives an arrival in the middle of a jump cuts it to the steps th
 before the arrival (``Jump.truncate``); the others jump on. A jump never has a step that ends at
 the very instant of an arrival (it ends before that step instead): whether such a step's end
 or the arrival comes first depends on when each was scheduled, which only stepping shows.
+
+**Lazy decode.** A disaggregated decode replica behind a decode router that reads only request
+counts (without prefix caching, with no closed loop) need not stop where a prefill step ends
+either: only a transfer touches it, reserved on it at a handoff (``Replica.reserve_transfer``)
+or arriving at it (``Replica.accept_transferred``), and its count changes only at its own
+finishes and those arrivals. It sleeps through its jump as a chain of step ends
+(``sim/clock.py``: ``ChainEnvironment``, ``StepChain``): each step end takes its event id when
+the step before it ends and comes before any event at that instant with a later id, as the
+step's timeout would, so at every instant the replica's steps that have ended are those
+stepping shows (ties to the last bit included), and its stops and end wake it in stepping's
+order. A reservation first takes the new blocks of the steps that have started (each took them
+as it started), then reserves: it gets the block ids, and sees the free count, of stepping.
+The jump goes on while its later steps' blocks fit what is left free (the batch is the same,
+and free blocks only shrink, as they do in any jump: the policy plans the same step while its
+blocks fit, ``Policy.supports_decode_jumps``), ends before the first step whose blocks do
+not, and ends with the step in progress if the reservation fails (its finishes must then
+reserve for the transfers that wait). An arriving transfer ends
+the jump with the step in progress. The jump is priced as far as the replica's next transfer
+arrival or a few arrivals ahead (``Disaggregated.lazy_decode_horizon``): any end is exact.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ import numpy as np
 import simpy
 
 from sim import stop as run_stop
-from sim.clock import advance, timeout_at
+from sim.clock import ChainEnvironment, StepChain, advance, timeout_at
 from sim.decode_run import DecodeRun, is_decoding
 from sim.executor import Executor
 from sim.fast_forward import (
@@ -92,6 +92,14 @@ class Replica:
         self.upcoming: UpcomingArrivals | None = None
         self.lazy_span = 0
         self._jump_wait: tuple[Jump, int, float] | None = None
+        # Lazy decode (``enable_lazy_decode``): while the loop sleeps inside a jump, the
+        # jump's chain of step ends, the jump (its plan, rows and itself), the steps whose new
+        # KV blocks are taken, and the blocks reserved for transfers during it (step, count).
+        self.lazy_decode = False
+        self._chain: StepChain | None = None
+        self._jump_ctx: tuple[StepPlan, list[Request], Jump] | None = None
+        self._taken = 0
+        self._reserved: list[tuple[int, int]] = []
         # The workload answers finishes with new requests (a closed loop): jumps stop at the
         # first finish, when the next arrival may change (set by the simulation).
         self.finishes_bring_arrivals = False
@@ -189,6 +197,16 @@ class Replica:
             self.upcoming = upcoming
             self.lazy_span = max(1, span)
 
+    def enable_lazy_decode(self) -> bool:
+        """A disaggregated decode replica behind a decode router that reads only request
+        counts, without prefix caching and with no closed loop: sleep through the steps of a
+        jump (``ChainEnvironment``) instead of stopping where another replica's step ends;
+        a transfer reserved here takes the blocks of the steps that have started first
+        (``reserve_transfer``), and one arriving here ends the jump with the step in progress
+        (``accept_transferred``). False where the replica takes no jumps."""
+        self.lazy_decode = self.fast_forward and isinstance(self.env, ChainEnvironment)
+        return self.lazy_decode
+
     def _cut_jump(self) -> None:
         """A request arrives here while the loop waits inside a lazy jump: the jump ends with
         the step in progress, as if planned with this instant as its horizon. Steps that
@@ -221,14 +239,40 @@ class Replica:
         """Decode side: reserve blocks for ``req``'s KV before it moves here; False (nothing
         changes) while they do not fit. A policy that holds every request's whole length
         (static batching) gets that length reserved now, outside the watermark, as its own
-        admission does: its decodes never ask for a block."""
+        admission does: its decodes never ask for a block.
+
+        Inside a lazy jump the steps that have started take their blocks first (step by step,
+        each took them as it started), so the reservation gets the blocks, and sees the free
+        count, that stepping gives. The jump goes on while its later steps' blocks fit what
+        is left free (its batch is the same); if the reservation fails, it ends with the step
+        in progress (a finish here must then reserve for the transfers that wait)."""
+        chain = self._chain
+        if chain is not None:
+            k = chain.passed + 1  # the step in progress
+            self._take_blocks_through(k)
+            used = self.kv.num_used_blocks
         if self.policy.reserves_full_length:
-            return self.builder.reserve_transfer(req, full_length(req), use_watermark=False)
-        return self.builder.reserve_transfer(req)
+            ok = self.builder.reserve_transfer(req, full_length(req), use_watermark=False)
+        else:
+            ok = self.builder.reserve_transfer(req)
+        if chain is not None:
+            if not ok:
+                self._cut_lazy_jump(k)
+            else:
+                self._reserved.append((k, self.kv.num_used_blocks - used))
+                jump = self._jump_ctx[2]  # type: ignore[index]
+                steps = jump.block_step_array
+                lo = int(steps.searchsorted(k, side="right"))
+                free = self.kv.num_free_blocks
+                if len(steps) - lo > free:  # end before the first step whose blocks miss
+                    self._cut_lazy_jump(int(steps[lo + free]) - 1)
+        return ok
 
     def accept_transferred(self, req: Request) -> None:
         """Decode side: ``req``'s KV arrived in blocks reserved with ``reserve_transfer``;
-        it decodes here from the next step."""
+        it decodes here from the next step (a lazy jump ends with the step in progress)."""
+        if self._chain is not None:
+            self._cut_lazy_jump(self._chain.passed + 1)
         req.replica_id = self.replica_id
         self.executor.add_request(req.request_id, req.prompt_token_ids)
         self.builder.accept_transferred(req)
@@ -296,6 +340,10 @@ class Replica:
                     block = plan.decode_block
                     if block is not None and builder.run.steps != builder.run_block_step:
                         raise AssertionError("a decode jump applied out of step with its run")
+                    if self.lazy_decode:
+                        yield from self._lazy_decode_jump(plan, requests, jump, start, seen,
+                                                          used0)
+                        continue
                     lazy = self.upcoming is not None
                     done = g = 0  # steps taken, stops passed
                     while True:
@@ -346,6 +394,70 @@ class Replica:
             self._record_step(start, duration, plan)
             if self.check_integrity:
                 self.verify()
+
+    def _lazy_decode_jump(self, plan: StepPlan, requests: list[Request], jump: Jump,
+                          start: float, seen: tuple[int, int, int], used0: int):
+        """Take ``jump`` as a chain of step ends (``enable_lazy_decode``): the loop resumes
+        only at its stops and its end, each where the timeout of that step would fire; a
+        transfer reserved or arriving here meanwhile sees which steps have started
+        (``StepChain.passed``), takes their blocks or cuts the jump (``reserve_transfer``,
+        ``accept_transferred``). A stretch's blocks are taken once it has run, or when a
+        reservation needs them first."""
+        env = self.env
+        chain = StepChain(jump.ends.tolist())
+        self._chain = chain
+        self._jump_ctx = (plan, requests, jump)
+        self._taken = 1  # step 1's blocks are the plan's
+        self._reserved = []
+        done = g = 0  # steps whose members have finished, stops passed
+        while True:
+            groups = jump.groups
+            stop = groups[g][0] if g < len(groups) else jump.num_steps
+            ev = env.wait_chain(chain, stop)  # type: ignore[attr-defined]
+            if ev is not None:
+                yield ev
+                chain.resumed()
+            stop = chain.passed  # a cut may have brought the end forward
+            self._take_blocks_through(stop)
+            if stop == jump.num_steps:
+                break
+            self._finish_jump_members(self.builder.run, jump, done, stop, groups[g][1])
+            self.num_jump_stops += 1
+            done = stop
+            g += 1
+        self._chain = self._jump_ctx = None
+        if plan.decode_block is not None:
+            self._grant_run_blocks(jump)
+        self._apply_jump(plan, requests, jump, start, seen, used0, done, self._reserved)
+
+    def _take_blocks_through(self, k: int) -> None:
+        """Allocate the new KV blocks of the lazy jump's steps up to ``k`` not yet taken,
+        step by step and rows in order, as single steps would."""
+        taken = self._taken
+        if k <= taken:
+            return
+        self._taken = k
+        plan, requests, jump = self._jump_ctx  # type: ignore[misc]
+        members = jump.block_members
+        if members is None or not len(members):
+            return
+        owners = jump.block_owners
+        if not owners:  # their owners, in allocation order, once
+            ids = (self.builder.run.ids if plan.decode_block is not None
+                   else [r.request_id for r in requests])
+            owners = jump.block_owners = [ids[m] for m in members.tolist()]
+        steps = jump.block_step_array
+        lo = int(steps.searchsorted(taken, side="right"))
+        hi = int(steps.searchsorted(k, side="right"))
+        if hi > lo and not self.kv.grow(owners[lo:hi]):
+            raise AssertionError("decode jump overran the KV pool")  # planned so
+
+    def _cut_lazy_jump(self, k: int) -> None:
+        """End the lazy jump with step ``k`` (the step in progress or a later one)."""
+        jump = self._jump_ctx[2]  # type: ignore[index]
+        if k < jump.num_steps:
+            jump.truncate(k)
+            self._chain.cut(k)  # type: ignore[union-attr]
 
     def _plan_jump(self, plan: StepPlan, requests: list[Request], start: float) -> Jump | None:
         """The decode jump that starts with steady decode ``plan`` at ``start``, or None (one
@@ -501,10 +613,11 @@ class Replica:
 
     def _apply_jump(self, plan: StepPlan, requests: list[Request], jump: Jump,
                     start: float, queue_lengths: tuple[int, int, int], used0: int,
-                    done: int = 0) -> None:
+                    done: int = 0, reserved: list[tuple[int, int]] | None = None) -> None:
         """Apply decode steps ``done + 1 .. jump.num_steps`` of a jump at once (see
         sim/fast_forward.py; the earlier ones were applied at the jump's stops) and record
-        them all."""
+        them all. ``reserved``: blocks reserved for transfers during the jump, by the step
+        in progress then."""
         k, ends = jump.num_steps, jump.ends
         last = float(ends[-1])
         block = plan.decode_block
@@ -537,6 +650,9 @@ class Replica:
             change = jump.new_blocks()[:m]
             if jump.stops:  # blocks freed at the stops, after their step's new ones
                 change[np.asarray(jump.stops) - 1] -= jump.freed  # distinct steps
+            for step, n in reserved or ():
+                if step <= m:
+                    change[step - 1] += n
             used = (used0 + np.cumsum(change)).tolist()
             if sizes is None:
                 rows: int | list[int] = len(requests)

@@ -22,7 +22,7 @@ import simpy
 
 from sim import stop as run_stop
 from sim.array_core import ArrayCore, WorkloadArrays, array_core_blocker, pool_blocker
-from sim.clock import timeout_at
+from sim.clock import ChainEnvironment, timeout_at
 from sim.cluster.colocated import Colocated
 from sim.cluster.config import ClusterConfig, DisaggregatedConfig, cluster_config_from
 from sim.cluster.disaggregated import Disaggregated
@@ -361,7 +361,9 @@ class Simulation:
         if core is not None:
             return core.run()
         wall0 = time.perf_counter()
-        env = simpy.Environment()
+        # Lazy decode replicas sleep through their jumps' steps (ChainEnvironment).
+        env = (ChainEnvironment() if isinstance(self.cluster, DisaggregatedConfig) and self._jumps
+               else simpy.Environment())
         columns = REQUEST_COLUMNS + (CLUSTER_REQUEST_COLUMNS if self.is_cluster else ())
         req_sink, step_sink, metrics, progress = self.open_outputs(columns,
                                                                    self.workload.num_requests)
@@ -520,6 +522,12 @@ class Simulation:
                 requests_sink=rows)
             holder.append(deployment)
             deployment.enable_decode_jumps(horizon)
+            # A decode router that reads only request counts lets each decode replica sleep
+            # through its jumps past the other replicas' steps (Replica.enable_lazy_decode).
+            if (upcoming is not None and deployment.decode_router.reads_only_counts
+                    and self._jumps and not self.workload.closed_loop
+                    and not any(r.kv.enable_prefix_caching for r in decode)):
+                deployment.enable_lazy_decode(upcoming, decode_pool.count)
         if isinstance(rows, ClusterRequestSink):
             rows.extra = deployment.extra_columns
         return deployment

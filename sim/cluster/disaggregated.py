@@ -28,6 +28,7 @@ import simpy
 
 from sim.cluster.link import Link
 from sim.cluster.router import Router
+from sim.fast_forward import UpcomingArrivals
 from sim.kv_manager import blocks_for
 from sim.metrics import MetricsCollector
 from sim.outputs import CsvSink, request_row
@@ -98,9 +99,14 @@ class Disaggregated:
         self.backpressure_wait = array("d")
         self.transfer_time = array("d")
         self.num_in_transit = 0
-        # Transfers reserved and not yet arrived: request id -> earliest arrival time.
-        self._in_flight: dict[int, float] = {}
+        # Transfers reserved and not yet arrived, per decode replica: request id -> earliest
+        # arrival time.
+        self._in_flight: list[dict[int, float]] = [{} for _ in decode]
         self._next_arrival = lambda: float("inf")
+        # Lazy decode (``enable_lazy_decode``): the upcoming arrivals and how many of them a
+        # decode jump is priced past.
+        self._upcoming: UpcomingArrivals | None = None
+        self._lazy_span = 0
 
     def enable_decode_jumps(self, next_arrival) -> None:
         """Give every decode replica a horizon (``decode_horizon``) so that it can take
@@ -108,6 +114,35 @@ class Disaggregated:
         self._next_arrival = next_arrival
         for j, rep in enumerate(self.decode):
             rep.horizon = (lambda j=j: self.decode_horizon(j))
+
+    def enable_lazy_decode(self, upcoming: UpcomingArrivals, span: int) -> None:
+        """Let decode replicas sleep through their jumps past every other replica's steps
+        (``Replica.enable_lazy_decode``, ``lazy_decode_horizon``). Only behind a decode router
+        that reads only request counts (``Router.reads_only_counts``), without prefix caching
+        and with no closed loop: a replica's count changes only at its own finishes (each at
+        its exact time) and at the transfers that reach it, and nothing else reads its state
+        but the transfers reserved on it and arriving at it, which cut into its jump.
+        ``upcoming``, ``span``: the upcoming arrivals, and how many of them a jump is priced
+        past."""
+        self._upcoming = upcoming
+        self._lazy_span = max(1, span)
+        for j, rep in enumerate(self.decode):
+            if rep.enable_lazy_decode():
+                rep.horizon = (lambda j=j: self.lazy_decode_horizon(j))
+
+    def lazy_decode_horizon(self, j: int) -> float:
+        """How far lazy decode replica ``j`` prices a jump (a jump may end anywhere: what
+        reaches the replica meanwhile cuts it): the earliest arrival of a transfer to it, or
+        the arrival ``span`` places after the next one (``UpcomingArrivals.time``) if that is
+        sooner. While transfers wait for its blocks (back-pressure), a finish reserves for
+        them: no jumps then."""
+        if self._pending[j]:
+            return -float("inf")
+        h = self._upcoming.time(self._lazy_span)  # type: ignore[union-attr]
+        for t in self._in_flight[j].values():
+            if t < h:
+                h = t
+        return h
 
     def decode_horizon(self, j: int) -> float:
         """A lower bound on the time of the next event from outside that can touch decode
@@ -118,7 +153,12 @@ class Disaggregated:
         instant starts a step now. While transfers wait for its blocks
         (back-pressure), a finish reserves for them: no jumps then. While transfers wait for
         another decode replica's blocks, a finish there may start one at any moment, and its
-        arrival frees prefill blocks: no later than now plus the quickest of those transfers."""
+        arrival frees prefill blocks: no later than now plus the quickest of those transfers.
+
+        A jump up to this bound stops at every prefill step end, whichever decode replica that
+        step hands off to. Behind a decode router that reads only counts (and without prefix
+        caching) decode replicas sleep through their jumps instead, cut only by what reaches
+        them (``enable_lazy_decode``); this bound serves the other runs."""
         if self._pending[j]:
             return -float("inf")
         now = self.env.now
@@ -129,9 +169,10 @@ class Disaggregated:
             end = now if p.waking else p.busy_until
             if end < h:
                 h = end
-        for t in self._in_flight.values():
-            if t < h:
-                h = t
+        for flights in self._in_flight:
+            for t in flights.values():
+                if t < h:
+                    h = t
         quickest = min((self.records[r.request_id].nbytes for pending in self._pending
                         for r in pending), default=None)
         if quickest is not None:
@@ -199,21 +240,21 @@ class Disaggregated:
             # ends exactly at the arrival must have been planned after that event was
             # scheduled, as the step-by-step loop's last step is, or the two take the
             # transfer and the step end in different orders.
-            self._in_flight[req.request_id] = (
+            self._in_flight[j][req.request_id] = (
                 now + self.link.serialization_time(rec.nbytes, self.lanes)
                 if self.link.latency else now)
             self.env.process(self._transfer(req, rec, j))
 
     def _transfer(self, req: Request, rec: TransferRecord, j: int):
         def on_last(arrival: float) -> None:
-            self._in_flight[req.request_id] = arrival
+            self._in_flight[j][req.request_id] = arrival
 
         yield from self.link.transfer(rec.prefill_id, rec.decode_id, rec.nbytes, self.lanes,
                                       on_last)
         rec.arrive_time = self.env.now
         self.transfer_time.append(rec.arrive_time - rec.reserved_time)
         self.num_in_transit -= 1
-        del self._in_flight[req.request_id]
+        del self._in_flight[j][req.request_id]
         self.prefill[rec.prefill_id - self.prefill[0].replica_id].release_handoff(req)
         self._targets[j].assigned -= 1
         self.decode[j].accept_transferred(req)
