@@ -27,9 +27,7 @@ finishes: it is priced one step at a time as far as the horizon
 of equal membership (``Executor.decode_stretch_durations``), and the replica stops at the end
 of each step in which members finish, to finish them at
 their exact time (so routers, callbacks and ``requests.csv`` see what step-by-step
-simulation shows), without planning or pricing anything there. A lone replica (no router or
-other replica beside it, no closed loop: ``Replica.unobserved``) finishes them at their
-times without waking its loop at each: nothing outside reads it between its own events.
+simulation shows), without planning or pricing anything there.
 
 **Pricing.** A jump of the decode run is priced one step at a time, as far as the horizon,
 wherever the executor has a plain-float price for the batch (``Executor.decode_step_pricer``);

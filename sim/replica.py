@@ -103,10 +103,6 @@ class Replica:
         # The workload answers finishes with new requests (a closed loop): jumps stop at the
         # first finish, when the next arrival may change (set by the simulation).
         self.finishes_bring_arrivals = False
-        # Nothing outside reads this replica between its own events (a lone replica, with no
-        # router or other replica beside it): a jump past finishes finishes its members at
-        # their exact times without waking the loop at each (set by the simulation).
-        self.unobserved = False
         cfg = policy.config
         self.queues = ReplicaQueues()
         self.builder = StepBuilder(self.queues, kv, cfg.preemption_mode, cfg.kv_watermark,
@@ -354,9 +350,7 @@ class Replica:
                             # reading KV use during the last step sees them, as step by step).
                             self._take_jump_blocks(plan, requests, jump, done, stop)
                         t = float(jump.ends[stop - 1])
-                        if self.unobserved and stop < jump.num_steps:
-                            pass  # finished below at their time, without a wait
-                        elif not advance(env, t):
+                        if not advance(env, t):
                             if lazy:
                                 self._jump_wait = (jump, done, t)
                                 try:

@@ -486,8 +486,6 @@ class Simulation:
                                            fast_forward=self._jumps, **common)
             router = make_router(c.router, self.seed)
             deployment = Colocated(replicas, router)
-            if len(replicas) == 1 and not self.workload.closed_loop:
-                replicas[0].unobserved = True
             # A router that reads only request counts lets each replica jump past arrivals
             # routed elsewhere (lazy horizons, sim/fast_forward.py).
             if (upcoming is not None and len(replicas) > 1 and router.reads_only_counts
