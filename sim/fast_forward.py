@@ -595,14 +595,16 @@ def _sized_jump(plan: StepPlan, first: np.ndarray, bs: int, durations_fn, k_max:
                 stepwise=None) -> Jump | None:
     """The jump for rows that first need a new KV block in steps ``first`` (1-based);
     ``stepwise`` (``_stepwise``), if given, prices its steps one at a time."""
-    k_max = _kv_cap(first, bs, k_max, free_blocks)
-    if k_max < 2:
-        return None
     if stepwise is not None:
+        # Priced as far as the horizon first: the free blocks then cap only the steps that
+        # start before it (the largest k that fits is the same, found over fewer steps).
         durations, ends = stepwise(start, horizon, k_max)
-        k = _steps_before(ends, horizon)
+        k = _kv_cap(first, bs, _steps_before(ends, horizon), free_blocks)
         sized = None if k < 2 else (k, np.array(durations[:k]), np.array(ends[:k]))
     else:
+        k_max = _kv_cap(first, bs, k_max, free_blocks)
+        if k_max < 2:
+            return None
         sized = _jump_length(durations_fn, plan, k_max, start, horizon)
     if sized is None:
         return None
