@@ -1,6 +1,7 @@
 """A decode jump's stretches are priced into plain lists (sim/fast_forward.py): the end times
 must be the floats numpy's cumulative sum gives (the sequential additions step-by-step
-simulation makes), and the horizon cut the same as a search over the array."""
+simulation makes), and the horizon cut the same as a search over the array; a jump priced step by step is the
+jump priced in arrays."""
 
 import numpy as np
 from hypothesis import given, settings
@@ -57,3 +58,38 @@ def test_steps_before_the_horizon_match_a_search_of_the_array(steps, horizon):
     ends = np.cumsum(np.array(steps, dtype=np.float64))
     want = int(min(len(ends), 1 + np.searchsorted(ends[:-1], float(horizon), side="left")))
     assert _steps_before(ends.tolist(), float(horizon)) == want
+
+
+@settings(max_examples=300, deadline=None)
+@given(firsts=st.lists(st.integers(1, 40), min_size=1, max_size=12),
+       bs=st.integers(1, 16), k_max=st.integers(2, 120), free=st.integers(0, 60),
+       ctx=st.integers(1, 5000), ahead=st.floats(0.0, 3.0, allow_nan=False),
+       slope=st.floats(0.0, 1e-5, allow_nan=False))
+def test_a_jump_priced_step_by_step_is_the_jump_priced_in_arrays(firsts, bs, k_max, free, ctx,
+                                                                 ahead, slope):
+    """``_sized_jump`` with ``_stepwise`` (the executor's plain-float step price) takes the
+    steps, durations and end times the array pricing takes: the same KV cap, the same horizon
+    cut, the same sequential sums."""
+    from sim.fast_forward import _sized_jump, _stepwise
+
+    n, mx = len(firsts), ctx // 2 + 1
+    first = np.array(firsts, dtype=np.int64)
+
+    def price(c: int, x: int) -> float:
+        return 0.01 + slope * c + 1e-7 * x
+
+    def durations(_plan, m: int) -> np.ndarray:
+        steps = np.arange(m, dtype=np.float64)
+        return 0.01 + slope * (ctx + n * steps) + 1e-7 * (mx + steps)
+
+    start, horizon = 100.0, 100.0 + ahead
+    arrays = _sized_jump(None, first, bs, durations, k_max, start, horizon, free)
+    stepwise = _sized_jump(None, first, bs, durations, k_max, start, horizon, free,
+                           _stepwise(price, ctx, n, mx))
+    if arrays is None:
+        assert stepwise is None
+        return
+    assert stepwise is not None and stepwise.num_steps == arrays.num_steps
+    assert stepwise.durations.tobytes() == arrays.durations.tobytes()
+    assert stepwise.ends.tobytes() == arrays.ends.tobytes()
+    assert stepwise.block_members.tolist() == arrays.block_members.tolist()
