@@ -1,7 +1,7 @@
 """A decode jump's stretches are priced into plain lists (sim/fast_forward.py): the end times
 must be the floats numpy's cumulative sum gives (the sequential additions step-by-step
-simulation makes), and the horizon cut the same as a search over the array; a jump priced step by step is the
-jump priced in arrays."""
+simulation makes), and the horizon cut the same as a search over the array; a jump priced
+step by step is the jump priced in arrays."""
 
 import numpy as np
 from hypothesis import given, settings
