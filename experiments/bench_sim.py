@@ -159,7 +159,7 @@ def main() -> None:
     print(f"\nSimulator speed (step_mode={args.step_mode}; Llama-3-8B fp16, A100-80GB, TP1, "
           f"Poisson arrivals, total length U[256, 2048] split 3:1, seed 42)\n")
     head = (f"{'case':<18}{'req/s in':>9}{'requests':>10}{'wall s':>9}{'steps':>11}"
-            f"{'jumps':>9}{'steps/s':>10}{'peak MB':>9}{'vs Vidur':>10}{'target':>9}  engine; "
+            f"{'jumps':>11}{'steps/s':>10}{'peak MB':>9}{'vs Vidur':>10}{'target':>9}  engine; "
             f"medians TTFT / TPOT / E2E (ms)")
     print(head)
     print("-" * len(head))
@@ -174,7 +174,7 @@ def main() -> None:
         target = TARGET_S.get(n)
         met = "" if target is None else ("met" if wall <= target else "missed")
         print(f"{r['case']:<18}{CASES[r['case']][1]:>9g}{n:>10,}{wall:>9.2f}{r['steps']:>11,}"
-              f"{r['jumps']:>9,}{r['steps'] / wall:>10,.0f}{r['peak_mb']:>9.0f}{ratio:>10}{met:>9}  "
+              f"{r['jumps']:>11,}{r['steps'] / wall:>10,.0f}{r['peak_mb']:>9.0f}{ratio:>10}{met:>9}  "
               f"{r['engine']}; {r['median_ttft_ms']:.0f} / {r['median_tpot_ms']:.1f} / "
               f"{r['median_e2e_ms']:.0f}"
               + ("" if r["record_steps"] else "   (no steps.csv)")
