@@ -435,11 +435,7 @@ class Replica:
         members = jump.block_members
         if members is None or not len(members):
             return
-        owners = jump.block_owners
-        if not owners:  # their owners, in allocation order, once
-            ids = (self.builder.run.ids if plan.decode_block is not None
-                   else [r.request_id for r in requests])
-            owners = jump.block_owners = [ids[m] for m in members.tolist()]
+        owners = jump.block_owners or self._set_block_owners(plan, requests, jump)
         steps = jump.block_step_array
         lo = int(steps.searchsorted(taken, side="right"))
         hi = int(steps.searchsorted(k, side="right"))
@@ -564,14 +560,9 @@ class Replica:
             return
         if done == 0:
             # The owners of all the jump's new blocks, in allocation order, once.
-            block = plan.decode_block
-            if block is not None:
-                if self.upcoming is None:  # lazy: when the jump ends (it may be cut)
-                    self._grant_run_blocks(jump)
-                ids = self.builder.run.ids  # finished members leave only when the jump ends
-            else:
-                ids = [r.request_id for r in requests]
-            jump.block_owners = [ids[m] for m in members.tolist()]
+            if plan.decode_block is not None and self.upcoming is None:
+                self._grant_run_blocks(jump)  # lazy: when the jump ends (it may be cut)
+            self._set_block_owners(plan, requests, jump)
         owners = jump.block_owners
         if jump.stops:  # this stretch's share
             steps = jump.block_steps
@@ -579,6 +570,15 @@ class Replica:
             owners = owners[lo:bisect_left(steps, stop + 1, lo)]
         if owners and not self.kv.grow(owners):
             raise AssertionError("decode jump overran the KV pool")  # planned so
+
+    def _set_block_owners(self, plan: StepPlan, requests: list[Request], jump: Jump,
+                          ) -> list[int]:
+        """The owners of all the jump's new blocks, in allocation order (the run's members
+        stay in its arrays until the jump ends, finished or not)."""
+        ids = (self.builder.run.ids if plan.decode_block is not None
+               else [r.request_id for r in requests])
+        jump.block_owners = [ids[m] for m in jump.block_members.tolist()]
+        return jump.block_owners
 
     def _grant_run_blocks(self, jump: Jump) -> None:
         """The decode run's members hold the jump's new blocks (their KV bounds move)."""
