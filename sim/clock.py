@@ -67,6 +67,23 @@ def advance(env: simpy.Environment, t: float) -> bool:
     return True
 
 
+class PacedEnvironment(simpy.Environment):
+    """An environment whose clock follows one outside it (online mode paces it to the wall
+    clock): ``advance`` always declines, so every step end is an event in the queue, which
+    the pacer releases when the outside clock reaches it; no process moves the clock ahead
+    of the requests still to come."""
+
+    chain_next = -math.inf  # what ``advance`` reads: something is always due first
+
+    def run_until(self, t: float) -> None:
+        """Process every event scheduled at or before ``t`` and leave the clock at ``t``
+        (or where it is, if that is later)."""
+        if t > self._now:
+            self.run(until=t)
+        while self._queue and self._queue[0][0] <= self._now:
+            self.step()
+
+
 class StepChain:
     """The ends of a run of steps a process has planned and sleeps through, passed without
     running it (``ChainEnvironment``). ``ends``: the end instants of steps 1..n, ascending.

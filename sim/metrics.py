@@ -138,6 +138,7 @@ class MetricsCollector:
         self._ends = array("q")
         self.completed = 0
         self.rejected = 0
+        self.aborted = 0  # left unfinished: the client gave up (online mode)
         self.reject_reasons: dict[str, int] = {}
         self.input_tokens = 0
         self.output_tokens = 0
@@ -190,8 +191,7 @@ class MetricsCollector:
             if (first - arrival <= ttft and finish - arrival <= e2el
                     and (n == 1 or (later_times[-1] - first) / (n - 1) <= tpot)):
                 self.good += 1
-        if finish > self.last_finish:
-            self.last_finish = finish
+        self.last_finish = max(self.last_finish, finish)
 
     def _flush_itl(self) -> None:
         """Move the gaps of the requests finished since the last call into ``_itl``."""
@@ -215,6 +215,9 @@ class MetricsCollector:
         key = (req.reject_reason or "unknown").split(":")[0]
         self.reject_reasons[key] = self.reject_reasons.get(key, 0) + 1
 
+    def on_aborted(self, req: Request) -> None:
+        self.aborted += 1
+
     @property
     def duration(self) -> float:
         if self.first_arrival is None:
@@ -226,6 +229,7 @@ class MetricsCollector:
         out: dict[str, Any] = {
             "completed": self.completed,
             "rejected": self.rejected,
+            "aborted": self.aborted,
             "total_input_tokens": self.input_tokens,
             "total_output_tokens": self.output_tokens,
             "request_throughput": self.completed / dur if dur else 0.0,

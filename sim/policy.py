@@ -180,6 +180,11 @@ class Policy(ABC):
         """Prefill side: ``req`` sampled its first token and left this replica for a decode
         replica (it may become PREEMPTED there: it must leave this policy's indexes)."""
 
+    def on_abort(self, req: Request) -> None:
+        """``req`` left this replica unfinished: its client gave up (online mode). It must
+        leave this policy's indexes, as a request handed off does (the default)."""
+        self.on_handoff(req)
+
     def on_transferred(self, req: Request) -> None:
         """Decode side: ``req`` arrived with its KV and joined the running set (RUNNING, its
         first token already sampled): its arrival to this replica. Default: nothing."""

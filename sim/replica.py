@@ -117,6 +117,8 @@ class Replica:
         # replica's horizon reads the prefill replicas' (sim/cluster/disaggregated.py).
         self.busy_until = float("inf")
         self._wakeup: simpy.Event | None = None
+        # Requests whose clients gave up (``abort``), applied where the loop plans next.
+        self._aborts: list[Request] = []
         self.process = env.process(self._run())
 
     # ---- arrivals -----------------------------------------------------------------------
@@ -157,6 +159,54 @@ class Replica:
         self.policy.on_arrival(req)
         self.num_unfinished += 1
         self.notify()
+
+    def abort(self, req: Request) -> None:
+        """``req``'s client gave up (online mode): it leaves before the next step is
+        planned, as vLLM aborts a request between two steps (a step already running finishes
+        with it), freeing its blocks. Nothing happens if it has finished by then. Only for
+        replicas that plan one step at a time: a decode jump has planned its steps ahead."""
+        if self.fast_forward:
+            raise ValueError(f"replica {self.replica_id}: aborting requests needs "
+                             f"step_mode=exact (a decode jump plans its steps ahead)")
+        if req.replica_id != self.replica_id:
+            raise ValueError(f"request {req.request_id} is not on replica {self.replica_id}")
+        if not req.is_finished:
+            self._aborts.append(req)
+            self.notify()
+
+    def _apply_aborts(self, busy: set[int] | frozenset[int] = frozenset()) -> None:
+        """Take the aborted requests out (those in ``busy``, a step still running them,
+        stay pending): out of their queue and the policy's indexes, their blocks freed,
+        their row written with status ``aborted``."""
+        now, kv, queues = self.env.now, self.kv, self.queues
+        pending = []
+        for req in self._aborts:
+            if req.is_finished:
+                continue
+            if req.request_id in busy:
+                pending.append(req)
+                continue
+            status = req.status
+            if status is RequestStatus.RUNNING:
+                if req._run is not None:
+                    self.builder.dissolve_run()
+                queues.remove_running(req)
+            elif status is RequestStatus.SWAPPED:
+                queues.swapped.remove(req)
+            else:  # waiting, never run or recomputed
+                queues.waiting.remove(req)
+            req.transition(RequestStatus.ABORTED)
+            req.finish_time = now
+            self.policy.on_abort(req)
+            if kv.has_blocks(req.request_id):
+                kv.free(req.request_id)
+            self.executor.free_request(req.request_id)
+            self.num_unfinished -= 1
+            self.metrics.on_aborted(req)
+            self.requests_sink.write(request_row(req))
+            if self.on_finished is not None:
+                self.on_finished(req)
+        self._aborts = pending
 
     @property
     def num_outstanding(self) -> int:
@@ -303,6 +353,8 @@ class Replica:
         while True:
             if run_stop.requested:  # a signal asked the run to stop
                 run_stop.check()
+            if self._aborts:
+                self._apply_aborts()
             if not (waiting or running or swapped):
                 self._wakeup = env.event()
                 yield self._wakeup

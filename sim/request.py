@@ -33,6 +33,7 @@ class RequestStatus(enum.IntEnum):
     SWAPPED = 3  # preempted by swap: KV lives in the CPU pool
     FINISHED = 4
     REJECTED = 5
+    ABORTED = 6  # its client gave up before it finished (online mode); blocks freed
 
     @property
     def is_done(self) -> bool:
@@ -41,14 +42,22 @@ class RequestStatus(enum.IntEnum):
 
 # Legal transitions. Kept explicit so that a policy bug surfaces as an error, not a wrong number.
 _ALLOWED: dict[RequestStatus, frozenset[RequestStatus]] = {
-    RequestStatus.WAITING: frozenset({RequestStatus.RUNNING, RequestStatus.REJECTED}),
-    RequestStatus.RUNNING: frozenset(
-        {RequestStatus.PREEMPTED, RequestStatus.SWAPPED, RequestStatus.FINISHED}
+    RequestStatus.WAITING: frozenset(
+        {RequestStatus.RUNNING, RequestStatus.REJECTED, RequestStatus.ABORTED}
     ),
-    RequestStatus.PREEMPTED: frozenset({RequestStatus.RUNNING, RequestStatus.REJECTED}),
-    RequestStatus.SWAPPED: frozenset({RequestStatus.RUNNING, RequestStatus.PREEMPTED}),
+    RequestStatus.RUNNING: frozenset(
+        {RequestStatus.PREEMPTED, RequestStatus.SWAPPED, RequestStatus.FINISHED,
+         RequestStatus.ABORTED}
+    ),
+    RequestStatus.PREEMPTED: frozenset(
+        {RequestStatus.RUNNING, RequestStatus.REJECTED, RequestStatus.ABORTED}
+    ),
+    RequestStatus.SWAPPED: frozenset(
+        {RequestStatus.RUNNING, RequestStatus.PREEMPTED, RequestStatus.ABORTED}
+    ),
     RequestStatus.FINISHED: frozenset(),
     RequestStatus.REJECTED: frozenset(),
+    RequestStatus.ABORTED: frozenset(),
 }
 
 

@@ -403,7 +403,7 @@ class Simulation:
         # The requests, read a few ahead; the next arrival's time: decode jumps stop before
         # it (sim/fast_forward.py).
         upcoming = UpcomingArrivals(self.workload)
-        deployment = self._build_deployment(
+        deployment = self.build_deployment(
             env, metrics, req_sink, step_sink, on_done,
             (lambda: min(upcoming.next_time, later[0][0] if later else float("inf")))
             if closed else (lambda: upcoming.next_time), upcoming)
@@ -438,10 +438,22 @@ class Simulation:
         step_sink.close(complete=not stalled)
         if stalled:
             raise SimulationStalled(deployment.stall_message())
-        wall = time.perf_counter() - wall0
+        summary = self.deployment_summary(deployment, metrics, env.now,
+                                          time.perf_counter() - wall0)
+        if interrupted is not None:
+            self.write_summary(interrupted_summary(summary, interrupted))
+            raise interrupted
+        self.write_summary(summary)
+        return SimulationResult(summary, metrics, deployment.replicas, self.memory, kept,
+                                req_sink, step_sink, deployment)
+
+    def deployment_summary(self, deployment: Colocated | Disaggregated,
+                           metrics: MetricsCollector, sim_end: float,
+                           wall: float) -> dict[str, Any]:
+        """``summary.json``'s figures for a run of the replica loop (offline or online)."""
         reps = deployment.replicas
         summary = self.summary(
-            metrics, env.now, wall,
+            metrics, sim_end, wall,
             kv_peak_usage=max(r.kv.peak_used_blocks / r.kv.num_gpu_blocks for r in reps),
             num_steps=sum(r.num_steps for r in reps),
             num_decode_jumps=sum(r.num_jumps for r in reps),
@@ -453,13 +465,8 @@ class Simulation:
             offload=(sum(r.kv.num_offload_stores for r in reps),
                      sum(r.kv.num_offload_loads for r in reps)))
         if self.is_cluster:
-            summary.update(cluster_summary(self.cluster, self.pools, deployment, env.now))
-        if interrupted is not None:
-            self.write_summary(interrupted_summary(summary, interrupted))
-            raise interrupted
-        self.write_summary(summary)
-        return SimulationResult(summary, metrics, deployment.replicas, self.memory, kept,
-                                req_sink, step_sink, deployment)
+            summary.update(cluster_summary(self.cluster, self.pools, deployment, sim_end))
+        return summary
 
     @property
     def _jumps(self) -> bool:
@@ -468,10 +475,10 @@ class Simulation:
         loop in a cluster; a single replica's jumps stop at its own finishes)."""
         return self.step_mode == "fast" and not (self.workload.closed_loop and self.is_cluster)
 
-    def _build_deployment(self, env: simpy.Environment, metrics: MetricsCollector,
-                          req_sink: CsvSink, step_sink: CsvSink, on_done,
-                          horizon, upcoming: UpcomingArrivals | None = None,
-                          ) -> Colocated | Disaggregated:
+    def build_deployment(self, env: simpy.Environment, metrics: MetricsCollector,
+                         req_sink: CsvSink, step_sink: CsvSink, on_done,
+                         horizon, upcoming: UpcomingArrivals | None = None,
+                         ) -> Colocated | Disaggregated:
         common = dict(max_model_len=self.model.max_model_len,
                       check_integrity=self.check_integrity)
         rows: CsvSink = req_sink

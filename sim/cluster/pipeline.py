@@ -54,6 +54,8 @@ class PipelinedReplica(Replica):
                 self._record_step(start, leave - start, plan)
                 if self.check_integrity:
                     self.verify()
+            if self._aborts:
+                self._apply_aborts(busy)
             if len(in_flight) < pp and stage_free[0] <= now and self._has_work():
                 self.builder.reset(now, busy)
                 plan = self.policy.schedule(self.builder)

@@ -1,0 +1,205 @@
+"""The online engine (sim/online.py) is the offline engine driven from outside: requests
+submitted at their arrival times give the offline exact run's requests.csv and steps.csv,
+row for row; an abort takes a request out at the next step boundary from any state, with
+its blocks back in the free queue."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from experiments.simulation import Simulation
+from sim.errors import ConfigError
+from sim.online import OnlineEngine
+from sim.request import RequestStatus
+from tests.helpers import compose_cfg
+
+POLICY_EXTRA = {"fcfs": [], "sjf": ["policy.predictor=noisy"],
+                "priority": ["workload.priorities=[1,1,2]"],
+                "chunked_prefill": ["policy.max_num_batched_tokens=256"],
+                "vllm_v1": ["policy.max_num_batched_tokens=256",
+                            "kv.enable_prefix_caching=false"]}
+
+
+def _offline_then_online(tmp_path: Path, overrides: list[str]) -> tuple[str, str, str, str]:
+    """requests.csv and steps.csv of the offline exact run, and of the online engine fed
+    the same requests at their arrival times."""
+    cfg = compose_cfg(*overrides, "step_mode=exact")
+    offline = Simulation(cfg, tmp_path / "offline", keep_requests=True).run()
+    online = OnlineEngine(Simulation(cfg, tmp_path / "online"))
+    for req in sorted(offline.requests, key=lambda r: r.request_id):
+        online.run_until(req.arrival_time)
+        got = online.submit(req.prompt_len, req.max_output_len, priority=req.priority)
+        assert got.request_id == req.request_id
+    while online.num_unfinished():
+        online.run_until(online.next_event_time())
+    online.close()
+    read = lambda d, f: (tmp_path / d / f).read_text()
+    return (read("offline", "requests.csv"), read("online", "requests.csv"),
+            read("offline", "steps.csv"), read("online", "steps.csv"))
+
+
+@pytest.mark.slow
+@settings(max_examples=8, deadline=None, suppress_health_check=[
+    HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 10_000), qps=st.floats(5.0, 100.0), blocks=st.integers(40, 300),
+       policy=st.sampled_from(sorted(POLICY_EXTRA)), swap=st.booleans(),
+       replicas=st.sampled_from([1, 2]))
+def test_online_engine_replays_the_offline_exact_run(tmp_path, seed, qps, blocks, policy, swap,
+                                                     replicas):
+    run = tmp_path / f"{seed}-{policy}-{blocks}-{swap}-{replicas}"
+    req_off, req_on, steps_off, steps_on = _offline_then_online(run, [
+        "model=tiny", f"seed={seed}", f"workload.qps={qps}", "workload.num_requests=30",
+        "workload.prompt_len.max=300", "workload.output_len.max=100",
+        f"kv.num_gpu_blocks_override={blocks}", f"policy={policy}", *POLICY_EXTRA[policy],
+        "policy.max_num_seqs=8",
+        f"policy.preemption_mode={'swap' if swap and policy != 'vllm_v1' else 'recompute'}",
+        f"cluster.num_replicas={replicas}", "cluster.router=least_outstanding"])
+    assert req_on == req_off
+    assert steps_on == steps_off
+
+
+def _engine(tmp_path: Path, *overrides: str) -> OnlineEngine:
+    # 16-token blocks, 8 of them, room for 2 sequences: a pool small enough to follow.
+    cfg = compose_cfg("model=tiny", "step_mode=exact", "kv.block_size=16",
+                      "kv.num_gpu_blocks_override=8", "kv.num_cpu_blocks=8",
+                      "policy.max_num_seqs=2", "policy.kv_watermark=0", *overrides)
+    return OnlineEngine(Simulation(cfg, tmp_path))
+
+
+def _step(engine: OnlineEngine, n: int = 1) -> None:
+    for _ in range(n):
+        engine.run_until(engine.next_event_time())
+
+
+def _rows(tmp_path: Path) -> dict[int, dict[str, str]]:
+    import csv
+    with (tmp_path / "requests.csv").open() as f:
+        return {int(r["request_id"]): r for r in csv.DictReader(f)}
+
+
+def test_abort_of_a_running_request_frees_its_blocks_at_the_next_step(tmp_path):
+    e = _engine(tmp_path)
+    kv = e.replicas[0].kv
+    a = e.submit(40, 50)  # 3 blocks for its prompt
+    b = e.submit(20, 50)  # 2 blocks
+    _step(e)  # the replica wakes and plans the prefill of both
+    assert kv.block_tables[a.request_id] == [0, 1, 2]
+    assert kv.block_tables[b.request_id] == [3, 4]
+    _step(e)  # the prefill ends (a first token each); the first decode step is planned
+    assert (a.num_output_tokens, b.num_output_tokens) == (1, 1)
+    e.abort(a)  # a is in the decode step running now: it leaves when that step ends
+    _step(e)
+    assert a.status is RequestStatus.ABORTED and a.num_output_tokens == 2
+    assert a.finish_time == a.token_times[-1] > a.first_token_time
+    assert a.request_id not in kv.block_tables
+    assert kv.num_used_blocks == 2
+    assert [r.request_id for r in e.replicas[0].queues.running] == [b.request_id]
+    # a's blocks went to the back of the free queue: the next request gets 5, 6, 7 first.
+    c = e.submit(40, 5)
+    _step(e)  # b's decode step ends; c's prefill is planned
+    assert kv.block_tables[c.request_id] == [5, 6, 7]
+    while e.num_unfinished():
+        _step(e)
+    result = e.close()
+    assert (result.summary["completed"], result.summary["aborted"]) == (2, 1)
+    assert result.summary["kv_blocks_leaked"] == 0
+    row = _rows(tmp_path)[a.request_id]
+    assert (row["status"], row["output_len"]) == ("aborted", "2")
+    assert float(row["finish_time"]) == a.finish_time
+
+
+def test_abort_before_the_step_that_would_run_it(tmp_path):
+    e = _engine(tmp_path)
+    a = e.submit(40, 50)
+    e.abort(a)  # before the replica has woken up to plan: a never runs
+    _step(e)
+    assert a.status is RequestStatus.ABORTED and a.first_scheduled_time is None
+    assert e.replicas[0].kv.num_used_blocks == 0
+    assert e.next_event_time() == float("inf")
+
+
+def test_abort_of_a_waiting_request_never_schedules_it(tmp_path):
+    e = _engine(tmp_path)
+    a, b, c = e.submit(20, 50), e.submit(20, 50), e.submit(20, 50)  # c waits: 2 seats
+    e.abort(c)
+    _step(e, 3)
+    assert c.status is RequestStatus.ABORTED and c.first_scheduled_time is None
+    assert c not in e.replicas[0].queues.waiting
+    assert (a.status, b.status) == (RequestStatus.RUNNING, RequestStatus.RUNNING)
+    assert e.replicas[0].kv.num_used_blocks == 4
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_abort_of_a_preempted_request_frees_what_it_holds(tmp_path, mode):
+    e = _engine(tmp_path, f"policy.preemption_mode={mode}")
+    kv = e.replicas[0].kv
+    a = e.submit(60, 60)  # 4 blocks, growing to 8
+    b = e.submit(60, 60)  # 4 blocks: the pool is full after the prefill
+    _step(e)  # both admitted
+    assert kv.num_free_blocks == 0
+    while b.status is RequestStatus.RUNNING:
+        _step(e)  # the first decode that needs a block preempts b (the latest arrival)
+    want = RequestStatus.SWAPPED if mode == "swap" else RequestStatus.PREEMPTED
+    assert b.status is want
+    assert (b.request_id in kv.cpu_tables) == (mode == "swap")
+    e.abort(b)
+    _step(e)
+    assert b.status is RequestStatus.ABORTED
+    assert not kv.has_blocks(b.request_id)
+    assert kv.num_free_cpu_blocks == kv.num_cpu_blocks
+    while e.num_unfinished():
+        _step(e)
+    assert a.status is RequestStatus.FINISHED and a.num_output_tokens == 60
+    assert e.close().summary["kv_blocks_leaked"] == 0
+
+
+def test_abort_of_a_finished_request_changes_nothing(tmp_path):
+    e = _engine(tmp_path)
+    a = e.submit(20, 1)
+    _step(e, 2)
+    assert a.status is RequestStatus.FINISHED
+    e.abort(a)
+    assert e.next_event_time() == float("inf")
+    assert e.close().summary["aborted"] == 0
+
+
+def test_abort_on_a_pipelined_replica_waits_for_its_micro_batch(tmp_path):
+    e = _engine(tmp_path, "cluster.pipeline_parallel_size=2", "kv.num_gpu_blocks_override=16")
+    a, b = e.submit(20, 30), e.submit(20, 30)
+    _step(e, 3)
+    e.abort(a)
+    while a.status is not RequestStatus.ABORTED:
+        _step(e)
+    assert not e.replicas[0].kv.has_blocks(a.request_id)
+    while e.num_unfinished():
+        _step(e)
+    assert b.num_output_tokens == 30
+    assert e.close().summary["kv_blocks_leaked"] == 0
+
+
+def test_a_request_the_engine_cannot_serve_comes_back_rejected(tmp_path):
+    e = _engine(tmp_path)
+    r = e.submit(4000, 200)  # beyond tiny's 4096-token context
+    assert r.status is RequestStatus.REJECTED and r.reject_reason.startswith("too_long")
+    assert e.num_unfinished() == 0
+    assert e.close().summary["rejected"] == 1
+
+
+def test_online_engine_refuses_what_it_cannot_serve(tmp_path):
+    with pytest.raises(ConfigError, match="step_mode"):
+        OnlineEngine(Simulation(compose_cfg("model=tiny"), tmp_path))
+    with pytest.raises(ConfigError, match="cluster.name"):
+        OnlineEngine(Simulation(compose_cfg("model=tiny", "step_mode=exact",
+                                            "cluster=disaggregated"), tmp_path))
+
+
+def test_offline_fast_replicas_refuse_aborts(tmp_path):
+    sim = Simulation(compose_cfg("model=tiny", "workload.num_requests=5", "array_core=false"),
+                     tmp_path)
+    replica = sim.run().replicas[0]
+    with pytest.raises(ValueError, match="step_mode=exact"):
+        replica.abort(None)  # type: ignore[arg-type]
