@@ -1,0 +1,133 @@
+"""``/metrics``: the online engine in Prometheus text, under vLLM's metric names and buckets.
+
+Gauges are read from the engine when scraped: ``vllm:num_requests_running``,
+``vllm:num_requests_waiting``, ``vllm:num_requests_swapped``, ``vllm:kv_cache_usage_perc``
+(0 to 1), and the prefix cache's counters ``vllm:prefix_cache_queries`` / ``_hits`` (prompt
+tokens looked up / found). Everything else is counted as each request leaves, from its
+simulated times (what requests.csv holds): ``vllm:request_success`` by ``finished_reason``
+(``length``, ``abort``), and over the finished ones ``vllm:prompt_tokens``,
+``vllm:generation_tokens``, ``vllm:num_preemptions``, and the histograms
+``vllm:time_to_first_token_seconds``, ``vllm:inter_token_latency_seconds``,
+``vllm:e2e_request_latency_seconds``, ``vllm:request_queue_time_seconds``,
+``vllm:request_prompt_tokens``, ``vllm:request_generation_tokens``. Every series carries the
+label ``model_name``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from itertools import pairwise
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from online.pacer import Pacer, Stream
+from sim.request import RequestStatus
+
+# vLLM's buckets (vllm/v1/metrics/loggers.py).
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+               7.5, 10.0, 20.0, 40.0, 80.0)
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
+                           40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+def build_1_2_5_buckets(max_value: int) -> list[int]:
+    """1, 2, 5, 10, 20, 50, ... up to ``max_value`` (vLLM's token-count buckets)."""
+    out, scale = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > max_value:
+                return out
+            out.append(m * scale)
+        scale *= 10
+
+
+class _EngineGauges(Collector):
+    """The engine's state at scrape time."""
+
+    def __init__(self, pacer: Pacer, model_name: str) -> None:
+        self.pacer = pacer
+        self.model_name = model_name
+
+    def collect(self) -> Iterator[Metric]:
+        engine, label = self.pacer.engine, [self.model_name]
+        for name, doc, value in (
+                ("vllm:num_requests_running", "Requests in model execution batches.",
+                 engine.num_running()),
+                ("vllm:num_requests_waiting", "Requests waiting to be processed.",
+                 engine.num_waiting()),
+                ("vllm:num_requests_swapped", "Requests swapped out to CPU.",
+                 engine.num_swapped()),
+                ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
+                 engine.kv_usage())):
+            g = GaugeMetricFamily(name, doc, labels=["model_name"])
+            g.add_metric(label, value)
+            yield g
+        queries, hits = engine.prefix_cache_counts()
+        for name, doc, value in (
+                ("vllm:prefix_cache_queries", "Prefix cache queries, in queried tokens.",
+                 queries),
+                ("vllm:prefix_cache_hits", "Prefix cache hits, in cached tokens.", hits)):
+            c = CounterMetricFamily(name, doc, labels=["model_name"])
+            c.add_metric(label, value)
+            yield c
+
+
+class ServerMetrics:
+    """The registry ``/metrics`` exposes; ``observe`` each request as it leaves."""
+
+    def __init__(self, pacer: Pacer, model_name: str, max_model_len: int) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.model_name = model_name
+        reg, lab = self.registry, ["model_name"]
+        reg.register(_EngineGauges(pacer, model_name))
+        self.success = Counter("vllm:request_success", "Requests that left, by reason.",
+                               ["model_name", "finished_reason"], registry=reg)
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prefill tokens processed.", lab,
+                                     registry=reg)
+        self.generation_tokens = Counter("vllm:generation_tokens",
+                                         "Generation tokens processed.", lab, registry=reg)
+        self.preemptions = Counter("vllm:num_preemptions", "Preemptions of finished "
+                                   "requests.", lab, registry=reg)
+        self.ttft = Histogram("vllm:time_to_first_token_seconds",
+                              "Time to first token in seconds.", lab,
+                              buckets=TTFT_BUCKETS, registry=reg)
+        self.itl = Histogram("vllm:inter_token_latency_seconds",
+                             "Inter-token latency in seconds.", lab, buckets=ITL_BUCKETS,
+                             registry=reg)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds",
+                             "End-to-end request latency in seconds.", lab,
+                             buckets=REQUEST_LATENCY_BUCKETS, registry=reg)
+        self.queue_time = Histogram("vllm:request_queue_time_seconds",
+                                    "Time spent waiting before first scheduled.", lab,
+                                    buckets=REQUEST_LATENCY_BUCKETS, registry=reg)
+        token_buckets = build_1_2_5_buckets(max_model_len)
+        self.prompt_hist = Histogram("vllm:request_prompt_tokens",
+                                     "Prompt tokens per request.", lab,
+                                     buckets=token_buckets, registry=reg)
+        self.generation_hist = Histogram("vllm:request_generation_tokens",
+                                         "Generation tokens per request.", lab,
+                                         buckets=token_buckets, registry=reg)
+
+    def observe(self, stream: Stream) -> None:
+        req, m = stream.req, self.model_name
+        if req.status is RequestStatus.REJECTED:
+            return  # answered with an error, never served
+        self.success.labels(m, stream.finish_reason).inc()
+        if req.status is not RequestStatus.FINISHED:
+            return
+        n = req.num_output_tokens
+        self.prompt_tokens.labels(m).inc(req.prompt_len)
+        self.generation_tokens.labels(m).inc(n)
+        self.preemptions.labels(m).inc(req.num_preemptions)
+        self.prompt_hist.labels(m).observe(req.prompt_len)
+        self.generation_hist.labels(m).observe(n)
+        self.ttft.labels(m).observe(req.ttft)
+        self.e2e.labels(m).observe(req.e2e_latency)
+        self.queue_time.labels(m).observe(req.first_scheduled_time - req.arrival_time)
+        times, itl = req.token_times, self.itl.labels(m)
+        for a, b in pairwise(times):
+            itl.observe(b - a)

@@ -1,0 +1,195 @@
+"""Online mode as a user runs it: ``python -m experiments.serve`` on 127.0.0.1, real clients
+(the ``openai`` package, httpx), stopped by SIGINT; then what it wrote.
+
+The clients' latencies agree with requests.csv: a client's TTFT is the simulated TTFT / speed
+plus the HTTP round trip and the pacer's release delay (a few milliseconds), and the gaps
+between its tokens are the simulated ones / speed."""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+
+import pytest
+
+pytest.importorskip("fastapi")
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
+from tests.online_harness import serving  # noqa: E402
+
+pytestmark = pytest.mark.slow
+MODEL = "llama3_8b"  # the default config's model: decode steps of about 10 ms on an A100
+
+
+def _stream_completions(url: str, n: int, gap_s: float, max_tokens: int
+                        ) -> dict[int, tuple[float, list[float]]]:
+    """``n`` streamed completions, one started every ``gap_s`` s, each in its own thread:
+    request id -> (wall time sent, wall time of each token)."""
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+    out: dict[int, tuple[float, list[float]]] = {}
+
+    def one(i: int) -> None:
+        sent, times, rid = time.perf_counter(), [], None
+        for chunk in client.completions.create(model=MODEL, prompt="hello " * (40 + 25 * i),
+                                               max_tokens=max_tokens, stream=True):
+            if chunk.choices and chunk.choices[0].text:
+                times.append(time.perf_counter())
+                rid = chunk.id
+        out[int(rid.split("-")[1])] = (sent, times)
+
+    threads = []
+    for i in range(n):
+        threads.append(threading.Thread(target=one, args=(i,)))
+        threads[-1].start()
+        time.sleep(gap_s)
+    for t in threads:
+        t.join()
+    return out
+
+
+def _latency_gaps(seen: dict[int, tuple[float, list[float]]], rows: dict, speed: float
+                  ) -> tuple[list[float], list[float]]:
+    """Per request, in wall milliseconds: client TTFT - simulated TTFT / speed, and client
+    TPOT - simulated TPOT / speed."""
+    ttft, tpot = [], []
+    for rid, (sent, times) in seen.items():
+        row = rows[rid]
+        assert row["status"] == "finished" and int(row["output_len"]) == len(times)
+        ttft.append(((times[0] - sent) - float(row["ttft"]) / speed) * 1e3)
+        client_tpot = (times[-1] - times[0]) / (len(times) - 1)
+        tpot.append((client_tpot - float(row["tpot"]) / speed) * 1e3)
+    return ttft, tpot
+
+
+def _metrics(url: str) -> dict[tuple[str, tuple], float]:
+    text = httpx.get(f"{url}/metrics").text
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def test_openai_clients_metrics_errors_and_disconnects(tmp_path):
+    with serving(tmp_path / "run") as s:
+        client = openai.OpenAI(base_url=f"{s.url}/v1", api_key="none", max_retries=0)
+        assert [m.id for m in client.models.list()] == [MODEL]
+        whole = client.completions.create(model=MODEL, prompt="The capital of France is",
+                                          max_tokens=7)
+        assert whole.choices[0].finish_reason == "length"
+        assert whole.usage.completion_tokens == 7 and whole.usage.prompt_tokens == 6
+        chat = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Say hi"}], max_tokens=5,
+            stream=True, stream_options={"include_usage": True})
+        chunks = list(chat)
+        assert chunks[0].choices[0].delta.role == "assistant"
+        assert sum(1 for c in chunks if c.choices and c.choices[0].delta.content) == 5
+        assert chunks[-2].choices[0].finish_reason == "length"
+        assert chunks[-1].usage.completion_tokens == 5 and not chunks[-1].choices
+
+        seen = _stream_completions(s.url, n=16, gap_s=0.05, max_tokens=24)
+
+        # Bad requests: OpenAI-style bodies with the right status codes.
+        post = lambda body, path="completions": httpx.post(  # noqa: E731
+            f"{s.url}/v1/{path}", content=body, headers={"content-type": "application/json"})
+        for body, status, param in (
+                (b"{not json", 400, None),
+                (b'{"model": "gpt-4", "prompt": "hi"}', 404, "model"),
+                (b'{"model": "llama3_8b", "prompt": "hi", "n": 2}', 400, "n"),
+                (b'{"model": "llama3_8b", "prompt": "hi", "max_tokens": 0}', 400, "max_tokens"),
+                (b'{"model": "llama3_8b"}', 400, "prompt"),
+                (b'{"model": "llama3_8b", "prompt": "hi", "max_tokens": 9000}', 400,
+                 "max_tokens")):
+            r = post(body)
+            assert r.status_code == status, body
+            err = r.json()["error"]
+            assert err["param"] == param and err["code"] == status and err["message"]
+        r = post(b'{"model": "llama3_8b", "messages": "hi"}', "chat/completions")
+        assert (r.status_code, r.json()["error"]["param"]) == (400, "messages")
+        with openai.OpenAI(base_url=f"{s.url}/v1", api_key="none", max_retries=0) as c2, \
+                pytest.raises(openai.NotFoundError):
+            c2.completions.create(model="nope", prompt="hi")
+
+        # A client that disconnects mid-stream aborts its request.
+        with httpx.stream("POST", f"{s.url}/v1/completions", json={
+                "model": MODEL, "prompt": "go on", "max_tokens": 2000, "stream": True}) as r:
+            lines = r.iter_lines()
+            got = [next(lines) for _ in range(6)]
+        assert got[0].startswith("data: ")
+        aborted_id = int(next(line for line in got if line.startswith("data: "))
+                         .split('"id": "cmpl-')[1].split('"')[0])
+        time.sleep(0.3)  # the abort lands at the next step boundary
+        metrics = _metrics(s.url)
+    assert s.returncode == 0, s.output
+    rows = s.requests()
+    summary = s.summary()
+    assert rows[aborted_id]["status"] == "aborted"
+    assert 0 < int(rows[aborted_id]["output_len"]) < 2000
+    assert summary["aborted"] == 1 and summary["completed"] == 18
+    assert summary["kv_blocks_leaked"] == 0
+    assert (tmp_path / "run" / "report.html").exists()
+
+    # The clients saw the simulated latencies (wall ms; a few ms of HTTP on top of TTFT).
+    ttft, tpot = _latency_gaps(seen, rows, speed=1.0)
+    assert 0 < statistics.median(ttft) < 20, sorted(ttft)
+    assert max(ttft) < 150, sorted(ttft)
+    assert abs(statistics.median(tpot)) < 1, sorted(tpot)
+    assert max(map(abs, tpot)) < 10, sorted(tpot)
+
+    # /metrics, scraped once every request had left, agrees with requests.csv.
+    finished = [r for r in rows.values() if r["status"] == "finished"]
+    label = (("model_name", MODEL),)
+    assert metrics[("vllm:request_success_total",
+                    (("finished_reason", "length"), ("model_name", MODEL)))] == len(finished)
+    assert metrics[("vllm:request_success_total",
+                    (("finished_reason", "abort"), ("model_name", MODEL)))] == 1
+    assert metrics[("vllm:prompt_tokens_total", label)] == sum(
+        int(r["prompt_len"]) for r in finished)
+    assert metrics[("vllm:generation_tokens_total", label)] == sum(
+        int(r["output_len"]) for r in finished)
+    assert metrics[("vllm:time_to_first_token_seconds_count", label)] == len(finished)
+    assert metrics[("vllm:time_to_first_token_seconds_sum", label)] == pytest.approx(
+        sum(float(r["ttft"]) for r in finished), rel=1e-9)
+    assert metrics[("vllm:e2e_request_latency_seconds_sum", label)] == pytest.approx(
+        sum(float(r["e2e_latency"]) for r in finished), rel=1e-9)
+    assert metrics[("vllm:inter_token_latency_seconds_count", label)] == sum(
+        int(r["output_len"]) - 1 for r in finished)
+    assert metrics[("vllm:num_requests_running", label)] == 0
+    assert metrics[("vllm:num_requests_waiting", label)] == 0
+    assert metrics[("vllm:kv_cache_usage_perc", label)] == 0
+
+
+def test_latencies_at_ten_times_the_wall_clock(tmp_path):
+    speed = 10.0
+    with serving(tmp_path / "run", f"serve.speed={speed}") as s:
+        seen = _stream_completions(s.url, n=12, gap_s=0.02, max_tokens=30)
+    assert s.returncode == 0, s.output
+    ttft, tpot = _latency_gaps(seen, s.requests(), speed)
+    assert 0 < statistics.median(ttft) < 20, sorted(ttft)
+    assert abs(statistics.median(tpot)) < 1, sorted(tpot)
+    # Simulated time ran ten times faster than the wall clock.
+    summary = s.summary()
+    assert summary["simulated_duration_s"] > 5 * summary["wall_time_s"]
+
+
+def test_overload_answers_429_and_shutdown_aborts_what_is_left(tmp_path):
+    with serving(tmp_path / "run", "serve.max_waiting=1", "policy.max_num_seqs=1",
+                 "serve.drain_timeout_s=0") as s:
+        body = {"model": MODEL, "prompt": "x" * 400, "max_tokens": 1000, "stream": True}
+        with httpx.Client(timeout=30) as c:
+            with c.stream("POST", f"{s.url}/v1/completions", json=body) as first, \
+                    c.stream("POST", f"{s.url}/v1/completions", json=body) as second:
+                lines = first.iter_lines()  # kept: dropping it closes the connection
+                next(lines)  # running
+                assert second.status_code == 200  # waiting: the one seat is taken
+                time.sleep(0.1)
+                third = c.post(f"{s.url}/v1/completions", json={**body, "stream": False})
+                assert third.status_code == 429
+                assert third.json()["error"]["type"] == "RateLimitError"
+                s.proc.send_signal(2)  # SIGINT with both in flight: no time to drain
+                rest = [line for line in lines if line]
+    assert s.returncode == 0, s.output
+    summary = s.summary()
+    assert summary["aborted"] == 2 and summary["kv_blocks_leaked"] == 0
+    # The streams in flight ended whole: a last event with finish_reason "abort", [DONE].
+    assert '"finish_reason": "abort"' in rest[-2] and rest[-1] == "data: [DONE]", rest[-3:]
