@@ -16,9 +16,9 @@ import pytest
 pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
-from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+from prometheus_client.parser import text_string_to_metric_families
 
-from tests.online_harness import serving  # noqa: E402
+from online.launch import serving
 
 pytestmark = pytest.mark.slow
 MODEL = "llama3_8b"  # the default config's model: decode steps of about 10 ms on an A100
@@ -90,7 +90,7 @@ def test_openai_clients_metrics_errors_and_disconnects(tmp_path):
         seen = _stream_completions(s.url, n=16, gap_s=0.05, max_tokens=24)
 
         # Bad requests: OpenAI-style bodies with the right status codes.
-        post = lambda body, path="completions": httpx.post(  # noqa: E731
+        post = lambda body, path="completions": httpx.post(
             f"{s.url}/v1/{path}", content=body, headers={"content-type": "application/json"})
         for body, status, param in (
                 (b"{not json", 400, None),

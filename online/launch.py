@@ -1,5 +1,6 @@
-"""Starts ``python -m experiments.serve`` on 127.0.0.1 for a test and stops it as a user would
-(SIGINT), so the test can read what the session wrote."""
+"""``python -m experiments.serve`` started as a separate process on a free port of 127.0.0.1
+and stopped as a user stops it (SIGINT), so the caller (a load-generator run, a test) can
+read what the session wrote."""
 
 from __future__ import annotations
 
@@ -43,8 +44,9 @@ class Served:
 
 @contextmanager
 def serving(out_dir: Path, *overrides: str, startup_s: float = 60.0) -> Iterator[Served]:
-    """The server with these overrides, its outputs in ``out_dir``; stopped by SIGINT on
-    exit (its exit code in ``Served.returncode``, its output lines in ``Served.output``)."""
+    """The server with these Hydra overrides, its outputs in ``out_dir``; stopped by SIGINT
+    on exit (its exit code in ``Served.returncode``, its output lines in ``Served.output``).
+    """
     port = free_port()
     cmd = [sys.executable, "-m", "experiments.serve", f"serve.port={port}",
            f"hydra.run.dir={out_dir}", *overrides]
