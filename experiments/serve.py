@@ -95,7 +95,7 @@ def serve(cfg: DictConfig) -> dict:
 
         def on_close(result: Any) -> None:
             summary.update(result.summary)
-            summary["max_release_lag_s"] = pacer.max_lag
+            summary.update(pacer.lag_summary())
             sim.write_summary(summary)
             write_report(out_dir, summary, sim.report)
 

@@ -104,7 +104,7 @@ def run_aiperf(c: LoadgenConfig, url: str, model: str, out: Path, hf_home: Path)
     out.mkdir(parents=True, exist_ok=True)
     with (out / "aiperf.log").open("w") as logf:
         done = subprocess.run(cmd, env=env, stdin=subprocess.DEVNULL, stdout=logf,
-                              stderr=subprocess.STDOUT, timeout=c.timeout_s)
+                              stderr=subprocess.STDOUT, timeout=c.timeout_s, check=False)
     if done.returncode != 0:
         tail = (out / "aiperf.log").read_text().strip().splitlines()[-5:]
         exit_with(1, f"aiperf failed (exit {done.returncode}); the end of its log "
@@ -117,7 +117,7 @@ def client_records(out: Path) -> pd.DataFrame:
     for line in (out / "profile_export.jsonl").open():
         rec = json.loads(line)
         md, m = rec["metadata"], rec["metrics"]
-        value = lambda k: m[k]["value"] if k in m else None  # noqa: E731
+        value = lambda k, m=m: m[k]["value"] if k in m else None
         rows.append({"sent_ns": md["request_start_ns"], "error": rec.get("error"),
                      "ttft_ms": value("time_to_first_token"),
                      "e2e_ms": value("request_latency"),
@@ -171,7 +171,7 @@ def main_job(cfg: DictConfig) -> pd.DataFrame:
     hf_home = out_dir / "hf"
     tokenizer = Path(__file__).resolve().parent.parent / "online" / "local_tokenizer.py"
     built = subprocess.run([str(python), str(tokenizer), str(hf_home), TOKENIZER_REPO],
-                           capture_output=True, text=True)
+                           capture_output=True, text=True, check=False)
     if built.returncode != 0:
         exit_with(1, f"building aiperf's tokenizer failed:\n{built.stderr.strip()}")
     overrides = [o for o in HydraConfig.get().overrides.task
@@ -188,8 +188,9 @@ def main_job(cfg: DictConfig) -> pd.DataFrame:
     per, table = compare(client_records(out_dir / "aiperf"),
                          pd.read_csv(out_dir / "server" / "requests.csv"), speed)
     per.to_csv(out_dir / "loadgen.csv", index=False)
-    text = markdown_table([{k: "" if v is None or v != v else (f"{v:.2f}" if isinstance(
-        v, float) else v) for k, v in row.items()} for row in table.to_dict("records")])
+    text = markdown_table([{k: "" if v is None or (isinstance(v, float) and math.isnan(v))
+                            else f"{v:.2f}" if isinstance(v, float) else v
+                            for k, v in row.items()} for row in table.to_dict("records")])
     (out_dir / "loadgen.md").write_text(text + "\n")
     log.info(text)
     log.info(f"outputs: {out_dir}")

@@ -43,15 +43,18 @@ class Served:
 
 
 @contextmanager
-def serving(out_dir: Path, *overrides: str, startup_s: float = 60.0) -> Iterator[Served]:
+def serving(out_dir: Path, *overrides: str, startup_s: float = 60.0,
+            cpus: set[int] | None = None) -> Iterator[Served]:
     """The server with these Hydra overrides, its outputs in ``out_dir``; stopped by SIGINT
     on exit (its exit code in ``Served.returncode``, its output lines in ``Served.output``).
-    """
+    ``cpus``: the cores it may run on (Linux; None: any)."""
     port = free_port()
     cmd = [sys.executable, "-m", "experiments.serve", f"serve.port={port}",
            f"hydra.run.dir={out_dir}", *overrides]
+    pin = None if cpus is None else (lambda: os.sched_setaffinity(0, cpus))
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                            text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                            preexec_fn=pin)
     served = Served(f"http://127.0.0.1:{port}", out_dir, proc)
     deadline = time.monotonic() + startup_s
     assert proc.stdout is not None

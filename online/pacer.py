@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+from array import array
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -53,7 +54,9 @@ class Pacer:
         self._wake = asyncio.Event()
         self._t0: float | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self.max_lag = 0.0  # the largest wall delay of a release behind its event (s)
+        # Per release of events that came due: how long after the wall time of the first
+        # of them it happened (s), the pacing error a client sees on top of the HTTP.
+        self.lags = array("d")
         self.stopped = False
 
     # ---- the clock ------------------------------------------------------------------------
@@ -73,7 +76,7 @@ class Pacer:
         now = self.sim_now()
         due = self.engine.next_event_time()
         if due <= now:
-            self.max_lag = max(self.max_lag, (now - due) / self.speed)
+            self.lags.append((now - due) / self.speed)
         self.engine.run_until(max(now, self.engine.now))
         self._release()
 
@@ -93,6 +96,16 @@ class Pacer:
                 await asyncio.wait_for(self._wake.wait(), delay)
             except TimeoutError:
                 pass
+
+    def lag_summary(self) -> dict[str, float | None]:
+        """``pacing_lag_{p50,p99,max}_ms``: how late, in wall ms, events were released
+        after their simulated time (null before any was)."""
+        lags = sorted(self.lags)
+        if not lags:
+            return {f"pacing_lag_{k}_ms": None for k in ("p50", "p99", "max")}
+        at = lambda q: lags[min(len(lags) - 1, int(q * len(lags)))] * 1e3  # noqa: E731
+        return {"pacing_lag_p50_ms": at(0.5), "pacing_lag_p99_ms": at(0.99),
+                "pacing_lag_max_ms": lags[-1] * 1e3}
 
     # ---- requests -------------------------------------------------------------------------
     def submit(self, prompt_len: int, max_tokens: int, *, priority: int = 0,
