@@ -23,18 +23,24 @@ import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import hydra
+import numpy as np
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from experiments.hydra_errors import hydra_errors_as_config_errors
 from experiments.run import LOCK, claim_output_dir, resolved
 from experiments.simulation import Simulation
+from sim.config_types import as_int
 from sim.errors import ConfigError, exit_on_config_error, require, require_known_fields
 from sim.online import OnlineEngine
 from sim.report import format_summary, write_report
+from workloads.distributions import LengthDistribution
+
+if TYPE_CHECKING:
+    from online.app import ServerState
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +54,7 @@ class ServeConfig:
     max_waiting: int | None = 1024
     drain_timeout_s: float = 30.0
     tokenizer: str | None = None
+    output_len: dict | None = None
     log_requests: bool = False
 
     @classmethod
@@ -73,37 +80,54 @@ class ServeConfig:
         return c
 
 
+def server_state(container: dict[str, Any], out_dir: Path | None,
+                 ) -> tuple[ServerState, ServeConfig]:
+    """The online session a composed ``serve`` config describes, ready for
+    ``online.app.build_app``: the engine, its pacer, the prompt counter and the length law.
+    When it stops, its summary (with the pacing lag) and report.html go to ``out_dir``."""
+    from online.app import ServerState
+    from online.pacer import Pacer
+    from online.tokens import PromptCounter
+
+    container = dict(container)
+    sc = ServeConfig.from_dict(container.pop("serve", None))
+    output_len = None
+    if sc.output_len is not None:
+        law = LengthDistribution.from_dict("serve.output_len", sc.output_len)
+        rng = np.random.default_rng(as_int(container.get("seed", 0), "seed", minimum=0))
+        output_len = lambda: int(law.sample(rng, 1)[0])
+    sim = Simulation(container, out_dir)
+    pacer = Pacer(OnlineEngine(sim), sc.speed)
+
+    def on_close(result: Any) -> None:
+        result.summary.update(pacer.lag_summary())
+        sim.write_summary(result.summary)
+        if out_dir is not None:
+            write_report(out_dir, result.summary, sim.report)
+
+    state = ServerState(pacer, PromptCounter(sc.tokenizer, vocab_size=sim.model.vocab_size),
+                        sc.model_name or sim.model.name, sim.model.max_model_len,
+                        sc.max_waiting, engine_needs_ids=sim.executor.produces_tokens,
+                        prefix_caching=sim.prefix_caching, output_len=output_len,
+                        on_close=on_close)
+    return state, sc
+
+
 def serve(cfg: DictConfig) -> dict:
     try:
         import uvicorn
 
-        from online.app import ServerState, build_app
-        from online.pacer import Pacer
-        from online.tokens import PromptCounter
+        from online.app import build_app
     except ImportError as e:
         raise ConfigError("serve", f"online mode needs the serve extra ({e.name} is "
                           f"missing): pip install -e '.[serve]'") from None
     out_dir = Path(HydraConfig.get().runtime.output_dir)
     container = resolved(cfg)
-    sc = ServeConfig.from_dict(container.pop("serve", None))
+    ServeConfig.from_dict(container.get("serve"))  # its errors before the folder is claimed
     claim_output_dir(out_dir, bool(container.get("overwrite", False)))
     try:
-        sim = Simulation(container, out_dir)
-        engine = OnlineEngine(sim)
-        counter = PromptCounter(sc.tokenizer, vocab_size=sim.model.vocab_size)
-        summary: dict = {}
-
-        def on_close(result: Any) -> None:
-            summary.update(result.summary)
-            summary.update(pacer.lag_summary())
-            sim.write_summary(summary)
-            write_report(out_dir, summary, sim.report)
-
-        pacer = Pacer(engine, sc.speed)
-        state = ServerState(pacer, counter, sc.model_name or sim.model.name,
-                            sim.model.max_model_len, sc.max_waiting,
-                            engine_needs_ids=sim.executor.produces_tokens,
-                            prefix_caching=sim.prefix_caching, on_close=on_close)
+        state, sc = server_state(container, out_dir)
+        pacer = state.pacer
         app = build_app(state)
 
         loop_holder: list[asyncio.AbstractEventLoop] = []
@@ -158,8 +182,9 @@ def serve(cfg: DictConfig) -> dict:
         asyncio.run(main())
     finally:
         (out_dir / LOCK).unlink(missing_ok=True)
-    if not summary:  # the server never started (its error is printed)
+    if state.result is None:  # the server never started (its error is printed)
         sys.exit(1)
+    summary = state.result.summary
     log.info(format_summary(summary))
     log.info(f"outputs: {out_dir}")
     return summary

@@ -39,6 +39,9 @@ class ServerState:
     max_waiting: int | None = None
     engine_needs_ids: bool = False  # the real executor computes on the prompt's token ids
     prefix_caching: bool = False  # prompts carry content spans for the prefix cache
+    # Where an answer would end by itself (its end-of-sequence token), drawn per request;
+    # None: every request runs to max_tokens.
+    output_len: Callable[[], int] | None = None
     on_close: Callable[[SimulationResult], None] | None = None
     draining: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
@@ -114,7 +117,9 @@ def build_app(state: ServerState) -> FastAPI:
             raise APIError(429, f"the server is overloaded: {state.max_waiting} requests are "
                                 f"waiting (serve.max_waiting); retry later")
         ids = ask.prompt_token_ids
+        drawn = None if ask.ignore_eos or state.output_len is None else state.output_len()
         stream = pacer.submit(ask.prompt_len, ask.max_tokens, priority=ask.priority,
+                              output_len=None if drawn is None else min(drawn, ask.max_tokens),
                               prompt_token_ids=ids if state.engine_needs_ids else None,
                               prefix=prefix_spans(ids) if state.prefix_caching else None)
         req = stream.req

@@ -5,7 +5,7 @@ Gauges are read from the engine when scraped: ``vllm:num_requests_running``,
 (0 to 1), and the prefix cache's counters ``vllm:prefix_cache_queries`` / ``_hits`` (prompt
 tokens looked up / found). Everything else is counted as each request leaves, from its
 simulated times (what requests.csv holds): ``vllm:request_success`` by ``finished_reason``
-(``length``, ``abort``), and over the finished ones ``vllm:prompt_tokens``,
+(``length``, ``stop``, ``abort``), and over the finished ones ``vllm:prompt_tokens``,
 ``vllm:generation_tokens``, ``vllm:num_preemptions``, and the histograms
 ``vllm:time_to_first_token_seconds``, ``vllm:inter_token_latency_seconds``,
 ``vllm:e2e_request_latency_seconds``, ``vllm:request_queue_time_seconds``,

@@ -30,16 +30,19 @@ class Stream:
     ``queue``, then ``None`` once the request has left (finished, aborted or rejected)."""
 
     req: Request
+    max_tokens: int  # what the client asked for (the request may stop before: a length law)
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     sent: int = 0
 
     @property
     def finish_reason(self) -> str:
-        """OpenAI's: ``length`` (ran to max_tokens), ``abort`` (its client gave up or the
-        server stopped) or ``error`` (rejected at arrival)."""
-        status = self.req.status
-        return {RequestStatus.FINISHED: "length", RequestStatus.ABORTED: "abort"}.get(
-            status, "error")
+        """OpenAI's: ``length`` (ran to max_tokens), ``stop`` (ended before it, as its length
+        law drew), ``abort`` (its client gave up or the server stopped) or ``error``
+        (rejected at arrival)."""
+        req = self.req
+        if req.status is RequestStatus.FINISHED:
+            return "length" if req.num_output_tokens >= self.max_tokens else "stop"
+        return "abort" if req.status is RequestStatus.ABORTED else "error"
 
 
 class Pacer:
@@ -108,15 +111,16 @@ class Pacer:
                 "pacing_lag_max_ms": lags[-1] * 1e3}
 
     # ---- requests -------------------------------------------------------------------------
-    def submit(self, prompt_len: int, max_tokens: int, *, priority: int = 0,
-               prompt_token_ids: list[int] | None = None,
+    def submit(self, prompt_len: int, max_tokens: int, *, output_len: int | None = None,
+               priority: int = 0, prompt_token_ids: list[int] | None = None,
                prefix: tuple[tuple[int, int], ...] | None = None) -> Stream:
-        """A request arriving now. Its stream ends at once if it was rejected at arrival
+        """A request arriving now that generates ``output_len`` tokens (default
+        ``max_tokens``). Its stream ends at once if it was rejected at arrival
         (``stream.req.reject_reason``)."""
         self.catch_up()
-        req = self.engine.submit(prompt_len, max_tokens, priority=priority,
+        req = self.engine.submit(prompt_len, output_len or max_tokens, priority=priority,
                                  prompt_token_ids=prompt_token_ids, prefix=prefix)
-        stream = Stream(req)
+        stream = Stream(req, max_tokens)
         if req.is_finished:
             stream.queue.put_nowait(None)
         else:

@@ -3,10 +3,11 @@ turned into what the engine needs (prompt length, output length, streaming optio
 errors, each an OpenAI-style body with its HTTP status.
 
 Field rules follow vLLM's OpenAI-compatible server: ``max_tokens`` defaults to 16 for
-completions and to the rest of the model's context for chat (where ``max_completion_tokens``
-wins over ``max_tokens``); ``n`` must be 1; sampling fields (``temperature``, ``top_p``,
-``seed``, ...) are accepted and have no effect on a simulated engine; ``ignore_eos`` makes the
-output run to ``max_tokens`` even where the server's length law would stop it earlier.
+completions (the rest of the model's context when null) and to the rest of the context for
+chat (where ``max_completion_tokens`` wins over ``max_tokens``); ``n`` must be 1; sampling
+fields (``temperature``, ``top_p``, ``seed``, ...) are accepted and have no effect on a
+simulated engine; ``ignore_eos`` makes the output run to ``max_tokens`` even where the
+server's length law (``serve.output_len``) would end it earlier.
 """
 
 from __future__ import annotations
@@ -131,9 +132,10 @@ def parse_ask(body: dict[str, Any], *, chat: bool, served_model: str, max_model_
             max_tokens = _int_field(body, "max_tokens", None, 1)
         if max_tokens is None:
             max_tokens = room
-    else:
+    else:  # vLLM: 16 when left out, the rest of the context when null
         max_tokens = _int_field(body, "max_tokens", 16, 1)
-    assert max_tokens is not None
+        if max_tokens is None:
+            max_tokens = room
     if max_tokens < 1 or prompt_len + max_tokens > max_model_len:
         raise APIError(400, (
             f"This model's maximum context length is {max_model_len} tokens. However, you "

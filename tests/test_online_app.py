@@ -1,0 +1,91 @@
+"""The online server's routes in-process (FastAPI's TestClient, the pacer on its event loop):
+a length law's "stop" finishes, a local tokenizer's prompt counts, the real executor's own
+tokens, prefix-cache hits for a chat that resends its history, and the session's outputs."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("fastapi")
+from fastapi.testclient import TestClient  # noqa: E402
+
+from experiments.serve import server_state  # noqa: E402
+from online.app import build_app  # noqa: E402
+from tests.helpers import compose_named  # noqa: E402
+
+
+def client(out: Path | None, *overrides: str) -> TestClient:
+    state, _ = server_state(compose_named("serve", "model=tiny", *overrides), out)
+    return TestClient(build_app(state))
+
+
+def rows(out: Path) -> list[dict[str, str]]:
+    with (out / "requests.csv").open() as f:
+        return list(csv.DictReader(f))
+
+
+def test_a_length_law_ends_answers_with_stop_unless_ignore_eos(tmp_path):
+    with client(tmp_path, "serve.output_len={dist: fixed, value: 3}") as c:
+        body = {"model": "tiny", "prompt": "hello", "max_tokens": 10}
+        r = c.post("/v1/completions", json=body).json()
+        assert (r["usage"]["completion_tokens"], r["choices"][0]["finish_reason"]) == (3, "stop")
+        r = c.post("/v1/completions", json={**body, "ignore_eos": True}).json()
+        assert (r["usage"]["completion_tokens"], r["choices"][0]["finish_reason"]) == (
+            10, "length")
+        r = c.post("/v1/completions", json={**body, "max_tokens": 2}).json()
+        assert (r["usage"]["completion_tokens"], r["choices"][0]["finish_reason"]) == (
+            2, "length")
+        text = c.get("/metrics").text
+    assert 'vllm:request_success_total{finished_reason="stop",model_name="tiny"} 1.0' in text
+    assert [r["output_len"] for r in rows(tmp_path)] == ["3", "10", "2"]
+    assert json.loads((tmp_path / "summary.json").read_text())["kv_blocks_leaked"] == 0
+    assert (tmp_path / "report.html").exists()
+
+
+def test_a_local_tokenizer_counts_the_prompts(tmp_path):
+    pytest.importorskip("transformers")
+    from online.local_tokenizer import build
+
+    folder = build(tmp_path / "hf", "local/tok")
+    with client(None, f"serve.tokenizer={folder}") as c:
+        text = "The system model streams tokens to the server."
+        r = c.post("/v1/completions", json={"model": "tiny", "prompt": text,
+                                            "max_tokens": 2}).json()
+    from transformers import AutoTokenizer
+
+    assert r["usage"]["prompt_tokens"] == len(AutoTokenizer.from_pretrained(
+        str(folder)).encode(text))
+
+
+def test_the_real_executor_streams_its_own_tokens(tmp_path):
+    pytest.importorskip("torch")
+    with client(tmp_path, "executor=real", "device=cpu") as c:
+        with c.stream("POST", "/v1/completions", json={
+                "model": "tiny", "prompt": [1, 2, 3, 4, 5], "max_tokens": 6,
+                "stream": True}) as r:
+            events = [json.loads(line[6:]) for line in r.iter_lines()
+                      if line.startswith("data: {")]
+    texts = [e["choices"][0]["text"] for e in events if e["choices"][0]["text"]]
+    ids = rows(tmp_path)[0]["output_token_ids"].split()
+    assert len(ids) == 6 and texts == [f" <{i}>" for i in ids]
+
+
+def test_a_chat_that_resends_its_history_hits_the_prefix_cache(tmp_path):
+    with client(tmp_path, "policy=vllm_v1") as c:
+        history = [{"role": "system", "content": "You are terse. " * 40},
+                   {"role": "user", "content": "First question, please answer it."}]
+        c.post("/v1/chat/completions", json={"model": "tiny", "messages": history,
+                                             "max_tokens": 4})
+        history += [{"role": "assistant", "content": "An answer."},
+                    {"role": "user", "content": "And a second one?"}]
+        c.post("/v1/chat/completions", json={"model": "tiny", "messages": history,
+                                             "max_tokens": 4})
+        metrics = c.get("/metrics").text
+    hits = next(float(line.split()[-1]) for line in metrics.splitlines()
+                if line.startswith("vllm:prefix_cache_hits_total"))
+    assert hits >= 128  # the system prompt's whole blocks, at least
+    assert int(rows(tmp_path)[1]["num_cached_tokens"]) == hits
