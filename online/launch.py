@@ -51,10 +51,10 @@ def serving(out_dir: Path, *overrides: str, startup_s: float = 60.0,
     port = free_port()
     cmd = [sys.executable, "-m", "experiments.serve", f"serve.port={port}",
            f"hydra.run.dir={out_dir}", *overrides]
-    pin = None if cpus is None else (lambda: os.sched_setaffinity(0, cpus))
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-                            preexec_fn=pin)
+                            text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    if cpus is not None:  # pinned before it has finished importing, long before it serves
+        os.sched_setaffinity(proc.pid, cpus)
     served = Served(f"http://127.0.0.1:{port}", out_dir, proc)
     deadline = time.monotonic() + startup_s
     assert proc.stdout is not None

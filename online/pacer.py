@@ -106,7 +106,7 @@ class Pacer:
         lags = sorted(self.lags)
         if not lags:
             return {f"pacing_lag_{k}_ms": None for k in ("p50", "p99", "max")}
-        at = lambda q: lags[min(len(lags) - 1, int(q * len(lags)))] * 1e3  # noqa: E731
+        at = lambda q: lags[min(len(lags) - 1, int(q * len(lags)))] * 1e3
         return {"pacing_lag_p50_ms": at(0.5), "pacing_lag_p99_ms": at(0.99),
                 "pacing_lag_max_ms": lags[-1] * 1e3}
 

@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("fastapi")
-from fastapi.testclient import TestClient  # noqa: E402
+from fastapi.testclient import TestClient
 
-from experiments.serve import server_state  # noqa: E402
-from online.app import build_app  # noqa: E402
-from tests.helpers import compose_named  # noqa: E402
+from experiments.serve import server_state
+from online.app import build_app
+from tests.helpers import compose_named
 
 
 def client(out: Path | None, *overrides: str) -> TestClient:

@@ -118,7 +118,7 @@ def test_the_estimate_and_its_stand_in_ids():
     assert estimate_tokens("") == 0 and estimate_tokens("abcde") == 2
     assert estimate_tokens("é" * 4) == 2  # bytes, not characters
     n, ids = COUNTER.count_text("The same start, then more")
-    m, other = COUNTER.count_text("The same start, and else")
+    _, other = COUNTER.count_text("The same start, and else")
     assert (n, len(ids)) == (7, 7) and ids[:3] == other[:3] and ids != other
 
 
