@@ -105,7 +105,9 @@ def server_state(container: dict[str, Any], out_dir: Path | None,
         if out_dir is not None:
             write_report(out_dir, result.summary, sim.report)
 
-    state = ServerState(pacer, PromptCounter(sc.tokenizer, vocab_size=sim.model.vocab_size),
+    counter = PromptCounter(sc.tokenizer, vocab_size=sim.model.vocab_size,
+                            model_tokenizer=sim.model.hf_name)
+    state = ServerState(pacer, counter,
                         sc.model_name or sim.model.name, sim.model.max_model_len,
                         sc.max_waiting, engine_needs_ids=sim.executor.produces_tokens,
                         prefix_caching=sim.prefix_caching, output_len=output_len,
@@ -176,7 +178,8 @@ def serve(cfg: DictConfig) -> dict:
             if server.started:
                 host, port = server.servers[0].sockets[0].getsockname()[:2]
                 print(f"serving {state.model_name} on http://{host}:{port} "
-                      f"(speed {sc.speed:g}); outputs: {out_dir}", flush=True)
+                      f"(speed {sc.speed:g}; prompt lengths: {state.counter.source}); "
+                      f"outputs: {out_dir}", flush=True)
             await task
 
         asyncio.run(main())

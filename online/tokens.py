@@ -2,7 +2,8 @@
 
 A prompt's length comes from a tokenizer when ``serve.tokenizer`` names a local one (a folder
 or a model id already in the local Hugging Face cache, loaded with ``transformers`` and never
-downloaded); without one it is an estimate: one token per 4 bytes of UTF-8 text, rounded up
+downloaded), or else when the model's own (``model.hf_name``) is in the local cache; without
+one it is an estimate: one token per 4 bytes of UTF-8 text, rounded up
 (the usual rule of thumb for English with BPE tokenizers), and for chat 4 tokens more per
 message and 3 for the reply's header (the formatting OpenAI documents for its chat models).
 A prompt sent as token ids is counted exactly.
@@ -16,6 +17,8 @@ from __future__ import annotations
 import math
 import os
 from typing import Any
+
+from sim.errors import ConfigError
 
 BYTES_PER_TOKEN = 4
 CHAT_TOKENS_PER_MESSAGE = 4
@@ -42,11 +45,23 @@ class PromptCounter:
     """Counts prompt tokens (``count_text``, ``count_chat``: the length and the token ids,
     real or stand-in) and writes output tokens as text (``text``)."""
 
-    def __init__(self, tokenizer: str | None = None, *, vocab_size: int = 32000) -> None:
+    def __init__(self, tokenizer: str | None = None, *, vocab_size: int = 32000,
+                 model_tokenizer: str = "") -> None:
+        """``tokenizer``: a local tokenizer to load (an error if it cannot be); else
+        ``model_tokenizer`` (the model's Hugging Face name) if it is in the local cache and
+        ``transformers`` is installed; else the estimate. ``source`` says which."""
         self.vocab_size = vocab_size
         self.tokenizer = None
+        self.source = f"estimate ({BYTES_PER_TOKEN} bytes of text per token)"
         if tokenizer is not None:
             self.tokenizer = load_tokenizer(tokenizer)
+            self.source = f"tokenizer {tokenizer}"
+        elif model_tokenizer:
+            try:
+                self.tokenizer = load_tokenizer(model_tokenizer)
+                self.source = f"tokenizer {model_tokenizer} (local cache)"
+            except ConfigError:  # not here: the estimate
+                pass
 
     def count_text(self, text: str) -> tuple[int, list[int]]:
         if self.tokenizer is not None:
@@ -110,8 +125,6 @@ def prefix_spans(ids: list[int], span: int = 16) -> tuple[tuple[int, int], ...]:
 
 def load_tokenizer(name: str) -> Any:
     """A tokenizer from a local folder or the local Hugging Face cache (never downloaded)."""
-    from sim.errors import ConfigError
-
     try:
         from transformers import AutoTokenizer
     except ImportError:
