@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import time
 from array import array
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -87,6 +88,7 @@ class Pacer:
         """The pacing task: runs until cancelled."""
         self._loop = asyncio.get_running_loop()
         self._t0 = self._loop.time() - self.engine.now / self.speed
+        self.engine.wall0 = time.perf_counter()  # the session's wall time counts from here
         while True:
             self.catch_up()
             due = self.engine.next_event_time()
@@ -155,8 +157,9 @@ class Pacer:
 
     # ---- the end --------------------------------------------------------------------------
     def abort_all_and_settle(self) -> None:
-        """Stop pacing: abort every request still in the engine and run the clock (no longer
-        paced) until they have left."""
+        """Stop pacing: bring the clock to now, abort every request still in the engine and
+        run the clock (no longer paced) until they have left."""
+        self.catch_up()
         for s in list(self.streams.values()):
             self.engine.abort(s.req)
         while self.engine.num_unfinished():

@@ -45,7 +45,7 @@ class OnlineEngine:
         self.env = PacedEnvironment()
         self._on_done = on_done
         self._ids = count()
-        self.wall0 = time.perf_counter()
+        self.wall0 = time.perf_counter()  # reset when the clock starts (summary: wall_time_s)
         columns = REQUEST_COLUMNS + (CLUSTER_REQUEST_COLUMNS if sim.is_cluster else ())
         self.req_sink, self.step_sink, self.metrics, progress = sim.open_outputs(columns, None)
         progress.close()  # a server has no end to show progress towards

@@ -64,6 +64,18 @@ def _latency_gaps(seen: dict[int, tuple[float, list[float]]], rows: dict, speed:
     return ttft, tpot
 
 
+def _assert_clients_saw_the_simulated_latencies(seen: dict, rows: dict, summary: dict,
+                                                speed: float) -> None:
+    """Wall ms: a client's TTFT is the simulated one / speed plus the HTTP round trip (a few
+    ms) and the server's pacing lag; the gaps between its tokens are the simulated ones /
+    speed, give or take the lag (a busy machine delays some releases)."""
+    ttft, tpot = _latency_gaps(seen, rows, speed)
+    lag50, lag_max = summary["pacing_lag_p50_ms"], summary["pacing_lag_max_ms"]
+    assert 0 < statistics.median(ttft) < 10 + lag50, (sorted(ttft), lag50)
+    assert max(ttft) < 100 + lag_max, (sorted(ttft), lag_max)
+    assert abs(statistics.median(tpot)) < 1 + lag50, (sorted(tpot), lag50)
+
+
 def _metrics(url: str) -> dict[tuple[str, tuple], float]:
     text = httpx.get(f"{url}/metrics").text
     return {(s.name, tuple(sorted(s.labels.items()))): s.value
@@ -129,12 +141,7 @@ def test_openai_clients_metrics_errors_and_disconnects(tmp_path):
     assert summary["kv_blocks_leaked"] == 0
     assert (tmp_path / "run" / "report.html").exists()
 
-    # The clients saw the simulated latencies (wall ms; a few ms of HTTP on top of TTFT).
-    ttft, tpot = _latency_gaps(seen, rows, speed=1.0)
-    assert 0 < statistics.median(ttft) < 20, sorted(ttft)
-    assert max(ttft) < 150, sorted(ttft)
-    assert abs(statistics.median(tpot)) < 1, sorted(tpot)
-    assert max(map(abs, tpot)) < 10, sorted(tpot)
+    _assert_clients_saw_the_simulated_latencies(seen, rows, summary, speed=1.0)
 
     # /metrics, scraped once every request had left, agrees with requests.csv.
     finished = [r for r in rows.values() if r["status"] == "finished"]
@@ -164,12 +171,11 @@ def test_latencies_at_ten_times_the_wall_clock(tmp_path):
     with serving(tmp_path / "run", f"serve.speed={speed}") as s:
         seen = _stream_completions(s.url, n=12, gap_s=0.02, max_tokens=30)
     assert s.returncode == 0, s.output
-    ttft, tpot = _latency_gaps(seen, s.requests(), speed)
-    assert 0 < statistics.median(ttft) < 20, sorted(ttft)
-    assert abs(statistics.median(tpot)) < 1, sorted(tpot)
-    # Simulated time ran ten times faster than the wall clock.
     summary = s.summary()
-    assert summary["simulated_duration_s"] > 5 * summary["wall_time_s"]
+    _assert_clients_saw_the_simulated_latencies(seen, s.requests(), summary, speed)
+    # Simulated time ran ten times faster than the wall clock.
+    assert summary["simulated_duration_s"] == pytest.approx(speed * summary["wall_time_s"],
+                                                            rel=0.05)
 
 
 def test_overload_answers_429_and_shutdown_aborts_what_is_left(tmp_path):
