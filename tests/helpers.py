@@ -74,3 +74,23 @@ def compose_cfg(*overrides: str) -> dict[str, Any]:
 def small_cfg(*overrides: str) -> dict[str, Any]:
     """A quick run of the default model and hardware on a small workload."""
     return compose_cfg("workload.num_requests=60", "workload.qps=20", *overrides)
+
+
+def free_queue(pool: Any) -> tuple[range, list[int]]:
+    """A KV pool's free queue (``free_blocks()``, front first) as ``(run, rest)``: the queue
+    is ``[*run, *rest]``, ``run`` its longest start of the form ``a, a + 1, ..., num_blocks - 1``.
+    Two queues of pools of one size are equal exactly when these are (``run`` is a function
+    of the queue), and a default pool's millions of never-used blocks stay a range."""
+    n, a, rest = pool.num_blocks, pool.fresh, pool.returned_blocks()
+    if a == n and rest and rest[:n - rest[0]] == list(range(rest[0], n)):
+        a, rest = rest[0], rest[n - rest[0]:]
+    return range(a, n), rest
+
+
+def free_queues(res: Any) -> list[tuple[range, list[int]]] | None:
+    """Every replica's GPU free queue at the end of a run (``free_queue``): equal queues in
+    two runs mean the same block ids were handed out in the same order. None on the array
+    core, which keeps no block ids (its pool cannot bind)."""
+    if res.summary["step_engine"] == "array_core":
+        return None
+    return [free_queue(rep.kv._gpu) for rep in res.replicas]

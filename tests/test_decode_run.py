@@ -21,7 +21,7 @@ from sim.plan import DecodeBlock, ScheduledRequest, StepPlan
 from sim.request import Request, RequestStatus
 from sim.specs import load_hardware_spec, load_model_spec
 from sim.step_builder import ReplicaQueues, StepBuilder
-from tests.helpers import compose_cfg
+from tests.helpers import compose_cfg, free_queues
 
 
 def _decoding_replica(contexts: list[int], outputs: list[int], num_blocks: int, bs: int,
@@ -262,8 +262,8 @@ def _cluster_run(mode: str, overrides: tuple[str, ...]):
     steps = pd.DataFrame(res.steps_sink.rows, columns=res.steps_sink.columns)
     # Replicas interleave their rows differently when one of them jumps: order per replica.
     steps = steps.sort_values(["replica_id", "step"]).reset_index(drop=True)
-    free = [rep.kv._gpu.free_blocks() for rep in res.replicas]
-    return res.summary, reqs.sort_values("request_id").reset_index(drop=True), steps, free
+    return (res.summary, reqs.sort_values("request_id").reset_index(drop=True), steps,
+            free_queues(res))
 
 
 @pytest.mark.parametrize("policy,router,extra", [
