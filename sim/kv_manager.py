@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Mapping, Sequence
 from itertools import compress
-from operator import eq, not_
+from operator import eq
 from typing import Any
 
 
@@ -606,10 +606,12 @@ class KVBlockManager:
             if len(free_set) != len(free):
                 raise KVIntegrityError(f"{name}: a block is in the free queue twice")
             # The per-block checks below pass if the counts match list for list and the
-            # blocks counted with none are exactly the free ones: test that in C first (this
-            # runs after every step), and walk the blocks only to name the first that fails.
-            none = set(compress(range(pool.num_blocks), map(not_, counts)))
-            if refs == counts and none == free_set:
+            # blocks counted with none are exactly the free ones (free ids in range, each
+            # counted with none, as many as count none): test that in C first (this runs
+            # after every step), and walk the blocks only to name the first that fails.
+            in_range = not free or (min(free) >= 0 and max(free) < pool.num_blocks)
+            if (refs == counts and counts.count(0) == len(free_set) and in_range
+                    and not any(map(counts.__getitem__, free))):
                 continue
             for b in range(pool.num_blocks):
                 if refs[b] != counts[b]:
