@@ -7,6 +7,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import pytest
 from hydra import compose, initialize_config_dir
 from hydra._internal.config_loader_impl import ConfigLoaderImpl
 from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -94,3 +96,21 @@ def free_queues(res: Any) -> list[tuple[range, list[int]]] | None:
     if res.summary["step_engine"] == "array_core":
         return None
     return [free_queue(rep.kv._gpu) for rep in res.replicas]
+
+
+def assert_approx(actual: Any, expected: Any, rel: float, abs: float, nan_ok: bool = False,
+                  what: str | None = None) -> None:
+    """``assert actual == pytest.approx(expected, rel=rel, abs=abs, nan_ok=nan_ok), what`` for
+    two float arrays, decided by numpy with approx's own test of each element (equal; or the
+    expected one finite and within ``max(rel * |expected|, abs)``; or, with ``nan_ok``, both
+    nan). pytest.approx compares element by element in Python (a second per run of ~10^5
+    steps); it still decides, and reports, wherever numpy finds a difference."""
+    a, b = np.asarray(actual, dtype=float), np.asarray(expected, dtype=float)
+    if a.shape == b.shape:
+        with np.errstate(invalid="ignore"):
+            ok = (a == b) | (np.isfinite(b) & (np.abs(b - a) <= np.maximum(rel * np.abs(b), abs)))
+            if nan_ok:
+                ok |= np.isnan(a) & np.isnan(b)
+        if ok.all():
+            return
+    assert actual == pytest.approx(expected, rel=rel, abs=abs, nan_ok=nan_ok), what

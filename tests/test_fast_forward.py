@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from experiments.simulation import Simulation, SimulationResult
 from policies import POLICIES
-from tests.helpers import compose_cfg, free_queues
+from tests.helpers import assert_approx, compose_cfg, free_queues
 
 JUMPING = [n for n in POLICIES.names() if POLICIES.get(n).supports_decode_jumps]
 # Options that exercise a policy's own decisions (priority classes, preemptive SJF).
@@ -49,12 +49,12 @@ def _same_runs(overrides: list[str]) -> tuple[SimulationResult, SimulationResult
     assert (sf[cols].to_numpy() == se[cols].to_numpy()).all()
     for c in ("time", "duration"):
         a, b = sf[c].astype(float).to_numpy(), se[c].astype(float).to_numpy()
-        assert a == pytest.approx(b, rel=1e-9, abs=1e-12)
+        assert_approx(a, b, rel=1e-9, abs=1e-12)
     for c in ("first_scheduled_time", "first_token_time", "finish_time", "ttft", "tpot",
               "e2e_latency"):
         a = pd.to_numeric(rf[c]).to_numpy(dtype=float)
         b = pd.to_numeric(re_[c]).to_numpy(dtype=float)
-        assert a == pytest.approx(b, rel=1e-9, abs=1e-12, nan_ok=True), c
+        assert_approx(a, b, rel=1e-9, abs=1e-12, nan_ok=True, what=c)
     same = ["request_id", "status", "output_len", "num_preemptions", "num_swaps", "num_recomputes"]
     assert rf[same].equals(re_[same])
     for key in ("p99_itl_ms", "mean_tpot_ms", "num_preemptions", "kv_peak_usage"):
