@@ -34,6 +34,8 @@ to ``copy_log`` (the step plan's ``swaps``)::
 from __future__ import annotations
 
 from collections.abc import Hashable, Mapping, Sequence
+from itertools import compress
+from operator import eq
 from typing import Any
 
 
@@ -86,12 +88,17 @@ class _Pool:
 
     def free_blocks(self) -> list[int]:
         """The free queue, front first (O(free blocks): for checks and tests)."""
-        return [*range(self.fresh, self.num_blocks), *self.free_queue[self.head:]]
+        return [*range(self.fresh, self.num_blocks), *self.returned_blocks()]
 
-    def ref_counts(self) -> list[int]:
-        """Every block's reference count (0 for a free block), for integrity checks."""
+    def returned_blocks(self) -> list[int]:
+        """The free queue past its never-used blocks ``[fresh, num_blocks)``, front first."""
+        return self.free_queue[self.head:]
+
+    def ref_counts(self, free: list[int] | None = None) -> list[int]:
+        """Every block's reference count (0 for a free block), for integrity checks;
+        ``free``: the free queue if the caller has it already."""
         refs = [1] * self.num_blocks
-        for b in self.free_blocks():
+        for b in self.free_blocks() if free is None else free:
             refs[b] = 0
         for b, extra in self.shared.items():
             refs[b] += extra
@@ -167,11 +174,13 @@ class _CachingPool(_Pool):
         self.base = 0
         self.pos: dict[int, int] = {}  # free returned block -> its queue entry (absolute)
 
-    def free_blocks(self) -> list[int]:
-        pos, base, h = self.pos, self.base, self.head
-        live = [b for i, b in enumerate(self.free_queue[h:], start=base + h)
-                if pos.get(b) == i]
-        return [*range(self.fresh, self.num_blocks), *live]
+    def returned_blocks(self) -> list[int]:
+        # The live entries: those whose block's position is theirs (``pos.get(b) == i``,
+        # compared entry by entry in C).
+        rest = self.free_queue[self.head:]
+        at = self.base + self.head
+        live = map(eq, map(self.pos.get, rest), range(at, at + len(rest)))
+        return list(compress(rest, live))
 
     def is_free(self, block: int) -> bool:
         return block in self.pos
@@ -581,7 +590,8 @@ class KVBlockManager:
             ("cpu", self._cpu, self.cpu_tables),
         ):
             refs = [0] * pool.num_blocks
-            counts = pool.ref_counts()
+            free = pool.free_blocks()
+            counts = pool.ref_counts(free)
             for rid, table in tables.items():
                 if not table:
                     raise KVIntegrityError(f"{name}: request {rid} has an empty block table")
@@ -589,13 +599,20 @@ class KVBlockManager:
                     if not 0 <= b < pool.num_blocks:
                         raise KVIntegrityError(f"{name}: request {rid} holds bad block id {b}")
                     refs[b] += 1
-            free = pool.free_blocks()
             if pool.num_free != len(free):
                 raise KVIntegrityError(f"{name}: {pool.num_free} blocks counted free, "
                                        f"{len(free)} in the free queue")
-            if len(set(free)) != len(free):
-                raise KVIntegrityError(f"{name}: a block is in the free queue twice")
             free_set = set(free)
+            if len(free_set) != len(free):
+                raise KVIntegrityError(f"{name}: a block is in the free queue twice")
+            # The per-block checks below pass if the counts match list for list and the
+            # blocks counted with none are exactly the free ones (free ids in range, each
+            # counted with none, as many as count none): test that in C first (this runs
+            # after every step), and walk the blocks only to name the first that fails.
+            in_range = not free or (min(free) >= 0 and max(free) < pool.num_blocks)
+            if (refs == counts and counts.count(0) == len(free_set) and in_range
+                    and not any(map(counts.__getitem__, free))):
+                continue
             for b in range(pool.num_blocks):
                 if refs[b] != counts[b]:
                     raise KVIntegrityError(

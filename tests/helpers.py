@@ -7,6 +7,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import pytest
 from hydra import compose, initialize_config_dir
 from hydra._internal.config_loader_impl import ConfigLoaderImpl
 from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -74,3 +76,41 @@ def compose_cfg(*overrides: str) -> dict[str, Any]:
 def small_cfg(*overrides: str) -> dict[str, Any]:
     """A quick run of the default model and hardware on a small workload."""
     return compose_cfg("workload.num_requests=60", "workload.qps=20", *overrides)
+
+
+def free_queue(pool: Any) -> tuple[range, list[int]]:
+    """A KV pool's free queue (``free_blocks()``, front first) as ``(run, rest)``: the queue
+    is ``[*run, *rest]``, ``run`` its longest start of the form ``a, a + 1, ..., num_blocks - 1``.
+    Two queues of pools of one size are equal exactly when these are (``run`` is a function
+    of the queue), and a default pool's millions of never-used blocks stay a range."""
+    n, a, rest = pool.num_blocks, pool.fresh, pool.returned_blocks()
+    if a == n and rest and rest[:n - rest[0]] == list(range(rest[0], n)):
+        a, rest = rest[0], rest[n - rest[0]:]
+    return range(a, n), rest
+
+
+def free_queues(res: Any) -> list[tuple[range, list[int]]] | None:
+    """Every replica's GPU free queue at the end of a run (``free_queue``): equal queues in
+    two runs mean the same block ids were handed out in the same order. None on the array
+    core, which keeps no block ids (its pool cannot bind)."""
+    if res.summary["step_engine"] == "array_core":
+        return None
+    return [free_queue(rep.kv._gpu) for rep in res.replicas]
+
+
+def assert_approx(actual: Any, expected: Any, rel: float, abs: float, nan_ok: bool = False,
+                  what: str | None = None) -> None:
+    """``assert actual == pytest.approx(expected, rel=rel, abs=abs, nan_ok=nan_ok), what`` for
+    two float arrays, decided by numpy with approx's own test of each element (equal; or the
+    expected one finite and within ``max(rel * |expected|, abs)``; or, with ``nan_ok``, both
+    nan). pytest.approx compares element by element in Python (a second per run of ~10^5
+    steps); it still decides, and reports, wherever numpy finds a difference."""
+    a, b = np.asarray(actual, dtype=float), np.asarray(expected, dtype=float)
+    if a.shape == b.shape:
+        with np.errstate(invalid="ignore"):
+            ok = (a == b) | (np.isfinite(b) & (np.abs(b - a) <= np.maximum(rel * np.abs(b), abs)))
+            if nan_ok:
+                ok |= np.isnan(a) & np.isnan(b)
+        if ok.all():
+            return
+    assert actual == pytest.approx(expected, rel=rel, abs=abs, nan_ok=nan_ok), what

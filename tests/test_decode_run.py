@@ -21,7 +21,7 @@ from sim.plan import DecodeBlock, ScheduledRequest, StepPlan
 from sim.request import Request, RequestStatus
 from sim.specs import load_hardware_spec, load_model_spec
 from sim.step_builder import ReplicaQueues, StepBuilder
-from tests.helpers import compose_cfg
+from tests.helpers import assert_approx, compose_cfg, free_queues
 
 
 def _decoding_replica(contexts: list[int], outputs: list[int], num_blocks: int, bs: int,
@@ -262,8 +262,8 @@ def _cluster_run(mode: str, overrides: tuple[str, ...]):
     steps = pd.DataFrame(res.steps_sink.rows, columns=res.steps_sink.columns)
     # Replicas interleave their rows differently when one of them jumps: order per replica.
     steps = steps.sort_values(["replica_id", "step"]).reset_index(drop=True)
-    free = [rep.kv._gpu.free_blocks() for rep in res.replicas]
-    return res.summary, reqs.sort_values("request_id").reset_index(drop=True), steps, free
+    return (res.summary, reqs.sort_values("request_id").reset_index(drop=True), steps,
+            free_queues(res))
 
 
 @pytest.mark.parametrize("policy,router,extra", [
@@ -291,12 +291,13 @@ def test_colocated_replicas_fast_equals_exact(policy, router, extra):
             "swapped_out"]
     assert (sf[cols].to_numpy() == se[cols].to_numpy()).all()
     for c in ("time", "duration"):
-        assert sf[c].astype(float).to_numpy() == pytest.approx(
-            se[c].astype(float).to_numpy(), rel=1e-9, abs=1e-12)
+        assert_approx(sf[c].astype(float).to_numpy(), se[c].astype(float).to_numpy(),
+                      rel=1e-9, abs=1e-12)
     for c in ("replica_id", "output_len", "num_preemptions", "status"):
         assert rf[c].equals(re_[c]), c
     for c in ("first_token_time", "finish_time", "ttft", "tpot", "e2e_latency"):
-        assert pd.to_numeric(rf[c]).to_numpy(dtype=float) == pytest.approx(
-            pd.to_numeric(re_[c]).to_numpy(dtype=float), rel=1e-9, abs=1e-12, nan_ok=True), c
+        assert_approx(pd.to_numeric(rf[c]).to_numpy(dtype=float),
+                      pd.to_numeric(re_[c]).to_numpy(dtype=float), rel=1e-9, abs=1e-12,
+                      nan_ok=True, what=c)
     # The same block ids, handed out and freed in the same order.
     assert free_f == free_e

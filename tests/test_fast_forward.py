@@ -5,9 +5,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from experiments.simulation import Simulation
+from experiments.simulation import Simulation, SimulationResult
 from policies import POLICIES
-from tests.helpers import compose_cfg
+from tests.helpers import assert_approx, compose_cfg, free_queues
 
 JUMPING = [n for n in POLICIES.names() if POLICIES.get(n).supports_decode_jumps]
 # Options that exercise a policy's own decisions (priority classes, preemptive SJF).
@@ -29,12 +29,19 @@ def _run(mode: str, overrides: list[str]):
     res = Simulation(compose_cfg(f"step_mode={mode}", *overrides)).run()
     reqs = pd.DataFrame(res.requests_sink.rows, columns=res.requests_sink.columns)
     steps = pd.DataFrame(res.steps_sink.rows, columns=res.steps_sink.columns)
-    return res.summary, reqs.sort_values("request_id").reset_index(drop=True), steps
+    return res, reqs.sort_values("request_id").reset_index(drop=True), steps
 
 
 def _assert_same(overrides: list[str]) -> dict:
-    fast, rf, sf = _run("fast", overrides)
-    exact, re_, se = _run("exact", overrides)
+    """The fast run's summary, once it has the exact run's schedule and block ids."""
+    return _same_runs(overrides)[0].summary
+
+
+def _same_runs(overrides: list[str]) -> tuple[SimulationResult, SimulationResult]:
+    """The fast and the exact run, once they have the same schedule and block ids."""
+    fast_res, rf, sf = _run("fast", overrides)
+    exact_res, re_, se = _run("exact", overrides)
+    fast, exact = fast_res.summary, exact_res.summary
     # The same schedule: every step's shape and timing, and every request's timestamps.
     cols = ["batch_size", "prefill_tokens", "decode_tokens", "sampled", "num_waiting",
             "num_running", "num_swapped", "kv_blocks_used", "recomputed", "swapped_out"]
@@ -42,17 +49,21 @@ def _assert_same(overrides: list[str]) -> dict:
     assert (sf[cols].to_numpy() == se[cols].to_numpy()).all()
     for c in ("time", "duration"):
         a, b = sf[c].astype(float).to_numpy(), se[c].astype(float).to_numpy()
-        assert a == pytest.approx(b, rel=1e-9, abs=1e-12)
+        assert_approx(a, b, rel=1e-9, abs=1e-12)
     for c in ("first_scheduled_time", "first_token_time", "finish_time", "ttft", "tpot",
               "e2e_latency"):
         a = pd.to_numeric(rf[c]).to_numpy(dtype=float)
         b = pd.to_numeric(re_[c]).to_numpy(dtype=float)
-        assert a == pytest.approx(b, rel=1e-9, abs=1e-12, nan_ok=True), c
+        assert_approx(a, b, rel=1e-9, abs=1e-12, nan_ok=True, what=c)
     same = ["request_id", "status", "output_len", "num_preemptions", "num_swaps", "num_recomputes"]
     assert rf[same].equals(re_[same])
     for key in ("p99_itl_ms", "mean_tpot_ms", "num_preemptions", "kv_peak_usage"):
         assert fast[key] == pytest.approx(exact[key], rel=1e-9), key
-    return fast
+    # The same block ids handed out in the same order (tests/test_cluster_fast_exact.py).
+    free = free_queues(fast_res)
+    if free is not None:  # None on the array core (no block ids)
+        assert free == free_queues(exact_res)
+    return fast_res, exact_res
 
 
 @pytest.mark.parametrize("policy", JUMPING)
@@ -107,12 +118,9 @@ def test_jumps_past_finishes_equal_exact_with_the_same_blocks(policy, load):
     """Nothing waits, so decode jumps run past finishes (members leave at the end of their
     last step); the schedule, timestamps, free block queue and peak KV use are exact."""
     overrides = [f"policy={policy}", "model=tiny", "workload.output_len.max=120", *load]
-    fast = Simulation(compose_cfg("step_mode=fast", *overrides)).run()
-    exact = Simulation(compose_cfg("step_mode=exact", *overrides)).run()
+    fast, exact = _same_runs(overrides)  # the free block queues too
     assert fast.replicas[0].num_jump_stops > 0
-    assert fast.replicas[0].kv._gpu.free_blocks() == exact.replicas[0].kv._gpu.free_blocks()
     assert fast.summary["kv_peak_usage"] == exact.summary["kv_peak_usage"]
-    _assert_same(overrides)
 
 
 @pytest.mark.parametrize("load", [
@@ -174,14 +182,12 @@ def test_sjf_aging_deadlines_stop_jumps(seed, qps, aging, preemptive):
 
 
 def _assert_same_blocks_and_finish_order(overrides: list[str]) -> None:
-    """``_assert_same``, and the same free block queue and ``requests.csv`` row order."""
-    fast = Simulation(compose_cfg("step_mode=fast", *overrides)).run()
-    exact = Simulation(compose_cfg("step_mode=exact", *overrides)).run()
+    """``_assert_same`` (the same free block queue too), and the same ``requests.csv`` row
+    order."""
+    fast, exact = _same_runs(overrides)
     assert fast.summary["num_decode_jumps"] > 0
-    assert fast.replicas[0].kv._gpu.free_blocks() == exact.replicas[0].kv._gpu.free_blocks()
     assert ([r[0] for r in fast.requests_sink.rows]
             == [r[0] for r in exact.requests_sink.rows])
-    _assert_same(overrides)
 
 
 def _sjf_running(specs, predictor="noisy"):

@@ -125,6 +125,18 @@ def test_integrity_check_catches_corruption():
         kv.check_integrity()
 
 
+def test_integrity_check_catches_a_block_neither_held_nor_free():
+    """A leaked block whose reference count dropped to none: the counts agree with the
+    tables block for block, and no block is free to compare with (the pool is full)."""
+    kv = KVBlockManager(num_gpu_blocks=2, block_size=4)
+    kv.allocate_slots("a", 4)
+    kv.allocate_slots("b", 4)
+    del kv.block_tables["b"]  # block 1 leaks
+    kv._gpu.shared[1] = -1  # and counts no reference
+    with pytest.raises(KVIntegrityError, match="block 1 has 0 refs and is not free"):
+        kv.check_integrity()
+
+
 def test_integrity_check_catches_a_free_count_that_drifted():
     kv = KVBlockManager(num_gpu_blocks=4, block_size=4)
     kv.allocate_slots("a", 8)
