@@ -155,14 +155,31 @@ def build_app(state: ServerState) -> FastAPI:
     async def _events(stream: Stream, ask: Ask, rid: str) -> AsyncIterator[str]:
         head = {"id": rid, "object": "chat.completion.chunk" if ask.chat else "text_completion",
                 "created": int(time.time()), "model": state.model_name}
+        # A token's event is this stream's template with the token's text put in (no
+        # encoding of the whole chunk per token).
+        mark = json.dumps("\x00")
+        before, after = _sse({**head, "choices": [_choice(ask, "\x00", None)]}).split(mark)
+        queue = stream.queue
         try:
-            first = True
-            while (item := await stream.queue.get()) is not None:
-                k, _ = item
-                if ask.chat and first:
+            if ask.chat:
+                if (item := await queue.get()) is not None:
+                    queue.put_nowait(item)  # (it goes out below, after the role)
                     yield _sse({**head, "choices": [_choice(ask, "", None, role=True)]})
-                first = False
-                yield _sse({**head, "choices": [_choice(ask, _text(stream, k), None)]})
+                else:
+                    queue.put_nowait(None)
+            while (item := await queue.get()) is not None:
+                # Every token already here goes out in one write.
+                events = []
+                while item is not None:
+                    k, t = item
+                    pacer.delivered(t)
+                    events.append(before + json.dumps(_text(stream, k)) + after)
+                    if queue.empty():
+                        break
+                    item = queue.get_nowait()
+                yield "".join(events)
+                if item is None:
+                    break
             yield _sse({**head, "choices": [_choice(ask, None if ask.chat else "",
                                                     stream.finish_reason)]})
             if ask.include_usage:
@@ -173,9 +190,12 @@ def build_app(state: ServerState) -> FastAPI:
 
     async def _whole(request: Request, stream: Stream, ask: Ask, rid: str) -> Response:
         async def tokens() -> list[str]:
-            out = []
+            out, last = [], None
             while (item := await stream.queue.get()) is not None:
                 out.append(_text(stream, item[0]))
+                last = item[1]
+            if last is not None:  # the answer goes out whole with its last token
+                pacer.delivered(last)
             return out
 
         async def disconnected() -> None:

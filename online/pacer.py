@@ -6,10 +6,11 @@ request's new tokens to its stream, stamped with their simulated times. A reques
 now arrives at the simulated time the wall clock reads now; the engine is first brought up to
 that time, so nothing it does can depend on a request still to come.
 
-Pacing error: a token reaches its stream when the task wakes after the wall time of the step
-that sampled it: the event loop's timer granularity (about 1 ms) plus the time to process the
-events due, more when the server is busier than one core allows (the simulated clock keeps
-following the wall clock; tokens then come late, never early).
+Pacing error: a token reaches its connection when the task wakes after the wall time of the
+step that sampled it and the connection's handler runs: the event loop's timer granularity
+(about 1 ms) plus the time to process the events due and the other connections' work, more
+when the server is busier than one core allows (the simulated clock keeps following the wall
+clock; tokens then come late, never early). ``delivered`` records it per token.
 """
 
 from __future__ import annotations
@@ -58,8 +59,8 @@ class Pacer:
         self._wake = asyncio.Event()
         self._t0: float | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        # Per release of events that came due: how long after the wall time of the first
-        # of them it happened (s), the pacing error a client sees on top of the HTTP.
+        # Per token handed to its connection: how long after the wall time of its simulated
+        # time (s), the pacing error a client sees on top of the HTTP (``delivered``).
         self.lags = array("d")
         self.stopped = False
 
@@ -77,11 +78,7 @@ class Pacer:
         """Process every event due by now and release the tokens they sampled."""
         if self.stopped:
             return
-        now = self.sim_now()
-        due = self.engine.next_event_time()
-        if due <= now:
-            self.lags.append((now - due) / self.speed)
-        self.engine.run_until(max(now, self.engine.now))
+        self.engine.run_until(max(self.sim_now(), self.engine.now))
         self._release()
 
     async def run(self) -> None:
@@ -102,9 +99,14 @@ class Pacer:
             except TimeoutError:
                 pass
 
+    def delivered(self, token_time: float) -> None:
+        """A token sampled at simulated ``token_time`` goes to its connection now."""
+        assert self._loop is not None
+        self.lags.append(self._loop.time() - self.wall_of(token_time))
+
     def lag_summary(self) -> dict[str, float | None]:
-        """``pacing_lag_{p50,p99,max}_ms``: how late, in wall ms, events were released
-        after their simulated time (null before any was)."""
+        """``pacing_lag_{p50,p99,max}_ms``: how late, in wall ms, tokens were handed to their
+        connections after their simulated time (null before any was)."""
         lags = sorted(self.lags)
         if not lags:
             return {f"pacing_lag_{k}_ms": None for k in ("p50", "p99", "max")}
