@@ -36,7 +36,7 @@ def test_aiperf_agrees_with_the_simulator(tmp_path):
     out = tmp_path / "run"
     done = subprocess.run(
         [sys.executable, "-m", "experiments.serve_loadgen", f"loadgen.aiperf={exe}",
-         "loadgen.request_count=200", "loadgen.request_rate=20", f"hydra.run.dir={out}"],
+         "loadgen.request_count=200", "loadgen.request_rate=50", f"hydra.run.dir={out}"],
         cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     per = pd.read_csv(out / "loadgen.csv")
