@@ -35,9 +35,9 @@ class OnlineEngine:
                  ) -> None:
         if sim.is_disaggregated:
             raise ConfigError("cluster.name", "online mode serves co-located replicas "
-                              "(cluster=single, cluster.num_replicas=N); a disaggregated "
-                              "deployment moves requests between replicas mid-flight, which "
-                              "an aborted request cannot follow yet")
+                              "(cluster=single, cluster.num_replicas=N), not "
+                              "cluster=disaggregated, whose requests move between replicas "
+                              "mid-flight")
         if sim.step_mode != "exact":
             raise ConfigError("step_mode", "online mode plans one step at a time "
                               "(step_mode=exact): a decode jump needs the arrivals ahead")
