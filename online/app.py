@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -28,6 +29,8 @@ from online.protocol import APIError, Ask, parse_ask, parse_json
 from online.tokens import PromptCounter, prefix_spans
 from sim.request import RequestStatus
 from sim.result import SimulationResult
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -59,22 +62,36 @@ def _sse(data: dict[str, Any] | str) -> str:
 def build_app(state: ServerState) -> FastAPI:
     pacer = state.pacer
 
+    def pacer_stopped(task: asyncio.Task) -> None:
+        if task.cancelled() or task.exception() is None:
+            return
+        # The engine failed: say so, and refuse what comes (streams in flight end at the
+        # shutdown, which writes what can be written).
+        state.draining = True
+        log.error("the engine stopped: %r; new requests get 503, stop the server",
+                  task.exception(), exc_info=task.exception())
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         task = asyncio.create_task(pacer.run())
+        task.add_done_callback(pacer_stopped)
         try:
             yield
         finally:
             state.draining = True
             task.cancel()
+            engine_ok = True
             try:
                 await task
             except asyncio.CancelledError:
                 pass
-            pacer.abort_all_and_settle()
-            state.result = pacer.engine.close()
-            if state.on_close is not None:
-                state.on_close(state.result)
+            except Exception:  # reported by pacer_stopped; no outputs without an engine
+                engine_ok = False
+            if engine_ok:
+                pacer.abort_all_and_settle()
+                state.result = pacer.engine.close()
+                if state.on_close is not None:
+                    state.on_close(state.result)
 
     app = FastAPI(title="llmserve-sim online", lifespan=lifespan)
 
@@ -113,6 +130,7 @@ def build_app(state: ServerState) -> FastAPI:
         ask = parse_ask(parse_json(await request.body()), chat=chat,
                         served_model=state.model_name, max_model_len=state.max_model_len,
                         counter=state.counter)
+        pacer.catch_up()  # the queue as of now
         if state.max_waiting is not None and pacer.engine.num_waiting() >= state.max_waiting:
             raise APIError(429, f"the server is overloaded: {state.max_waiting} requests are "
                                 f"waiting (serve.max_waiting); retry later")
@@ -161,13 +179,10 @@ def build_app(state: ServerState) -> FastAPI:
         before, after = _sse({**head, "choices": [_choice(ask, "\x00", None)]}).split(mark)
         queue = stream.queue
         try:
-            if ask.chat:
-                if (item := await queue.get()) is not None:
-                    queue.put_nowait(item)  # (it goes out below, after the role)
-                    yield _sse({**head, "choices": [_choice(ask, "", None, role=True)]})
-                else:
-                    queue.put_nowait(None)
-            while (item := await queue.get()) is not None:
+            item = await queue.get()
+            if ask.chat and item is not None:  # the role, just before the first token
+                yield _sse({**head, "choices": [_choice(ask, "", None, role=True)]})
+            while item is not None:
                 # Every token already here goes out in one write.
                 events = []
                 while item is not None:
@@ -178,8 +193,8 @@ def build_app(state: ServerState) -> FastAPI:
                         break
                     item = queue.get_nowait()
                 yield "".join(events)
-                if item is None:
-                    break
+                if item is not None:
+                    item = await queue.get()
             yield _sse({**head, "choices": [_choice(ask, None if ask.chat else "",
                                                     stream.finish_reason)]})
             if ask.include_usage:

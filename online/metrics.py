@@ -5,12 +5,13 @@ Gauges are read from the engine when scraped: ``vllm:num_requests_running``,
 (0 to 1), and the prefix cache's counters ``vllm:prefix_cache_queries`` / ``_hits`` (prompt
 tokens looked up / found). Everything else is counted as each request leaves, from its
 simulated times (what requests.csv holds): ``vllm:request_success`` by ``finished_reason``
-(``length``, ``stop``, ``abort``), and over the finished ones ``vllm:prompt_tokens``,
-``vllm:generation_tokens``, ``vllm:num_preemptions``, and the histograms
-``vllm:time_to_first_token_seconds``, ``vllm:inter_token_latency_seconds``,
-``vllm:e2e_request_latency_seconds``, ``vllm:request_queue_time_seconds``,
-``vllm:request_prompt_tokens``, ``vllm:request_generation_tokens``. Every series carries the
-label ``model_name``.
+(``length``, ``stop``, ``abort``); over every request that left, finished or aborted, as vLLM
+counts per step: ``vllm:generation_tokens``, ``vllm:num_preemptions``, ``vllm:prompt_tokens``
+(of those that sampled a token), ``vllm:time_to_first_token_seconds``,
+``vllm:inter_token_latency_seconds`` and ``vllm:request_queue_time_seconds`` (of those
+scheduled); over the finished ones ``vllm:e2e_request_latency_seconds``,
+``vllm:request_prompt_tokens`` and ``vllm:request_generation_tokens``. Every series carries
+the label ``model_name``; the ``_created`` series are off, as in vLLM.
 """
 
 from __future__ import annotations
@@ -18,7 +19,12 @@ from __future__ import annotations
 from collections.abc import Iterator
 from itertools import pairwise
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    disable_created_metrics,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -80,6 +86,7 @@ class ServerMetrics:
     """The registry ``/metrics`` exposes; ``observe`` each request as it leaves."""
 
     def __init__(self, pacer: Pacer, model_name: str, max_model_len: int) -> None:
+        disable_created_metrics()  # vLLM exposes no ``_created`` series
         self.registry = CollectorRegistry(auto_describe=True)
         self.model_name = model_name
         reg, lab = self.registry, ["model_name"]
@@ -113,21 +120,26 @@ class ServerMetrics:
                                          buckets=token_buckets, registry=reg)
 
     def observe(self, stream: Stream) -> None:
+        """``stream``'s request left. As vLLM counts per step, what it computed counts
+        whether it finished or was aborted: its prompt once it sampled a token, its tokens,
+        preemptions, TTFT and gaps; its end-to-end latency only if it finished."""
         req, m = stream.req, self.model_name
         if req.status is RequestStatus.REJECTED:
             return  # answered with an error, never served
         self.success.labels(m, stream.finish_reason).inc()
+        n = req.num_output_tokens
+        self.preemptions.labels(m).inc(req.num_preemptions)
+        self.generation_tokens.labels(m).inc(n)
+        if n:
+            self.prompt_tokens.labels(m).inc(req.prompt_len)
+            self.ttft.labels(m).observe(req.ttft)
+            times, itl = req.token_times, self.itl.labels(m)
+            for a, b in pairwise(times):
+                itl.observe(b - a)
+        if req.first_scheduled_time is not None:
+            self.queue_time.labels(m).observe(req.first_scheduled_time - req.arrival_time)
         if req.status is not RequestStatus.FINISHED:
             return
-        n = req.num_output_tokens
-        self.prompt_tokens.labels(m).inc(req.prompt_len)
-        self.generation_tokens.labels(m).inc(n)
-        self.preemptions.labels(m).inc(req.num_preemptions)
         self.prompt_hist.labels(m).observe(req.prompt_len)
         self.generation_hist.labels(m).observe(n)
-        self.ttft.labels(m).observe(req.ttft)
         self.e2e.labels(m).observe(req.e2e_latency)
-        self.queue_time.labels(m).observe(req.first_scheduled_time - req.arrival_time)
-        times, itl = req.token_times, self.itl.labels(m)
-        for a, b in pairwise(times):
-            itl.observe(b - a)

@@ -89,12 +89,14 @@ def parse_ask(body: dict[str, Any], *, chat: bool, served_model: str, max_model_
     """``body`` of ``/v1/chat/completions`` (``chat``) or ``/v1/completions`` checked and
     measured. Raises ``APIError`` naming the field at fault."""
     model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise APIError(400, "model is required: the id /v1/models lists", "model")
+    if model is None:  # vLLM serves its one model
+        model = served_model
+    if not isinstance(model, str):
+        raise APIError(400, f"model must be a string, got {model!r}", "model")
     if model != served_model:
         raise APIError(404, f"The model `{model}` does not exist.", "model")
     n = _int_field(body, "n", 1, 1)
-    if n != 1:
+    if n is not None and n != 1:
         raise APIError(400, f"n must be 1 (one choice per request), got {n}", "n")
     if chat:
         messages = body.get("messages")
@@ -143,12 +145,21 @@ def parse_ask(body: dict[str, Any], *, chat: bool, served_model: str, max_model_
             f"{'messages' if chat else 'prompt'}, {max(max_tokens, 1)} in the completion). "
             f"Please reduce the length of the {'messages' if chat else 'prompt'} or "
             f"completion."), "max_tokens")
+    stream = _bool_field(body, "stream")
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
         raise APIError(400, "stream_options must be an object", "stream_options")
-    include_usage = bool((options or {}).get("include_usage", False))
+    if options is not None and not stream:
+        raise APIError(400, "stream_options can only be set when stream is true",
+                       "stream_options")
+    include_usage = (options or {}).get("include_usage", False)
+    if include_usage is None:
+        include_usage = False
+    if not isinstance(include_usage, bool):
+        raise APIError(400, f"stream_options.include_usage must be true or false, got "
+                            f"{include_usage!r}", "stream_options.include_usage")
     priority = _int_field(body, "priority", 0, -(2**31))
     return Ask(chat=chat, model=model, prompt_len=prompt_len, prompt_token_ids=ids,
                max_tokens=max_tokens, ignore_eos=_bool_field(body, "ignore_eos"),
-               stream=_bool_field(body, "stream"), include_usage=include_usage,
+               stream=stream, include_usage=include_usage,
                priority=int(priority or 0))

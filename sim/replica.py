@@ -187,9 +187,7 @@ class Replica:
                 pending.append(req)
                 continue
             status = req.status
-            if status is RequestStatus.RUNNING:
-                if req._run is not None:
-                    self.builder.dissolve_run()
+            if status is RequestStatus.RUNNING:  # (no decode run: abort refuses jumps)
                 queues.remove_running(req)
             elif status is RequestStatus.SWAPPED:
                 queues.swapped.remove(req)

@@ -89,3 +89,22 @@ def test_a_chat_that_resends_its_history_hits_the_prefix_cache(tmp_path):
                 if line.startswith("vllm:prefix_cache_hits_total"))
     assert hits >= 128  # the system prompt's whole blocks, at least
     assert int(rows(tmp_path)[1]["num_cached_tokens"]) == hits
+
+
+@pytest.mark.parametrize("speed", [1, 1000])
+def test_chat_streams_the_role_then_every_token_in_order(speed):
+    """At 1000x the pacer hands a stream several tokens at once (and its end with them)."""
+    from online.tokens import FILLER
+
+    with client(None, f"serve.speed={speed}") as c:
+        for max_tokens in (1, 3, 40):
+            with c.stream("POST", "/v1/chat/completions", json={
+                    "model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+                    "max_tokens": max_tokens, "stream": True}) as r:
+                events = [json.loads(line[6:]) for line in r.iter_lines()
+                          if line.startswith("data: {")]
+            deltas = [e["choices"][0]["delta"] for e in events]
+            assert deltas[0] == {"role": "assistant", "content": ""}
+            texts = [d["content"] for d in deltas[1:-1]]
+            assert texts == [FILLER[i % len(FILLER)] for i in range(max_tokens)]
+            assert deltas[-1] == {} and events[-1]["choices"][0]["finish_reason"] == "length"

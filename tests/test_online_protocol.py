@@ -87,11 +87,19 @@ def test_vllm_defaults_and_fields():
     assert (a.max_tokens, a.stream, a.include_usage) == (5, True, True)
     a = ask({"model": MODEL, "prompt": [[5, 6, 7]], "max_tokens": 3, "ignore_eos": True})
     assert (a.prompt_len, a.prompt_token_ids, a.ignore_eos) == (3, [5, 6, 7], True)
+    # vLLM's leniencies: no model (its one model), n null, max_tokens null (the rest).
+    a = ask({"prompt": "abcd", "n": None, "max_tokens": None})
+    assert (a.model, a.max_tokens) == (MODEL, CONTEXT - 1)
 
 
 @pytest.mark.parametrize(("body", "chat", "status", "param"), [
     ({"model": "gpt-4", "prompt": "hi"}, False, 404, "model"),
-    ({"prompt": "hi"}, False, 400, "model"),
+    ({"model": 3, "prompt": "hi"}, False, 400, "model"),
+    ({"model": MODEL, "prompt": "hi", "stream_options": {"include_usage": True}}, False, 400,
+     "stream_options"),
+    ({"model": MODEL, "prompt": "hi", "stream": True,
+      "stream_options": {"include_usage": "false"}}, False, 400,
+     "stream_options.include_usage"),
     ({"model": MODEL, "prompt": "hi", "n": 2}, False, 400, "n"),
     ({"model": MODEL, "prompt": ["a", "b"]}, False, 400, "prompt"),
     ({"model": MODEL, "prompt": ""}, False, 400, "prompt"),
