@@ -26,7 +26,6 @@ from dataclasses import dataclass, field
 from sim.online import OnlineEngine
 from sim.request import Request, RequestStatus
 
-
 LAG_SAMPLES = 200_000  # pacing lags kept for the summary's percentiles (1.6 MB)
 
 
