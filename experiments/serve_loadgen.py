@@ -143,8 +143,12 @@ def compare(client: pd.DataFrame, requests: pd.DataFrame, speed: float) -> tuple
         "client_ttft_ms": client["ttft_ms"], "sim_ttft_ms": served["ttft"] * 1e3 / speed,
         "client_tpot_ms": client["tpot_ms"], "sim_tpot_ms": served["tpot"] * 1e3 / speed,
         "client_e2e_ms": client["e2e_ms"], "sim_e2e_ms": served["e2e_latency"] * 1e3 / speed})
-    if not (client["output_len"].to_numpy() == served["output_len"].to_numpy()).all():
-        raise RuntimeError("aiperf's output lengths differ from the server's requests.csv")
+    # Paired in sending order; aiperf reports the server's own token counts (usage), so a
+    # pair whose prompt or output length differs was paired wrongly.
+    for col in ("output_len", "prompt_len"):
+        if not (client[col].to_numpy() == served[col].to_numpy()).all():
+            raise RuntimeError(f"aiperf's {col} per request differs from the server's "
+                               f"requests.csv in sending order")
     table = []
     for name in ("ttft", "tpot", "e2e"):
         a, b = per[f"client_{name}_ms"].to_numpy(), per[f"sim_{name}_ms"].to_numpy()

@@ -85,7 +85,7 @@ def build_app(state: ServerState) -> FastAPI:
                 await task
             except asyncio.CancelledError:
                 pass
-            except Exception:  # reported by pacer_stopped; no outputs without an engine
+            except Exception:  # noqa: BLE001 (reported by pacer_stopped; no engine, no outputs)
                 engine_ok = False
             if engine_ok:
                 pacer.abort_all_and_settle()
