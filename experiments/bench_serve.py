@@ -8,7 +8,7 @@ command's own goes to it) runs pinned to one core while this process, on the oth
 keeps that many streamed completions open (each asks ``max_tokens`` tokens; a new one starts
 as one ends) for ``duration_s`` seconds. Printed per count: the tokens the clients received
 per second, the server's pacing lag (how late, in wall ms, it handed tokens to their
-connections after their simulated time: p50 / p99 / max over every token, from
+connections after their simulated time: p50 / p99 / max over its tokens, from
 summary.json), and the clients' TPOT against the simulator's (median of the per-request
 ratio). The server keeps up while the lag stays near the event loop's granularity (about
 1 ms). A benchmark, not a test.
