@@ -144,7 +144,9 @@ class SGLangPolicy(Policy):
     def _prefill_batch(self, step: StepBuilder) -> bool:
         """Build a prefill batch; False if it would be empty (then the step decodes)."""
         cfg = self.config
-        chunking = [r for r in step.running if r.num_pending_tokens > 1]
+        # (A request in a micro-batch still in the pipeline waits for it: pipeline stages.)
+        chunking = [r for r in step.running
+                    if r.num_pending_tokens > 1 and not step.is_scheduled(r)]
         if not chunking and not step.waiting:
             return False
         kv, size = step.kv, step.kv.block_size
@@ -196,7 +198,8 @@ class SGLangPolicy(Policy):
     def _decode_batch(self, step: StepBuilder) -> None:
         """Every decoding request one token (a prompt mid-chunk waits for the next prefill
         batch), after retracting some if the pool cannot hold the step."""
-        decoding = [r for r in step.running if r.num_pending_tokens == 1]
+        decoding = [r for r in step.running
+                    if r.num_pending_tokens == 1 and not step.is_scheduled(r)]
         if sum(step.blocks_needed(r, 1) for r in decoding) > step.kv.num_free_blocks:
             decoding = self._retract(step, decoding)
         else:

@@ -110,7 +110,8 @@ def test_bad_settings_name_the_field(override, field):
 @pytest.mark.slow
 @pytest.mark.parametrize("extra", [[], ["policy.schedule_policy=lpm"],
                                    ["kv.num_offload_blocks=80"],
-                                   ["cluster.num_replicas=2", "cluster.router=prefix_aware"]])
+                                   ["cluster.num_replicas=2", "cluster.router=prefix_aware"],
+                                   ["cluster.pipeline_parallel_size=2"]])
 def test_tight_pools_keep_every_request_and_the_books(extra):
     base = ["model=tiny", "policy=sglang", "workload.num_requests=80", "workload.qps=160",
             "workload.shared_prefix_len=48", "workload.num_prefix_groups=3",
