@@ -82,7 +82,7 @@ class ServeConfig:
 
 def server_state(container: dict[str, Any], out_dir: Path | None,
                  ) -> tuple[ServerState, ServeConfig]:
-    """The online session a composed ``serve`` config describes, ready for
+    """The online server a composed ``serve`` config describes, ready for
     ``online.app.build_app``: the engine, its pacer, the prompt counter and the length law.
     When it stops, its summary (with the pacing lag) and report.html go to ``out_dir``."""
     from online.app import ServerState
@@ -146,7 +146,7 @@ def serve(cfg: DictConfig) -> dict:
 
             @contextlib.contextmanager
             def capture_signals(self) -> Iterator[None]:
-                # SIGINT / SIGTERM stop the session (handle_exit); once it has drained and
+                # SIGINT / SIGTERM stop the server (handle_exit); once it has drained and
                 # written its outputs the command ends normally, not by the signal again.
                 before = {s: signal.signal(s, self.handle_exit)
                           for s in (signal.SIGINT, signal.SIGTERM)}

@@ -6,7 +6,7 @@ figures for the same run.
 Starts ``python -m experiments.serve`` (every override but ``loadgen.*`` goes to it), drives it
 with NVIDIA's aiperf at a constant request rate (streamed completions or chat, a fixed output
 length), stops it with SIGINT, and compares what aiperf measured per request with what the
-session wrote (requests.csv, summary.json). aiperf writes its prompts with a Hugging Face
+server wrote (requests.csv, summary.json). aiperf writes its prompts with a Hugging Face
 tokenizer; a small one is built locally (``online/local_tokenizer.py``), nothing is
 downloaded. Writes ``loadgen.csv`` (per request: the client's and the simulator's TTFT, TPOT
 and E2E latency, in ms) and ``loadgen.md`` (the table printed) into the run's folder, with

@@ -1,6 +1,6 @@
 """``python -m experiments.serve`` started as a separate process on a free port of 127.0.0.1
 and stopped as a user stops it (SIGINT), so the caller (a load-generator run, a test) can
-read what the session wrote."""
+read what the server wrote."""
 
 from __future__ import annotations
 

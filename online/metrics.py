@@ -16,8 +16,9 @@ the label ``model_name``; the ``_created`` series are off, as in vLLM.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from itertools import pairwise
+from typing import Any
 
 from prometheus_client import (
     CollectorRegistry,
@@ -87,59 +88,59 @@ class ServerMetrics:
 
     def __init__(self, pacer: Pacer, model_name: str, max_model_len: int) -> None:
         disable_created_metrics()  # vLLM exposes no ``_created`` series
-        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry = reg = CollectorRegistry(auto_describe=True)
         self.model_name = model_name
-        reg, lab = self.registry, ["model_name"]
         reg.register(_EngineGauges(pacer, model_name))
+
+        def counter(name: str, doc: str) -> Any:
+            return Counter(name, doc, ["model_name"], registry=reg).labels(model_name)
+
+        def histogram(name: str, doc: str, buckets: Sequence[float]) -> Any:
+            return Histogram(name, doc, ["model_name"], buckets=buckets,
+                             registry=reg).labels(model_name)
+
         self.success = Counter("vllm:request_success", "Requests that left, by reason.",
                                ["model_name", "finished_reason"], registry=reg)
-        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prefill tokens processed.", lab,
-                                     registry=reg)
-        self.generation_tokens = Counter("vllm:generation_tokens",
-                                         "Generation tokens processed.", lab, registry=reg)
-        self.preemptions = Counter("vllm:num_preemptions", "Preemptions of finished "
-                                   "requests.", lab, registry=reg)
-        self.ttft = Histogram("vllm:time_to_first_token_seconds",
-                              "Time to first token in seconds.", lab,
-                              buckets=TTFT_BUCKETS, registry=reg)
-        self.itl = Histogram("vllm:inter_token_latency_seconds",
-                             "Inter-token latency in seconds.", lab, buckets=ITL_BUCKETS,
-                             registry=reg)
-        self.e2e = Histogram("vllm:e2e_request_latency_seconds",
-                             "End-to-end request latency in seconds.", lab,
-                             buckets=REQUEST_LATENCY_BUCKETS, registry=reg)
-        self.queue_time = Histogram("vllm:request_queue_time_seconds",
-                                    "Time spent waiting before first scheduled.", lab,
-                                    buckets=REQUEST_LATENCY_BUCKETS, registry=reg)
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Prefill tokens processed.")
+        self.generation_tokens = counter("vllm:generation_tokens",
+                                         "Generation tokens processed.")
+        self.preemptions = counter("vllm:num_preemptions",
+                                   "Preemptions of the requests that left.")
+        self.ttft = histogram("vllm:time_to_first_token_seconds",
+                              "Time to first token in seconds.", TTFT_BUCKETS)
+        self.itl = histogram("vllm:inter_token_latency_seconds",
+                             "Inter-token latency in seconds.", ITL_BUCKETS)
+        self.e2e = histogram("vllm:e2e_request_latency_seconds",
+                             "End-to-end request latency in seconds.", REQUEST_LATENCY_BUCKETS)
+        self.queue_time = histogram("vllm:request_queue_time_seconds",
+                                    "Time spent waiting before first scheduled.",
+                                    REQUEST_LATENCY_BUCKETS)
         token_buckets = build_1_2_5_buckets(max_model_len)
-        self.prompt_hist = Histogram("vllm:request_prompt_tokens",
-                                     "Prompt tokens per request.", lab,
-                                     buckets=token_buckets, registry=reg)
-        self.generation_hist = Histogram("vllm:request_generation_tokens",
-                                         "Generation tokens per request.", lab,
-                                         buckets=token_buckets, registry=reg)
+        self.prompt_hist = histogram("vllm:request_prompt_tokens",
+                                     "Prompt tokens per request.", token_buckets)
+        self.generation_hist = histogram("vllm:request_generation_tokens",
+                                         "Generation tokens per request.", token_buckets)
 
     def observe(self, stream: Stream) -> None:
         """``stream``'s request left. As vLLM counts per step, what it computed counts
         whether it finished or was aborted: its prompt once it sampled a token, its tokens,
         preemptions, TTFT and gaps; its end-to-end latency only if it finished."""
-        req, m = stream.req, self.model_name
+        req = stream.req
         if req.status is RequestStatus.REJECTED:
             return  # answered with an error, never served
-        self.success.labels(m, stream.finish_reason).inc()
+        self.success.labels(self.model_name, stream.finish_reason).inc()
         n = req.num_output_tokens
-        self.preemptions.labels(m).inc(req.num_preemptions)
-        self.generation_tokens.labels(m).inc(n)
+        self.preemptions.inc(req.num_preemptions)
+        self.generation_tokens.inc(n)
         if n:
-            self.prompt_tokens.labels(m).inc(req.prompt_len)
-            self.ttft.labels(m).observe(req.ttft)
-            times, itl = req.token_times, self.itl.labels(m)
-            for a, b in pairwise(times):
-                itl.observe(b - a)
+            self.prompt_tokens.inc(req.prompt_len)
+            self.ttft.observe(req.ttft)
+            for a, b in pairwise(req.token_times):
+                self.itl.observe(b - a)
         if req.first_scheduled_time is not None:
-            self.queue_time.labels(m).observe(req.first_scheduled_time - req.arrival_time)
+            self.queue_time.observe(req.first_scheduled_time - req.arrival_time)
         if req.status is not RequestStatus.FINISHED:
             return
-        self.prompt_hist.labels(m).observe(req.prompt_len)
-        self.generation_hist.labels(m).observe(n)
-        self.e2e.labels(m).observe(req.e2e_latency)
+        self.prompt_hist.observe(req.prompt_len)
+        self.generation_hist.observe(n)
+        self.e2e.observe(req.e2e_latency)

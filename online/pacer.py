@@ -64,7 +64,7 @@ class Pacer:
         self._loop: asyncio.AbstractEventLoop | None = None
         # Per token handed to its connection: how long after the wall time of its simulated
         # time (s), the pacing error a client sees on top of the HTTP (``delivered``); a
-        # uniform sample of at most LAG_SAMPLES of them (a long session stays bounded) and
+        # uniform sample of at most LAG_SAMPLES of them (a long-running server stays bounded) and
         # the largest.
         self.lags = array("d")
         self.num_lags = 0
@@ -93,7 +93,7 @@ class Pacer:
         """The pacing task: runs until cancelled."""
         self._loop = asyncio.get_running_loop()
         self._t0 = self._loop.time() - self.engine.now / self.speed
-        self.engine.wall0 = time.perf_counter()  # the session's wall time counts from here
+        self.engine.wall0 = time.perf_counter()  # the server's wall time counts from here
         while True:
             self.catch_up()
             due = self.engine.next_event_time()

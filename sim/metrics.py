@@ -191,7 +191,8 @@ class MetricsCollector:
             if (first - arrival <= ttft and finish - arrival <= e2el
                     and (n == 1 or (later_times[-1] - first) / (n - 1) <= tpot)):
                 self.good += 1
-        self.last_finish = max(self.last_finish, finish)
+        if finish > self.last_finish:
+            self.last_finish = finish
 
     def _flush_itl(self) -> None:
         """Move the gaps of the requests finished since the last call into ``_itl``."""

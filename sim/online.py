@@ -14,7 +14,6 @@ and returns the run's result.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from itertools import count
 
 from sim.clock import PacedEnvironment
@@ -28,11 +27,9 @@ from sim.simulation import Simulation
 
 
 class OnlineEngine:
-    """One online session of ``sim``'s deployment. ``on_done``: called with each request
-    that leaves (finished, rejected at arrival or aborted), after its row is written."""
+    """``sim``'s deployment, online."""
 
-    def __init__(self, sim: Simulation, on_done: Callable[[Request], None] | None = None
-                 ) -> None:
+    def __init__(self, sim: Simulation) -> None:
         if sim.is_disaggregated:
             raise ConfigError("cluster.name", "online mode serves co-located replicas "
                               "(cluster=single, cluster.num_replicas=N), not "
@@ -43,7 +40,6 @@ class OnlineEngine:
                               "(step_mode=exact): a decode jump needs the arrivals ahead")
         self.sim = sim
         self.env = PacedEnvironment()
-        self._on_done = on_done
         self._ids = count()
         self.wall0 = time.perf_counter()  # reset when the clock starts (summary: wall_time_s)
         columns = REQUEST_COLUMNS + (CLUSTER_REQUEST_COLUMNS if sim.is_cluster else ())
@@ -51,7 +47,7 @@ class OnlineEngine:
         progress.close()  # a server has no end to show progress towards
         # No horizon: replicas plan one step at a time (no decode jumps).
         self.deployment = sim.build_deployment(self.env, self.metrics, self.req_sink,
-                                               self.step_sink, self._done, None)
+                                               self.step_sink, None, None)
         self.replicas: list[Replica] = self.deployment.replicas
         self.closed = False
 
@@ -79,18 +75,12 @@ class OnlineEngine:
         req = Request(next(self._ids), self.env.now, prompt_len, max_output_len,
                       priority=priority, prompt_token_ids=prompt_token_ids, prefix=prefix)
         self.deployment.add_request(req)
-        if req.is_finished:  # rejected at arrival
-            self._done(req)
         return req
 
     def abort(self, req: Request) -> None:
         """``req``'s client gave up: it leaves before its replica plans the next step."""
         if not req.is_finished:
             self.replicas[req.replica_id].abort(req)
-
-    def _done(self, req: Request) -> None:
-        if self._on_done is not None:
-            self._on_done(req)
 
     # ---- what a server reports ------------------------------------------------------------
     def num_waiting(self) -> int:
@@ -127,7 +117,7 @@ class OnlineEngine:
 
     # ---- the end --------------------------------------------------------------------------
     def close(self) -> SimulationResult:
-        """Write the session's outputs (every request still unfinished must have been
+        """Write the run's outputs (every request still unfinished must have been
         aborted and left first) and return its result."""
         if self.closed:
             raise RuntimeError("the online engine is already closed")
@@ -144,5 +134,3 @@ class OnlineEngine:
         self.sim.write_summary(summary)
         return SimulationResult(summary, self.metrics, self.replicas, self.sim.memory, [],
                                 self.req_sink, self.step_sink, self.deployment)
-
-

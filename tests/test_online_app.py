@@ -1,6 +1,6 @@
 """The online server's routes in-process (FastAPI's TestClient, the pacer on its event loop):
 a length law's "stop" finishes, a local tokenizer's prompt counts, the real executor's own
-tokens, prefix-cache hits for a chat that resends its history, and the session's outputs."""
+tokens, prefix-cache hits for a chat that resends its history, and the server's outputs."""
 
 from __future__ import annotations
 
