@@ -352,9 +352,9 @@ class RooflineCostModel(Executor):
             steps = np.arange(num_steps, dtype=np.int64)
             ctx, mx = shape.decode_ctx + nd * steps, shape.decode_max_ctx + steps
             if runs is None:
-                return self.duration(replace(shape, decode_ctx=ctx, decode_max_ctx=mx))
-            return np.concatenate([self.duration(replace(
-                shape, decode_ctx=ctx[i:j], decode_max_ctx=mx[i:j])) for i, j, _ in runs])
+                return self.duration(shape._replace(decode_ctx=ctx, decode_max_ctx=mx))
+            return np.concatenate([self.duration(shape._replace(
+                decode_ctx=ctx[i:j], decode_max_ctx=mx[i:j])) for i, j, _ in runs])
         return self.decode_run_durations(nd, shape.decode_ctx, shape.decode_max_ctx, num_steps)
 
     def decode_run_durations(self, num_decode: int, ctx: int, max_ctx: int,

@@ -126,9 +126,12 @@ class DecodeGeometry(NamedTuple):
     exact_keys: bool  # streaming bounds over the exact keys (whole tiles: the tile chain only)
 
 
-@dataclass(frozen=True, slots=True)
-class StepShape:
-    """Aggregate shape of one step: all any step-time model needs to know about a plan."""
+class StepShape(NamedTuple):
+    """Aggregate shape of one step: all any step-time model needs to know about a plan.
+    Immutable and hashable (step-time models memoize on it); a named tuple because one is
+    built for every priced step and a frozen dataclass costs several times as much to build.
+    ``_replace`` / ``_asdict`` / ``_fields`` stand for ``dataclasses.replace`` / ``asdict`` /
+    ``fields``."""
 
     num_tokens: int = 0  # query tokens computed
     num_sampled: int = 0  # rows that sample (LM head rows)

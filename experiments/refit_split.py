@@ -18,7 +18,6 @@ chooses (docs/calibration.md, "A price for a step's first requests").
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 from pathlib import Path
 
@@ -71,7 +70,7 @@ def split_errors(folder: Path, seq_knee: int | None, cfg: dict | None = None,
     tp = int(cfg.get("cluster", {}).get("tensor_parallel_size", 1))
     block = int(cfg["kv"]["block_size"])
     geometry = given.decomposition()  # as the cost model will decompose steps
-    names = [f.name for f in dataclasses.fields(StepShape)]
+    names = list(StepShape._fields)
     shapes = [StepShape(**{k: int(v) for k, v in zip(names, r)})
               for r in steps[names].itertuples(index=False)]
     y = steps.measured_s.to_numpy()

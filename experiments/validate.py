@@ -819,11 +819,10 @@ def write_outputs(result: ValidationResult, out_dir: Path, cfg: dict[str, Any]) 
 
 def replay_frame(rep: Replay) -> Any:
     """One row per recorded step: its shape, measured and predicted seconds."""
-    import dataclasses
 
     import pandas as pd
 
-    df = pd.DataFrame([dataclasses.asdict(s.shape) for s in rep.steps])
+    df = pd.DataFrame([s.shape._asdict() for s in rep.steps])
     df["measured_s"] = rep.measured
     df["predicted_s"] = rep.predicted
     df["error_pct"] = 100.0 * rep.step_errors

@@ -4,8 +4,6 @@ a decode block expands into the rows it stands for, the memoized cost model equa
 term-by-term breakdown bit for bit, and co-located clusters give the same results in fast and
 exact mode, down to the block ids handed out."""
 
-from dataclasses import replace
-
 import numpy as np
 import pandas as pd
 import pytest
@@ -213,7 +211,7 @@ def test_memoized_duration_is_the_breakdown_total_bit_for_bit(which, nd, npf, ch
     ex = MODELS[which]
     rows = [ScheduledRequest(i, cached, chunk, [], True) for i in range(npf)]
     rows += [ScheduledRequest(100 + i, ctx + 7 * i, 1, [], i % 2 == 0) for i in range(nd)]
-    shape = replace(step_shape(StepPlan(rows)), swap_out_blocks=swap_out, swap_in_blocks=swap_in)
+    shape = step_shape(StepPlan(rows))._replace(swap_out_blocks=swap_out, swap_in_blocks=swap_in)
     assert ex.duration(shape) == ex.breakdown_shape(shape).total
     assert ex.execute(StepPlan(rows)).duration == ex.breakdown(StepPlan(rows)).total
 

@@ -5,8 +5,6 @@ prices, and that every fast path prices it as the step-by-step one does."""
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -73,7 +71,7 @@ def test_overlapped_host_time_costs_only_what_exceeds_the_gpu():
     b = slow.breakdown_shape(_decode(4, 50))
     assert b.total == pytest.approx(10e-3 + 4 * 15e-6, rel=1e-12) and b.overhead > 0
     # Swap copies count on the GPU side.
-    s = replace(_decode(4, 50), swap_out_blocks=200)
+    s = _decode(4, 50)._replace(swap_out_blocks=200)
     b = slow.breakdown_shape(s)
     assert b.total == pytest.approx(max(b.swap + 1e-6, 10e-3 + 60e-6), rel=1e-3)
 
@@ -166,7 +164,7 @@ def test_memoized_duration_is_the_breakdown_total_bit_for_bit(which, nd, npf, ch
     ex = MODELS[which]
     rows = [ScheduledRequest(i, cached, chunk, [], True) for i in range(npf)]
     rows += [ScheduledRequest(100 + i, ctx + 7 * i, 1, [], i % 2 == 0) for i in range(nd)]
-    shape = replace(step_shape(StepPlan(rows)), swap_out_blocks=swap)
+    shape = step_shape(StepPlan(rows))._replace(swap_out_blocks=swap)
     assert ex.duration(shape) == ex.breakdown_shape(shape).total
 
 
