@@ -1,6 +1,7 @@
 """The engine driven from outside, for online mode: requests come in one at a time at the
-clock's current time, the caller moves the clock, and the deployment (one replica or several
-behind a router) runs exactly as in an offline run, one step at a time.
+clock's current time, the caller moves the clock, and the deployment (one replica, several
+behind a router, or prefill and decode pools joined by a KV link) runs exactly as in an
+offline run, one step at a time.
 
 The caller (the pacer of ``online/``) keeps the simulated clock on the wall clock:
 ``run_until`` processes every event due by a time, ``next_event_time`` says when the next one
@@ -30,11 +31,6 @@ class OnlineEngine:
     """``sim``'s deployment, online."""
 
     def __init__(self, sim: Simulation) -> None:
-        if sim.is_disaggregated:
-            raise ConfigError("cluster.name", "online mode serves co-located replicas "
-                              "(cluster=single, cluster.num_replicas=N), not "
-                              "cluster=disaggregated, whose requests move between replicas "
-                              "mid-flight")
         if sim.step_mode != "exact":
             raise ConfigError("step_mode", "online mode plans one step at a time "
                               "(step_mode=exact): a decode jump needs the arrivals ahead")
@@ -78,9 +74,9 @@ class OnlineEngine:
         return req
 
     def abort(self, req: Request) -> None:
-        """``req``'s client gave up: it leaves before its replica plans the next step."""
-        if not req.is_finished:
-            self.replicas[req.replica_id].abort(req)
+        """``req``'s client gave up: it leaves before its replica plans the next step (in a
+        disaggregated deployment, wherever it is: ``Disaggregated.abort``)."""
+        self.deployment.abort(req)
 
     # ---- what a server reports ------------------------------------------------------------
     def num_waiting(self) -> int:

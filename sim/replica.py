@@ -324,6 +324,12 @@ class Replica:
         self.num_unfinished += 1
         self.notify()
 
+    def drop_transfer(self, req: Request) -> None:
+        """Decode side: ``req``'s KV arrived after it was aborted (online mode, one step at a
+        time): its reserved blocks are free again."""
+        self.builder.drop_transfer(req)
+        self.notify()
+
     def release_handoff(self, req: Request) -> None:
         """Prefill side: the KV of a handed-off request has left; free its blocks."""
         self.builder.free_handed_off(req)

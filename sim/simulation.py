@@ -505,7 +505,8 @@ class Simulation:
             holder: list[Disaggregated] = []
 
             def decode_done(req: Request) -> None:
-                on_done(req)
+                if on_done is not None:
+                    on_done(req)
                 holder[0].on_decode_finished(req)
 
             prefill = prefill_pool.build(env, 0, metrics, rows, step_sink, on_finished=on_done,
@@ -526,7 +527,8 @@ class Simulation:
                 kv_bytes_per_token=self.model.kv_bytes_per_token, lanes=lanes, metrics=metrics,
                 requests_sink=rows)
             holder.append(deployment)
-            deployment.enable_decode_jumps(horizon)
+            if horizon is not None:  # (online mode has none: one step at a time)
+                deployment.enable_decode_jumps(horizon)
             # A decode router that reads only request counts lets each decode replica sleep
             # through its jumps past the other replicas' steps (Replica.enable_lazy_decode).
             if (upcoming is not None and deployment.decode_router.reads_only_counts

@@ -638,6 +638,12 @@ class StepBuilder:
         self._in_transit.add(req.request_id)
         return True
 
+    def drop_transfer(self, req: Request) -> None:
+        """Decode side: the KV has arrived for a request that left meanwhile (aborted): free
+        the blocks reserved for it."""
+        self._in_transit.discard(req.request_id)
+        self._kv.free(req.request_id)
+
     def accept_transferred(self, req: Request) -> None:
         """Decode side: the KV has arrived in the reserved blocks; the request joins the
         running set (still RUNNING) and decodes from its next step."""

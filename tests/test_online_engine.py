@@ -192,9 +192,6 @@ def test_a_request_the_engine_cannot_serve_comes_back_rejected(tmp_path):
 def test_online_engine_refuses_what_it_cannot_serve(tmp_path):
     with pytest.raises(ConfigError, match="step_mode"):
         OnlineEngine(Simulation(compose_cfg("model=tiny"), tmp_path))
-    with pytest.raises(ConfigError, match="cluster.name"):
-        OnlineEngine(Simulation(compose_cfg("model=tiny", "step_mode=exact",
-                                            "cluster=disaggregated"), tmp_path))
 
 
 def test_offline_fast_replicas_refuse_aborts(tmp_path):
@@ -203,3 +200,152 @@ def test_offline_fast_replicas_refuse_aborts(tmp_path):
     replica = sim.run().replicas[0]
     with pytest.raises(ValueError, match="step_mode=exact"):
         replica.abort(None)  # type: ignore[arg-type]
+
+
+# ---- disaggregated deployments ---------------------------------------------------------------
+def _disaggregated(tmp_path: Path) -> OnlineEngine:
+    # One prefill and one decode replica of 12 blocks each: a 100-token prompt holds 7, so
+    # the second one waits for the first's transfer to free them on the prefill replica, and
+    # then for the decode replica's blocks (back-pressure).
+    return _engine(tmp_path, "cluster=disaggregated", "kv.num_gpu_blocks_override=12")
+
+
+def _step_until(engine: OnlineEngine, done) -> None:
+    for _ in range(1000):
+        if done():
+            return
+        _step(engine)
+    raise AssertionError("the state never came")
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "chunked_prefill"])
+def test_online_disaggregated_engine_replays_the_offline_exact_run(tmp_path, policy):
+    req_off, req_on, steps_off, steps_on = _offline_then_online(tmp_path, [
+        "model=tiny", "seed=3", "workload.qps=40", "workload.num_requests=30",
+        "workload.prompt_len.max=300", "workload.output_len.max=100",
+        "kv.num_gpu_blocks_override=60", f"policy={policy}", *POLICY_EXTRA[policy],
+        "policy.max_num_seqs=8", "cluster=disaggregated", "cluster.num_decode_replicas=2"])
+    assert "aborted" not in req_on
+    assert req_on == req_off
+    assert steps_on == steps_off
+
+
+def test_disaggregated_aborts_on_the_decode_replica_and_on_the_link(tmp_path):
+    e = _disaggregated(tmp_path)
+    prefill, decode = e.replicas
+    d = e.deployment
+    a, b = e.submit(100, 40), e.submit(100, 40)
+    _step_until(e, lambda: d._pending[0])  # b waits for the decode replica's blocks
+    assert decode.kv.block_tables == {a.request_id: [0, 1, 2, 3, 4, 5, 6]}
+    assert prefill.kv.block_tables == {b.request_id: [7, 8, 9, 10, 11, 6, 5]}
+    e.abort(a)  # decoding: it leaves at the decode replica's next step boundary
+    _step_until(e, lambda: a.is_finished)
+    assert a.status is RequestStatus.ABORTED and 1 < a.num_output_tokens < 40
+    # Its blocks went back (in reverse) and b's transfer took them at once.
+    assert decode.kv.block_tables == {b.request_id: [7, 8, 9, 10, 11, 6, 5]}
+    reserved = d.records[b.request_id].reserved_time
+    assert reserved == e.now
+    e.abort(b)  # its KV is on the link: the copy ends, then both sides free it
+    assert b.status is RequestStatus.RUNNING
+    _step_until(e, lambda: b.is_finished)
+    assert b.status is RequestStatus.ABORTED and b.num_output_tokens == 1
+    assert b.finish_time == e.now > reserved
+    assert prefill.kv.block_tables == decode.kv.block_tables == {}
+    assert e.num_unfinished() == 0 and d.num_in_transit == 0
+    result = e.close()
+    assert (result.summary["aborted"], result.summary["kv_blocks_leaked"]) == (2, 0)
+    rows = _rows(tmp_path)
+    assert [rows[r.request_id]["status"] for r in (a, b)] == ["aborted", "aborted"]
+    assert (rows[a.request_id]["prefill_replica_id"], rows[a.request_id]["decode_replica_id"]) \
+        == ("0", "1")
+    assert int(rows[b.request_id]["kv_transfer_bytes"]) > 0
+    assert float(rows[b.request_id]["kv_transfer_time"]) > 0
+
+
+def test_disaggregated_aborts_while_waiting_for_blocks_and_at_the_handoff(tmp_path):
+    e = _disaggregated(tmp_path)
+    prefill, decode = e.replicas
+    d = e.deployment
+    a, b = e.submit(100, 40), e.submit(100, 40)
+    _step_until(e, lambda: d._pending[0])
+    e.abort(b)  # waiting for the decode replica's blocks: it leaves now, freeing its own
+    assert b.status is RequestStatus.ABORTED and b.finish_time == e.now
+    assert not d._pending[0] and prefill.kv.block_tables == {}
+    assert e.num_unfinished() == 1
+    c = e.submit(100, 40)
+    _step_until(e, lambda: c.status is RequestStatus.RUNNING)  # its prefill step runs
+    # b's blocks went to the back of the free queue in reverse: c gets 4..0 first.
+    assert prefill.kv.block_tables == {c.request_id: [4, 3, 2, 1, 0, 5, 6]}
+    e.abort(c)  # the step samples its first token, and it leaves at the handoff
+    _step_until(e, lambda: c.is_finished)
+    assert c.status is RequestStatus.ABORTED and c.num_output_tokens == 1
+    assert c.request_id not in d.records and prefill.kv.block_tables == {}
+    assert list(decode.kv.block_tables) == [a.request_id]
+    _step_until(e, lambda: a.is_finished)
+    assert a.status is RequestStatus.FINISHED and a.num_output_tokens == 40
+    result = e.close()
+    assert (result.summary["completed"], result.summary["aborted"]) == (1, 2)
+    assert result.summary["kv_blocks_leaked"] == 0
+    rows = _rows(tmp_path)
+    assert [rows[b.request_id][k] for k in ("status", "prefill_replica_id", "decode_replica_id",
+                                             "kv_transfer_bytes", "kv_transfer_time")] \
+        == ["aborted", "0", "1", "", ""]
+    assert [rows[c.request_id][k] for k in ("status", "output_len", "decode_replica_id")] \
+        == ["aborted", "1", ""]
+
+
+# A slow link keeps transfers on it long enough for aborts to find them there.
+_SLOW_LINK = "cluster.link.bandwidth_gbps=0.02"
+LAYOUTS = {"one": [], "two": ["cluster.num_replicas=2"],
+           "1p1d": ["cluster=disaggregated", _SLOW_LINK],
+           "1p2d": ["cluster=disaggregated", "cluster.num_decode_replicas=2", _SLOW_LINK]}
+
+
+@pytest.mark.slow
+@settings(max_examples=25, deadline=None, suppress_health_check=[
+    HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(data=st.data(), layout=st.sampled_from(sorted(LAYOUTS)),
+       policy=st.sampled_from(["fcfs", "sjf", "chunked_prefill"]), swap=st.booleans(),
+       blocks=st.integers(8, 30))
+def test_random_aborts_leave_every_book_balanced(tmp_path, data, layout, policy, swap, blocks):
+    """Requests arrive and are aborted at random moments, in any layout: every one leaves,
+    finished or aborted, and the KV books (checked after every step) balance at the end."""
+    n = data.draw(st.integers(1, 12), label="requests")
+    arrivals = sorted(data.draw(st.lists(st.floats(0, 0.02), min_size=n, max_size=n),
+                                label="arrivals"))
+    lengths = data.draw(st.lists(st.tuples(st.integers(1, 100), st.integers(1, 200)),
+                                 min_size=n, max_size=n), label="lengths")
+    # Each abort comes some time after its request arrived (a request's steps take 0.3 ms
+    # or so on this model).
+    aborts = data.draw(st.lists(st.tuples(st.integers(0, n - 1), st.floats(0, 0.01)),
+                                max_size=n), label="aborts")
+    run = tmp_path / f"{layout}-{policy}-{swap}-{blocks}-{len(list(tmp_path.iterdir()))}"
+    e = OnlineEngine(Simulation(compose_cfg(
+        "model=tiny", "step_mode=exact", "kv.block_size=16", f"kv.num_gpu_blocks_override={blocks}",
+        "kv.num_cpu_blocks=64", "policy.max_num_seqs=4", "policy.kv_watermark=0",
+        f"policy={policy}", *(["policy.max_num_batched_tokens=64"] if policy == "chunked_prefill"
+                              else []),
+        f"policy.preemption_mode={'swap' if swap else 'recompute'}", "check_integrity=true",
+        *LAYOUTS[layout]), run))
+    events = sorted([(t, 0, i) for i, t in enumerate(arrivals)]
+                    + [(arrivals[i] + delay, 1, i) for i, delay in aborts])
+    reqs: dict[int, object] = {}
+    for t, kind, i in events:
+        while e.next_event_time() <= t:
+            e.run_until(e.next_event_time())
+        e.run_until(t)
+        if kind == 0:
+            reqs[i] = e.submit(*lengths[i])
+        elif i in reqs:
+            e.abort(reqs[i])
+    while e.num_unfinished():
+        e.run_until(e.next_event_time())
+    result = e.close()
+    s = result.summary
+    assert s["kv_blocks_leaked"] == 0
+    assert s["completed"] + s["aborted"] + s["rejected"] == n
+    rows = _rows(run)
+    assert len(rows) == n
+    for req in reqs.values():
+        assert req.is_finished  # type: ignore[attr-defined]
+        assert rows[req.request_id]["status"] == req.status.name.lower()  # type: ignore

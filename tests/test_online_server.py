@@ -171,3 +171,29 @@ def test_openai_clients_metrics_errors_and_disconnects(tmp_path):
     assert metrics[("vllm:num_requests_waiting", label)] == 0
     assert metrics[("vllm:kv_cache_usage_perc", label)] == 0
     assert not any(name.endswith("_created") for name, _ in metrics)
+
+
+def test_a_disaggregated_deployment_serves_and_takes_disconnects(tmp_path):
+    """One prefill and two decode replicas: streams get every token at the simulated times,
+    a disconnect aborts wherever the request is, and the KV books balance at the end."""
+    with serving(tmp_path / "run", "cluster=disaggregated", "cluster.num_decode_replicas=2") as s:
+        seen = _stream_completions(s.url, n=8, gap_s=0.05, max_tokens=24)
+        with httpx.stream("POST", f"{s.url}/v1/completions", json={
+                "model": MODEL, "prompt": "go on", "max_tokens": 2000, "stream": True}) as r:
+            lines = r.iter_lines()
+            got = [next(lines) for _ in range(6)]
+        aborted_id = int(next(line for line in got if line.startswith("data: "))
+                         .split('"id": "cmpl-')[1].split('"')[0])
+        time.sleep(0.3)  # the abort lands at the decode replica's next step boundary
+    assert s.returncode == 0, s.output
+    rows, summary = s.requests(), s.summary()
+    assert (summary["completed"], summary["aborted"]) == (8, 1)
+    assert summary["kv_blocks_leaked"] == 0 and summary["num_kv_transfers"] == 9
+    aborted = rows[aborted_id]
+    assert aborted["status"] == "aborted" and 0 < int(aborted["output_len"]) < 2000
+    assert aborted["prefill_replica_id"] == "0" and aborted["decode_replica_id"] in ("1", "2")
+    assert int(aborted["kv_transfer_bytes"]) > 0
+    # Both decode replicas served (least_outstanding), and the streams saw the simulated
+    # latencies: the first token on the prefill replica, the rest on a decode replica.
+    assert {rows[rid]["decode_replica_id"] for rid in seen} == {"1", "2"}
+    _assert_clients_saw_the_simulated_latencies(seen, rows, summary, speed=1.0)

@@ -25,6 +25,11 @@ class Colocated:
         self.routed[i] += 1
         self.replicas[i].add_request(req)
 
+    def abort(self, req: Request) -> None:
+        """``req``'s client gave up: it leaves its replica at the next step boundary."""
+        if not req.is_finished:
+            self.replicas[req.replica_id].abort(req)
+
     @property
     def num_unfinished(self) -> int:
         return sum(r.num_unfinished for r in self.replicas)

@@ -33,7 +33,7 @@ from sim.kv_manager import blocks_for
 from sim.metrics import MetricsCollector
 from sim.outputs import CsvSink, request_row
 from sim.replica import Replica
-from sim.request import Request, full_length
+from sim.request import Request, RequestStatus, full_length
 
 
 @dataclass
@@ -107,6 +107,9 @@ class Disaggregated:
         # decode jump is priced past.
         self._upcoming: UpcomingArrivals | None = None
         self._lazy_span = 0
+        # Requests aborted (online mode) before their KV reached a decode replica: they leave
+        # at their handoff or when their transfer ends.
+        self._aborting: set[int] = set()
 
     def enable_decode_jumps(self, next_arrival) -> None:
         """Give every decode replica a horizon (``decode_horizon``) so that it can take
@@ -207,9 +210,51 @@ class Disaggregated:
         self.routed[i] += 1
         self.prefill[i].add_request(req)
 
+    # ---- abort (online mode) --------------------------------------------------------------
+    def abort(self, req: Request) -> None:
+        """``req``'s client gave up. It leaves where it is at the next moment that can let it
+        go, its blocks freed: on its prefill replica at the next step boundary (a step
+        running it finishes first, and if that step sampled its first token it leaves at the
+        handoff); waiting for a decode replica's blocks, at once; with its KV on the link,
+        when the transfer ends (the copy is not cut short; the decode replica frees what it
+        reserved); on its decode replica, at that replica's next step boundary."""
+        if req.is_finished:
+            return
+        rec = self.records.get(req.request_id)
+        if rec is None:  # not handed off yet
+            self._aborting.add(req.request_id)
+            self.prefill[req.replica_id - self.prefill[0].replica_id].abort(req)
+            return
+        j = rec.decode_id - self._first_decode_id  # type: ignore[operator]
+        if rec.arrive_time is not None:
+            self.decode[j].abort(req)
+        elif rec.reserved_time is None:  # back-pressured: it still holds its prefill blocks
+            self._pending[j].remove(req)
+            self._targets[j].assigned -= 1
+            self._prefill_of(rec).release_handoff(req)
+            self._leave_aborted(req)
+            self._reserve(j)  # the transfers behind it may fit
+        else:
+            self._aborting.add(req.request_id)
+
+    def _leave_aborted(self, req: Request) -> None:
+        """``req`` leaves between replicas: written with status ``aborted``."""
+        self._aborting.discard(req.request_id)
+        req.transition(RequestStatus.ABORTED)
+        req.finish_time = self.env.now
+        self.metrics.on_aborted(req)
+        self.requests_sink.write(request_row(req))
+
+    def _prefill_of(self, rec: TransferRecord) -> Replica:
+        return self.prefill[rec.prefill_id - self.prefill[0].replica_id]
+
     # ---- prefill -> decode --------------------------------------------------------------
     def handoff(self, req: Request, replica: Replica) -> None:
         """Called by a prefill replica right after ``req`` sampled its first token."""
+        if req.request_id in self._aborting:  # aborted while its last prefill step ran
+            replica.release_handoff(req)
+            self._leave_aborted(req)
+            return
         now = self.env.now
         j = self.decode_router.choose(req, self._targets)
         tokens = blocks_for(req.num_computed_tokens, replica.kv.block_size) * replica.kv.block_size
@@ -255,8 +300,13 @@ class Disaggregated:
         self.transfer_time.append(rec.arrive_time - rec.reserved_time)
         self.num_in_transit -= 1
         del self._in_flight[j][req.request_id]
-        self.prefill[rec.prefill_id - self.prefill[0].replica_id].release_handoff(req)
+        self._prefill_of(rec).release_handoff(req)
         self._targets[j].assigned -= 1
+        if req.request_id in self._aborting:  # aborted on the way
+            self.decode[j].drop_transfer(req)
+            self._leave_aborted(req)
+            self._reserve(j)
+            return
         self.decode[j].accept_transferred(req)
 
     def on_decode_finished(self, req: Request) -> None:
@@ -277,8 +327,11 @@ class Disaggregated:
 
     def extra_columns(self, row: tuple) -> tuple:
         rec = self.records.pop(row[0], None)
-        if rec is None:  # rejected, or finished on the prefill replica (one output token)
+        if rec is None:  # rejected, finished or aborted on the prefill replica
+            self._aborting.discard(row[0])
             return (row[1], "", "", "", "")
+        if rec.reserved_time is None:  # aborted while waiting for the decode replica's blocks
+            return (rec.prefill_id, rec.decode_id, "", "", "")
         wait = rec.reserved_time - rec.ready_time
         return (rec.prefill_id, rec.decode_id, int(rec.nbytes), repr(wait),
                 repr(rec.arrive_time - rec.reserved_time))
