@@ -53,6 +53,7 @@ class ServerState:
     def __post_init__(self) -> None:
         self.metrics = ServerMetrics(self.pacer, self.model_name, self.max_model_len)
         self.pacer.on_leave = self.metrics.observe
+        self.pacer.on_tokens = self.metrics.observe_tokens
 
 
 def _sse(data: dict[str, Any] | str) -> str:

@@ -2,16 +2,17 @@
 
 Gauges are read from the engine when scraped: ``vllm:num_requests_running``,
 ``vllm:num_requests_waiting``, ``vllm:num_requests_swapped``, ``vllm:kv_cache_usage_perc``
-(0 to 1), and the prefix cache's counters ``vllm:prefix_cache_queries`` / ``_hits`` (prompt
-tokens looked up / found). Everything else is counted as each request leaves, from its
-simulated times (what requests.csv holds): ``vllm:request_success`` by ``finished_reason``
-(``length``, ``stop``, ``abort``); over every request that left, finished or aborted, as vLLM
-counts per step: ``vllm:generation_tokens``, ``vllm:num_preemptions``, ``vllm:prompt_tokens``
-(of those that sampled a token), ``vllm:time_to_first_token_seconds``,
-``vllm:inter_token_latency_seconds`` and ``vllm:request_queue_time_seconds`` (of those
-scheduled); over the finished ones ``vllm:e2e_request_latency_seconds``,
-``vllm:request_prompt_tokens`` and ``vllm:request_generation_tokens``. Every series carries
-the label ``model_name``; the ``_created`` series are off, as in vLLM.
+(0 to 1), the prefix cache's counters ``vllm:prefix_cache_queries`` / ``_hits`` (prompt
+tokens looked up / found), and ``vllm:num_preemptions`` (every preemption so far, of requests
+in flight and of those that left). As vLLM counts per step, the tokens are counted as the
+engine samples them (when the pacer hands them to their streams, with their simulated times):
+``vllm:generation_tokens``, ``vllm:inter_token_latency_seconds``, and at a request's first
+token ``vllm:time_to_first_token_seconds`` and its ``vllm:prompt_tokens``. As each request
+leaves: ``vllm:request_success`` by ``finished_reason`` (``length``, ``stop``, ``abort``),
+``vllm:request_queue_time_seconds`` (if it was scheduled), and for the finished ones
+``vllm:e2e_request_latency_seconds``, ``vllm:request_prompt_tokens`` and
+``vllm:request_generation_tokens``. Every series carries the label ``model_name``; the
+``_created`` series are off, as in vLLM.
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ class _EngineGauges(Collector):
     def __init__(self, pacer: Pacer, model_name: str) -> None:
         self.pacer = pacer
         self.model_name = model_name
+        self.preemptions_of_those_left = 0
 
     def collect(self) -> Iterator[Metric]:
         engine, label = self.pacer.engine, [self.model_name]
@@ -74,10 +76,14 @@ class _EngineGauges(Collector):
             g.add_metric(label, value)
             yield g
         queries, hits = engine.prefix_cache_counts()
+        # A request's count only grows, and moves to the total of those left when it leaves.
+        preemptions = self.preemptions_of_those_left + sum(
+            s.req.num_preemptions for s in self.pacer.streams.values())
         for name, doc, value in (
                 ("vllm:prefix_cache_queries", "Prefix cache queries, in queried tokens.",
                  queries),
-                ("vllm:prefix_cache_hits", "Prefix cache hits, in cached tokens.", hits)):
+                ("vllm:prefix_cache_hits", "Prefix cache hits, in cached tokens.", hits),
+                ("vllm:num_preemptions", "Cumulative number of preemptions.", preemptions)):
             c = CounterMetricFamily(name, doc, labels=["model_name"])
             c.add_metric(label, value)
             yield c
@@ -90,7 +96,8 @@ class ServerMetrics:
         disable_created_metrics()  # vLLM exposes no ``_created`` series
         self.registry = reg = CollectorRegistry(auto_describe=True)
         self.model_name = model_name
-        reg.register(_EngineGauges(pacer, model_name))
+        self._gauges = _EngineGauges(pacer, model_name)
+        reg.register(self._gauges)
 
         def counter(name: str, doc: str) -> Any:
             return Counter(name, doc, ["model_name"], registry=reg).labels(model_name)
@@ -104,8 +111,6 @@ class ServerMetrics:
         self.prompt_tokens = counter("vllm:prompt_tokens", "Prefill tokens processed.")
         self.generation_tokens = counter("vllm:generation_tokens",
                                          "Generation tokens processed.")
-        self.preemptions = counter("vllm:num_preemptions",
-                                   "Preemptions of the requests that left.")
         self.ttft = histogram("vllm:time_to_first_token_seconds",
                               "Time to first token in seconds.", TTFT_BUCKETS)
         self.itl = histogram("vllm:inter_token_latency_seconds",
@@ -121,22 +126,29 @@ class ServerMetrics:
         self.generation_hist = histogram("vllm:request_generation_tokens",
                                          "Generation tokens per request.", token_buckets)
 
+    def observe_tokens(self, stream: Stream, start: int, end: int) -> None:
+        """``stream``'s request sampled its tokens ``start`` to ``end - 1`` (0-based): its
+        prompt and TTFT at its first, the gaps before each later one."""
+        req = stream.req
+        self.generation_tokens.inc(end - start)
+        if start == 0:
+            self.prompt_tokens.inc(req.prompt_len)
+            self.ttft.observe(req.ttft)
+            start = 1
+        if end > start:
+            times = req.token_times
+            for a, b in pairwise(times[start - 1:end]):
+                self.itl.observe(b - a)
+
     def observe(self, stream: Stream) -> None:
-        """``stream``'s request left. As vLLM counts per step, what it computed counts
-        whether it finished or was aborted: its prompt once it sampled a token, its tokens,
-        preemptions, TTFT and gaps; its end-to-end latency only if it finished."""
+        """``stream``'s request left (its tokens were observed as they came): finished or
+        aborted, and the figures vLLM takes when a request finishes."""
         req = stream.req
         if req.status is RequestStatus.REJECTED:
             return  # answered with an error, never served
         self.success.labels(self.model_name, stream.finish_reason).inc()
+        self._gauges.preemptions_of_those_left += req.num_preemptions
         n = req.num_output_tokens
-        self.preemptions.inc(req.num_preemptions)
-        self.generation_tokens.inc(n)
-        if n:
-            self.prompt_tokens.inc(req.prompt_len)
-            self.ttft.observe(req.ttft)
-            for a, b in pairwise(req.token_times):
-                self.itl.observe(b - a)
         if req.first_scheduled_time is not None:
             self.queue_time.observe(req.first_scheduled_time - req.arrival_time)
         if req.status is not RequestStatus.FINISHED:

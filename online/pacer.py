@@ -52,12 +52,15 @@ class Stream:
 
 class Pacer:
     def __init__(self, engine: OnlineEngine, speed: float = 1.0,
-                 on_leave: Callable[[Stream], None] | None = None) -> None:
+                 on_leave: Callable[[Stream], None] | None = None,
+                 on_tokens: Callable[[Stream, int, int], None] | None = None) -> None:
         if not (math.isfinite(speed) and speed > 0):
             raise ValueError(f"speed must be a positive number, got {speed!r}")
         self.engine = engine
         self.speed = speed
         self.on_leave = on_leave  # each request as it leaves, once its last token is queued
+        # Each stream's new tokens as they are queued: (stream, first index, end index).
+        self.on_tokens = on_tokens
         self.streams: dict[int, Stream] = {}
         self._wake = asyncio.Event()
         self._t0: float | None = None
@@ -164,6 +167,8 @@ class Pacer:
                 times = req.token_times
                 for i in range(s.sent, n):
                     s.queue.put_nowait((i + 1, times[i]))
+                if self.on_tokens is not None:
+                    self.on_tokens(s, s.sent, n)
                 s.sent = n
             if req.is_finished:
                 s.queue.put_nowait(None)

@@ -108,3 +108,51 @@ def test_chat_streams_the_role_then_every_token_in_order(speed):
             texts = [d["content"] for d in deltas[1:-1]]
             assert texts == [FILLER[i % len(FILLER)] for i in range(max_tokens)]
             assert deltas[-1] == {} and events[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_metrics_count_tokens_and_preemptions_as_they_happen():
+    """Scraped while two requests are in flight on a pool too small for both: the tokens
+    sampled so far, both first tokens and the preemption are counted already."""
+    import asyncio
+
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    # 8 blocks of 16 tokens: two 60-token prompts fill them; the first decode to need a new
+    # block preempts the later request.
+    state, _ = server_state(compose_named(
+        "serve", "model=tiny", "serve.speed=1", "kv.block_size=16",
+        "kv.num_gpu_blocks_override=8", "policy.max_num_seqs=2", "policy.kv_watermark=0"), None)
+    pacer = state.pacer
+
+    def scrape() -> dict[str, float]:
+        text = generate_latest(state.metrics.registry).decode()
+        return {s.name: s.value for f in text_string_to_metric_families(text)
+                for s in f.samples}
+
+    async def main() -> tuple[dict[str, float], int, int]:
+        task = asyncio.create_task(pacer.run())
+        await asyncio.sleep(0)
+        a, b = pacer.submit(60, 60), pacer.submit(60, 60)
+        for _ in range(5000):  # about 2 ms of simulated (and wall) time
+            if a.req.num_preemptions + b.req.num_preemptions:
+                break
+            await asyncio.sleep(0.001)
+        pacer.catch_up()
+        live = scrape()
+        sent = a.sent + b.sent
+        assert not (a.req.is_finished or b.req.is_finished)
+        task.cancel()
+        pacer.abort_all_and_settle()
+        return live, sent, a.req.num_preemptions + b.req.num_preemptions
+
+    live, sent, preemptions = asyncio.run(main())
+    assert live["vllm:num_preemptions_total"] == preemptions >= 1
+    assert live["vllm:generation_tokens_total"] == sent >= 2
+    assert live["vllm:time_to_first_token_seconds_count"] == 2
+    assert live["vllm:prompt_tokens_total"] == 120
+    assert live["vllm:inter_token_latency_seconds_count"] == sent - 2
+    assert live["vllm:e2e_request_latency_seconds_count"] == 0
+    done = scrape()  # both aborted: what they computed stays counted
+    assert done["vllm:num_preemptions_total"] == preemptions
+    assert done["vllm:request_success_total"] == 2
