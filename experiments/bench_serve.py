@@ -40,6 +40,39 @@ log = logging.getLogger(__name__)
 OWN = ("streams", "duration_s", "max_tokens", "prompt_words", "server_cpu")
 
 
+class EventCounter:
+    """Counts a streamed completion's events in its raw bytes as they come, without parsing
+    them line by line (the client spends as little as it can per token, so that the server
+    is what is measured): an event may be split across chunks anywhere, its marker too.
+    ``request_id``: the id of the first event (``cmpl-<id>``), once its bytes are in."""
+
+    MARK = b"data: {"
+    ID = b'"id": "cmpl-'
+
+    def __init__(self) -> None:
+        self.events = 0
+        self.request_id: int | None = None
+        self._tail = b""  # the last bytes, shorter than a marker: one may go on in the next
+        self._head = b""  # the bytes until the first event's id is whole
+
+    def feed(self, chunk: bytes) -> int:
+        """The events whose marker this chunk completes."""
+        data = self._tail + chunk
+        self._tail = data[1 - len(self.MARK):]
+        k = data.count(self.MARK)
+        self.events += k
+        if self.request_id is None:
+            self._head += chunk
+            at = self._head.find(self.ID)
+            if at >= 0:
+                start = at + len(self.ID)
+                end = self._head.find(b'"', start)
+                if end >= 0:
+                    self.request_id = int(self._head[start:end])
+                    self._head = b""
+        return k
+
+
 async def drive(url: str, model: str, streams: int, duration_s: float, max_tokens: int,
                 prompt_words: int) -> tuple[dict[int, tuple[float, float, int]], int]:
     """``streams`` streams kept open for ``duration_s``: request id -> (first token wall
@@ -54,26 +87,22 @@ async def drive(url: str, model: str, streams: int, duration_s: float, max_token
         stop = time.perf_counter() + duration_s
 
         async def one_stream() -> None:
-            # Events counted in the raw bytes (no parsing per line): the client spends as
-            # little as it can per token, so that the server is what is measured.
             while time.perf_counter() < stop:
                 first = last = None
-                events = rid = 0
+                counter = EventCounter()
                 async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
                     async for chunk in r.aiter_raw():
-                        k = chunk.count(b"data: {")
+                        k = counter.feed(chunk)
                         if not k:
                             continue
                         last = time.perf_counter()
                         if first is None:
                             first = last
-                            rid = int(chunk[19:chunk.index(b'"', 19)])
-                        events += k
                         received[0] += k if last < stop else 0
-                tokens = events - 1  # the last event carries the finish reason, no token
+                tokens = counter.events - 1  # the last event carries the finish reason
                 received[0] -= 1 if last is not None and last < stop else 0
-                if tokens == max_tokens:
-                    done[rid] = (first, last, tokens)
+                if tokens == max_tokens and counter.request_id is not None:
+                    done[counter.request_id] = (first, last, tokens)
 
         await asyncio.gather(*(one_stream() for _ in range(streams)))
     return done, received[0]
