@@ -342,7 +342,9 @@ def jump_block_steps(first: np.ndarray, block_size: int, k: int,
     member = np.arange(len(first), dtype=np.int64).repeat(count)
     offset = np.arange(total, dtype=np.int64) - (count.cumsum() - count).repeat(count)
     step = first[member] + block_size * offset
-    order = np.lexsort((member, step))
+    # By step, members in order within a step: ``member`` ascends, so a stable sort by step
+    # keeps that order (a third faster than lexsort on both keys).
+    order = step.argsort(kind="stable")
     return step[order], member[order]
 
 
