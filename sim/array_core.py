@@ -533,9 +533,11 @@ class ArrayCore:
                                                       computed[i] + n == PL[i])
                                      for i, n in grants])
                     nd = members
-                    # Rows of one token over a non-empty cache are decode rows (step_shape).
-                    one_token = sum(1 for i, n in grants if n == 1 and computed[i])
-                    prompt_tokens = sum(n for i, n in grants if n > 1 or not computed[i])
+                    if record:
+                        # Rows of one token over a non-empty cache are decode rows
+                        # (step_shape).
+                        one_token = sum(1 for i, n in grants if n == 1 and computed[i])
+                        prompt_tokens = sum(n for i, n in grants if n > 1 or not computed[i])
                     completed = [i for i, n in grants if computed[i] + n == PL[i]]
                     if members:
                         top = longest_ctx()
@@ -570,8 +572,8 @@ class ArrayCore:
                                 done += 1
                             else:
                                 join(i, t, sched)
-                    used = blocks_at(S) + prefill_blocks
                     if record:
+                        used = blocks_at(S) + prefill_blocks
                         step_sink.write_formatted(
                             (num_steps, 0, repr(start), repr(d), nd + len(grants),
                              prompt_tokens, nd + one_token, nd + len(completed),
