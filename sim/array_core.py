@@ -216,19 +216,21 @@ class _BlockCount:
     k = B Q + R that is q + Q + (0 if r + R == 0, 1 if r + R <= B, else 2), so the sum needs
     only the members' sum of q and their count per residue r."""
 
-    __slots__ = ("bs", "count", "members", "sum_q")
+    __slots__ = ("bs", "count", "members", "sum_q", "_suffix")
 
     def __init__(self, block_size: int) -> None:
         self.bs = block_size
         self.count = [0] * block_size
         self.sum_q = 0
         self.members = 0
+        self._suffix: list[int] | None = None  # sums of count[i:] (i <= B), until a change
 
     def add(self, c: int, sign: int) -> None:
         q, r = divmod(c, self.bs)
         self.count[r] += sign
         self.sum_q += sign * q
         self.members += sign
+        self._suffix = None
 
     def at(self, k: int) -> int:
         bs = self.bs
@@ -236,7 +238,10 @@ class _BlockCount:
         n = self.members
         if r == 0:
             return self.sum_q + n * q + n - self.count[0]
-        return self.sum_q + n * q + n + sum(self.count[bs + 1 - r:])
+        suffix = self._suffix
+        if suffix is None:
+            suffix = self._suffix = [*list(accumulate(reversed(self.count)))[::-1], 0]
+        return self.sum_q + n * q + n + suffix[bs + 1 - r]
 
 
 class ArrayCore:
@@ -514,8 +519,10 @@ class ArrayCore:
                     continue
             elif chunk_plan is not None and (waiting or prefilling):
                 # Decodes first (members, and prompts one token from done), then chunks.
-                ones = [i for i in prefilling if PL[i] - computed[i] == 1]
-                multi = [i for i in prefilling if PL[i] - computed[i] > 1]
+                ones, multi = [], []
+                for i in prefilling:
+                    left = PL[i] - computed[i]
+                    (ones if left == 1 else multi).append(i)
                 chunks, admitted = chunk_plan(
                     members + len(ones), [PL[i] - computed[i] for i in multi],
                     map(PL.__getitem__, waiting), len(waiting),
@@ -563,7 +570,9 @@ class ArrayCore:
                         prefill_blocks -= blocks_for(PL[i], bs)
                     # Sampled in row order: the decode rows in arrival order (members and
                     # prompts one token from done), then the chunks in grant order.
-                    done += len(leave(t, [i for i in ones if OL[i] == 1]))
+                    also = [i for i in ones if OL[i] == 1] if ones else None
+                    if also or (ends_heap and ends_heap[0] >> shift == S):
+                        done += len(leave(t, also))
                     for i in completed:
                         if i in scheduled_at:  # not finished among the decode rows
                             sched = scheduled_at.pop(i)
