@@ -80,8 +80,11 @@ class OnlineEngine:
 
     # ---- what a server reports ------------------------------------------------------------
     def num_waiting(self) -> int:
-        """Requests waiting (never run, or preempted by recompute), as vLLM counts them."""
-        return sum(len(r.queues.waiting) for r in self.replicas)
+        """Requests waiting (never run, or preempted by recompute), as vLLM counts them, and
+        in a disaggregated deployment those waiting for their KV to reach a decode replica
+        (held by no replica's queues), as vLLM's decode side counts them."""
+        between = self.deployment.num_unfinished - sum(r.num_unfinished for r in self.replicas)
+        return sum(len(r.queues.waiting) for r in self.replicas) + between
 
     def num_running(self) -> int:
         return sum(len(r.queues.running) for r in self.replicas)

@@ -349,3 +349,33 @@ def test_random_aborts_leave_every_book_balanced(tmp_path, data, layout, policy,
     for req in reqs.values():
         assert req.is_finished  # type: ignore[attr-defined]
         assert rows[req.request_id]["status"] == req.status.name.lower()  # type: ignore
+
+
+def test_disaggregated_abort_cancels_a_transfer_queued_for_the_link(tmp_path):
+    # A link slow enough that three handoffs of one prefill step queue for its ports.
+    e = _engine(tmp_path, "cluster=disaggregated", "kv.num_gpu_blocks_override=12",
+                "policy.max_num_seqs=4", "cluster.link.bandwidth_gbps=0.001")
+    prefill, decode = e.replicas
+    d = e.deployment
+    a, b, c = (e.submit(20, 5) for _ in range(3))
+    _step_until(e, lambda: len(d.records) == 3)  # all three handed off and reserved
+    recs = [d.records[r.request_id] for r in (a, b, c)]
+    assert all(r.reserved_time == e.now for r in recs)
+    assert recs[0].start_time == e.now and recs[1].start_time is recs[2].start_time is None
+    assert e.num_waiting() == 3  # waiting for their KV, as vLLM's decode side counts them
+    send = e.deployment.link.serialization_time(recs[0].nbytes)
+    e.abort(b)  # queued behind a: it leaves now, freeing both sides
+    assert b.status is RequestStatus.ABORTED and b.finish_time == e.now
+    assert set(prefill.kv.block_tables) == set(decode.kv.block_tables) == {a.request_id,
+                                                                           c.request_id}
+    assert e.num_waiting() == 2
+    _step_until(e, lambda: recs[2].start_time is not None)
+    assert recs[2].start_time == pytest.approx(recs[0].start_time + send, rel=1e-12)
+    _step_until(e, lambda: a.is_finished and c.is_finished)
+    result = e.close()
+    assert (result.summary["completed"], result.summary["aborted"]) == (2, 1)
+    assert result.summary["kv_blocks_leaked"] == 0 and result.summary["num_kv_transfers"] == 2
+    row = _rows(tmp_path)[b.request_id]
+    assert [row[k] for k in ("status", "decode_replica_id", "kv_transfer_bytes",
+                             "kv_backpressure_wait", "kv_transfer_time")] \
+        == ["aborted", "1", "", "0.0", ""]

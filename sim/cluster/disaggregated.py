@@ -43,6 +43,7 @@ class TransferRecord:
     decode_id: int | None = None
     nbytes: float = 0.0
     reserved_time: float | None = None  # decode blocks allocated, transfer may start
+    start_time: float | None = None  # it holds the link's ports: the copy has started
     arrive_time: float | None = None  # KV in place on the decode replica
 
 
@@ -110,6 +111,7 @@ class Disaggregated:
         # Requests aborted (online mode) before their KV reached a decode replica: they leave
         # at their handoff or when their transfer ends.
         self._aborting: set[int] = set()
+        self._transfers: dict[int, simpy.Process] = {}  # the transfers reserved, by request
 
     def enable_decode_jumps(self, next_arrival) -> None:
         """Give every decode replica a horizon (``decode_horizon``) so that it can take
@@ -215,8 +217,9 @@ class Disaggregated:
         """``req``'s client gave up. It leaves where it is at the next moment that can let it
         go, its blocks freed: on its prefill replica at the next step boundary (a step
         running it finishes first, and if that step sampled its first token it leaves at the
-        handoff); waiting for a decode replica's blocks, at once; with its KV on the link,
-        when the transfer ends (the copy is not cut short; the decode replica frees what it
+        handoff); waiting for a decode replica's blocks, or with its transfer queued for the
+        link's ports, at once (the transfer is cancelled); while its KV is being sent, when
+        the transfer ends (the copy is not cut short; the decode replica frees what it
         reserved); on its decode replica, at that replica's next step boundary."""
         if req.is_finished:
             return
@@ -234,7 +237,16 @@ class Disaggregated:
             self._prefill_of(rec).release_handoff(req)
             self._leave_aborted(req)
             self._reserve(j)  # the transfers behind it may fit
-        else:
+        elif rec.start_time is None:  # queued for the link's ports: nothing sent yet
+            self._transfers.pop(req.request_id).interrupt()
+            self.num_in_transit -= 1
+            del self._in_flight[j][req.request_id]
+            self._prefill_of(rec).release_handoff(req)
+            self._targets[j].assigned -= 1
+            self.decode[j].drop_transfer(req)
+            self._leave_aborted(req)
+            self._reserve(j)
+        else:  # sending: the copy is not cut short
             self._aborting.add(req.request_id)
 
     def _leave_aborted(self, req: Request) -> None:
@@ -288,14 +300,21 @@ class Disaggregated:
             self._in_flight[j][req.request_id] = (
                 now + self.link.serialization_time(rec.nbytes, self.lanes)
                 if self.link.latency else now)
-            self.env.process(self._transfer(req, rec, j))
+            self._transfers[req.request_id] = self.env.process(self._transfer(req, rec, j))
 
     def _transfer(self, req: Request, rec: TransferRecord, j: int):
         def on_last(arrival: float) -> None:
             self._in_flight[j][req.request_id] = arrival
 
-        yield from self.link.transfer(rec.prefill_id, rec.decode_id, rec.nbytes, self.lanes,
-                                      on_last)
+        def on_start() -> None:
+            rec.start_time = self.env.now
+
+        try:
+            yield from self.link.transfer(rec.prefill_id, rec.decode_id, rec.nbytes,
+                                          self.lanes, on_last, on_start)
+        except simpy.Interrupt:  # aborted while queued for the link (``abort`` freed it)
+            return
+        del self._transfers[req.request_id]
         rec.arrive_time = self.env.now
         self.transfer_time.append(rec.arrive_time - rec.reserved_time)
         self.num_in_transit -= 1
@@ -333,6 +352,8 @@ class Disaggregated:
         if rec.reserved_time is None:  # aborted while waiting for the decode replica's blocks
             return (rec.prefill_id, rec.decode_id, "", "", "")
         wait = rec.reserved_time - rec.ready_time
+        if rec.arrive_time is None:  # aborted while its transfer queued for the link
+            return (rec.prefill_id, rec.decode_id, "", repr(wait), "")
         return (rec.prefill_id, rec.decode_id, int(rec.nbytes), repr(wait),
                 repr(rec.arrive_time - rec.reserved_time))
 

@@ -113,16 +113,21 @@ class Link:
 
     def transfer(self, src: int, dst: int, nbytes: float, lanes: int = 1,
                  on_last: Callable[[float], None] | None = None,
+                 on_start: Callable[[], None] | None = None,
                  ) -> Generator[simpy.Event, None, None]:
         """A simpy process: queue for the ports, send, arrive ``latency`` later.
         ``on_last(arrival)``: called as the transfer's last event is scheduled (the latency
-        timeout, or without latency the serialization), with the exact arrival time."""
+        timeout, or without latency the serialization), with the exact arrival time;
+        ``on_start()``: when it holds its ports and starts sending. Interrupted while it
+        queues, it gives up its places (simpy.Interrupt reaches the caller)."""
         held = []
         try:
             for p in self._ports_for(src, dst):
                 req = self.ports[p].request()
                 held.append((p, req))
                 yield req
+            if on_start is not None:
+                on_start()
             busy = self.serialization_time(nbytes, lanes)
             if on_last is not None and not self.latency:
                 on_last(self.env.now + busy)
@@ -131,7 +136,10 @@ class Link:
                 self.busy_time[p] += busy
         finally:
             for p, req in held:
-                self.ports[p].release(req)
+                if req.triggered:  # granted: the next in the queue gets the port
+                    self.ports[p].release(req)
+                else:  # still queued: leave the queue
+                    req.cancel()
         self.bytes_sent += nbytes
         self.num_transfers += 1
         if self.latency:
