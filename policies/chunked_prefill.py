@@ -118,6 +118,8 @@ class ChunkedPrefillPolicy(Policy):
             chunks.append(n)
             remaining -= n
             open_partials += n < pending
+        if not num_waiting:  # (most steps: a prompt mid-prefill, nobody waiting)
+            return chunks, []
         open_partials += len(partials) - len(chunks)
         admitted = admission_rule(waiting, None, remaining, seats, cfg.max_num_batched_tokens,
                                   chunked=True, max_partial=max(0, k - open_partials),
