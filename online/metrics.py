@@ -148,11 +148,10 @@ class ServerMetrics:
             return  # answered with an error, never served
         self.success.labels(self.model_name, stream.finish_reason).inc()
         self._gauges.preemptions_of_those_left += req.num_preemptions
-        n = req.num_output_tokens
         if req.first_scheduled_time is not None:
             self.queue_time.observe(req.first_scheduled_time - req.arrival_time)
         if req.status is not RequestStatus.FINISHED:
             return
         self.prompt_hist.observe(req.prompt_len)
-        self.generation_hist.observe(n)
+        self.generation_hist.observe(req.num_output_tokens)
         self.e2e.observe(req.e2e_latency)

@@ -327,7 +327,7 @@ class Replica:
     def drop_transfer(self, req: Request) -> None:
         """Decode side: ``req``'s KV arrived after it was aborted (online mode, one step at a
         time): its reserved blocks are free again."""
-        self.builder.drop_transfer(req)
+        self.builder.free_handed_off(req)
         self.notify()
 
     def release_handoff(self, req: Request) -> None:

@@ -617,7 +617,9 @@ class StepBuilder:
         self._in_transit.add(req.request_id)
 
     def free_handed_off(self, req: Request) -> None:
-        """Prefill side: the transfer is done; release the source blocks."""
+        """A request in transit lets go of its blocks here: on the prefill side the transfer
+        is done (the source blocks); on the decode side it was aborted before its KV arrived
+        (the blocks reserved for it)."""
         self._in_transit.discard(req.request_id)
         self._kv.free(req.request_id)
 
@@ -637,12 +639,6 @@ class StepBuilder:
             return False
         self._in_transit.add(req.request_id)
         return True
-
-    def drop_transfer(self, req: Request) -> None:
-        """Decode side: the KV has arrived for a request that left meanwhile (aborted): free
-        the blocks reserved for it."""
-        self._in_transit.discard(req.request_id)
-        self._kv.free(req.request_id)
 
     def accept_transferred(self, req: Request) -> None:
         """Decode side: the KV has arrived in the reserved blocks; the request joins the

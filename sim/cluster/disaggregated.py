@@ -238,16 +238,18 @@ class Disaggregated:
             self._leave_aborted(req)
             self._reserve(j)  # the transfers behind it may fit
         elif rec.start_time is None:  # queued for the link's ports: nothing sent yet
-            self._transfers.pop(req.request_id).interrupt()
-            self.num_in_transit -= 1
-            del self._in_flight[j][req.request_id]
-            self._prefill_of(rec).release_handoff(req)
-            self._targets[j].assigned -= 1
-            self.decode[j].drop_transfer(req)
-            self._leave_aborted(req)
-            self._reserve(j)
+            self._transfers[req.request_id].interrupt()
+            self._off_link(req, rec, j)
+            self._drop_aborted(req, j)
         else:  # sending: the copy is not cut short
             self._aborting.add(req.request_id)
+
+    def _drop_aborted(self, req: Request, j: int) -> None:
+        """``req``, aborted with blocks reserved on decode replica ``j``, frees them and
+        leaves; the transfers waiting there may take them."""
+        self.decode[j].drop_transfer(req)
+        self._leave_aborted(req)
+        self._reserve(j)
 
     def _leave_aborted(self, req: Request) -> None:
         """``req`` leaves between replicas: written with status ``aborted``."""
@@ -314,19 +316,22 @@ class Disaggregated:
                                           self.lanes, on_last, on_start)
         except simpy.Interrupt:  # aborted while queued for the link (``abort`` freed it)
             return
-        del self._transfers[req.request_id]
         rec.arrive_time = self.env.now
         self.transfer_time.append(rec.arrive_time - rec.reserved_time)
+        self._off_link(req, rec, j)
+        if req.request_id in self._aborting:  # aborted on the way
+            self._drop_aborted(req, j)
+        else:
+            self.decode[j].accept_transferred(req)
+
+    def _off_link(self, req: Request, rec: TransferRecord, j: int) -> None:
+        """``req``'s transfer to decode replica ``j`` is over (arrived, or cancelled while
+        it queued): the prefill side frees its blocks."""
+        del self._transfers[req.request_id]
         self.num_in_transit -= 1
         del self._in_flight[j][req.request_id]
         self._prefill_of(rec).release_handoff(req)
         self._targets[j].assigned -= 1
-        if req.request_id in self._aborting:  # aborted on the way
-            self.decode[j].drop_transfer(req)
-            self._leave_aborted(req)
-            self._reserve(j)
-            return
-        self.decode[j].accept_transferred(req)
 
     def on_decode_finished(self, req: Request) -> None:
         """A decode replica freed blocks: retry its pending transfers."""
