@@ -17,16 +17,27 @@ from itertools import takewhile
 from typing import Any
 
 from policies.base import PolicyConfig
-from policies.budget import Budget, VictimPicker, admit, preempt_for, victim_from_end
+from policies.budget import (
+    Budget,
+    VictimPicker,
+    admission_rule,
+    admit,
+    preempt_for,
+    victim_from_end,
+)
 from policies.fcfs import FCFSPolicy
 from policies.queues import WaitingHeap
 from sim.request import Request, RequestStatus
 from sim.step_builder import StepBuilder
 
 
+def _pending(req: Request) -> int:
+    return req.num_pending_tokens
+
+
 class OrderedPolicy(FCFSPolicy):
     # No fast-path flags of its own (Policy.__init_subclass__): each ordered policy states
-    # its own; none runs on the array core, which admits from the queue's head (FCFS's rule).
+    # its own. On the array core it admits through ``indexed_admissions`` (its own order).
 
     def __init__(self, config: PolicyConfig, seed: int = 0) -> None:
         super().__init__(config, seed)
@@ -51,9 +62,13 @@ class OrderedPolicy(FCFSPolicy):
         """``req`` (again) waits: put it in the policy's index."""
         self.queue.push(req)
 
-    def candidates(self, step: StepBuilder, in_order: Iterator[Request]) -> Iterator[Request]:
-        """The admission sequence; ``in_order`` walks ``self.queue``."""
+    def candidates(self, now: float, in_order: Iterator[Request]) -> Iterator[Request]:
+        """The admission sequence at simulated time ``now``; ``in_order`` walks
+        ``self.queue``."""
         return in_order
+
+    def may_preempt_to_admit(self, priorities: Sequence[int]) -> bool:
+        return bool(getattr(self.config, "preemptive", False))
 
     # ---- FCFS hooks -----------------------------------------------------------------------
     def on_arrival(self, req: Request) -> None:
@@ -73,11 +88,30 @@ class OrderedPolicy(FCFSPolicy):
 
     def admit_waiting(self, step: StepBuilder, budget: Budget) -> list[Request]:
         with self.queue.ordered() as in_order:
-            candidates = self.candidates(step, in_order)
+            candidates = self.candidates(step.now, in_order)
             if getattr(self.config, "preemptive", False):
                 candidates = self._making_room(step, budget, candidates)
             with closing(candidates) as c:  # type: ignore[type-var]
                 return admit(step, budget, c)
+
+    def indexed_admissions(self, now: float, seats: int) -> list[Request]:
+        """The array core's admission (sim/array_core.py): the waiting requests (indexed by
+        ``on_arrival``) that a step planned at ``now`` admits with ``seats`` free seats, in
+        admission order, each moved to RUNNING. It runs only where the KV pool can never
+        bind and admitting preempts nobody (``may_preempt_to_admit``): ``admit_waiting``
+        without its KV part and its preemption, over the same order (``candidates``)."""
+        budget = self.config.max_num_batched_tokens
+
+        def place(req: Request, n: int, pending: int) -> bool:
+            # Admitted: no longer waiting, so a later pass of ``candidates`` skips it, as
+            # ``step.schedule`` makes it skip a request ``admit`` took.
+            req.transition(RequestStatus.RUNNING)
+            return True
+
+        with self.queue.ordered() as in_order, closing(  # type: ignore[type-var]
+                self.candidates(now, in_order)) as c:
+            admitted = admission_rule(c, _pending, budget, seats, budget, place=place)
+        return [req for req, _ in admitted]
 
     def order_fixed_while_decoding(self) -> bool:
         """True if decoding cannot change the running order (the keys of running requests

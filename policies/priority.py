@@ -10,6 +10,7 @@ swapped requests resume in priority order. Steps otherwise as ``fcfs``.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from policies.base import POLICIES, PolicyConfig
@@ -26,8 +27,11 @@ class PriorityConfig(PolicyConfig):
 @POLICIES.register("priority")
 class PriorityPolicy(OrderedPolicy):
     config_class = PriorityConfig
-    # Decode jumps, also past finishes: checked against exact mode in tests/test_fast_forward.py.
+    config: PriorityConfig
+    # Decode jumps, also past finishes: checked against exact mode in tests/test_fast_forward.py;
+    # the array core: tests/test_array_core.py.
     supports_decode_jumps = True
+    array_core = True
 
     def waiting_key(self, req: Request) -> tuple[int, float, int]:
         return (req.priority, req.arrival_time, req.request_id)
@@ -39,3 +43,7 @@ class PriorityPolicy(OrderedPolicy):
 
     def may_preempt(self, candidate: Request, victim: Request) -> bool:
         return victim.priority > candidate.priority
+
+    def may_preempt_to_admit(self, priorities: Sequence[int]) -> bool:
+        # Only a strictly lower class can be displaced: one class alone never is.
+        return self.config.preemptive and len(set(priorities)) > 1

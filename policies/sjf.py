@@ -30,7 +30,6 @@ from policies.queues import WaitingHeap
 from sim.config_types import as_int
 from sim.errors import require
 from sim.request import Request
-from sim.step_builder import StepBuilder
 
 
 @dataclass(frozen=True)
@@ -73,8 +72,10 @@ def predicted_remaining(req: Request) -> float:
 @POLICIES.register("sjf")
 class SJFPolicy(OrderedPolicy):
     config_class = SJFConfig
-    # Decode jumps, also past finishes: checked against exact mode in tests/test_fast_forward.py.
+    # Decode jumps, also past finishes: checked against exact mode in tests/test_fast_forward.py;
+    # the array core: tests/test_array_core.py.
     supports_decode_jumps = True
+    array_core = True
     config: SJFConfig
 
     def __init__(self, config: SJFConfig, seed: int = 0) -> None:
@@ -200,14 +201,14 @@ class SJFPolicy(OrderedPolicy):
         # rounding; stopping a step early only plans once more.
         return due - 1e-9 * max(1.0, abs(due))
 
-    def candidates(self, step: StepBuilder, in_order: Iterator[Request]) -> Iterator[Request]:
+    def candidates(self, now: float, in_order: Iterator[Request]) -> Iterator[Request]:
         if self.config.aging_s is not None:
             # Drop the entries of requests aged or admitted since (also where no decode jump
             # asks for the next deadline, as in step_mode=exact), so the heap stays bounded.
-            self._oldest_not_aged(step.now)
+            self._oldest_not_aged(now)
             with self.by_arrival.ordered() as oldest_first:
                 for req in oldest_first:
-                    if not self._aged(req, step.now):
+                    if not self._aged(req, now):
                         break
                     yield req
         yield from in_order

@@ -23,8 +23,14 @@ step). That chain is computed here on plain numbers:
   once per step (not per member) until its last member leaves.
 
 The policy still decides: FCFS through ``FCFSPolicy.head_admissions`` and chunked prefill
-through ``ChunkedPrefillPolicy.chunk_plan`` (their rules on plain numbers, tested against
-their ``schedule``); only policy classes that set ``array_core = True`` themselves run here.
+through ``ChunkedPrefillPolicy.chunk_plan`` (their rules on plain numbers, over a queue kept
+here in arrival order), and a policy with its own waiting order (SJF, priority) through
+``indexed_admissions``: each arrival becomes a ``Request`` handed to its ``on_arrival``, as
+the replica does, and lives until the request leaves; members finishing in the same step
+leave in the policy's running order (``decode_run_key``), as the replica's rows go. These
+are the rules ``schedule`` uses, tested against it; only policy classes that set
+``array_core = True`` themselves run here, and only where admitting preempts nobody
+(``Policy.may_preempt_to_admit``).
 The outputs (requests.csv, steps.csv, summary.json) are the replica loop's to 1e-9 relative
 in the times (the same steps, priced by other paths: a duration's last bits may differ),
 except ``num_decode_jumps`` (this core's stretches), ``step_engine`` and ``wall_time_s``.
@@ -61,6 +67,7 @@ from sim.outputs import (
 )
 from sim.plan import DecodeBlock, ScheduledRequest, StepPlan
 from sim.progress import Progress
+from sim.request import Request
 from sim.result import SimulationResult
 from sim.step_builder import watermark_blocks
 
@@ -68,7 +75,6 @@ if TYPE_CHECKING:
     from sim.executor import Executor
     from sim.memory import MemoryPlan
     from sim.policy import Policy
-    from sim.request import Request
     from sim.specs import ModelSpec
 
 
@@ -192,6 +198,9 @@ def pool_blocker(sim: ArrayCoreHost, w: WorkloadArrays) -> str | None:
     if any(map(gt, w.arrivals, islice(w.arrivals, 1, None))):
         return "arrival times that decrease (the replica takes them in the order given)"
     cfg = sim.policy.config
+    if sim.policy.may_preempt_to_admit(w.priorities):
+        return (f"policy {cfg.name!r} may preempt a running request to admit a waiting one "
+                f"on this workload (policy.preemptive)")
     # The max_num_seqs longest requests (prompt + output), without a list of all of them.
     largest = nlargest(cfg.max_num_seqs, map(add, w.prompt_lens, w.output_lens))
     if largest[0] > sim.model.max_model_len:
@@ -242,6 +251,44 @@ class _BlockCount:
         if suffix is None:
             suffix = self._suffix = [*list(accumulate(reversed(self.count)))[::-1], 0]
         return self.sum_q + n * q + n + suffix[bs + 1 - r]
+
+
+class _IndexedWaiting:
+    """The waiting queue of a policy that keeps its own order (``indexed_admissions``): each
+    arrival becomes a ``Request`` handed to the policy's ``on_arrival``, as the replica does;
+    the policy's admissions come back as arrival indices. ``held`` keeps the Request of each
+    request admitted until it leaves (its finishing order is the policy's running order)."""
+
+    __slots__ = ("held", "index_of", "policy", "w")
+
+    def __init__(self, policy: Policy, w: WorkloadArrays) -> None:
+        self.w = w
+        self.policy = policy
+        self.index_of: dict[Request, int] = {}  # waiting Request -> its arrival index
+        self.held: dict[int, Request] = {}  # arrival index -> Request, admitted until it leaves
+
+    def extend(self, indices: range) -> None:
+        w, on_arrival, index_of = self.w, self.policy.on_arrival, self.index_of
+        for i in indices:
+            req = Request(w.request_ids[i], w.arrivals[i], w.prompt_lens[i], w.output_lens[i],
+                          w.priorities[i])
+            index_of[req] = i
+            on_arrival(req)
+
+    def __len__(self) -> int:
+        return len(self.index_of)
+
+    def first_index(self) -> int:
+        """The arrival index of the request that has waited longest."""
+        return min(self.index_of.values())
+
+    def admit(self, now: float, seats: int) -> list[int]:
+        batch = []
+        for req in self.policy.indexed_admissions(now, seats):  # type: ignore[attr-defined]
+            i = self.index_of.pop(req)
+            self.held[i] = req
+            batch.append(i)
+        return batch
 
 
 class ArrayCore:
@@ -319,7 +366,26 @@ class ArrayCore:
         # or decodes first, then prompt chunks in the same step (chunk_plan).
         chunked = policy.implements_chunked_prefill
         chunk_plan = policy.chunk_plan if chunked else None  # type: ignore[attr-defined]
-        admit = None if chunked else policy.head_admissions  # type: ignore[attr-defined]
+        # Prefill-only steps: FCFS's queue in arrival order here (head_admissions), or the
+        # policy's own order (indexed_admissions), whose finishers leave in its running order.
+        waiting: deque[int] | _IndexedWaiting
+        held: dict[int, Request] | None = None
+        running_key: Callable[[Request], Any] | None = None
+        admit: Callable[[float, int], list[int]] | None = None
+        if chunked:
+            waiting = deque()
+        elif callable(getattr(policy, "indexed_admissions", None)):
+            waiting = _IndexedWaiting(policy, w)
+            held = waiting.held
+            running_key = policy.decode_run_key()
+            admit = waiting.admit
+        else:
+            waiting = deque()
+            head_admissions = policy.head_admissions  # type: ignore[attr-defined]
+
+            def admit(now: float, seats: int) -> list[int]:
+                k, _ = head_admissions(map(PL.__getitem__, waiting), seats)
+                return [waiting.popleft() for _ in range(k)]  # type: ignore[union-attr]
         ex = self.executor
         execute = ex.execute
         step_pricer = ex.decode_step_pricer
@@ -366,7 +432,6 @@ class ArrayCore:
         times_kept = _TIMES_KEPT
         pricers: dict[int, Callable[[int, int], float] | None] = {}
 
-        waiting: deque[int] = deque()
         # simpy's clock starts at the int 0, and a step row written before it moves says so.
         t: float = 0
         S = 0  # steps in which every member decoded, so far
@@ -422,11 +487,17 @@ class ArrayCore:
             ``also``: requests (ascending) that finish with their first token in the same
             decode rows (chunked prefill), finished among them in arrival order."""
             nonlocal members, ctx_sum
-            gone = []
+            left = []
             while ends_heap and ends_heap[0] >> shift == S:
                 key = heappop(ends_heap)
-                slot = key & slot_mask
-                i = (key >> _SLOT_BITS) & _INDEX_MASK
+                left.append(((key >> _SLOT_BITS) & _INDEX_MASK, key & slot_mask))
+            if held is not None:
+                if len(left) > 1:
+                    left.sort(key=running_rank)
+                for i, _ in left:
+                    del held[i]
+            gone = []
+            for i, slot in left:
                 while also and also[0] < i:
                     first = also.pop(0)
                     finish(first, end, scheduled_at.pop(first), end, empty)
@@ -445,6 +516,14 @@ class ArrayCore:
                 finish(first, end, scheduled_at.pop(first), end, empty)
                 gone.append(first)
             return gone
+
+        def running_rank(member: tuple[int, int]) -> Any:
+            """Where a member leaving at step S comes in that step's rows: the policy's
+            running order, of the request as it stands when its last step is planned."""
+            i = member[0]
+            req = held[i]  # type: ignore[index]
+            req.num_output_tokens = OL[i] - 1
+            return running_key(req)  # type: ignore[misc]
 
         def arrived(end: float, start: float) -> int:
             """The index past the last request that has arrived when the step [start, end]
@@ -492,9 +571,9 @@ class ArrayCore:
                 t = last_start = ARR[nxt]  # idle: the arrivals at t wake the replica
                 continue
             if admit is not None and waiting:
-                k, tokens = admit(map(PL.__getitem__, waiting), seats_total - members)
-                if k:  # a prefill-only step of whole prompts
-                    batch = [waiting.popleft() for _ in range(k)]
+                batch = admit(t, seats_total - members)
+                if batch:  # a prefill-only step of whole prompts
+                    k = len(batch)
                     d = prefill_seconds(tuple([PL[i] for i in batch]))
                     start = last_start = t
                     t += d
@@ -505,6 +584,8 @@ class ArrayCore:
                             gone += blocks_for(PL[i], bs)
                             finish(i, t, start, t, empty)
                             done += 1
+                            if held is not None:
+                                del held[i]
                         else:
                             join(i, t, start)
                     used = blocks_at(S)
@@ -512,6 +593,7 @@ class ArrayCore:
                         peak = used + gone
                     if record:
                         queued = len(waiting) + arrived(t, start) - nxt
+                        tokens = sum([PL[i] for i in batch])
                         step_sink.write_formatted(
                             (num_steps, 0, repr(start), repr(d), k, tokens, 0, k, queued,
                              members, 0, used, round(used / self.num_gpu_blocks, 6), 0, 0, 0, 0),
@@ -597,7 +679,8 @@ class ArrayCore:
             if not members:
                 # Waiting requests that cannot be admitted with nobody running: impossible
                 # where the pool cannot bind (every prompt fits the budget alone).
-                raise RuntimeError(f"array core: request {RID[waiting[0]]} can never be admitted")
+                head = waiting[0] if type(waiting) is deque else waiting.first_index()
+                raise RuntimeError(f"array core: request {RID[head]} can never be admitted")
             # Decode until the next arrival (the steps that start before it), members
             # finishing on the way while nothing waits or is mid-prefill. (A prompt
             # mid-prefill gets a chunk every step unless the decodes take the whole budget.)

@@ -115,10 +115,13 @@ class Policy(ABC):
     #: True if the policy implements chunked prefill's step structure (decodes first, then
     #: prefill chunks in the same step), which ``policy.enable_chunked_prefill=true`` asks for.
     implements_chunked_prefill: ClassVar[bool] = False
-    #: True if the policy also decides on plain numbers (FCFS's ``head_admissions``, chunked
-    #: prefill's ``chunk_plan``), so that a fast run whose KV pool can never bind may use the
-    #: array core (sim/array_core.py) instead of the replica loop. Policies opt in after the
-    #: array-core-vs-exact tests.
+    #: True if the policy also decides without a StepBuilder, so that a fast run whose KV
+    #: pool can never bind may use the array core (sim/array_core.py) instead of the replica
+    #: loop: chunked prefill's ``chunk_plan`` and FCFS's ``head_admissions`` on plain numbers
+    #: (the core keeps the queue in arrival order), or ``indexed_admissions`` for a policy
+    #: that keeps its own waiting order (the core hands it each arrival as a ``Request``
+    #: through ``on_arrival``, and finishes the requests that leave in the same step in
+    #: ``decode_run_key`` order). Policies opt in after the array-core-vs-exact tests.
     array_core: ClassVar[bool] = False
 
     FAST_PATH_FLAGS: ClassVar[tuple[str, ...]] = ("supports_decode_jumps", "array_core")
@@ -128,11 +131,12 @@ class Policy(ABC):
         for flag in Policy.FAST_PATH_FLAGS:
             if flag not in cls.__dict__:  # what the parent certified, its hooks may break
                 setattr(cls, flag, False)
-        # The array core asks the policy on plain numbers, by its step structure.
-        rule = "chunk_plan" if cls.implements_chunked_prefill else "head_admissions"
-        if cls.array_core and not callable(getattr(cls, rule, None)):
-            raise TypeError(f"{cls.__name__}: array_core = True needs a {rule} method "
-                            "(sim/array_core.py)")
+        # The array core asks the policy without a StepBuilder, by its step structure.
+        rules = (("chunk_plan",) if cls.implements_chunked_prefill
+                 else ("head_admissions", "indexed_admissions"))
+        if cls.array_core and not any(callable(getattr(cls, r, None)) for r in rules):
+            raise TypeError(f"{cls.__name__}: array_core = True needs a "
+                            f"{' or '.join(rules)} method (sim/array_core.py)")
 
     def __init__(self, config: PolicyConfig, seed: int = 0) -> None:
         # vLLM v0's flag switches the whole scheduler to decode-first chunking; a policy with
@@ -171,6 +175,13 @@ class Policy(ABC):
         the order does not depend on the requests' progress (arrival or priority order), so
         ``limit``."""
         return limit
+
+    def may_preempt_to_admit(self, priorities: Sequence[int]) -> bool:
+        """Whether admitting a waiting request could preempt a running one that has room, on
+        a workload whose requests have these ``priorities`` (a preemptive ordering; memory
+        pressure aside). The array core, which never preempts, runs only where it cannot.
+        Default: no."""
+        return False
 
     def on_arrival(self, req: Request) -> None:
         """A request was accepted and appended to the waiting queue (called by the replica's

@@ -31,7 +31,7 @@ ARRAY_CORE = [n for n in POLICIES.names() if POLICIES.get(n).array_core]
 
 
 def test_the_array_core_policies_are_collected():
-    assert {"fcfs", "chunked_prefill"} <= set(ARRAY_CORE)
+    assert {"fcfs", "chunked_prefill", "sjf", "priority"} <= set(ARRAY_CORE)
 
 
 def _engine(*overrides: str) -> str:
@@ -79,6 +79,29 @@ def test_chunked_core_equals_exact_on_random_small_workloads(seed, qps, seqs, bu
     assert s["step_engine"] == "array_core"
 
 
+@pytest.mark.slow
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10_000), qps=st.floats(1.0, 400.0), seqs=st.integers(1, 40),
+       budget=st.integers(200, 2000), out_min=st.integers(1, 4), block=st.sampled_from([1, 16]),
+       policy=st.sampled_from([
+           ("policy=sjf",), ("policy=sjf", "policy.predictor=noisy"),
+           ("policy=sjf", "policy.predictor=bucket", "policy.bucket_edges=[20,60]"),
+           ("policy=sjf", "policy.predictor=noisy", "policy.aging_s=0.02"),
+           ("policy=sjf", "policy.aging_s=null"),
+           ("policy=priority", "policy.preemptive=false", "workload.priorities=[0,1,2]"),
+           ("policy=priority", "workload.priorities=[4]")]))
+def test_ordered_core_equals_exact_on_random_small_workloads(seed, qps, seqs, budget, out_min,
+                                                             block, policy):
+    """Policies that keep their own waiting order (``indexed_admissions``): admission in
+    that order, aging included, and requests finishing in the same step leave in the
+    policy's running order (requests.csv's row order is compared)."""
+    s = _assert_same([*TINY, *UNIFORM, *policy, f"seed={seed}", f"workload.qps={qps}",
+                      "workload.num_requests=60", f"policy.max_num_seqs={seqs}",
+                      f"policy.max_num_batched_tokens={budget}", f"kv.block_size={block}",
+                      f"workload.output_len.min={out_min}"])
+    assert s["step_engine"] == "array_core"
+
+
 def _files(tmp: Path, core: bool, overrides: tuple[str, ...]) -> tuple[pd.DataFrame, ...]:
     out = tmp / f"core_{core}"
     res = Simulation(compose_cfg(f"array_core={str(core).lower()}", *overrides), out).run()
@@ -105,6 +128,14 @@ def _files(tmp: Path, core: bool, overrides: tuple[str, ...]) -> tuple[pd.DataFr
      "workload.output_len.min=1", "workload.prompt_len.min=1", "policy=chunked_prefill",
      "policy.max_num_seqs=16", "policy.max_num_batched_tokens=64",
      "policy.max_num_partial_prefills=2", "workload.priorities=[0,1,2]"),
+    # Shortest predicted job first with a noisy predictor and aging, on the benchmark's
+    # workload; priority classes without preemption, seats full with a queue.
+    ("model=llama3_8b", "hardware=a100_80gb", "workload=vidur_bench", "seed=5",
+     "workload.num_requests=800", "workload.qps=9", "policy=sjf", "policy.predictor=noisy",
+     "policy.aging_s=2", "policy.max_num_seqs=32", "policy.max_num_batched_tokens=4096"),
+    (*TINY, *UNIFORM, "workload.num_requests=300", "workload.qps=500", "policy=priority",
+     "policy.preemptive=false", "workload.priorities=[2,0,1]", "policy.max_num_seqs=16",
+     "workload.output_len.min=1", "workload.prompt_len.min=1"),
     # Many at once, one-token outputs among them, seats full with a queue.
     (*TINY, *UNIFORM, "workload.num_requests=300", "workload.qps=500",
      "workload.output_len.min=1", "workload.prompt_len.min=1", "policy.max_num_seqs=16",
@@ -144,8 +175,8 @@ def test_same_seed_same_bytes(tmp_path):
 @pytest.mark.parametrize("overrides,reason", [
     (("step_mode=exact",), "step_mode=exact"),
     (("array_core=false",), "array_core=false"),
-    (("policy=sjf",), "does not decide on arrays"),
-    (("policy=priority",), "does not decide on arrays"),
+    (("policy=sjf", "policy.preemptive=true"), "may preempt a running request to admit"),
+    (("policy=priority", "workload.priorities=[1,1]"), "may preempt a running request"),
     (("policy=static",), "does not decide on arrays"),
     (("check_integrity=true", "kv.num_gpu_blocks_override=500", "kv.num_cpu_blocks=16"), "check_integrity"),
     (("cluster.num_replicas=2",), "a cluster"),
@@ -211,6 +242,51 @@ def test_head_admissions_is_admits_rule_where_the_pool_cannot_bind(prompts, runn
     assert len(admitted) == count
     assert sum(s.num_new_tokens for s in admitted) == tokens
     assert [s.request_id for s in admitted] == list(range(count))
+
+
+@settings(max_examples=150, deadline=None)
+@given(reqs=st.lists(st.tuples(st.integers(1, 300), st.integers(1, 400), st.integers(0, 2),
+                               st.floats(0.0, 2.0)), min_size=1, max_size=12),
+       running=st.integers(0, 5), seqs=st.integers(1, 8), budget=st.integers(8, 700),
+       now=st.floats(0.0, 3.0),
+       policy=st.sampled_from([{"name": "sjf"}, {"name": "sjf", "aging_s": 1.0},
+                               {"name": "sjf", "predictor": "noisy", "aging_s": 0.5},
+                               {"name": "priority", "preemptive": False}]))
+def test_indexed_admissions_is_admits_rule_where_the_pool_cannot_bind(reqs, running, seqs,
+                                                                       budget, now, policy):
+    """What an ordered policy's schedule admits at ``now`` (its own order, aging included;
+    a pool that never binds, ``running`` requests decoding) is what indexed_admissions says:
+    the same requests in the same order, each moved to RUNNING."""
+    running = min(running, seqs)
+    budget = max(budget, seqs)
+    cfg = {**policy, "max_num_seqs": seqs, "max_num_batched_tokens": budget}
+    by_schedule, by_rule = make_policy(cfg, seed=3), make_policy(cfg, seed=3)
+    kv = KVBlockManager(10_000, 16)
+    queues = ReplicaQueues()
+    builder = StepBuilder(queues, kv)
+    builder.reset(now)
+    for i in range(running):
+        r = Request(100 + i, 0.0, 10, 50)
+        r.extra = {"predicted_output_len": 50.0}  # what SJF's on_arrival would have set
+        r.transition(RequestStatus.RUNNING)
+        r.num_computed_tokens = 10
+        r.num_output_tokens = 1
+        assert kv.allocate_slots(r.request_id, 10) is not None
+        queues.add_running(r)
+    arrivals = sorted(min(a, now) for *_, a in reqs)
+    twins = []
+    for i, ((p, out, pri, _), arrival) in enumerate(zip(reqs, arrivals)):
+        a, b = (Request(i, arrival, min(p, budget), out, pri) for _ in range(2))
+        queues.waiting.append(a)
+        by_schedule.on_arrival(a)
+        by_rule.on_arrival(b)
+        twins.append(b)
+    plan = by_schedule.schedule(builder)
+    admitted = [s.request_id for s in plan.scheduled if s.start_position == 0]
+    chosen = by_rule.indexed_admissions(now, seqs - running)
+    assert [r.request_id for r in chosen] == admitted
+    assert all(r.status is RequestStatus.RUNNING for r in chosen)
+    assert all(r.status is RequestStatus.WAITING for r in twins if r not in chosen)
 
 
 @settings(max_examples=150, deadline=None)
