@@ -68,7 +68,7 @@ def admission_rule(candidates: Iterable[T], pending_of: Callable[[T], int] | Non
     tokens are ``pending_of(candidate)``, or the candidate itself), the KV part left to
     ``place(candidate, tokens, pending)``, which admits it (True) or not (False; None: every
     candidate the budget and seats allow is admitted). ``admit`` runs it over requests; the
-    array core (sim/array_core.py) over prompt lengths, where the pool cannot bind.
+    array core (sim/array_core.py) over prompt lengths, with its KV part on counts.
 
     Without chunking a candidate is admitted only with its whole pending prefill, unless that
     exceeds a whole step's budget (a recomputed request that grew that long: it re-prefills in

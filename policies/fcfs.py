@@ -36,6 +36,7 @@ from policies.budget import (
     resume_swapped,
     schedule_running,
 )
+from sim.kv_manager import blocks_for
 from sim.plan import StepPlan
 from sim.request import Request
 from sim.step_builder import StepBuilder
@@ -62,16 +63,52 @@ class FCFSPolicy(Policy):
             resume_swapped(step, budget, self.swapped_order(step))
         return step.build()
 
-    def head_admissions(self, pending: Iterable[int], seats: int) -> tuple[int, int]:
+    def head_admissions(self, pending: Iterable[int], seats: int,
+                        room: tuple[int, int, int] | None = None) -> tuple[int, int]:
         """The array core's admission (sim/array_core.py): how many requests from the head
         of the waiting queue, whose pending prefill tokens ``pending`` gives in queue order,
         the next step admits, and their tokens; ``seats``: free places under
-        ``max_num_seqs``. It runs only where the KV pool can never bind and nothing is ever
-        preempted or swapped: ``admit``'s rule (``admission_rule``) without its KV part, in
-        a prefill-only step (tests/test_array_core.py checks the two agree)."""
+        ``max_num_seqs``. ``admit``'s rule (``admission_rule``) in a prefill-only step, with
+        its KV part on counts where the pool can bind: ``room`` = (free blocks, watermark
+        blocks, block size); a request holding nothing is admitted if the blocks of its
+        whole pending prefill leave the watermark free (``KVBlockManager.can_allocate``).
+        The core takes a pool that can bind only where every request fits it alone above
+        the watermark, so ``admit``'s fallback for one that never could does not arise.
+        tests/test_array_core.py checks the two agree."""
         budget = self.config.max_num_batched_tokens
-        admitted = admission_rule(pending, None, budget, seats, budget)
+        place = None
+        if room is not None:
+            free, watermark, block_size = room
+
+            def place(_: int, n: int, pending: int) -> bool:
+                nonlocal free
+                need = blocks_for(pending, block_size)
+                if free - need < watermark:
+                    return False
+                free -= need
+                return True
+
+        admitted = admission_rule(pending, None, budget, seats, budget, place=place)
         return len(admitted), sum(n for _, n in admitted)
+
+    def decode_preemptions(self, needs: Sequence[int], held: Sequence[int], free: int) -> int:
+        """The array core's decode step when the pool cannot hold every row's new block
+        (sim/array_core.py): ``schedule_running`` with ``latest_arrival_victim`` on counts.
+        Rows in running (arrival) order, row r needing ``needs[r]`` new blocks and holding
+        ``held[r]``, ``free`` blocks free; a row that finds too few preempts the latest
+        arrival not yet granted (possibly itself), so those preempted are always the last
+        rows. Returns how many (tests/test_array_core.py checks it against ``schedule``)."""
+        end = len(needs)  # rows [end, len) are preempted
+        r = 0
+        while r < end:
+            need = needs[r]
+            while need > free and end > r:
+                end -= 1  # the latest arrival not yet granted gives its blocks back
+                free += held[end]
+            if r < end:
+                free -= need
+            r += 1
+        return len(needs) - end
 
     # ---- hooks --------------------------------------------------------------------------
     def admit_waiting(self, step: StepBuilder, budget: Budget) -> list[Request]:

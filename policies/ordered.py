@@ -39,6 +39,10 @@ class OrderedPolicy(FCFSPolicy):
     # No fast-path flags of its own (Policy.__init_subclass__): each ordered policy states
     # its own. On the array core it admits through ``indexed_admissions`` (its own order).
 
+    # Its memory-pressure victims follow ``running_key``, not arrival: FCFS's rule on counts
+    # does not hold, so a pool that can bind keeps the replica loop.
+    decode_preemptions = None
+
     def __init__(self, config: PolicyConfig, seed: int = 0) -> None:
         super().__init__(config, seed)
         self.queue = WaitingHeap(self.waiting_key)

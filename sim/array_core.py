@@ -1,11 +1,17 @@
-"""The array core: step_mode=fast for one replica whose KV pool can never run short, with no
-per-request object, no simpy event and no block id in the loop.
+"""The array core: step_mode=fast for one replica, with no simpy event and no block id in
+the loop, and no per-request object past admission.
 
 Where every request a policy may run at once fits the pool together (the ``max_num_seqs``
 longest requests' blocks, above the watermark), nothing is ever preempted, swapped or refused
 a block, and a run is a chain of steps that admit or continue prompts (prefill-only steps for
 FCFS, mixed steps for chunked prefill) and decode stretches (every member gains one token per
-step). That chain is computed here on plain numbers:
+step). Where the pool can bind (FCFS), admission counts blocks above the watermark, and a
+decode step whose new blocks do not fit is planned on its own: the policy's rule on counts
+(``decode_preemptions``) says how many of the latest arrivals it preempts, by recompute (back
+to the head of the queue, to re-prefill their prompt and sampled tokens) or by swap (back in
+the order they left, as ``resume_swapped`` lets them, in a step of their own; recomputed
+when the CPU pool is full); blocks in use only grow between such steps, so a stretch runs to
+the last step whose blocks fit. That chain is computed here on plain numbers:
 
 * the decoding batch sits in fixed slots; the finishing order comes from a heap keyed by
   (last decode step, arrival index), the running order's ties as the replica breaks them;
@@ -163,8 +169,9 @@ class WorkloadArrays:
         """The columns of ``requests`` (an iterable of Request), or why they cannot be kept as
         plain numbers (ids or priorities that are not ints, token ids given, or with
         ``prefix_caching`` a shared prompt prefix: the core keeps no block contents; without
-        one a request can only hit its own blocks after a preemption, which the core never
-        makes, so caching changes nothing but the count of prompt tokens looked up)."""
+        one a request can only hit its own blocks after a preemption, which the core makes
+        only with caching off, so caching changes nothing but the count of prompt tokens
+        looked up)."""
         out = cls(array("q"), array("q"), array("d"), array("q"), array("q"))
         ids, pri, arr, pl, ol = (out.request_ids.append, out.priorities.append,
                                  out.arrivals.append, out.prompt_lens.append,
@@ -186,10 +193,25 @@ class WorkloadArrays:
         return out
 
 
+def pool_can_bind(sim: ArrayCoreHost, w: WorkloadArrays) -> bool:
+    """Whether the KV pool can run short on this workload: the most a full batch can ever
+    hold (its members' blocks at their last tokens, full_length: prompt + output - 1, for
+    the ``max_num_seqs`` largest requests) exceeds the pool above the admission watermark."""
+    cfg = sim.policy.config
+    blocks = sim.memory.num_gpu_blocks
+    bs = sim.kv_cfg.block_size
+    largest = nlargest(cfg.max_num_seqs, map(add, w.prompt_lens, w.output_lens))
+    need = sum(blocks_for(n - 1, bs) for n in largest)
+    return need > blocks - watermark_blocks(cfg.kv_watermark, blocks)
+
+
 def pool_blocker(sim: ArrayCoreHost, w: WorkloadArrays) -> str | None:
-    """Why the KV pool could bind on this workload (or a request be refused), or None: the
-    array core counts blocks and never preempts, so every request the policy may run at once
-    must fit the pool together, above the admission watermark."""
+    """Why this workload cannot run on the array core (a request would be refused, or the
+    KV pool can bind where the core cannot preempt as the policy does), or None. Where the
+    pool can bind, the core preempts (by recompute, or by swap while the CPU pool has room)
+    with the policy's rule on counts (``decode_preemptions``), if every request fits the
+    pool alone above the watermark and its recompute fits one step (so it never re-prefills
+    in chunks), and swaps only with a watermark of at least one block."""
     n = len(w.arrivals)
     if not n:
         return "no requests"
@@ -207,16 +229,25 @@ def pool_blocker(sim: ArrayCoreHost, w: WorkloadArrays) -> str | None:
         return "a request longer than model.max_model_len (refused at arrival)"
     if not cfg.enable_chunked_prefill and max(w.prompt_lens) > cfg.max_num_batched_tokens:
         return "a prompt longer than policy.max_num_batched_tokens (refused at arrival)"
+    if not pool_can_bind(sim, w):
+        return None
     blocks = sim.memory.num_gpu_blocks
     watermark = watermark_blocks(cfg.kv_watermark, blocks)
-    # The most a full batch can ever hold: its members' blocks at their last tokens
-    # (full_length: prompt + output - 1), for the max_num_seqs largest requests.
     bs = sim.kv_cfg.block_size
-    need = sum(blocks_for(n - 1, bs) for n in largest)
-    if need > blocks - watermark:
-        return (f"the KV pool can bind (the {len(largest)} largest requests hold {need} blocks "
-                f"> {blocks} - {watermark} watermark blocks)")
-    return None
+    why = None
+    if not callable(getattr(sim.policy, "decode_preemptions", None)):
+        why = f"policy {cfg.name!r} preempts on the replica loop only"
+    elif cfg.preemption_mode == "swap" and watermark < 1:
+        # A request swapped back in then always finds its next block (the watermark's).
+        why = "policy.preemption_mode=swap and a watermark of no block"
+    elif sim.prefix_caching:
+        why = "prefix caching (a recomputed request would find its own blocks)"
+    elif largest[0] - 1 > cfg.max_num_batched_tokens:
+        why = ("a request whose recompute (prompt + output - 1 tokens) exceeds "
+               "policy.max_num_batched_tokens")
+    elif blocks_for(largest[0] - 1, bs) > blocks - watermark:
+        why = "a request that alone fills the pool above the watermark"
+    return None if why is None else f"the KV pool can bind, with {why}"
 
 
 class _BlockCount:
@@ -302,6 +333,10 @@ class ArrayCore:
         self.policy = sim.policy
         self.block_size = sim.kv_cfg.block_size
         self.num_gpu_blocks = sim.memory.num_gpu_blocks
+        self.watermark = watermark_blocks(sim.policy.config.kv_watermark, self.num_gpu_blocks)
+        #: The pool can run short: admission counts blocks and decode steps may preempt.
+        self.binding = pool_can_bind(sim, w)
+        self.num_swap_fallbacks = 0  # swaps the CPU pool could not hold: recomputed instead
         self._prefill_prices: dict[tuple[int, ...], float] = {}
 
     def prefill_seconds(self, prompts: tuple[int, ...]) -> float:
@@ -338,7 +373,8 @@ class ArrayCore:
         metrics.first_arrival = self.w.arrivals[0]
         summary = sim.summary(metrics, end, time.perf_counter() - wall0,
                               kv_peak_usage=peak / self.num_gpu_blocks, num_steps=steps,
-                              num_decode_jumps=stretches, num_swap_fallbacks=0,
+                              num_decode_jumps=stretches,
+                              num_swap_fallbacks=self.num_swap_fallbacks,
                               engine="array_core",
                               # Every prompt is looked up once, at its only admission.
                               prefix_cache=(sum(self.w.prompt_lens)
@@ -384,8 +420,26 @@ class ArrayCore:
             head_admissions = policy.head_admissions  # type: ignore[attr-defined]
 
             def admit(now: float, seats: int) -> list[int]:
-                k, _ = head_admissions(map(PL.__getitem__, waiting), seats)
+                room = (num_blocks - blocks_at(S), watermark, bs) if binding else None
+                k, _ = head_admissions(map(PEND.__getitem__, waiting), seats, room)
                 return [waiting.popleft() for _ in range(k)]  # type: ignore[union-attr]
+        # A pool that can bind (FCFS): admission counts blocks, and a decode step whose new
+        # blocks do not fit preempts (decode_preemptions). A request recomputed waits at the
+        # head of the queue to prefill its prompt and the tokens it sampled (PEND: its
+        # pending prefill); one swapped out waits in ``swapped`` (PEND: its context); both
+        # keep what they had (``resume``).
+        binding = self.binding
+        num_blocks = self.num_gpu_blocks
+        watermark = self.watermark
+        decode_preemptions = policy.decode_preemptions if binding else None  # type: ignore
+        PEND = array("q", PL) if binding else PL
+        # Preempted (recomputed and waiting, or swapped out): its first token time, first
+        # scheduling, later token times, preemptions and swaps so far.
+        resume: dict[int, tuple[float, float, array, int, int]] = {}
+        swapped: deque[int] = deque()  # swapped out, in the order they left
+        cpu_free = self.sim.memory.num_cpu_blocks
+        swap = policy.config.preemption_mode == "swap"
+        max_tokens = policy.config.max_num_batched_tokens
         ex = self.executor
         execute = ex.execute
         step_pricer = ex.decode_step_pricer
@@ -411,6 +465,9 @@ class ArrayCore:
         slot_first = [0.0] * seats_total
         slot_sched = [0.0] * seats_total
         slot_index = [-1] * seats_total  # the member's request (-1: free)
+        slot_out0 = [1] * seats_total  # tokens sampled when it joined (more after a recompute)
+        # A member preempted before: its later token times so far, preemptions and swaps.
+        slot_prior: list[tuple[array, int, int] | None] = [None] * seats_total
         heap_limit = _HEAP_PER_SEAT * seats_total + _HEAP_EXTRA
         free_slots = list(range(seats_total - 1, -1, -1))
         ends_heap: list[int] = []  # last step << (INDEX + SLOT) | index << SLOT | slot
@@ -445,7 +502,8 @@ class ArrayCore:
         next_tick = 64  # the progress line's next update
         empty = array("d")
 
-        def finish(i: int, first: float, sched: float, end: float, later: array) -> None:
+        def finish(i: int, first: float, sched: float, end: float, later: array,
+                   preemptions: int = 0, swaps: int = 0) -> None:
             arrival = ARR[i]
             sched = float(sched)  # the clock's int 0 for a step at the start
             o = OL[i]
@@ -453,29 +511,41 @@ class ArrayCore:
             if to_file:
                 lines.append(line_fmt % (RID[i], 0, PRI[i], arrival, PL[i], o, o, sched, first,
                                          end, sched - arrival, first - arrival, tpot,
-                                         end - arrival, 0, 0, 0, 0, ""))
+                                         end - arrival, preemptions, swaps,
+                                         preemptions - swaps, 0, ""))
                 if len(lines) >= 4096:
                     write_text("".join(lines))
                     lines.clear()
             else:  # request_row's tuple (tests keep rows in memory)
                 req_sink.write((RID[i], 0, "finished", "", PRI[i], repr(arrival), PL[i], o, o,
                                 repr(sched), repr(first), repr(end), repr(sched - arrival),
-                                repr(first - arrival), tpot, repr(end - arrival), 0, 0, 0, 0,
-                                ""))
+                                repr(first - arrival), tpot, repr(end - arrival), preemptions,
+                                swaps, preemptions - swaps, 0, ""))
             add_finished(PL[i], arrival, first, end, later)
+            if preemptions:
+                metrics.num_preemptions += preemptions
+                metrics.num_swaps += swaps
+                metrics.num_recomputes += preemptions - swaps
 
-        def join(i: int, first: float, sched: float) -> None:
+        def join(i: int, first: float, sched: float,
+                 prior: tuple[array, int, int] | None = None) -> None:
             """Request ``i`` sampled its first token at ``first`` (end of the step that
-            finished its prompt; S counts that step's decodes): it decodes from the next."""
+            finished its prompt; S counts that step's decodes): it decodes from the next.
+            ``prior``: a request preempted before, its token times after its first (the one
+            a recompute just sampled included), preemptions and swaps. A request swapped
+            back in joins before the step it decodes in, its context PEND."""
             nonlocal members, ctx_sum
-            c = PL[i] - S
+            c = PEND[i] - S
             slot = free_slots.pop()
             slot_ctx[slot] = c
             slot_start[slot] = S
             slot_first[slot] = first
             slot_sched[slot] = sched
             slot_index[slot] = i
-            heappush(ends_heap, (S + OL[i] - 1) << shift | i << _SLOT_BITS | slot)
+            out0 = PEND[i] - PL[i] + 1
+            slot_out0[slot] = out0
+            slot_prior[slot] = prior
+            heappush(ends_heap, (S + OL[i] - out0) << shift | i << _SLOT_BITS | slot)
             heappush(max_heap, -((c + _CTX_OFFSET) << _INDEX_BITS | i))
             alive[i] = 1
             ctx_sum += c
@@ -509,8 +579,13 @@ class ArrayCore:
                 ctx_sum -= c
                 add_blocks(c, -1)
                 members -= 1
-                finish(i, slot_first[slot], slot_sched[slot], end,
-                       times[slot_start[slot] - times_off:S - times_off])
+                later = times[slot_start[slot] - times_off:S - times_off]
+                prior = slot_prior[slot]
+                if prior is None:
+                    finish(i, slot_first[slot], slot_sched[slot], end, later)
+                else:
+                    finish(i, slot_first[slot], slot_sched[slot], end, prior[0] + later,
+                           prior[1], prior[2])
                 gone.append(i)
             for first in also or ():
                 finish(first, end, scheduled_at.pop(first), end, empty)
@@ -567,20 +642,29 @@ class ArrayCore:
                 hi = arrived(t, last_start)
                 waiting.extend(range(nxt, hi))
                 nxt = hi
-            if not waiting and not members and not prefilling:
+            if not waiting and not members and not prefilling and not swapped:
                 t = last_start = ARR[nxt]  # idle: the arrivals at t wake the replica
                 continue
-            if admit is not None and waiting:
+            if admit is not None and waiting and not swapped:
                 batch = admit(t, seats_total - members)
                 if batch:  # a prefill-only step of whole prompts
                     k = len(batch)
-                    d = prefill_seconds(tuple([PL[i] for i in batch]))
+                    d = prefill_seconds(tuple([PEND[i] for i in batch]))
                     start = last_start = t
                     t += d
                     num_steps += 1
                     gone = 0  # blocks of prompts done with their first token
                     for i in batch:
-                        if OL[i] == 1:  # done with its first token: it holds no blocks
+                        if resume and i in resume:  # recomputed: it sampled one more token
+                            first, sched, later, preemptions, swaps = resume.pop(i)
+                            later.append(t)
+                            if PEND[i] - PL[i] + 1 == OL[i]:  # its last
+                                gone += blocks_for(PEND[i], bs)
+                                finish(i, first, sched, t, later, preemptions, swaps)
+                                done += 1
+                            else:
+                                join(i, first, sched, (later, preemptions, swaps))
+                        elif OL[i] == 1:  # done with its first token: it holds no blocks
                             gone += blocks_for(PL[i], bs)
                             finish(i, t, start, t, empty)
                             done += 1
@@ -593,7 +677,7 @@ class ArrayCore:
                         peak = used + gone
                     if record:
                         queued = len(waiting) + arrived(t, start) - nxt
-                        tokens = sum([PL[i] for i in batch])
+                        tokens = sum([PEND[i] for i in batch])
                         step_sink.write_formatted(
                             (num_steps, 0, repr(start), repr(d), k, tokens, 0, k, queued,
                              members, 0, used, round(used / self.num_gpu_blocks, 6), 0, 0, 0, 0),
@@ -676,9 +760,104 @@ class ArrayCore:
                         progress.update(done, t)
                         next_tick = done + 64
                     continue
+            # One decode step planned on its own: when its new blocks do not fit (rows in
+            # arrival order, the latest arrivals preempted: the policy's decode_preemptions),
+            # or when swapped requests come back in it (resume_swapped's order and limits).
+            recomputed = swapped_out = moved_out = moved_in = 0
+            if binding and blocks_at(S + 1) > num_blocks:
+                order = sorted([s for s in range(seats_total) if slot_index[s] >= 0],
+                               key=slot_index.__getitem__)
+                ctxs = [slot_ctx[s] + S for s in order]
+                k = decode_preemptions([1 if c % bs == 0 else 0 for c in ctxs],
+                                       [blocks_for(c, bs) for c in ctxs],
+                                       num_blocks - blocks_at(S))
+                for slot in reversed(order[len(order) - k:]):  # as preempted: latest first
+                    i = slot_index[slot]
+                    c = slot_ctx[slot]
+                    ctx_sum -= c
+                    add_blocks(c, -1)
+                    members -= 1
+                    alive[i] = 0
+                    slot_index[slot] = -1
+                    free_slots.append(slot)
+                    later = times[slot_start[slot] - times_off:S - times_off]
+                    prior = slot_prior[slot]
+                    preemptions, swaps = (1, 0) if prior is None else (prior[1] + 1, prior[2])
+                    if prior is not None:
+                        later = prior[0] + later
+                    c += S  # its context: prompt and every token sampled but the last
+                    held_blocks = blocks_for(c, bs)
+                    if swap and held_blocks <= cpu_free:  # its blocks go to the CPU pool
+                        cpu_free -= held_blocks
+                        moved_out += held_blocks
+                        swapped_out += 1
+                        PEND[i] = c
+                        resume[i] = (slot_first[slot], slot_sched[slot], later, preemptions,
+                                     swaps + 1)
+                        swapped.append(i)
+                    else:  # recomputed (a swap the CPU pool cannot hold falls back to it)
+                        if swap:
+                            self.num_swap_fallbacks += 1
+                        recomputed += 1
+                        PEND[i] = c + 1
+                        resume[i] = (slot_first[slot], slot_sched[slot], later, preemptions,
+                                     swaps)
+                        waiting.appendleft(i)  # type: ignore[union-attr]
+                ends_heap[:] = [e for e in ends_heap if alive[(e >> _SLOT_BITS) & _INDEX_MASK]]
+                heapify(ends_heap)
+                max_heap = [e for e in max_heap if alive[-e & _INDEX_MASK]]
+                heapify(max_heap)
+                # A row found no free block before anyone was preempted: the pool was full.
+                peak = num_blocks
+            elif swapped:
+                free = num_blocks - blocks_at(S + 1)  # once every member has its block
+                seats = seats_total - members
+                tokens = max_tokens - members
+                while swapped and seats > 0 and tokens > 0:
+                    i = swapped[0]
+                    held_blocks = blocks_for(PEND[i], bs)
+                    if free - held_blocks < watermark:  # swap_in's room, above the watermark
+                        break
+                    swapped.popleft()
+                    # Its blocks back, then its next one (the watermark's block at worst).
+                    free -= held_blocks + (PEND[i] % bs == 0)
+                    cpu_free += held_blocks
+                    moved_in += held_blocks
+                    first, sched, later, preemptions, swaps = resume.pop(i)
+                    join(i, first, sched, (later, preemptions, swaps))
+                    seats -= 1
+                    tokens -= 1
+            if recomputed or swapped_out or moved_in:
+                nd = members
+                plan = StepPlan([], swap_out=[(0, 0)] * moved_out, swap_in=[(0, 0)] * moved_in)
+                if nd:  # (pricing reads how many blocks move, not which)
+                    plan.add_block(DecodeBlock.for_pricing(nd, ctx_sum + nd * S,
+                                                           longest_ctx() + S))
+                d = last_d = execute(plan).duration
+                start = last_start = t
+                t += d
+                num_steps += 1
+                S += 1
+                times.append(t)
+                used = blocks_at(S)
+                if used > peak:
+                    peak = used
+                if ends_heap and ends_heap[0] >> shift == S:
+                    done += len(leave(t))
+                    if done >= next_tick:
+                        progress.update(done, t)
+                        next_tick = done + 64
+                if record:
+                    used = blocks_at(S)
+                    step_sink.write_formatted(
+                        (num_steps, 0, repr(start), repr(d), nd, 0, nd, nd,
+                         len(waiting) + arrived(t, start) - nxt, members, len(swapped), used,
+                         round(used / num_blocks, 6), recomputed, swapped_out, moved_out,
+                         moved_in), STEP_ROW_FORMAT)
+                continue
             if not members:
                 # Waiting requests that cannot be admitted with nobody running: impossible
-                # where the pool cannot bind (every prompt fits the budget alone).
+                # where every request fits the pool alone (and the step's budget).
                 head = waiting[0] if type(waiting) is deque else waiting.first_index()
                 raise RuntimeError(f"array core: request {RID[head]} can never be admitted")
             # Decode until the next arrival (the steps that start before it), members
@@ -690,6 +869,19 @@ class ArrayCore:
             while True:
                 last = ends_heap[0] >> shift
                 length = last - cur
+                if binding and blocks_at(last) > num_blocks:
+                    # The steps whose new blocks fit (blocks in use only grow until a
+                    # member leaves); the one after them preempts, planned on its own.
+                    lo, hi = 0, length
+                    while hi - lo > 1:
+                        mid = (lo + hi) >> 1
+                        if blocks_at(cur + mid) <= num_blocks:
+                            lo = mid
+                        else:
+                            hi = mid
+                    length = lo
+                    if not length:
+                        break
                 nd = members
                 if nd in pricers:
                     pricer = pricers[nd]
@@ -737,8 +929,8 @@ class ArrayCore:
                     used_list = list(accumulate(grow, initial=blocks_at(cur) + prefill_blocks))
                     used = used_list.pop()
                     del used_list[0]
-                    write_rows(num_steps + 1, starts, durs[:-1], nd, len(waiting), nd, 0,
-                               used_list)
+                    write_rows(num_steps + 1, starts, durs[:-1], nd, len(waiting), nd,
+                               len(swapped), used_list)
                 else:
                     used = -1
                 step_start = last_start = ends[-2] if j > 1 else t
@@ -759,8 +951,13 @@ class ArrayCore:
                     used = blocks_at(cur) + prefill_blocks
                 if record:
                     queued = len(waiting) + arrived(t, step_start) - nxt
-                    write_row(num_steps, step_start, last_d, nd, queued, members, used)
-                if cur != last or not members or t >= horizon or waiting or prefilling:
+                    if swapped:
+                        write_rows(num_steps, [step_start], [last_d], nd, queued, members,
+                                   len(swapped), [used])
+                    else:
+                        write_row(num_steps, step_start, last_d, nd, queued, members, used)
+                if (cur != last or not members or t >= horizon or waiting or prefilling
+                        or swapped):
                     break
                 longest = longest_ctx()
         if lines:

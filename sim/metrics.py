@@ -171,7 +171,7 @@ class MetricsCollector:
                      later_times: array) -> None:
         """A request that finished at ``finish`` after sampling its first token at ``first``
         and one more at each time of ``later_times`` (the array core, sim/array_core.py,
-        calls this directly: its requests are never preempted)."""
+        calls this directly, and counts its preemptions itself)."""
         self.completed += 1
         self.input_tokens += prompt_len
         n = len(later_times) + 1

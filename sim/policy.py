@@ -121,7 +121,9 @@ class Policy(ABC):
     #: (the core keeps the queue in arrival order), or ``indexed_admissions`` for a policy
     #: that keeps its own waiting order (the core hands it each arrival as a ``Request``
     #: through ``on_arrival``, and finishes the requests that leave in the same step in
-    #: ``decode_run_key`` order). Policies opt in after the array-core-vs-exact tests.
+    #: ``decode_run_key`` order). A policy that also states its decode-step preemptions on
+    #: counts (FCFS's ``decode_preemptions``) runs there on pools that can bind too.
+    #: Policies opt in after the array-core-vs-exact tests.
     array_core: ClassVar[bool] = False
 
     FAST_PATH_FLAGS: ClassVar[tuple[str, ...]] = ("supports_decode_jumps", "array_core")

@@ -102,6 +102,37 @@ def test_ordered_core_equals_exact_on_random_small_workloads(seed, qps, seqs, bu
     assert s["step_engine"] == "array_core"
 
 
+@pytest.mark.slow
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10_000), qps=st.floats(20.0, 400.0), seqs=st.integers(1, 40),
+       budget=st.integers(330, 2000), out_min=st.integers(1, 4),
+       block=st.sampled_from([1, 4, 16]), pool_tokens=st.integers(330, 1500),
+       watermark=st.sampled_from([0.0, 0.01, 0.05, 0.05]),
+       mode=st.sampled_from(["recompute", "swap", "swap"]),
+       cpu_blocks=st.sampled_from([0, 8, 60, 10_000]))
+def test_binding_pool_core_equals_exact_on_random_small_workloads(
+        seed, qps, seqs, budget, out_min, block, pool_tokens, watermark, mode, cpu_blocks):
+    """FCFS on a pool that binds: admission counts blocks above the watermark, a decode step
+    whose new blocks do not fit preempts the latest arrivals (decode_preemptions), by
+    recompute (back to the head of the queue, re-prefilling prompt and tokens) or by swap
+    (back in the order they left, while seats, budget and blocks above the watermark allow;
+    recomputed when the CPU pool is full). Schedules, preemption counts, timestamps and
+    requests.csv's row order as step by step."""
+    pool = -(-pool_tokens // block)
+    over = [*TINY[:3], *UNIFORM, "policy=fcfs", f"seed={seed}", f"workload.qps={qps}",
+            "workload.num_requests=60", f"policy.max_num_seqs={seqs}",
+            f"policy.max_num_batched_tokens={budget}", f"kv.block_size={block}",
+            f"workload.output_len.min={out_min}", f"kv.num_gpu_blocks_override={pool}",
+            f"policy.kv_watermark={watermark}", f"policy.preemption_mode={mode}",
+            f"kv.num_cpu_blocks={cpu_blocks}"]
+    sim = Simulation(compose_cfg(*over))
+    if sim.run().summary["step_engine"] != "array_core":  # a pool too small for one request
+        assert "alone fills the pool" in sim.array_core_skipped or (
+            mode == "swap" and "watermark of no block" in sim.array_core_skipped)
+        return
+    _assert_same(over)
+
+
 def _files(tmp: Path, core: bool, overrides: tuple[str, ...]) -> tuple[pd.DataFrame, ...]:
     out = tmp / f"core_{core}"
     res = Simulation(compose_cfg(f"array_core={str(core).lower()}", *overrides), out).run()
@@ -136,6 +167,15 @@ def _files(tmp: Path, core: bool, overrides: tuple[str, ...]) -> tuple[pd.DataFr
     (*TINY, *UNIFORM, "workload.num_requests=300", "workload.qps=500", "policy=priority",
      "policy.preemptive=false", "workload.priorities=[2,0,1]", "policy.max_num_seqs=16",
      "workload.output_len.min=1", "workload.prompt_len.min=1"),
+    # The benchmark's workload on pools that bind: preemption by recompute, and by swap
+    # with a CPU pool small enough that some swaps fall back to recompute.
+    ("model=llama3_8b", "hardware=a100_80gb", "workload=vidur_bench", "seed=42",
+     "workload.num_requests=600", "workload.qps=8", "policy.max_num_seqs=128",
+     "policy.max_num_batched_tokens=4096", "kv.num_gpu_blocks_override=1500"),
+    ("model=llama3_8b", "hardware=a100_80gb", "workload=vidur_bench", "seed=42",
+     "workload.num_requests=600", "workload.qps=8", "policy.max_num_seqs=128",
+     "policy.max_num_batched_tokens=4096", "kv.num_gpu_blocks_override=1500",
+     "policy.preemption_mode=swap", "kv.num_cpu_blocks=60"),
     # Many at once, one-token outputs among them, seats full with a queue.
     (*TINY, *UNIFORM, "workload.num_requests=300", "workload.qps=500",
      "workload.output_len.min=1", "workload.prompt_len.min=1", "policy.max_num_seqs=16",
@@ -180,7 +220,15 @@ def test_same_seed_same_bytes(tmp_path):
     (("policy=static",), "does not decide on arrays"),
     (("check_integrity=true", "kv.num_gpu_blocks_override=500", "kv.num_cpu_blocks=16"), "check_integrity"),
     (("cluster.num_replicas=2",), "a cluster"),
-    (("kv.num_gpu_blocks_override=300",), "the KV pool can bind"),
+    (("kv.num_gpu_blocks_override=300", "policy=chunked_prefill"),
+     "the KV pool can bind, with policy 'chunked_prefill' preempts on the replica loop only"),
+    (("kv.num_gpu_blocks_override=300", "policy=sjf"), "preempts on the replica loop only"),
+    (("kv.num_gpu_blocks_override=60", "policy.preemption_mode=swap"),
+     "swap and a watermark of no block"),
+    (("kv.num_gpu_blocks_override=300", "kv.enable_prefix_caching=true"), "prefix caching"),
+    (("kv.num_gpu_blocks_override=300", "policy.max_num_batched_tokens=256"),
+     "whose recompute (prompt + output - 1 tokens) exceeds policy.max_num_batched_tokens"),
+    (("kv.num_gpu_blocks_override=21", "policy.kv_watermark=0.1"), "alone fills the pool"),
     (("model.max_model_len=300",), "longer than model.max_model_len"),
 ])
 def test_runs_it_cannot_take_go_to_the_replica_loop(overrides, reason):
@@ -242,6 +290,84 @@ def test_head_admissions_is_admits_rule_where_the_pool_cannot_bind(prompts, runn
     assert len(admitted) == count
     assert sum(s.num_new_tokens for s in admitted) == tokens
     assert [s.request_id for s in admitted] == list(range(count))
+
+
+@settings(max_examples=200, deadline=None)
+@given(prompts=st.lists(st.integers(1, 300), min_size=1, max_size=12),
+       running=st.lists(st.integers(1, 300), max_size=5), seqs=st.integers(1, 8),
+       budget=st.integers(300, 700), block=st.sampled_from([1, 4, 16]),
+       pool=st.integers(1, 120), watermark=st.sampled_from([0.0, 0.01, 0.1]),
+       recomputed=st.integers(0, 3))
+def test_head_admissions_counts_blocks_as_admit_where_the_pool_can_bind(
+        prompts, running, seqs, budget, block, pool, watermark, recomputed):
+    """On a pool that can bind, FCFS's schedule admits what head_admissions says with the
+    pool's free blocks, watermark and block size as ``room``: the whole pending prefill's
+    blocks must leave the watermark free (recomputed requests, at the head, re-prefill
+    their prompt and the tokens they had sampled)."""
+    from sim.step_builder import watermark_blocks
+
+    running = running[:seqs]
+    policy = make_policy({"name": "fcfs", "max_num_seqs": seqs,
+                          "max_num_batched_tokens": budget, "kv_watermark": watermark})
+    kv = KVBlockManager(pool, block)
+    wm = watermark_blocks(watermark, pool)
+    queues = ReplicaQueues()
+    builder = StepBuilder(queues, kv, kv_watermark=watermark)
+    for i, ctx in enumerate(running):
+        r = Request(100 + i, 0.0, ctx, 50)
+        r.transition(RequestStatus.RUNNING)
+        r.num_computed_tokens = ctx
+        r.num_output_tokens = 1
+        if kv.allocate_slots(r.request_id, ctx) is None:
+            break
+        queues.add_running(r)
+    pending = []
+    for i, p in enumerate(prompts):
+        r = Request(i, 1.0, p, 50)
+        if i < recomputed:  # preempted after sampling a few tokens: it prefills them too
+            r.transition(RequestStatus.RUNNING)
+            r.num_output_tokens = 1 + i
+            r.transition(RequestStatus.PREEMPTED)
+        if r.num_pending_tokens > budget or -(-r.num_pending_tokens // block) + wm > pool:
+            break  # refused at arrival, or outside the core (alone it would not fit)
+        queues.waiting.append(r)
+        pending.append(r.num_pending_tokens)
+    seats, free = seqs - len(queues.running), kv.num_free_blocks
+    count, tokens = policy.head_admissions(pending, seats, (free, wm, block))
+    plan = policy.schedule(builder)
+    admitted = [s for s in plan.scheduled if s.start_position == 0]
+    assert [s.request_id for s in admitted] == list(range(count))
+    assert sum(s.num_new_tokens for s in admitted) == tokens
+
+
+@settings(max_examples=200, deadline=None)
+@given(ctxs=st.lists(st.integers(1, 200), min_size=1, max_size=10),
+       block=st.sampled_from([1, 2, 16]), spare=st.integers(0, 3))
+def test_decode_preemptions_is_schedules_rule(ctxs, block, spare):
+    """A decode step whose rows' new blocks may not fit: FCFS's schedule preempts the last
+    ``decode_preemptions(needs, held, free)`` running requests (the latest arrivals), and
+    only those."""
+    from sim.kv_manager import blocks_for
+
+    policy = make_policy({"name": "fcfs", "max_num_seqs": 64, "max_num_batched_tokens": 4096})
+    held = [blocks_for(c, block) for c in ctxs]
+    kv = KVBlockManager(sum(held) + spare, block)
+    queues = ReplicaQueues()
+    builder = StepBuilder(queues, kv)
+    reqs = []
+    for i, ctx in enumerate(ctxs):
+        r = Request(i, float(i), ctx, 500)
+        r.transition(RequestStatus.RUNNING)
+        r.num_computed_tokens = ctx
+        r.num_output_tokens = 1
+        assert kv.allocate_slots(i, ctx) is not None
+        queues.add_running(r)
+        reqs.append(r)
+    needs = [1 if c % block == 0 else 0 for c in ctxs]
+    k = policy.decode_preemptions(needs, held, kv.num_free_blocks)
+    policy.schedule(builder)
+    preempted = [r.request_id for r in reqs if r.status is RequestStatus.PREEMPTED]
+    assert preempted == list(range(len(ctxs) - k, len(ctxs)))
 
 
 @settings(max_examples=150, deadline=None)
@@ -407,19 +533,24 @@ def test_a_request_whose_predecessor_arrived_during_the_step_waits_a_step():
     assert [s[2] for s in core[0][:3]] == [100, 7, 37]  # request 2 gets the third step
 
 
-@pytest.mark.parametrize("pool,core", [(44, True), (43, False)])
-def test_a_pool_just_large_enough_takes_the_core_one_block_less_does_not(pool, core):
+@pytest.mark.parametrize("pool,policy,engine", [
+    (44, "fcfs", "array_core"), (43, "fcfs", "array_core"),
+    (44, "chunked_prefill", "array_core"), (43, "chunked_prefill", "replica")])
+def test_a_pool_just_large_enough_never_binds_one_block_less_can(pool, policy, engine):
     """Twelve requests of 100 + 60 tokens at once, four seats: the four hold 4 x 10 blocks
     at their last tokens (block 16). 44 blocks less the watermark's int(4.4) = 4 is exactly
-    that: the core, equal to step-by-step simulation; 43 (still 4 kept) goes to the
-    replica loop."""
+    that: the pool never binds. With 43 (still 4 kept) it can: FCFS stays on the core,
+    which then counts blocks at admission and preempts as FCFS does; chunked prefill, which
+    states no rule on counts for that, goes to the replica loop. Each equals step-by-step
+    simulation."""
     over = ["model=tiny", "workload.prompt_len.dist=uniform", "workload.prompt_len.min=100",
             "workload.prompt_len.max=100", "workload.output_len.dist=uniform",
             "workload.output_len.min=60", "workload.output_len.max=60",
             "workload.num_requests=12", "workload.qps=100000", "policy.max_num_seqs=4",
-            "policy.kv_watermark=0.1", f"kv.num_gpu_blocks_override={pool}"]
+            "policy.kv_watermark=0.1", f"kv.num_gpu_blocks_override={pool}",
+            f"policy={policy}"]
     sim = Simulation(compose_cfg(*over))
-    assert sim.run().summary["step_engine"] == ("array_core" if core else "replica")
+    assert sim.run().summary["step_engine"] == engine
     _assert_same(over)
 
 

@@ -93,7 +93,7 @@ def test_a_signal_stops_the_run_with_a_summary_marked_interrupted(tmp_path, sig,
     """Each loop stops between steps: every request it counted has its row."""
     model = ["model=tiny", "workload.qps=1000", "workload.prompt_len.max=1000",
              "workload.output_len.max=500"] if engine == "array_core" else [
-        "workload.qps=100"]
+        "workload.qps=100", "array_core=false"]
     p = subprocess.Popen(
         [sys.executable, "-m", "experiments.run", "workload.num_requests=2000000", *model,
          "progress=false", "record_steps=false",
