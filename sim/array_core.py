@@ -415,13 +415,20 @@ class ArrayCore:
             held = waiting.held
             running_key = policy.decode_run_key()
             admit = waiting.admit
+        elif self.binding:
+            waiting = deque()
+            head_admissions = policy.head_admissions  # type: ignore[attr-defined]
+
+            def admit(now: float, seats: int) -> list[int]:
+                room = (num_blocks - blocks_at(S), watermark, bs)
+                k, _ = head_admissions(map(PEND.__getitem__, waiting), seats, room)
+                return [waiting.popleft() for _ in range(k)]  # type: ignore[union-attr]
         else:
             waiting = deque()
             head_admissions = policy.head_admissions  # type: ignore[attr-defined]
 
             def admit(now: float, seats: int) -> list[int]:
-                room = (num_blocks - blocks_at(S), watermark, bs) if binding else None
-                k, _ = head_admissions(map(PEND.__getitem__, waiting), seats, room)
+                k, _ = head_admissions(map(PL.__getitem__, waiting), seats)
                 return [waiting.popleft() for _ in range(k)]  # type: ignore[union-attr]
         # A pool that can bind (FCFS): admission counts blocks, and a decode step whose new
         # blocks do not fit preempts (decode_preemptions). A request recomputed waits at the
@@ -477,6 +484,9 @@ class ArrayCore:
         slot_mask = (1 << _SLOT_BITS) - 1
         members = 0
         ctx_sum = 0
+        # The longest member context (as stored in slot_ctx) while known: a join can only
+        # raise it, and only the member holding it leaving makes it unknown (the heap then).
+        longest_c: int | None = None
         # Running requests mid-prefill (chunked prefill), in arrival order: prompt tokens
         # computed, and when first scheduled. Each holds its whole prompt's blocks.
         prefilling: list[int] = []
@@ -534,7 +544,7 @@ class ArrayCore:
             ``prior``: a request preempted before, its token times after its first (the one
             a recompute just sampled included), preemptions and swaps. A request swapped
             back in joins before the step it decodes in, its context PEND."""
-            nonlocal members, ctx_sum
+            nonlocal members, ctx_sum, longest_c
             c = PEND[i] - S
             slot = free_slots.pop()
             slot_ctx[slot] = c
@@ -542,11 +552,16 @@ class ArrayCore:
             slot_first[slot] = first
             slot_sched[slot] = sched
             slot_index[slot] = i
-            out0 = PEND[i] - PL[i] + 1
-            slot_out0[slot] = out0
-            slot_prior[slot] = prior
+            if binding:  # (elsewhere every member joins with one token, never preempted)
+                out0 = PEND[i] - PL[i] + 1
+                slot_out0[slot] = out0
+                slot_prior[slot] = prior
+            else:
+                out0 = 1
             heappush(ends_heap, (S + OL[i] - out0) << shift | i << _SLOT_BITS | slot)
             heappush(max_heap, -((c + _CTX_OFFSET) << _INDEX_BITS | i))
+            if longest_c is not None and c > longest_c:
+                longest_c = c
             alive[i] = 1
             ctx_sum += c
             add_blocks(c, 1)
@@ -556,18 +571,19 @@ class ArrayCore:
             """The members whose last step is S leave (by arrival on ties); their indices.
             ``also``: requests (ascending) that finish with their first token in the same
             decode rows (chunked prefill), finished among them in arrival order."""
-            nonlocal members, ctx_sum
+            nonlocal members, ctx_sum, longest_c
             left = []
             while ends_heap and ends_heap[0] >> shift == S:
-                key = heappop(ends_heap)
-                left.append(((key >> _SLOT_BITS) & _INDEX_MASK, key & slot_mask))
+                left.append(heappop(ends_heap))
             if held is not None:
                 if len(left) > 1:
                     left.sort(key=running_rank)
-                for i, _ in left:
-                    del held[i]
+                for key in left:
+                    del held[(key >> _SLOT_BITS) & _INDEX_MASK]
             gone = []
-            for i, slot in left:
+            for key in left:
+                slot = key & slot_mask
+                i = (key >> _SLOT_BITS) & _INDEX_MASK
                 while also and also[0] < i:
                     first = also.pop(0)
                     finish(first, end, scheduled_at.pop(first), end, empty)
@@ -576,6 +592,8 @@ class ArrayCore:
                 slot_index[slot] = -1
                 alive[i] = 0
                 c = slot_ctx[slot]
+                if c == longest_c:
+                    longest_c = None
                 ctx_sum -= c
                 add_blocks(c, -1)
                 members -= 1
@@ -592,10 +610,11 @@ class ArrayCore:
                 gone.append(first)
             return gone
 
-        def running_rank(member: tuple[int, int]) -> Any:
-            """Where a member leaving at step S comes in that step's rows: the policy's
-            running order, of the request as it stands when its last step is planned."""
-            i = member[0]
+        def running_rank(key: int) -> Any:
+            """Where a member leaving at step S (its ``ends_heap`` key) comes in that step's
+            rows: the policy's running order, of the request as it stands when its last
+            step is planned."""
+            i = (key >> _SLOT_BITS) & _INDEX_MASK
             req = held[i]  # type: ignore[index]
             req.num_output_tokens = OL[i] - 1
             return running_key(req)  # type: ignore[misc]
@@ -617,7 +636,9 @@ class ArrayCore:
             return hi
 
         def longest_ctx() -> int:
-            nonlocal max_heap
+            nonlocal max_heap, longest_c
+            if longest_c is not None:
+                return longest_c
             if len(max_heap) > heap_limit:
                 # Entries of members gone are dropped only from the top: rebuild from the
                 # members now and then, or those under a longer one would pile up.
@@ -626,7 +647,8 @@ class ArrayCore:
                 heapify(max_heap)
             while not alive[-max_heap[0] & _INDEX_MASK]:
                 heappop(max_heap)
-            return ((-max_heap[0]) >> _INDEX_BITS) - _CTX_OFFSET
+            longest_c = ((-max_heap[0]) >> _INDEX_BITS) - _CTX_OFFSET
+            return longest_c
 
         while done < N:
             if run_stop.requested:  # stop here, with every finished request's row written
@@ -760,101 +782,106 @@ class ArrayCore:
                         progress.update(done, t)
                         next_tick = done + 64
                     continue
-            # One decode step planned on its own: when its new blocks do not fit (rows in
-            # arrival order, the latest arrivals preempted: the policy's decode_preemptions),
-            # or when swapped requests come back in it (resume_swapped's order and limits).
-            recomputed = swapped_out = moved_out = moved_in = 0
-            if binding and blocks_at(S + 1) > num_blocks:
-                order = sorted([s for s in range(seats_total) if slot_index[s] >= 0],
-                               key=slot_index.__getitem__)
-                ctxs = [slot_ctx[s] + S for s in order]
-                k = decode_preemptions([1 if c % bs == 0 else 0 for c in ctxs],
-                                       [blocks_for(c, bs) for c in ctxs],
-                                       num_blocks - blocks_at(S))
-                for slot in reversed(order[len(order) - k:]):  # as preempted: latest first
-                    i = slot_index[slot]
-                    c = slot_ctx[slot]
-                    ctx_sum -= c
-                    add_blocks(c, -1)
-                    members -= 1
-                    alive[i] = 0
-                    slot_index[slot] = -1
-                    free_slots.append(slot)
-                    later = times[slot_start[slot] - times_off:S - times_off]
-                    prior = slot_prior[slot]
-                    preemptions, swaps = (1, 0) if prior is None else (prior[1] + 1, prior[2])
-                    if prior is not None:
-                        later = prior[0] + later
-                    c += S  # its context: prompt and every token sampled but the last
-                    held_blocks = blocks_for(c, bs)
-                    if swap and held_blocks <= cpu_free:  # its blocks go to the CPU pool
-                        cpu_free -= held_blocks
-                        moved_out += held_blocks
-                        swapped_out += 1
-                        PEND[i] = c
-                        resume[i] = (slot_first[slot], slot_sched[slot], later, preemptions,
-                                     swaps + 1)
-                        swapped.append(i)
-                    else:  # recomputed (a swap the CPU pool cannot hold falls back to it)
-                        if swap:
-                            self.num_swap_fallbacks += 1
-                        recomputed += 1
-                        PEND[i] = c + 1
-                        resume[i] = (slot_first[slot], slot_sched[slot], later, preemptions,
-                                     swaps)
-                        waiting.appendleft(i)  # type: ignore[union-attr]
-                ends_heap[:] = [e for e in ends_heap if alive[(e >> _SLOT_BITS) & _INDEX_MASK]]
-                heapify(ends_heap)
-                max_heap = [e for e in max_heap if alive[-e & _INDEX_MASK]]
-                heapify(max_heap)
-                # A row found no free block before anyone was preempted: the pool was full.
-                peak = num_blocks
-            elif swapped:
-                free = num_blocks - blocks_at(S + 1)  # once every member has its block
-                seats = seats_total - members
-                tokens = max_tokens - members
-                while swapped and seats > 0 and tokens > 0:
-                    i = swapped[0]
-                    held_blocks = blocks_for(PEND[i], bs)
-                    if free - held_blocks < watermark:  # swap_in's room, above the watermark
-                        break
-                    swapped.popleft()
-                    # Its blocks back, then its next one (the watermark's block at worst).
-                    free -= held_blocks + (PEND[i] % bs == 0)
-                    cpu_free += held_blocks
-                    moved_in += held_blocks
-                    first, sched, later, preemptions, swaps = resume.pop(i)
-                    join(i, first, sched, (later, preemptions, swaps))
-                    seats -= 1
-                    tokens -= 1
-            if recomputed or swapped_out or moved_in:
-                nd = members
-                plan = StepPlan([], swap_out=[(0, 0)] * moved_out, swap_in=[(0, 0)] * moved_in)
-                if nd:  # (pricing reads how many blocks move, not which)
-                    plan.add_block(DecodeBlock.for_pricing(nd, ctx_sum + nd * S,
-                                                           longest_ctx() + S))
-                d = last_d = execute(plan).duration
-                start = last_start = t
-                t += d
-                num_steps += 1
-                S += 1
-                times.append(t)
-                used = blocks_at(S)
-                if used > peak:
-                    peak = used
-                if ends_heap and ends_heap[0] >> shift == S:
-                    done += len(leave(t))
-                    if done >= next_tick:
-                        progress.update(done, t)
-                        next_tick = done + 64
-                if record:
+            # One decode step planned on its own (pools that can bind): when its new blocks do
+            # not fit (rows in arrival order, the latest arrivals preempted: the policy's
+            # decode_preemptions), or when swapped requests come back in it (resume_swapped's
+            # order and limits).
+            if binding and (swapped or blocks_at(S + 1) > num_blocks):
+                recomputed = swapped_out = moved_out = moved_in = 0
+                if blocks_at(S + 1) > num_blocks:
+                    order = sorted([s for s in range(seats_total) if slot_index[s] >= 0],
+                                   key=slot_index.__getitem__)
+                    ctxs = [slot_ctx[s] + S for s in order]
+                    k = decode_preemptions([1 if c % bs == 0 else 0 for c in ctxs],
+                                           [blocks_for(c, bs) for c in ctxs],
+                                           num_blocks - blocks_at(S))
+                    for slot in reversed(order[len(order) - k:]):  # as preempted: latest first
+                        i = slot_index[slot]
+                        c = slot_ctx[slot]
+                        ctx_sum -= c
+                        add_blocks(c, -1)
+                        members -= 1
+                        alive[i] = 0
+                        slot_index[slot] = -1
+                        free_slots.append(slot)
+                        later = times[slot_start[slot] - times_off:S - times_off]
+                        prior = slot_prior[slot]
+                        preemptions, swaps = (1, 0) if prior is None else (prior[1] + 1, prior[2])
+                        if prior is not None:
+                            later = prior[0] + later
+                        c += S  # its context: prompt and every token sampled but the last
+                        held_blocks = blocks_for(c, bs)
+                        if swap and held_blocks <= cpu_free:  # its blocks go to the CPU pool
+                            cpu_free -= held_blocks
+                            moved_out += held_blocks
+                            swapped_out += 1
+                            PEND[i] = c
+                            resume[i] = (slot_first[slot], slot_sched[slot], later, preemptions,
+                                         swaps + 1)
+                            swapped.append(i)
+                        else:  # recomputed (a swap the CPU pool cannot hold falls back to it)
+                            if swap:
+                                self.num_swap_fallbacks += 1
+                            recomputed += 1
+                            PEND[i] = c + 1
+                            resume[i] = (slot_first[slot], slot_sched[slot], later, preemptions,
+                                         swaps)
+                            waiting.appendleft(i)  # type: ignore[union-attr]
+                    ends_heap[:] = [e for e in ends_heap if alive[(e >> _SLOT_BITS) & _INDEX_MASK]]
+                    heapify(ends_heap)
+                    max_heap = [e for e in max_heap if alive[-e & _INDEX_MASK]]
+                    heapify(max_heap)
+                    longest_c = None
+                    # A row found no free block before anyone was preempted: the pool was full.
+                    peak = num_blocks
+                else:
+                    free = num_blocks - blocks_at(S + 1)  # once every member has its block
+                    seats = seats_total - members
+                    tokens = max_tokens - members
+                    while swapped and seats > 0 and tokens > 0:
+                        i = swapped[0]
+                        held_blocks = blocks_for(PEND[i], bs)
+                        if free - held_blocks < watermark:  # swap_in's room
+                            break
+                        swapped.popleft()
+                        # Its blocks back, then its next one (the watermark's block at worst).
+                        free -= held_blocks + (PEND[i] % bs == 0)
+                        cpu_free += held_blocks
+                        moved_in += held_blocks
+                        first, sched, later, preemptions, swaps = resume.pop(i)
+                        join(i, first, sched, (later, preemptions, swaps))
+                        seats -= 1
+                        tokens -= 1
+                if recomputed or swapped_out or moved_in:
+                    nd = members
+                    # Pricing reads how many blocks move, not which.
+                    plan = StepPlan([], swap_out=[(0, 0)] * moved_out,
+                                    swap_in=[(0, 0)] * moved_in)
+                    if nd:
+                        plan.add_block(DecodeBlock.for_pricing(nd, ctx_sum + nd * S,
+                                                               longest_ctx() + S))
+                    d = last_d = execute(plan).duration
+                    start = last_start = t
+                    t += d
+                    num_steps += 1
+                    S += 1
+                    times.append(t)
                     used = blocks_at(S)
-                    step_sink.write_formatted(
-                        (num_steps, 0, repr(start), repr(d), nd, 0, nd, nd,
-                         len(waiting) + arrived(t, start) - nxt, members, len(swapped), used,
-                         round(used / num_blocks, 6), recomputed, swapped_out, moved_out,
-                         moved_in), STEP_ROW_FORMAT)
-                continue
+                    if used > peak:
+                        peak = used
+                    if ends_heap and ends_heap[0] >> shift == S:
+                        done += len(leave(t))
+                        if done >= next_tick:
+                            progress.update(done, t)
+                            next_tick = done + 64
+                    if record:
+                        used = blocks_at(S)
+                        step_sink.write_formatted(
+                            (num_steps, 0, repr(start), repr(d), nd, 0, nd, nd,
+                             len(waiting) + arrived(t, start) - nxt, members, len(swapped), used,
+                             round(used / num_blocks, 6), recomputed, swapped_out, moved_out,
+                             moved_in), STEP_ROW_FORMAT)
+                    continue
             if not members:
                 # Waiting requests that cannot be admitted with nobody running: impossible
                 # where every request fits the pool alone (and the step's budget).
