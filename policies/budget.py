@@ -106,6 +106,26 @@ def admission_rule(candidates: Iterable[T], pending_of: Callable[[T], int] | Non
     return out
 
 
+def counted_room(room: tuple[int, int, int]) -> Callable[[object, int, int], bool]:
+    """``admit``'s KV part on counts, for ``admission_rule``'s ``place`` in the array core
+    (sim/array_core.py): ``room`` = (free blocks, watermark blocks, block size). A candidate
+    holding nothing is admitted if the blocks of its whole pending prefill leave the
+    watermark free (``KVBlockManager.can_allocate``), and takes them. (The core runs only
+    where every request fits the pool alone above the watermark, so ``admit``'s fallback
+    for one that never could does not arise.)"""
+    free, watermark, block_size = room
+
+    def place(_: object, n: int, pending: int) -> bool:
+        nonlocal free
+        need = -(-pending // block_size)
+        if free - need < watermark:
+            return False
+        free -= need
+        return True
+
+    return place
+
+
 def latest_arrival_victim(step: StepBuilder, requester: Request) -> Request | None:
     """vLLM's default: the running request that arrived last and is not yet in this step.
     May return ``requester`` itself (it then preempts itself)."""

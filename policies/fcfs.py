@@ -32,11 +32,11 @@ from policies.budget import (
     VictimPicker,
     admission_rule,
     admit,
+    counted_room,
     latest_arrival_victim,
     resume_swapped,
     schedule_running,
 )
-from sim.kv_manager import blocks_for
 from sim.plan import StepPlan
 from sim.request import Request
 from sim.step_builder import StepBuilder
@@ -69,35 +69,22 @@ class FCFSPolicy(Policy):
         of the waiting queue, whose pending prefill tokens ``pending`` gives in queue order,
         the next step admits, and their tokens; ``seats``: free places under
         ``max_num_seqs``. ``admit``'s rule (``admission_rule``) in a prefill-only step, with
-        its KV part on counts where the pool can bind: ``room`` = (free blocks, watermark
-        blocks, block size); a request holding nothing is admitted if the blocks of its
-        whole pending prefill leave the watermark free (``KVBlockManager.can_allocate``).
-        The core takes a pool that can bind only where every request fits it alone above
-        the watermark, so ``admit``'s fallback for one that never could does not arise.
+        its KV part on counts where the pool can bind (``room``: ``counted_room``).
         tests/test_array_core.py checks the two agree."""
         budget = self.config.max_num_batched_tokens
-        place = None
-        if room is not None:
-            free, watermark, block_size = room
-
-            def place(_: int, n: int, pending: int) -> bool:
-                nonlocal free
-                need = blocks_for(pending, block_size)
-                if free - need < watermark:
-                    return False
-                free -= need
-                return True
-
+        place = None if room is None else counted_room(room)
         admitted = admission_rule(pending, None, budget, seats, budget, place=place)
         return len(admitted), sum(n for _, n in admitted)
 
     def decode_preemptions(self, needs: Sequence[int], held: Sequence[int], free: int) -> int:
         """The array core's decode step when the pool cannot hold every row's new block
-        (sim/array_core.py): ``schedule_running`` with ``latest_arrival_victim`` on counts.
-        Rows in running (arrival) order, row r needing ``needs[r]`` new blocks and holding
-        ``held[r]``, ``free`` blocks free; a row that finds too few preempts the latest
-        arrival not yet granted (possibly itself), so those preempted are always the last
-        rows. Returns how many (tests/test_array_core.py checks it against ``schedule``)."""
+        (sim/array_core.py): ``schedule_running`` with its victim picker on counts. Rows in
+        ``running_order`` (arrival order here; an ordered policy's ``running_key`` order,
+        which ``decode_run_key`` gives the core), row r needing ``needs[r]`` new blocks and
+        holding ``held[r]``, ``free`` blocks free; a row that finds too few preempts the
+        last row not yet granted (possibly itself: ``latest_arrival_victim``, and
+        ``victim_from_end`` over that order), so those preempted are always the last rows.
+        Returns how many (tests/test_array_core.py checks it against ``schedule``)."""
         end = len(needs)  # rows [end, len) are preempted
         r = 0
         while r < end:

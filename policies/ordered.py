@@ -22,6 +22,7 @@ from policies.budget import (
     VictimPicker,
     admission_rule,
     admit,
+    counted_room,
     preempt_for,
     victim_from_end,
 )
@@ -38,10 +39,6 @@ def _pending(req: Request) -> int:
 class OrderedPolicy(FCFSPolicy):
     # No fast-path flags of its own (Policy.__init_subclass__): each ordered policy states
     # its own. On the array core it admits through ``indexed_admissions`` (its own order).
-
-    # Its memory-pressure victims follow ``running_key``, not arrival: FCFS's rule on counts
-    # does not hold, so a pool that can bind keeps the replica loop.
-    decode_preemptions = None
 
     def __init__(self, config: PolicyConfig, seed: int = 0) -> None:
         super().__init__(config, seed)
@@ -98,15 +95,20 @@ class OrderedPolicy(FCFSPolicy):
             with closing(candidates) as c:  # type: ignore[type-var]
                 return admit(step, budget, c)
 
-    def indexed_admissions(self, now: float, seats: int) -> list[Request]:
+    def indexed_admissions(self, now: float, seats: int,
+                           room: tuple[int, int, int] | None = None) -> list[Request]:
         """The array core's admission (sim/array_core.py): the waiting requests (indexed by
-        ``on_arrival``) that a step planned at ``now`` admits with ``seats`` free seats, in
-        admission order, each moved to RUNNING. It runs only where the KV pool can never
-        bind and admitting preempts nobody (``may_preempt_to_admit``): ``admit_waiting``
-        without its KV part and its preemption, over the same order (``candidates``)."""
+        ``on_arrival`` and ``requeue``) that a step planned at ``now`` admits with ``seats``
+        free seats, in admission order, each moved to RUNNING: ``admit_waiting`` over the
+        same order (``candidates``), with its KV part on counts where the pool can bind
+        (``room``: ``counted_room``). It runs only where admitting preempts nobody
+        (``may_preempt_to_admit``)."""
         budget = self.config.max_num_batched_tokens
+        fits = None if room is None else counted_room(room)
 
         def place(req: Request, n: int, pending: int) -> bool:
+            if fits is not None and not fits(req, n, pending):
+                return False
             # Admitted: no longer waiting, so a later pass of ``candidates`` skips it, as
             # ``step.schedule`` makes it skip a request ``admit`` took.
             req.transition(RequestStatus.RUNNING)

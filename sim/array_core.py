@@ -5,13 +5,16 @@ Where every request a policy may run at once fits the pool together (the ``max_n
 longest requests' blocks, above the watermark), nothing is ever preempted, swapped or refused
 a block, and a run is a chain of steps that admit or continue prompts (prefill-only steps for
 FCFS, mixed steps for chunked prefill) and decode stretches (every member gains one token per
-step). Where the pool can bind (FCFS), admission counts blocks above the watermark, and a
-decode step whose new blocks do not fit is planned on its own: the policy's rule on counts
-(``decode_preemptions``) says how many of the latest arrivals it preempts, by recompute (back
-to the head of the queue, to re-prefill their prompt and sampled tokens) or by swap (back in
-the order they left, as ``resume_swapped`` lets them, in a step of their own; recomputed
-when the CPU pool is full); blocks in use only grow between such steps, so a stretch runs to
-the last step whose blocks fit. That chain is computed here on plain numbers:
+step). Where the pool can bind (FCFS, SJF, priority), admission counts blocks above the
+watermark, and a decode step whose new blocks do not fit is planned on its own: the
+policy's rule on counts (``decode_preemptions``) says how many of the last rows in its
+running order it preempts, by recompute (waiting again, to re-prefill their prompt and
+sampled tokens: FCFS's queue head, an ordered policy's ``requeue``) or by swap (back in the
+order they left, or the policy's running order, as ``resume_swapped`` lets them, in a step
+of their own; recomputed when the CPU pool is full); blocks in use only grow between such
+steps, so a stretch runs to the last step whose blocks fit (or the policy's next decision
+time: an aging deadline may reorder who fits). That chain is computed here on plain
+numbers:
 
 * the decoding batch sits in fixed slots; the finishing order comes from a heap keyed by
   (last decode step, arrival index), the running order's ties as the replica breaks them;
@@ -73,7 +76,7 @@ from sim.outputs import (
 )
 from sim.plan import DecodeBlock, ScheduledRequest, StepPlan
 from sim.progress import Progress
-from sim.request import Request
+from sim.request import Request, RequestStatus
 from sim.result import SimulationResult
 from sim.step_builder import watermark_blocks
 
@@ -313,13 +316,24 @@ class _IndexedWaiting:
         """The arrival index of the request that has waited longest."""
         return min(self.index_of.values())
 
-    def admit(self, now: float, seats: int) -> list[int]:
+    def admit(self, now: float, seats: int,
+              room: tuple[int, int, int] | None = None) -> list[int]:
         batch = []
-        for req in self.policy.indexed_admissions(now, seats):  # type: ignore[attr-defined]
+        for req in self.policy.indexed_admissions(now, seats, room):  # type: ignore
             i = self.index_of.pop(req)
             self.held[i] = req
             batch.append(i)
         return batch
+
+    def requeue(self, preempted: list[tuple[int, Request]]) -> None:
+        """Members preempted by recompute (index, Request; counters as they stand), in the
+        order they were preempted: waiting again, in the policy's index (``requeue``)."""
+        for i, req in preempted:
+            del self.held[i]
+            req.num_computed_tokens = 0
+            req.transition(RequestStatus.PREEMPTED)
+            self.index_of[req] = i
+        self.policy.requeue([req for _, req in preempted])  # type: ignore[attr-defined]
 
 
 class ArrayCore:
@@ -414,7 +428,13 @@ class ArrayCore:
             waiting = _IndexedWaiting(policy, w)
             held = waiting.held
             running_key = policy.decode_run_key()
-            admit = waiting.admit
+            if self.binding:
+                indexed_admit = waiting.admit
+
+                def admit(now: float, seats: int) -> list[int]:
+                    return indexed_admit(now, seats, (num_blocks - blocks_at(S), watermark, bs))
+            else:
+                admit = waiting.admit
         elif self.binding:
             waiting = deque()
             head_admissions = policy.head_admissions  # type: ignore[attr-defined]
@@ -430,7 +450,7 @@ class ArrayCore:
             def admit(now: float, seats: int) -> list[int]:
                 k, _ = head_admissions(map(PL.__getitem__, waiting), seats)
                 return [waiting.popleft() for _ in range(k)]  # type: ignore[union-attr]
-        # A pool that can bind (FCFS): admission counts blocks, and a decode step whose new
+        # A pool that can bind: admission counts blocks, and a decode step whose new
         # blocks do not fit preempts (decode_preemptions). A request recomputed waits at the
         # head of the queue to prefill its prompt and the tokens it sampled (PEND: its
         # pending prefill); one swapped out waits in ``swapped`` (PEND: its context); both
@@ -684,6 +704,8 @@ class ArrayCore:
                                 gone += blocks_for(PEND[i], bs)
                                 finish(i, first, sched, t, later, preemptions, swaps)
                                 done += 1
+                                if held is not None:
+                                    del held[i]
                             else:
                                 join(i, first, sched, (later, preemptions, swaps))
                         elif OL[i] == 1:  # done with its first token: it holds no blocks
@@ -789,9 +811,16 @@ class ArrayCore:
             if binding and (swapped or blocks_at(S + 1) > num_blocks):
                 recomputed = swapped_out = moved_out = moved_in = 0
                 if blocks_at(S + 1) > num_blocks:
-                    order = sorted([s for s in range(seats_total) if slot_index[s] >= 0],
-                                   key=slot_index.__getitem__)
-                    ctxs = [slot_ctx[s] + S for s in order]
+                    order = [m for m in range(seats_total) if slot_index[m] >= 0]
+                    if held is None:  # arrival order
+                        order.sort(key=slot_index.__getitem__)
+                    else:  # the policy's running order, of its requests as they stand
+                        for m in order:
+                            held[slot_index[m]].num_output_tokens = (slot_out0[m] + S
+                                                                     - slot_start[m])
+                        order.sort(key=lambda m: running_key(held[slot_index[m]]))
+                    requeued = []
+                    ctxs = [slot_ctx[m] + S for m in order]
                     k = decode_preemptions([1 if c % bs == 0 else 0 for c in ctxs],
                                            [blocks_for(c, bs) for c in ctxs],
                                            num_blocks - blocks_at(S))
@@ -826,7 +855,12 @@ class ArrayCore:
                             PEND[i] = c + 1
                             resume[i] = (slot_first[slot], slot_sched[slot], later, preemptions,
                                          swaps)
-                            waiting.appendleft(i)  # type: ignore[union-attr]
+                            if held is None:
+                                waiting.appendleft(i)  # type: ignore[union-attr]
+                            else:
+                                requeued.append((i, held[i]))
+                    if requeued:
+                        waiting.requeue(requeued)  # type: ignore[union-attr]
                     ends_heap[:] = [e for e in ends_heap if alive[(e >> _SLOT_BITS) & _INDEX_MASK]]
                     heapify(ends_heap)
                     max_heap = [e for e in max_heap if alive[-e & _INDEX_MASK]]
@@ -836,6 +870,8 @@ class ArrayCore:
                     peak = num_blocks
                 else:
                     free = num_blocks - blocks_at(S + 1)  # once every member has its block
+                    if held is not None and len(swapped) > 1:  # back in running order
+                        swapped = deque(sorted(swapped, key=lambda i: running_key(held[i])))
                     seats = seats_total - members
                     tokens = max_tokens - members
                     while swapped and seats > 0 and tokens > 0:
@@ -891,6 +927,10 @@ class ArrayCore:
             # finishing on the way while nothing waits or is mid-prefill. (A prompt
             # mid-prefill gets a chunk every step unless the decodes take the whole budget.)
             horizon = ARR[nxt] if nxt < N else INF
+            if binding and held is not None:
+                # Where the pool binds, the order may decide who fits: a deadline of the
+                # policy's (SJF's aging) may reorder the queue, as an arrival may.
+                horizon = min(horizon, policy.next_decision_time(t))
             cur = S
             longest = longest_ctx()
             while True:

@@ -109,17 +109,24 @@ def test_ordered_core_equals_exact_on_random_small_workloads(seed, qps, seqs, bu
        block=st.sampled_from([1, 4, 16]), pool_tokens=st.integers(330, 1500),
        watermark=st.sampled_from([0.0, 0.01, 0.05, 0.05]),
        mode=st.sampled_from(["recompute", "swap", "swap"]),
-       cpu_blocks=st.sampled_from([0, 8, 60, 10_000]))
+       cpu_blocks=st.sampled_from([0, 8, 60, 10_000]),
+       policy=st.sampled_from([
+           ("policy=fcfs",), ("policy=fcfs",), ("policy=sjf",),
+           ("policy=sjf", "policy.predictor=noisy", "policy.aging_s=0.02"),
+           ("policy=priority", "policy.preemptive=false", "workload.priorities=[1,2,1]")]))
 def test_binding_pool_core_equals_exact_on_random_small_workloads(
-        seed, qps, seqs, budget, out_min, block, pool_tokens, watermark, mode, cpu_blocks):
-    """FCFS on a pool that binds: admission counts blocks above the watermark, a decode step
-    whose new blocks do not fit preempts the latest arrivals (decode_preemptions), by
-    recompute (back to the head of the queue, re-prefilling prompt and tokens) or by swap
-    (back in the order they left, while seats, budget and blocks above the watermark allow;
-    recomputed when the CPU pool is full). Schedules, preemption counts, timestamps and
-    requests.csv's row order as step by step."""
+        seed, qps, seqs, budget, out_min, block, pool_tokens, watermark, mode, cpu_blocks,
+        policy):
+    """A pool that binds: admission counts blocks above the watermark, a decode step whose
+    new blocks do not fit preempts the last rows in the policy's running order
+    (decode_preemptions: FCFS's latest arrivals, SJF's longest predicted remainders,
+    priority's lowest classes), by recompute (waiting again: FCFS's queue head, the ordered
+    policies' index, re-prefilling prompt and tokens) or by swap (back in the order they
+    left, or the policy's running order, while seats, budget and blocks above the watermark
+    allow; recomputed when the CPU pool is full). Schedules, preemption counts, timestamps
+    and requests.csv's row order as step by step."""
     pool = -(-pool_tokens // block)
-    over = [*TINY[:3], *UNIFORM, "policy=fcfs", f"seed={seed}", f"workload.qps={qps}",
+    over = [*TINY[:3], *UNIFORM, *policy, f"seed={seed}", f"workload.qps={qps}",
             "workload.num_requests=60", f"policy.max_num_seqs={seqs}",
             f"policy.max_num_batched_tokens={budget}", f"kv.block_size={block}",
             f"workload.output_len.min={out_min}", f"kv.num_gpu_blocks_override={pool}",
@@ -222,7 +229,8 @@ def test_same_seed_same_bytes(tmp_path):
     (("cluster.num_replicas=2",), "a cluster"),
     (("kv.num_gpu_blocks_override=300", "policy=chunked_prefill"),
      "the KV pool can bind, with policy 'chunked_prefill' preempts on the replica loop only"),
-    (("kv.num_gpu_blocks_override=300", "policy=sjf"), "preempts on the replica loop only"),
+    (("kv.num_gpu_blocks_override=300", "policy=sjf", "policy.preemptive=true"),
+     "may preempt a running request to admit"),
     (("kv.num_gpu_blocks_override=60", "policy.preemption_mode=swap"),
      "swap and a watermark of no block"),
     (("kv.num_gpu_blocks_override=300", "kv.enable_prefix_caching=true"), "prefix caching"),
@@ -341,33 +349,38 @@ def test_head_admissions_counts_blocks_as_admit_where_the_pool_can_bind(
 
 
 @settings(max_examples=200, deadline=None)
-@given(ctxs=st.lists(st.integers(1, 200), min_size=1, max_size=10),
-       block=st.sampled_from([1, 2, 16]), spare=st.integers(0, 3))
-def test_decode_preemptions_is_schedules_rule(ctxs, block, spare):
-    """A decode step whose rows' new blocks may not fit: FCFS's schedule preempts the last
-    ``decode_preemptions(needs, held, free)`` running requests (the latest arrivals), and
-    only those."""
+@given(rows=st.lists(st.tuples(st.integers(1, 200), st.integers(0, 2), st.integers(1, 400)),
+                     min_size=1, max_size=10),
+       block=st.sampled_from([1, 2, 16]), spare=st.integers(0, 3),
+       policy=st.sampled_from(["fcfs", "priority", "sjf"]))
+def test_decode_preemptions_is_schedules_rule(rows, block, spare, policy):
+    """A decode step whose rows' new blocks may not fit: the policy's schedule preempts the
+    last ``decode_preemptions(needs, held, free)`` running requests in its running order
+    (arrival; priority class; predicted remainder, from the longest), and only those."""
     from sim.kv_manager import blocks_for
 
-    policy = make_policy({"name": "fcfs", "max_num_seqs": 64, "max_num_batched_tokens": 4096})
-    held = [blocks_for(c, block) for c in ctxs]
-    kv = KVBlockManager(sum(held) + spare, block)
+    pol = make_policy({"name": policy, "max_num_seqs": 64, "max_num_batched_tokens": 4096})
+    kv = KVBlockManager(sum(blocks_for(c, block) for c, _, _ in rows) + spare, block)
     queues = ReplicaQueues()
     builder = StepBuilder(queues, kv)
     reqs = []
-    for i, ctx in enumerate(ctxs):
-        r = Request(i, float(i), ctx, 500)
+    for i, (ctx, priority, predicted) in enumerate(rows):
+        r = Request(i, float(i), ctx, 500, priority)
+        r.extra = {"predicted_output_len": float(predicted)}
         r.transition(RequestStatus.RUNNING)
         r.num_computed_tokens = ctx
         r.num_output_tokens = 1
         assert kv.allocate_slots(i, ctx) is not None
         queues.add_running(r)
         reqs.append(r)
-    needs = [1 if c % block == 0 else 0 for c in ctxs]
-    k = policy.decode_preemptions(needs, held, kv.num_free_blocks)
-    policy.schedule(builder)
-    preempted = [r.request_id for r in reqs if r.status is RequestStatus.PREEMPTED]
-    assert preempted == list(range(len(ctxs) - k, len(ctxs)))
+    key = pol.decode_run_key()
+    order = reqs if key is None else sorted(reqs, key=key)
+    ctxs = [r.num_computed_tokens for r in order]
+    k = pol.decode_preemptions([1 if c % block == 0 else 0 for c in ctxs],
+                               [blocks_for(c, block) for c in ctxs], kv.num_free_blocks)
+    pol.schedule(builder)
+    preempted = {r.request_id for r in reqs if r.status is RequestStatus.PREEMPTED}
+    assert preempted == {r.request_id for r in order[len(order) - k:]}
 
 
 @settings(max_examples=150, deadline=None)
@@ -377,19 +390,25 @@ def test_decode_preemptions_is_schedules_rule(ctxs, block, spare):
        now=st.floats(0.0, 3.0),
        policy=st.sampled_from([{"name": "sjf"}, {"name": "sjf", "aging_s": 1.0},
                                {"name": "sjf", "predictor": "noisy", "aging_s": 0.5},
-                               {"name": "priority", "preemptive": False}]))
-def test_indexed_admissions_is_admits_rule_where_the_pool_cannot_bind(reqs, running, seqs,
-                                                                       budget, now, policy):
+                               {"name": "priority", "preemptive": False}]),
+       pool=st.sampled_from([10_000, 10_000, 12, 25]), watermark=st.sampled_from([0.0, 0.1]))
+def test_indexed_admissions_is_admits_rule(reqs, running, seqs, budget, now, policy, pool,
+                                           watermark):
     """What an ordered policy's schedule admits at ``now`` (its own order, aging included;
-    a pool that never binds, ``running`` requests decoding) is what indexed_admissions says:
-    the same requests in the same order, each moved to RUNNING."""
+    ``running`` requests decoding) is what indexed_admissions says: the same requests in the
+    same order, each moved to RUNNING. On a pool that can bind, with its free blocks,
+    watermark and block size as ``room``."""
+    from sim.step_builder import watermark_blocks
+
     running = min(running, seqs)
     budget = max(budget, seqs)
-    cfg = {**policy, "max_num_seqs": seqs, "max_num_batched_tokens": budget}
+    cfg = {**policy, "max_num_seqs": seqs, "max_num_batched_tokens": budget,
+           "kv_watermark": watermark}
     by_schedule, by_rule = make_policy(cfg, seed=3), make_policy(cfg, seed=3)
-    kv = KVBlockManager(10_000, 16)
+    kv = KVBlockManager(pool, 16)
+    wm = watermark_blocks(watermark, pool)
     queues = ReplicaQueues()
-    builder = StepBuilder(queues, kv)
+    builder = StepBuilder(queues, kv, kv_watermark=watermark)
     builder.reset(now)
     for i in range(running):
         r = Request(100 + i, 0.0, 10, 50)
@@ -397,19 +416,25 @@ def test_indexed_admissions_is_admits_rule_where_the_pool_cannot_bind(reqs, runn
         r.transition(RequestStatus.RUNNING)
         r.num_computed_tokens = 10
         r.num_output_tokens = 1
-        assert kv.allocate_slots(r.request_id, 10) is not None
+        if kv.allocate_slots(r.request_id, 10) is None:
+            running = i
+            break
         queues.add_running(r)
     arrivals = sorted(min(a, now) for *_, a in reqs)
     twins = []
     for i, ((p, out, pri, _), arrival) in enumerate(zip(reqs, arrivals)):
-        a, b = (Request(i, arrival, min(p, budget), out, pri) for _ in range(2))
+        p = min(p, budget)
+        if -(-p // 16) + wm > pool:
+            continue  # outside the core: alone it would not fit the pool
+        a, b = (Request(i, arrival, p, out, pri) for _ in range(2))
         queues.waiting.append(a)
         by_schedule.on_arrival(a)
         by_rule.on_arrival(b)
         twins.append(b)
+    room = None if pool == 10_000 else (kv.num_free_blocks, wm, 16)
+    chosen = by_rule.indexed_admissions(now, seqs - running, room)
     plan = by_schedule.schedule(builder)
     admitted = [s.request_id for s in plan.scheduled if s.start_position == 0]
-    chosen = by_rule.indexed_admissions(now, seqs - running)
     assert [r.request_id for r in chosen] == admitted
     assert all(r.status is RequestStatus.RUNNING for r in chosen)
     assert all(r.status is RequestStatus.WAITING for r in twins if r not in chosen)
