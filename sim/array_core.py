@@ -1,5 +1,6 @@
 """The array core: step_mode=fast for one replica, with no simpy event and no block id in
-the loop, and no per-request object past admission.
+the loop, and no per-request object for FCFS and chunked prefill (a policy with its own
+waiting order gets each request as a ``Request``, which lives until the request leaves).
 
 Where every request a policy may run at once fits the pool together (the ``max_num_seqs``
 longest requests' blocks, above the watermark), nothing is ever preempted, swapped or refused
@@ -587,17 +588,27 @@ class ArrayCore:
             add_blocks(c, 1)
             members += 1
 
-        def leave(end: float, also: list[int] | None = None) -> list[int]:
-            """The members whose last step is S leave (by arrival on ties); their indices.
-            ``also``: requests (ascending) that finish with their first token in the same
-            decode rows (chunked prefill), finished among them in arrival order."""
+        def leave(end: float, also: list[int] | None = None,
+                  last_rows: list[int] | None = None) -> list[int]:
+            """The members whose last step is S leave, in the step's row order (arrival, or
+            the policy's running order); their indices. ``also``: requests (ascending) that
+            finish with their first token in the same decode rows (chunked prefill), finished
+            among them in arrival order. ``last_rows``: requests swapped back in this step,
+            whose rows follow the others, in that order."""
             nonlocal members, ctx_sum, longest_c
             left = []
             while ends_heap and ends_heap[0] >> shift == S:
                 left.append(heappop(ends_heap))
+            if held is not None and len(left) > 1:
+                left.sort(key=running_rank)
+            if last_rows and len(left) > 1:
+                # Swapped back in this step: their rows follow the running ones, in the
+                # order they came back.
+                late = {(key >> _SLOT_BITS) & _INDEX_MASK: key for key in left}
+                back = [late.pop(i) for i in last_rows if i in late]
+                left = [key for key in left if (key >> _SLOT_BITS) & _INDEX_MASK in late]
+                left += back
             if held is not None:
-                if len(left) > 1:
-                    left.sort(key=running_rank)
                 for key in left:
                     del held[(key >> _SLOT_BITS) & _INDEX_MASK]
             gone = []
@@ -810,6 +821,7 @@ class ArrayCore:
             # order and limits).
             if binding and (swapped or blocks_at(S + 1) > num_blocks):
                 recomputed = swapped_out = moved_out = moved_in = 0
+                resumed: list[int] = []
                 if blocks_at(S + 1) > num_blocks:
                     order = [m for m in range(seats_total) if slot_index[m] >= 0]
                     if held is None:  # arrival order
@@ -886,6 +898,7 @@ class ArrayCore:
                         moved_in += held_blocks
                         first, sched, later, preemptions, swaps = resume.pop(i)
                         join(i, first, sched, (later, preemptions, swaps))
+                        resumed.append(i)
                         seats -= 1
                         tokens -= 1
                 if recomputed or swapped_out or moved_in:
@@ -906,7 +919,7 @@ class ArrayCore:
                     if used > peak:
                         peak = used
                     if ends_heap and ends_heap[0] >> shift == S:
-                        done += len(leave(t))
+                        done += len(leave(t, None, resumed))
                         if done >= next_tick:
                             progress.update(done, t)
                             next_tick = done + 64

@@ -181,8 +181,8 @@ class Policy(ABC):
     def may_preempt_to_admit(self, priorities: Sequence[int]) -> bool:
         """Whether admitting a waiting request could preempt a running one that has room, on
         a workload whose requests have these ``priorities`` (a preemptive ordering; memory
-        pressure aside). The array core, which never preempts, runs only where it cannot.
-        Default: no."""
+        pressure aside). The array core, which preempts only for memory, runs only where it
+        cannot. Default: no."""
         return False
 
     def on_arrival(self, req: Request) -> None:

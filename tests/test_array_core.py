@@ -140,6 +140,20 @@ def test_binding_pool_core_equals_exact_on_random_small_workloads(
     _assert_same(over)
 
 
+def test_requests_swapped_back_in_finish_after_the_running_rows():
+    """A step that swaps requests back in lists them after the running rows, in the order
+    they came back: among those finishing in it, a request swapped back in leaves after
+    members that arrived later (requests.csv's order, as step by step)."""
+    over = ["model=tiny", "workload.prompt_len.max=30", "workload.output_len.max=30", *UNIFORM,
+            "policy=fcfs", "seed=9102", "workload.qps=1814.736", "workload.num_requests=40",
+            "policy.max_num_seqs=30", "policy.max_num_batched_tokens=1808", "kv.block_size=1",
+            "workload.output_len.min=3", "workload.prompt_len.min=1",
+            "kv.num_gpu_blocks_override=120", "policy.kv_watermark=0.1",
+            "policy.preemption_mode=swap", "kv.num_cpu_blocks=10000"]
+    s = _assert_same(over)  # rows in the same order
+    assert s["step_engine"] == "array_core" and s["num_swaps"] > 0
+
+
 def _files(tmp: Path, core: bool, overrides: tuple[str, ...]) -> tuple[pd.DataFrame, ...]:
     out = tmp / f"core_{core}"
     res = Simulation(compose_cfg(f"array_core={str(core).lower()}", *overrides), out).run()

@@ -44,7 +44,8 @@ def _same_runs(overrides: list[str]) -> tuple[SimulationResult, SimulationResult
     fast, exact = fast_res.summary, exact_res.summary
     # The same schedule: every step's shape and timing, and every request's timestamps.
     cols = ["batch_size", "prefill_tokens", "decode_tokens", "sampled", "num_waiting",
-            "num_running", "num_swapped", "kv_blocks_used", "recomputed", "swapped_out"]
+            "num_running", "num_swapped", "kv_blocks_used", "recomputed", "swapped_out",
+            "swap_out_blocks", "swap_in_blocks"]
     assert len(sf) == len(se)
     assert (sf[cols].to_numpy() == se[cols].to_numpy()).all()
     for c in ("time", "duration"):
@@ -57,8 +58,12 @@ def _same_runs(overrides: list[str]) -> tuple[SimulationResult, SimulationResult
         assert_approx(a, b, rel=1e-9, abs=1e-12, nan_ok=True, what=c)
     same = ["request_id", "status", "output_len", "num_preemptions", "num_swaps", "num_recomputes"]
     assert rf[same].equals(re_[same])
-    for key in ("p99_itl_ms", "mean_tpot_ms", "num_preemptions", "kv_peak_usage"):
+    for key in ("p99_itl_ms", "mean_tpot_ms", "num_preemptions", "kv_peak_usage", "num_swaps",
+                "num_recomputes", "num_swap_fallbacks"):
         assert fast[key] == pytest.approx(exact[key], rel=1e-9), key
+    # requests.csv in the same order (a step's finishers in its row order).
+    assert ([r[0] for r in fast_res.requests_sink.rows]
+            == [r[0] for r in exact_res.requests_sink.rows])
     # The same block ids handed out in the same order (tests/test_cluster_fast_exact.py).
     free = free_queues(fast_res)
     if free is not None:  # None on the array core (no block ids)
@@ -75,8 +80,10 @@ def test_default_workload_fast_equals_exact(policy, core):
 
 
 @pytest.mark.parametrize("policy", JUMPING)
-def test_preemption_heavy_case_fast_equals_exact(policy):
+@pytest.mark.parametrize("core", ["true", "false"])  # the array core where it applies, or not
+def test_preemption_heavy_case_fast_equals_exact(policy, core):
     s = _assert_same([f"policy={policy}", "model=tiny", "kv.num_gpu_blocks_override=30",
+                      f"array_core={core}",
                       "workload.qps=30", "workload.num_requests=60",
                       "workload.prompt_len.max=200", "workload.output_len.max=150",
                       *EXTRA.get(policy, ())])
@@ -90,8 +97,11 @@ def test_preemption_heavy_case_fast_equals_exact(policy):
 @given(seed=st.integers(0, 10_000), blocks=st.integers(40, 400), qps=st.floats(1.0, 60.0),
        swap=st.booleans())
 def test_random_small_workloads_under_kv_pressure(policy, seed, blocks, qps, swap):
+    # The replica loop's decode jumps (the array core's pools that bind:
+    # tests/test_array_core.py).
     _assert_same([
         f"policy={policy}", "model=tiny", f"seed={seed}", f"kv.num_gpu_blocks_override={blocks}",
+        "array_core=false",
         "kv.num_cpu_blocks=64", f"workload.qps={qps}", "workload.num_requests=40",
         "workload.prompt_len.max=200", "workload.output_len.max=120",
         f"policy.preemption_mode={'swap' if swap and policy not in NO_SWAP else 'recompute'}",
