@@ -25,6 +25,7 @@ tests/test_fast_forward.py passes for it.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import Any, ClassVar
 
 from policies.base import POLICIES, Policy
 from policies.budget import (
@@ -49,6 +50,26 @@ class FCFSPolicy(Policy):
     # with nothing waiting or swapped out, a finish frees a seat and blocks nobody takes.
     supports_decode_jumps = True
     array_core = True
+    #: The array core does not call these hooks: its rules on counts (``head_admissions`` or
+    #: ``indexed_admissions``, ``decode_preemptions``, ``decode_run_key``, ``requeue``)
+    #: follow them as the classes that define them here (FCFS, ``OrderedPolicy``) write
+    #: them. A class stating ``array_core`` whose hook comes from elsewhere is refused.
+    CORE_FOLLOWED_HOOKS: ClassVar[tuple[str, ...]] = (
+        "schedule", "admit_waiting", "running_order", "victim_picker", "swapped_order",
+        "requeue")
+    #: Set in the body of a class whose definitions of those hooks the core follows.
+    core_follows_hooks: ClassVar[bool] = True
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)  # resets the fast-path flags not restated
+        if not cls.array_core:
+            return
+        for name in FCFSPolicy.CORE_FOLLOWED_HOOKS:
+            owner = next(k for k in cls.__mro__ if name in k.__dict__)
+            if not owner.__dict__.get("core_follows_hooks", False):
+                raise TypeError(
+                    f"{cls.__name__}: array_core = True, but its {name} ({owner.__name__}'s) "
+                    f"is not what the array core's rules on counts follow (sim/array_core.py)")
 
     def schedule(self, step: StepBuilder) -> StepPlan:
         cfg = self.config

@@ -38,7 +38,9 @@ def _pending(req: Request) -> int:
 
 class OrderedPolicy(FCFSPolicy):
     # No fast-path flags of its own (Policy.__init_subclass__): each ordered policy states
-    # its own. On the array core it admits through ``indexed_admissions`` (its own order).
+    # its own. On the array core it admits through ``indexed_admissions`` (its own order),
+    # and its rows and victims follow ``decode_run_key``, as its hooks below order them.
+    core_follows_hooks = True
 
     def __init__(self, config: PolicyConfig, seed: int = 0) -> None:
         super().__init__(config, seed)

@@ -154,3 +154,26 @@ def test_a_scheduler_that_always_chunks_refuses_chunked_prefill_off(name):
                                           rf"for the {name} policy"):
         make_policy({"name": name, "enable_chunked_prefill": False})
     assert make_policy({"name": name}).config.enable_chunked_prefill
+
+
+def test_array_core_refuses_a_class_whose_hooks_its_rules_do_not_follow() -> None:
+    """The array core decides through rules on counts that follow FCFS's and OrderedPolicy's
+    own hooks: a class stating ``array_core`` with its own running order, victims, swap
+    order, requeue or admission is refused when it is defined; one that only changes
+    OrderedPolicy's keys is not."""
+    from policies.fcfs import FCFSPolicy
+    from policies.sjf import SJFPolicy
+
+    with pytest.raises(TypeError, match="Bad: array_core = True, but its running_order"):
+        type("Bad", (FCFSPolicy,), {"array_core": True,
+                                    "running_order": lambda self, step: step.running})
+    with pytest.raises(TypeError, match="its admit_waiting"):
+        type("Bad", (FCFSPolicy,), {"array_core": True,
+                                    "admit_waiting": FCFSPolicy.admit_waiting})
+    with pytest.raises(TypeError, match="its victim_picker"):
+        type("Bad", (SJFPolicy,), {"array_core": True,
+                                   "victim_picker": lambda self, step, order: None})
+    ok = type("Ok", (SJFPolicy,), {"array_core": True, "waiting_key": lambda self, r: 0})
+    assert ok.array_core
+    # Without the statement a class may override anything (it takes the replica loop).
+    assert not type("Free", (FCFSPolicy,), {"running_order": FCFSPolicy.running_order}).array_core
