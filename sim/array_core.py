@@ -44,8 +44,8 @@ are the rules ``schedule`` uses, tested against it; only policy classes that set
 The outputs (requests.csv, steps.csv, summary.json) are the replica loop's to 1e-9 relative
 in the times (the same steps, priced by other paths: a duration's last bits may differ),
 except ``num_decode_jumps`` (this core's stretches), ``step_engine`` and ``wall_time_s``.
-``Simulation.run`` uses it when ``array_core_blocker`` and ``pool_blocker`` find nothing in
-the way and takes the replica loop otherwise. tests/test_array_core.py checks it against
+``Simulation.run`` uses it when ``array_core_blocker`` and ``pool_blocker``
+(sim/array_inputs.py) find nothing in the way and takes the replica loop otherwise. tests/test_array_core.py checks it against
 step-by-step simulation and the replica loop.
 """
 
@@ -55,13 +55,12 @@ import time
 from array import array
 from bisect import bisect_left, bisect_right
 from collections import deque
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
-from heapq import heapify, heappop, heappush, nlargest
+from collections.abc import Callable
+from heapq import heapify, heappop, heappush
 from itertools import accumulate, cycle, islice
-from operator import add, gt
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
+from sim.array_inputs import INDEX_BITS, SLOT_BITS, ArrayCoreHost, WorkloadArrays, pool_can_bind
 from sim.fast_forward import _price_until, _steps_before
 from sim.kv_manager import blocks_for
 from sim.metrics import MetricsCollector
@@ -82,42 +81,13 @@ from sim.result import SimulationResult
 from sim.step_builder import watermark_blocks
 
 if TYPE_CHECKING:
-    from sim.executor import Executor
-    from sim.memory import MemoryPlan
     from sim.policy import Policy
-    from sim.specs import ModelSpec
 
 
-class ArrayCoreHost(Protocol):
-    """What the array core reads of the run it simulates (``sim.simulation.Simulation``)."""
-
-    use_array_core: bool
-    step_mode: str
-    is_cluster: bool
-    check_integrity: bool
-    keep_requests: bool
-    policy: Policy
-    executor: Executor
-    model: ModelSpec
-    memory: MemoryPlan
-    kv_cfg: Any  # sim.simulation.KVConfig
-    prefix_caching: bool
-    workload: Any  # sim.workload.Workload
-
-    def open_outputs(self, request_columns: tuple[str, ...], num_requests: int | None,
-                     ) -> tuple[CsvSink, CsvSink, MetricsCollector, Progress]: ...
-
-    def summary(self, metrics: MetricsCollector, sim_end: float, wall: float, *,
-                kv_peak_usage: float, num_steps: int, num_decode_jumps: int,
-                num_swap_fallbacks: int, engine: str,
-                prefix_cache: tuple[int, int, int] = ...,
-                offload: tuple[int, int] = ...) -> dict[str, Any]: ...
-
-    def write_summary(self, summary: dict[str, Any]) -> None: ...
-
-# Heap keys pack (step, arrival index, slot) into one int: slots and indices have these bits.
-_SLOT_BITS = 20
-_INDEX_BITS = 32
+# Heap keys pack (step, arrival index, slot) into one int: slots and indices have these bits
+# (SLOT_BITS, INDEX_BITS: sim/array_inputs.py, whose blockers keep runs within them).
+_SLOT_BITS = SLOT_BITS
+_INDEX_BITS = INDEX_BITS
 _INDEX_MASK = (1 << _INDEX_BITS) - 1
 # Contexts stored as offsets from the decode step count may be negative: shift them positive.
 _CTX_OFFSET = 1 << 62
@@ -129,129 +99,6 @@ _TIMES_KEPT = 1 << 20
 # (plus the extra): dead entries leave it only from the top.
 _HEAP_PER_SEAT = 4
 _HEAP_EXTRA = 64
-
-
-def array_core_blocker(sim: ArrayCoreHost) -> str | None:
-    """Why this run cannot use the array core before looking at its requests, or None."""
-    if not sim.use_array_core:
-        return "array_core=false"
-    if sim.step_mode != "fast":
-        return "step_mode=exact"
-    if sim.is_cluster:
-        return "a cluster (several replicas, pipeline stages or disaggregation)"
-    if sim.check_integrity:
-        return "check_integrity=true"
-    if sim.keep_requests:
-        return "keep_requests (Request objects wanted)"
-    if sim.workload.closed_loop:
-        return "a closed-loop workload (finished requests bring new ones)"
-    # The class's own opt-in (Policy.__init_subclass__: a subclass does not inherit it).
-    if not sim.policy.array_core:
-        return f"policy {sim.policy.config.name!r} does not decide on arrays"
-    if sim.policy.config.max_num_seqs >= 1 << _SLOT_BITS:
-        return f"policy.max_num_seqs >= {1 << _SLOT_BITS} (the core's slot numbers)"
-    ex = sim.executor
-    # The executor's own class states it (a subclass or wrapper may price steps otherwise).
-    if not type(ex).__dict__.get("prices_on_arrays", False) or ex.produces_tokens:
-        return f"executor {type(ex).__name__} (the array core prices with the cost model)"
-    return None
-
-
-@dataclass
-class WorkloadArrays:
-    """A workload's requests as columns, in arrival order."""
-
-    request_ids: array
-    priorities: array
-    arrivals: array
-    prompt_lens: array
-    output_lens: array
-
-    @classmethod
-    def collect(cls, requests: Iterable[Request],
-                prefix_caching: bool = False) -> WorkloadArrays | str:
-        """The columns of ``requests`` (an iterable of Request), or why they cannot be kept as
-        plain numbers (ids or priorities that are not ints, token ids given, or with
-        ``prefix_caching`` a shared prompt prefix: the core keeps no block contents; without
-        one a request can only hit its own blocks after a preemption, which the core makes
-        only with caching off, so caching changes nothing but the count of prompt tokens
-        looked up)."""
-        out = cls(array("q"), array("q"), array("d"), array("q"), array("q"))
-        ids, pri, arr, pl, ol = (out.request_ids.append, out.priorities.append,
-                                 out.arrivals.append, out.prompt_lens.append,
-                                 out.output_lens.append)
-        for r in requests:
-            rid, p = r.request_id, r.priority
-            if type(rid) is not int or type(p) is not int or r.prompt_token_ids is not None:
-                return f"request {rid!r}: ids and priorities other than ints, or token ids"
-            if prefix_caching and r.prefix is not None:
-                return f"request {rid!r}: a shared prompt prefix with prefix caching on"
-            try:
-                ids(rid)
-                pri(p)
-            except OverflowError:
-                return f"request {rid!r}: an id or priority beyond 64 bits"
-            arr(r.arrival_time)
-            pl(r.prompt_len)
-            ol(r.max_output_len)
-        return out
-
-
-def pool_can_bind(sim: ArrayCoreHost, w: WorkloadArrays) -> bool:
-    """Whether the KV pool can run short on this workload: the most a full batch can ever
-    hold (its members' blocks at their last tokens, full_length: prompt + output - 1, for
-    the ``max_num_seqs`` largest requests) exceeds the pool above the admission watermark."""
-    cfg = sim.policy.config
-    blocks = sim.memory.num_gpu_blocks
-    bs = sim.kv_cfg.block_size
-    largest = nlargest(cfg.max_num_seqs, map(add, w.prompt_lens, w.output_lens))
-    need = sum(blocks_for(n - 1, bs) for n in largest)
-    return need > blocks - watermark_blocks(cfg.kv_watermark, blocks)
-
-
-def pool_blocker(sim: ArrayCoreHost, w: WorkloadArrays) -> str | None:
-    """Why this workload cannot run on the array core (a request would be refused, or the
-    KV pool can bind where the core cannot preempt as the policy does), or None. Where the
-    pool can bind, the core preempts (by recompute, or by swap while the CPU pool has room)
-    with the policy's rule on counts (``decode_preemptions``), if every request fits the
-    pool alone above the watermark and its recompute fits one step (so it never re-prefills
-    in chunks), and swaps only with a watermark of at least one block."""
-    n = len(w.arrivals)
-    if not n:
-        return "no requests"
-    if n >= 1 << _INDEX_BITS:
-        return f"{n} requests (the core numbers them in {_INDEX_BITS} bits)"
-    if any(map(gt, w.arrivals, islice(w.arrivals, 1, None))):
-        return "arrival times that decrease (the replica takes them in the order given)"
-    cfg = sim.policy.config
-    if sim.policy.may_preempt_to_admit(w.priorities):
-        return (f"policy {cfg.name!r} may preempt a running request to admit a waiting one "
-                f"on this workload (policy.preemptive)")
-    # The max_num_seqs longest requests (prompt + output), without a list of all of them.
-    largest = nlargest(cfg.max_num_seqs, map(add, w.prompt_lens, w.output_lens))
-    if largest[0] > sim.model.max_model_len:
-        return "a request longer than model.max_model_len (refused at arrival)"
-    if not cfg.enable_chunked_prefill and max(w.prompt_lens) > cfg.max_num_batched_tokens:
-        return "a prompt longer than policy.max_num_batched_tokens (refused at arrival)"
-    if not pool_can_bind(sim, w):
-        return None
-    blocks = sim.memory.num_gpu_blocks
-    watermark = watermark_blocks(cfg.kv_watermark, blocks)
-    bs = sim.kv_cfg.block_size
-    why = None
-    if not callable(getattr(sim.policy, "decode_preemptions", None)):
-        why = f"policy {cfg.name!r} preempts on the replica loop only"
-    elif cfg.preemption_mode == "swap" and watermark < 1:
-        # A request swapped back in then always finds its next block (the watermark's).
-        why = "policy.preemption_mode=swap and a watermark of no block"
-    elif sim.prefix_caching:
-        why = "prefix caching (a recomputed request would find its own blocks)"
-    elif largest[0] - 1 > cfg.max_num_batched_tokens:
-        why = ("a request whose recompute (prompt + output - 1 tokens) exceeds "
-               "policy.max_num_batched_tokens")
-    elif blocks_for(largest[0] - 1, bs) > blocks - watermark:
-        why = "a request that alone fills the pool above the watermark"
-    return None if why is None else f"the KV pool can bind, with {why}"
 
 
 class _BlockCount:

@@ -21,7 +21,8 @@ from typing import Any, Protocol
 import simpy
 
 from sim import stop as run_stop
-from sim.array_core import ArrayCore, WorkloadArrays, array_core_blocker, pool_blocker
+from sim.array_core import ArrayCore
+from sim.array_inputs import WorkloadArrays, array_core_blocker, pool_blocker
 from sim.clock import ChainEnvironment, timeout_at
 from sim.cluster.colocated import Colocated
 from sim.cluster.config import ClusterConfig, DisaggregatedConfig, cluster_config_from
