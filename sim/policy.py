@@ -179,10 +179,10 @@ class Policy(ABC):
         return limit
 
     def may_preempt_to_admit(self, priorities: Sequence[int]) -> bool:
-        """Whether admitting a waiting request could preempt a running one that has room, on
-        a workload whose requests have these ``priorities`` (a preemptive ordering; memory
-        pressure aside). The array core, which preempts only for memory, runs only where it
-        cannot. Default: no."""
+        """Whether admitting a waiting request could preempt a running one to take its seat
+        or blocks (a preemptive ordering), on a workload whose requests have these
+        ``priorities``. The array core, which preempts only when a decode step's blocks do
+        not fit, runs only where it cannot. Default: no."""
         return False
 
     def on_arrival(self, req: Request) -> None:
