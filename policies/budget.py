@@ -126,6 +126,28 @@ def counted_room(room: tuple[int, int, int]) -> Callable[[object, int, int], boo
     return place
 
 
+def preempted_on_counts(needs: Sequence[int], held: Sequence[int], free: int) -> int:
+    """``schedule_running``'s loop on counts, for the array core (sim/array_core.py), with a
+    victim picker that takes the last request of the running order not yet granted
+    (``latest_arrival_victim``; ``victim_from_end``). The running requests in that order,
+    request r needing ``needs[r]`` new blocks for this step (0 for one that needs none or is
+    not a row of this loop: the victims after it are taken first either way) and holding
+    ``held[r]``, ``free`` blocks free. A request that finds too few preempts the last ones
+    not yet granted, possibly itself, so those preempted are always the last. Returns how
+    many."""
+    end = len(needs)  # requests [end, len) are preempted
+    r = 0
+    while r < end:
+        need = needs[r]
+        while need > free and end > r:
+            end -= 1  # the last not yet granted gives its blocks back
+            free += held[end]
+        if r < end:
+            free -= need
+        r += 1
+    return len(needs) - end
+
+
 def latest_arrival_victim(step: StepBuilder, requester: Request) -> Request | None:
     """vLLM's default: the running request that arrived last and is not yet in this step.
     May return ``requester`` itself (it then preempts itself)."""

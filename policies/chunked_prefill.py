@@ -36,6 +36,8 @@ from policies.budget import (
     admission_rule,
     admit,
     chunk_size,
+    counted_room,
+    preempted_on_counts,
     prefill_share,
     resume_swapped,
     schedule_running,
@@ -94,16 +96,28 @@ class ChunkedPrefillPolicy(Policy):
                   max_chunk=share)
         return step.build()
 
+    def decode_preemptions(self, needs: Sequence[int], held: Sequence[int], free: int) -> int:
+        """The array core's step when the pool cannot hold every decode's new block
+        (sim/array_core.py): ``schedule``'s decode loop (``schedule_running`` over the
+        decodes, ``latest_arrival_victim`` over every running request) on counts. Every
+        running request in arrival order, ``needs[r]`` its new blocks (0 mid-prefill: it
+        holds its whole prompt's), ``held[r]`` what it holds; returns how many of the latest
+        arrivals it preempts (``preempted_on_counts``). The step then decodes the rest and
+        carries no chunk."""
+        return preempted_on_counts(needs, held, free)
+
     def chunk_plan(self, decode_tokens: int, partials: Sequence[int], waiting: Iterable[int],
-                   num_waiting: int, seats: int) -> tuple[list[int], list[int]]:
-        """The array core's step (sim/array_core.py), where the KV pool can never bind and
-        nothing is preempted or swapped: ``schedule``'s decisions on plain numbers. Given
-        the step's ``decode_tokens`` (every running request with one pending token),
-        the pending prefill tokens of the running requests mid-prefill (``partials``, more
-        than one each, in arrival order), the waiting requests' prompt lengths in queue
-        order (``waiting``, ``num_waiting`` of them) and the free seats, returns the chunks
-        the partials get (in order; fewer entries once the budget is spent) and the chunks
-        of the waiting requests admitted (the first ``len`` of the queue).
+                   num_waiting: int, seats: int, room: tuple[int, int, int] | None = None,
+                   ) -> tuple[list[int], list[int]]:
+        """The array core's step (sim/array_core.py) when its decodes preempt nobody and
+        nothing is swapped out: ``schedule``'s decisions on plain numbers. Given the step's
+        ``decode_tokens`` (every running request with one pending token), the pending
+        prefill tokens of the running requests mid-prefill (``partials``, more than one
+        each, in arrival order), the waiting requests' pending prefill tokens in queue order
+        (``waiting``, ``num_waiting`` of them), the free seats and, where the pool can bind,
+        the ``room`` admission counts blocks in (``counted_room``), returns the chunks the
+        partials get (in order; fewer entries once the budget is spent) and the chunks of
+        the waiting requests admitted (the first ``len`` of the queue).
         tests/test_array_core.py checks it against ``schedule``."""
         cfg = self.config
         remaining = cfg.max_num_batched_tokens - decode_tokens
@@ -123,5 +137,6 @@ class ChunkedPrefillPolicy(Policy):
         open_partials += len(partials) - len(chunks)
         admitted = admission_rule(waiting, None, remaining, seats, cfg.max_num_batched_tokens,
                                   chunked=True, max_partial=max(0, k - open_partials),
-                                  max_chunk=share)
+                                  max_chunk=share,
+                                  place=None if room is None else counted_room(room))
         return chunks, [n for _, n in admitted]

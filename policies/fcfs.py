@@ -35,6 +35,7 @@ from policies.budget import (
     admit,
     counted_room,
     latest_arrival_victim,
+    preempted_on_counts,
     resume_swapped,
     schedule_running,
 )
@@ -106,17 +107,7 @@ class FCFSPolicy(Policy):
         last row not yet granted (possibly itself: ``latest_arrival_victim``, and
         ``victim_from_end`` over that order), so those preempted are always the last rows.
         Returns how many (tests/test_array_core.py checks it against ``schedule``)."""
-        end = len(needs)  # rows [end, len) are preempted
-        r = 0
-        while r < end:
-            need = needs[r]
-            while need > free and end > r:
-                end -= 1  # the latest arrival not yet granted gives its blocks back
-                free += held[end]
-            if r < end:
-                free -= need
-            r += 1
-        return len(needs) - end
+        return preempted_on_counts(needs, held, free)
 
     # ---- hooks --------------------------------------------------------------------------
     def admit_waiting(self, step: StepBuilder, budget: Budget) -> list[Request]:

@@ -6,11 +6,12 @@ Where every request a policy may run at once fits the pool together (the ``max_n
 longest requests' blocks, above the watermark), nothing is ever preempted, swapped or refused
 a block, and a run is a chain of steps that admit or continue prompts (prefill-only steps for
 FCFS, mixed steps for chunked prefill) and decode stretches (every member gains one token per
-step). Where the pool can bind (FCFS, SJF, priority), admission counts blocks above the
-watermark, and a decode step whose new blocks do not fit is planned on its own: the
-policy's rule on counts (``decode_preemptions``) says how many of the last rows in its
-running order it preempts, by recompute (waiting again, to re-prefill their prompt and
-sampled tokens: FCFS's queue head, an ordered policy's ``requeue``) or by swap (back in the
+step). Where the pool can bind, admission counts blocks above the watermark, and a decode
+step whose new blocks do not fit is planned on its own: the policy's rule on counts
+(``decode_preemptions``) says how many of the last rows in its running order it preempts
+(under chunked prefill: of every running request, mid-prefill ones included; the step then
+carries no chunk), by recompute (waiting again, to re-prefill their prompt and sampled
+tokens: the queue head, or an ordered policy's ``requeue``) or by swap (back in the
 order they left, or the policy's running order, as ``resume_swapped`` lets them, in a step
 of their own; recomputed when the CPU pool is full); blocks in use only grow between such
 steps, so a stretch runs to the last step whose blocks fit (or the policy's next decision
@@ -45,8 +46,8 @@ The outputs (requests.csv, steps.csv, summary.json) are the replica loop's to 1e
 in the times (the same steps, priced by other paths: a duration's last bits may differ),
 except ``num_decode_jumps`` (this core's stretches), ``step_engine`` and ``wall_time_s``.
 ``Simulation.run`` uses it when ``array_core_blocker`` and ``pool_blocker``
-(sim/array_inputs.py) find nothing in the way and takes the replica loop otherwise. tests/test_array_core.py checks it against
-step-by-step simulation and the replica loop.
+(sim/array_inputs.py) find nothing in the way and takes the replica loop otherwise.
+tests/test_array_core.py checks it against step-by-step simulation and the replica loop.
 """
 
 from __future__ import annotations
@@ -435,6 +436,30 @@ class ArrayCore:
             add_blocks(c, 1)
             members += 1
 
+        def complete(i: int, end: float) -> bool:
+            """Request ``i``'s prefill (or recompute) finished in the step that ends at
+            ``end`` and sampled a token (chunked prefill): it finishes if that was its last
+            (True), else it decodes from the next step."""
+            sched = scheduled_at.pop(i)
+            entry = resume.pop(i, None) if resume else None
+            prior = None
+            first = end
+            if entry is not None:  # preempted before: its first scheduling and tokens
+                first, sched, later, preemptions, swaps = entry
+                if first is None:  # before its first token
+                    first = end
+                else:
+                    later.append(end)
+                prior = (later, preemptions, swaps)
+            if PEND[i] - PL[i] + 1 == OL[i]:
+                if prior is None:
+                    finish(i, first, sched, end, empty)
+                else:
+                    finish(i, first, sched, end, *prior)
+                return True
+            join(i, first, sched, prior)
+            return False
+
         def leave(end: float, also: list[int] | None = None,
                   last_rows: list[int] | None = None) -> list[int]:
             """The members whose last step is S leave, in the step's row order (arrival, or
@@ -464,7 +489,7 @@ class ArrayCore:
                 i = (key >> _SLOT_BITS) & _INDEX_MASK
                 while also and also[0] < i:
                     first = also.pop(0)
-                    finish(first, end, scheduled_at.pop(first), end, empty)
+                    complete(first, end)
                     gone.append(first)
                 free_slots.append(slot)
                 slot_index[slot] = -1
@@ -484,7 +509,7 @@ class ArrayCore:
                            prior[1], prior[2])
                 gone.append(i)
             for first in also or ():
-                finish(first, end, scheduled_at.pop(first), end, empty)
+                complete(first, end)
                 gone.append(first)
             return gone
 
@@ -587,25 +612,89 @@ class ArrayCore:
                     continue
             elif chunk_plan is not None and (waiting or prefilling):
                 # Decodes first (members, and prompts one token from done), then chunks.
-                ones, multi = [], []
-                for i in prefilling:
-                    left = PL[i] - computed[i]
-                    (ones if left == 1 else multi).append(i)
-                chunks, admitted = chunk_plan(
-                    members + len(ones), [PL[i] - computed[i] for i in multi],
-                    map(PL.__getitem__, waiting), len(waiting),
-                    seats_total - members - len(prefilling))
-                if ones or chunks or admitted:
+                recomputed = 0
+                if binding and blocks_at(S + 1) + prefill_blocks > num_blocks:
+                    # The decodes' new blocks do not fit: the latest arrivals among every
+                    # running request (decoding or mid-prefill) are recomputed (the policy's
+                    # decode_preemptions), and the step decodes the rest, with no chunk.
+                    slot_of = {slot_index[m]: m for m in range(seats_total)
+                               if slot_index[m] >= 0}
+                    running = sorted([*slot_of, *prefilling])
+                    needs, holds = [], []
+                    for i in running:
+                        m = slot_of.get(i)
+                        if m is None:  # mid-prefill: it holds its whole prompt's blocks
+                            needs.append(0)
+                            holds.append(blocks_for(PEND[i], bs))
+                        else:
+                            c = slot_ctx[m] + S
+                            needs.append(1 if c % bs == 0 else 0)
+                            holds.append(blocks_for(c, bs))
+                    recomputed = decode_preemptions(needs, holds,
+                                                    num_blocks - blocks_at(S) - prefill_blocks)
+                    for i in reversed(running[len(running) - recomputed:]):  # as preempted
+                        m = slot_of.get(i)
+                        if m is None:
+                            prefilling.remove(i)
+                            prefill_blocks -= blocks_for(PEND[i], bs)
+                            del computed[i]
+                            sched = scheduled_at.pop(i)
+                            prev = resume.get(i)  # a recompute, preempted again
+                            resume[i] = ((None, sched, array("d"), 1, 0) if prev is None else
+                                         (*prev[:3], prev[3] + 1, prev[4]))
+                        else:
+                            c = slot_ctx[m]
+                            if c == longest_c:
+                                longest_c = None
+                            ctx_sum -= c
+                            add_blocks(c, -1)
+                            members -= 1
+                            alive[i] = 0
+                            slot_index[m] = -1
+                            free_slots.append(m)
+                            later = times[slot_start[m] - times_off:S - times_off]
+                            prior = slot_prior[m]
+                            preemptions, swaps = ((1, 0) if prior is None
+                                                  else (prior[1] + 1, prior[2]))
+                            if prior is not None:
+                                later = prior[0] + later
+                            PEND[i] = c + S + 1  # its prompt and every token it sampled
+                            resume[i] = (slot_first[m], slot_sched[m], later, preemptions,
+                                         swaps)
+                        waiting.appendleft(i)  # type: ignore[union-attr]
+                    ends_heap[:] = [e for e in ends_heap if alive[(e >> _SLOT_BITS) & _INDEX_MASK]]
+                    heapify(ends_heap)
+                    max_heap = [e for e in max_heap if alive[-e & _INDEX_MASK]]
+                    heapify(max_heap)
+                    peak = num_blocks  # a decode found the pool full
+                    ones = [i for i in prefilling if PEND[i] - computed[i] == 1]
+                    if not members and not ones:
+                        # Every decode preempted (itself, at last): the replica's plan is
+                        # empty and it plans again at once, with no step.
+                        continue
+                    multi = chunks = admitted = []
+                else:
+                    ones, multi = [], []
+                    for i in prefilling:
+                        left = PEND[i] - computed[i]
+                        (ones if left == 1 else multi).append(i)
+                    room = (num_blocks - blocks_at(S + 1) - prefill_blocks, watermark,
+                            bs) if binding else None
+                    chunks, admitted = chunk_plan(
+                        members + len(ones), [PEND[i] - computed[i] for i in multi],
+                        map(PEND.__getitem__, waiting), len(waiting),
+                        seats_total - members - len(prefilling), room)
+                if ones or chunks or admitted or recomputed:
                     new = [waiting.popleft() for _ in admitted]
                     for i in new:
                         computed[i] = 0
                         prefilling.append(i)
-                        prefill_blocks += blocks_for(PL[i], bs)
+                        prefill_blocks += blocks_for(PEND[i], bs)
                     grants = [(i, 1) for i in ones]
                     grants += zip(multi, chunks)
                     grants += zip(new, admitted)
                     plan = StepPlan([ScheduledRequest(i, computed[i], n, [],
-                                                      computed[i] + n == PL[i])
+                                                      computed[i] + n == PEND[i])
                                      for i, n in grants])
                     nd = members
                     if record:
@@ -613,7 +702,7 @@ class ArrayCore:
                         # (step_shape).
                         one_token = sum(1 for i, n in grants if n == 1 and computed[i])
                         prompt_tokens = sum(n for i, n in grants if n > 1 or not computed[i])
-                    completed = [i for i, n in grants if computed[i] + n == PL[i]]
+                    completed = [i for i, n in grants if computed[i] + n == PEND[i]]
                     if members:
                         top = longest_ctx()
                         # Start positions: each member's context before its new token.
@@ -635,14 +724,17 @@ class ArrayCore:
                     for i in completed:
                         prefilling.remove(i)
                         del computed[i]
-                        prefill_blocks -= blocks_for(PL[i], bs)
+                        prefill_blocks -= blocks_for(PEND[i], bs)
                     # Sampled in row order: the decode rows in arrival order (members and
                     # prompts one token from done), then the chunks in grant order.
-                    also = [i for i in ones if OL[i] == 1] if ones else None
+                    also = [i for i in ones if PEND[i] - PL[i] + 1 == OL[i]] if ones else None
                     if also or (ends_heap and ends_heap[0] >> shift == S):
                         done += len(leave(t, also))
                     for i in completed:
                         if i in scheduled_at:  # not finished among the decode rows
+                            if resume and i in resume:
+                                done += complete(i, t)
+                                continue
                             sched = scheduled_at.pop(i)
                             if OL[i] == 1:
                                 finish(i, t, sched, t, empty)
@@ -656,7 +748,7 @@ class ArrayCore:
                              prompt_tokens, nd + one_token, nd + len(completed),
                              len(waiting) + arrived(t, start) - nxt,
                              members + len(prefilling), 0, used,
-                             round(used / self.num_gpu_blocks, 6), 0, 0, 0, 0),
+                             round(used / self.num_gpu_blocks, 6), recomputed, 0, 0, 0),
                             STEP_ROW_FORMAT)
                     if done >= next_tick:
                         progress.update(done, t)
@@ -666,10 +758,10 @@ class ArrayCore:
             # not fit (rows in arrival order, the latest arrivals preempted: the policy's
             # decode_preemptions), or when swapped requests come back in it (resume_swapped's
             # order and limits).
-            if binding and (swapped or blocks_at(S + 1) > num_blocks):
+            if binding and (swapped or blocks_at(S + 1) + prefill_blocks > num_blocks):
                 recomputed = swapped_out = moved_out = moved_in = 0
                 resumed: list[int] = []
-                if blocks_at(S + 1) > num_blocks:
+                if blocks_at(S + 1) + prefill_blocks > num_blocks:
                     order = [m for m in range(seats_total) if slot_index[m] >= 0]
                     if held is None:  # arrival order
                         order.sort(key=slot_index.__getitem__)
@@ -796,13 +888,13 @@ class ArrayCore:
             while True:
                 last = ends_heap[0] >> shift
                 length = last - cur
-                if binding and blocks_at(last) > num_blocks:
+                if binding and blocks_at(last) + prefill_blocks > num_blocks:
                     # The steps whose new blocks fit (blocks in use only grow until a
                     # member leaves); the one after them preempts, planned on its own.
                     lo, hi = 0, length
                     while hi - lo > 1:
                         mid = (lo + hi) >> 1
-                        if blocks_at(cur + mid) <= num_blocks:
+                        if blocks_at(cur + mid) + prefill_blocks <= num_blocks:
                             lo = mid
                         else:
                             hi = mid

@@ -143,8 +143,9 @@ def pool_blocker(sim: ArrayCoreHost, w: WorkloadArrays) -> str | None:
     KV pool can bind where the core cannot preempt as the policy does), or None. Where the
     pool can bind, the core preempts (by recompute, or by swap while the CPU pool has room)
     with the policy's rule on counts (``decode_preemptions``), if every request fits the
-    pool alone above the watermark and its recompute fits one step (so it never re-prefills
-    in chunks), and swaps only with a watermark of at least one block."""
+    pool alone above the watermark and, without chunked prefill, its recompute fits one step
+    (so it never re-prefills in chunks); it swaps only with a watermark of at least one
+    block, and not under chunked prefill (a request swapped mid-prefill resumes in chunks)."""
     n = len(w.arrivals)
     if not n:
         return "no requests"
@@ -170,12 +171,14 @@ def pool_blocker(sim: ArrayCoreHost, w: WorkloadArrays) -> str | None:
     why = None
     if not callable(getattr(sim.policy, "decode_preemptions", None)):
         why = f"policy {cfg.name!r} preempts on the replica loop only"
+    elif cfg.preemption_mode == "swap" and sim.policy.implements_chunked_prefill:
+        why = "policy.preemption_mode=swap under chunked prefill's step structure"
     elif cfg.preemption_mode == "swap" and watermark < 1:
         # A request swapped back in then always finds its next block (the watermark's).
         why = "policy.preemption_mode=swap and a watermark of no block"
     elif sim.prefix_caching:
         why = "prefix caching (a recomputed request would find its own blocks)"
-    elif largest[0] - 1 > cfg.max_num_batched_tokens:
+    elif not cfg.enable_chunked_prefill and largest[0] - 1 > cfg.max_num_batched_tokens:
         why = ("a request whose recompute (prompt + output - 1 tokens) exceeds "
                "policy.max_num_batched_tokens")
     elif blocks_for(largest[0] - 1, bs) > blocks - watermark:

@@ -122,7 +122,7 @@ class Policy(ABC):
     #: that keeps its own waiting order (the core hands it each arrival as a ``Request``
     #: through ``on_arrival``, and finishes the requests that leave in the same step in
     #: ``decode_run_key`` order). A policy that also states its decode-step preemptions on
-    #: counts (FCFS's ``decode_preemptions``) runs there on pools that can bind too.
+    #: counts (``decode_preemptions``) runs there on pools that can bind too.
     #: Policies opt in after the array-core-vs-exact tests.
     array_core: ClassVar[bool] = False
 

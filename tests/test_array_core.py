@@ -113,19 +113,24 @@ def test_ordered_core_equals_exact_on_random_small_workloads(seed, qps, seqs, bu
        policy=st.sampled_from([
            ("policy=fcfs",), ("policy=fcfs",), ("policy=sjf",),
            ("policy=sjf", "policy.predictor=noisy", "policy.aging_s=0.02"),
-           ("policy=priority", "policy.preemptive=false", "workload.priorities=[1,2,1]")]))
+           ("policy=priority", "policy.preemptive=false", "workload.priorities=[1,2,1]"),
+           ("policy=chunked_prefill",), ("policy=chunked_prefill",),
+           ("policy=chunked_prefill", "policy.max_num_partial_prefills=2")]))
 def test_binding_pool_core_equals_exact_on_random_small_workloads(
         seed, qps, seqs, budget, out_min, block, pool_tokens, watermark, mode, cpu_blocks,
         policy):
     """A pool that binds: admission counts blocks above the watermark, a decode step whose
     new blocks do not fit preempts the last rows in the policy's running order
     (decode_preemptions: FCFS's latest arrivals, SJF's longest predicted remainders,
-    priority's lowest classes), by recompute (waiting again: FCFS's queue head, the ordered
-    policies' index, re-prefilling prompt and tokens) or by swap (back in the order they
+    priority's lowest classes; chunked prefill's latest arrivals, mid-prefill ones
+    included), by recompute (waiting again: FCFS's queue head, the ordered policies' index,
+    re-prefilling prompt and tokens, in chunks under chunked prefill) or by swap (back in the order they
     left, or the policy's running order, while seats, budget and blocks above the watermark
     allow; recomputed when the CPU pool is full). Schedules, preemption counts, timestamps
     and requests.csv's row order as step by step."""
     pool = -(-pool_tokens // block)
+    if "policy=chunked_prefill" in policy:  # its steps of a few dozen tokens, recompute only
+        budget, seqs, mode = budget // 8, min(seqs, budget // 8), "recompute"
     over = [*TINY[:3], *UNIFORM, *policy, f"seed={seed}", f"workload.qps={qps}",
             "workload.num_requests=60", f"policy.max_num_seqs={seqs}",
             f"policy.max_num_batched_tokens={budget}", f"kv.block_size={block}",
@@ -152,6 +157,19 @@ def test_requests_swapped_back_in_finish_after_the_running_rows():
             "policy.preemption_mode=swap", "kv.num_cpu_blocks=10000"]
     s = _assert_same(over)  # rows in the same order
     assert s["step_engine"] == "array_core" and s["num_swaps"] > 0
+
+
+def test_a_chunked_step_whose_decodes_all_preempt_themselves_is_no_step():
+    """Chunked prefill on a pool that binds: the only decode needs a block, and the latest
+    arrival is itself (the prompt mid-prefill arrived before it): it is recomputed, nothing
+    is left to run, and the replica plans again at once, with no step (no row, no time),
+    as the core does."""
+    over = [*TINY[:3], *UNIFORM, "policy=chunked_prefill", "policy.max_num_partial_prefills=2",
+            "seed=82", "workload.qps=34.0", "workload.num_requests=60", "policy.max_num_seqs=2",
+            "policy.max_num_batched_tokens=41", "kv.block_size=1", "workload.output_len.min=1",
+            "kv.num_gpu_blocks_override=330", "policy.kv_watermark=0.0"]
+    s = _assert_same(over)
+    assert s["step_engine"] == "array_core" and s["num_preemptions"] > 0
 
 
 def _files(tmp: Path, core: bool, overrides: tuple[str, ...]) -> tuple[pd.DataFrame, ...]:
@@ -241,8 +259,9 @@ def test_same_seed_same_bytes(tmp_path):
     (("policy=static",), "does not decide on arrays"),
     (("check_integrity=true", "kv.num_gpu_blocks_override=500", "kv.num_cpu_blocks=16"), "check_integrity"),
     (("cluster.num_replicas=2",), "a cluster"),
-    (("kv.num_gpu_blocks_override=300", "policy=chunked_prefill"),
-     "the KV pool can bind, with policy 'chunked_prefill' preempts on the replica loop only"),
+    (("kv.num_gpu_blocks_override=300", "policy=chunked_prefill", "policy.preemption_mode=swap"),
+     "the KV pool can bind, with policy.preemption_mode=swap under chunked prefill"),
+    (("kv.num_gpu_blocks_override=300", "policy=static"), "does not decide on arrays"),
     (("kv.num_gpu_blocks_override=300", "policy=sjf", "policy.preemptive=true"),
      "may preempt a running request to admit"),
     (("kv.num_gpu_blocks_override=60", "policy.preemption_mode=swap"),
@@ -458,20 +477,29 @@ def test_indexed_admissions_is_admits_rule(reqs, running, seqs, budget, now, pol
 @given(decoding=st.integers(0, 6), partial=st.lists(st.tuples(st.integers(2, 400),
                                                               st.integers(0, 399)), max_size=4),
        prompts=st.lists(st.integers(1, 400), max_size=8), seqs=st.integers(4, 16),
-       budget=st.integers(16, 600), k=st.integers(1, 3))
-def test_chunk_plan_is_schedules_step_where_the_pool_cannot_bind(decoding, partial, prompts,
-                                                                  seqs, budget, k):
-    """chunked_prefill's schedule on a pool that never binds, with requests decoding,
-    prompts mid-prefill (one token or more left) and a queue: the chunks it grants are
-    chunk_plan's."""
+       budget=st.integers(16, 600), k=st.integers(1, 3),
+       spare=st.sampled_from([None, 0, 8, 30]), watermark=st.sampled_from([0.0, 0.05]))
+def test_chunk_plan_is_schedules_step(decoding, partial, prompts, seqs, budget, k, spare,
+                                      watermark):
+    """chunked_prefill's schedule with requests decoding (their next tokens need no new
+    block), prompts mid-prefill (one token or more left) and a queue: the chunks it grants
+    are chunk_plan's. On a pool that can bind (``spare`` blocks free), with its free
+    blocks, watermark and block size as ``room``."""
+    from sim.step_builder import watermark_blocks
+
     partial = [(p, min(c, p - 1)) for p, c in partial][:max(0, seqs - decoding)]
     decoding = min(decoding, seqs - len(partial))
     budget = max(budget, seqs)
     policy = make_policy({"name": "chunked_prefill", "max_num_seqs": seqs,
-                          "max_num_batched_tokens": budget, "max_num_partial_prefills": k})
-    kv = KVBlockManager(10_000, 16)
+                          "max_num_batched_tokens": budget, "max_num_partial_prefills": k,
+                          "kv_watermark": watermark})
+    held = decoding + sum(-(-p // 16) for p, _ in partial)
+    pool = 10_000 if spare is None else held + spare + 1
+    kv = KVBlockManager(pool, 16)
+    wm = watermark_blocks(watermark, pool)
+    prompts = [p for p in prompts if -(-p // 16) + wm <= pool]  # the core's: each fits alone
     queues = ReplicaQueues()
-    builder = StepBuilder(queues, kv)
+    builder = StepBuilder(queues, kv, kv_watermark=watermark)
     rid = 0
     for _ in range(decoding):
         r = Request(rid, 0.0, 10, 50)
@@ -493,13 +521,14 @@ def test_chunk_plan_is_schedules_step_where_the_pool_cannot_bind(decoding, parti
     for p in prompts:
         queues.waiting.append(Request(rid, 1.0, p, 5))
         rid += 1
+    room = None if spare is None else (kv.num_free_blocks, wm, 16)
     plan = policy.schedule(builder)
     grants = {s.request_id: s.num_new_tokens for s in plan.scheduled}
     ones = [r for r in mids if r.prompt_len - r.num_computed_tokens == 1]
     multi = [r for r in mids if r.prompt_len - r.num_computed_tokens > 1]
     chunks, admitted = policy.chunk_plan(
         decoding + len(ones), [r.prompt_len - r.num_computed_tokens for r in multi], prompts,
-        len(prompts), seqs - decoding - len(mids))
+        len(prompts), seqs - decoding - len(mids), room)
     assert all(grants[r.request_id] == 1 for r in ones)
     assert [grants.get(r.request_id, 0) for r in multi] == chunks + [0] * (len(multi) - len(chunks))
     first_waiting = decoding + len(mids)
@@ -574,14 +603,15 @@ def test_a_request_whose_predecessor_arrived_during_the_step_waits_a_step():
 
 @pytest.mark.parametrize("pool,policy,engine", [
     (44, "fcfs", "array_core"), (43, "fcfs", "array_core"),
-    (44, "chunked_prefill", "array_core"), (43, "chunked_prefill", "replica")])
+    (44, "chunked_prefill", "array_core"), (43, "chunked_prefill", "array_core"),
+    (43, "static", "replica")])
 def test_a_pool_just_large_enough_never_binds_one_block_less_can(pool, policy, engine):
     """Twelve requests of 100 + 60 tokens at once, four seats: the four hold 4 x 10 blocks
     at their last tokens (block 16). 44 blocks less the watermark's int(4.4) = 4 is exactly
-    that: the pool never binds. With 43 (still 4 kept) it can: FCFS stays on the core,
-    which then counts blocks at admission and preempts as FCFS does; chunked prefill, which
-    states no rule on counts for that, goes to the replica loop. Each equals step-by-step
-    simulation."""
+    that: the pool never binds. With 43 (still 4 kept) it can: FCFS and chunked prefill
+    stay on the core, which then counts blocks at admission and preempts as they do; a
+    policy that does not decide on counts (static) goes to the replica loop. Each equals
+    step-by-step simulation."""
     over = ["model=tiny", "workload.prompt_len.dist=uniform", "workload.prompt_len.min=100",
             "workload.prompt_len.max=100", "workload.output_len.dist=uniform",
             "workload.output_len.min=60", "workload.output_len.max=60",
