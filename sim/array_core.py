@@ -436,6 +436,43 @@ class ArrayCore:
             add_blocks(c, 1)
             members += 1
 
+        def evict(slot: int) -> tuple[int, int, tuple[float, float, array, int, int]]:
+            """Take the member in ``slot`` out of the batch (preempted at step count S): its
+            request, its context (prompt and every token sampled but the last) and what it
+            keeps while it waits (``resume``'s entry: first token time, first scheduling,
+            later token times, preemptions with this one, swaps before it)."""
+            i, c, later, prior = remove(slot)
+            if prior is None:
+                return i, c + S, (slot_first[slot], slot_sched[slot], later, 1, 0)
+            return i, c + S, (slot_first[slot], slot_sched[slot], later, prior[1] + 1, prior[2])
+
+        def remove(slot: int) -> tuple[int, int, array, tuple[array, int, int] | None]:
+            """Take the member in ``slot`` out of the batch: its request, its context as
+            stored, its token times after the first (those from before a preemption
+            included) and what it kept from before (``slot_prior``)."""
+            nonlocal members, ctx_sum, longest_c
+            i = slot_index[slot]
+            c = slot_ctx[slot]
+            if c == longest_c:
+                longest_c = None
+            ctx_sum -= c
+            add_blocks(c, -1)
+            members -= 1
+            alive[i] = 0
+            slot_index[slot] = -1
+            free_slots.append(slot)
+            later = times[slot_start[slot] - times_off:S - times_off]
+            prior = slot_prior[slot]
+            return i, c, later if prior is None else prior[0] + later, prior
+
+        def forget_evicted() -> None:
+            """Drop the heap entries of members evicted (their requests no longer alive)."""
+            nonlocal max_heap
+            ends_heap[:] = [e for e in ends_heap if alive[(e >> _SLOT_BITS) & _INDEX_MASK]]
+            heapify(ends_heap)
+            max_heap = [e for e in max_heap if alive[-e & _INDEX_MASK]]
+            heapify(max_heap)
+
         def complete(i: int, end: float) -> bool:
             """Request ``i``'s prefill (or recompute) finished in the step that ends at
             ``end`` and sampled a token (chunked prefill): it finishes if that was its last
@@ -467,7 +504,6 @@ class ArrayCore:
             finish with their first token in the same decode rows (chunked prefill), finished
             among them in arrival order. ``last_rows``: requests swapped back in this step,
             whose rows follow the others, in that order."""
-            nonlocal members, ctx_sum, longest_c
             left = []
             while ends_heap and ends_heap[0] >> shift == S:
                 left.append(heappop(ends_heap))
@@ -491,22 +527,12 @@ class ArrayCore:
                     first = also.pop(0)
                     complete(first, end)
                     gone.append(first)
-                free_slots.append(slot)
-                slot_index[slot] = -1
-                alive[i] = 0
-                c = slot_ctx[slot]
-                if c == longest_c:
-                    longest_c = None
-                ctx_sum -= c
-                add_blocks(c, -1)
-                members -= 1
-                later = times[slot_start[slot] - times_off:S - times_off]
-                prior = slot_prior[slot]
+                _, _, later, prior = remove(slot)
                 if prior is None:
                     finish(i, slot_first[slot], slot_sched[slot], end, later)
                 else:
-                    finish(i, slot_first[slot], slot_sched[slot], end, prior[0] + later,
-                           prior[1], prior[2])
+                    finish(i, slot_first[slot], slot_sched[slot], end, later, prior[1],
+                           prior[2])
                 gone.append(i)
             for first in also or ():
                 complete(first, end)
@@ -643,29 +669,10 @@ class ArrayCore:
                             resume[i] = ((None, sched, array("d"), 1, 0) if prev is None else
                                          (*prev[:3], prev[3] + 1, prev[4]))
                         else:
-                            c = slot_ctx[m]
-                            if c == longest_c:
-                                longest_c = None
-                            ctx_sum -= c
-                            add_blocks(c, -1)
-                            members -= 1
-                            alive[i] = 0
-                            slot_index[m] = -1
-                            free_slots.append(m)
-                            later = times[slot_start[m] - times_off:S - times_off]
-                            prior = slot_prior[m]
-                            preemptions, swaps = ((1, 0) if prior is None
-                                                  else (prior[1] + 1, prior[2]))
-                            if prior is not None:
-                                later = prior[0] + later
-                            PEND[i] = c + S + 1  # its prompt and every token it sampled
-                            resume[i] = (slot_first[m], slot_sched[m], later, preemptions,
-                                         swaps)
+                            _, c, resume[i] = evict(m)
+                            PEND[i] = c + 1  # its prompt and every token it sampled
                         waiting.appendleft(i)  # type: ignore[union-attr]
-                    ends_heap[:] = [e for e in ends_heap if alive[(e >> _SLOT_BITS) & _INDEX_MASK]]
-                    heapify(ends_heap)
-                    max_heap = [e for e in max_heap if alive[-e & _INDEX_MASK]]
-                    heapify(max_heap)
+                    forget_evicted()
                     peak = num_blocks  # a decode found the pool full
                     ones = [i for i in prefilling if PEND[i] - computed[i] == 1]
                     if not members and not ones:
@@ -776,47 +783,28 @@ class ArrayCore:
                                            [blocks_for(c, bs) for c in ctxs],
                                            num_blocks - blocks_at(S))
                     for slot in reversed(order[len(order) - k:]):  # as preempted: latest first
-                        i = slot_index[slot]
-                        c = slot_ctx[slot]
-                        ctx_sum -= c
-                        add_blocks(c, -1)
-                        members -= 1
-                        alive[i] = 0
-                        slot_index[slot] = -1
-                        free_slots.append(slot)
-                        later = times[slot_start[slot] - times_off:S - times_off]
-                        prior = slot_prior[slot]
-                        preemptions, swaps = (1, 0) if prior is None else (prior[1] + 1, prior[2])
-                        if prior is not None:
-                            later = prior[0] + later
-                        c += S  # its context: prompt and every token sampled but the last
+                        i, c, kept = evict(slot)
                         held_blocks = blocks_for(c, bs)
                         if swap and held_blocks <= cpu_free:  # its blocks go to the CPU pool
                             cpu_free -= held_blocks
                             moved_out += held_blocks
                             swapped_out += 1
                             PEND[i] = c
-                            resume[i] = (slot_first[slot], slot_sched[slot], later, preemptions,
-                                         swaps + 1)
+                            resume[i] = (*kept[:4], kept[4] + 1)
                             swapped.append(i)
                         else:  # recomputed (a swap the CPU pool cannot hold falls back to it)
                             if swap:
                                 self.num_swap_fallbacks += 1
                             recomputed += 1
                             PEND[i] = c + 1
-                            resume[i] = (slot_first[slot], slot_sched[slot], later, preemptions,
-                                         swaps)
+                            resume[i] = kept
                             if held is None:
                                 waiting.appendleft(i)  # type: ignore[union-attr]
                             else:
                                 requeued.append((i, held[i]))
                     if requeued:
                         waiting.requeue(requeued)  # type: ignore[union-attr]
-                    ends_heap[:] = [e for e in ends_heap if alive[(e >> _SLOT_BITS) & _INDEX_MASK]]
-                    heapify(ends_heap)
-                    max_heap = [e for e in max_heap if alive[-e & _INDEX_MASK]]
-                    heapify(max_heap)
-                    longest_c = None
+                    forget_evicted()
                     # A row found no free block before anyone was preempted: the pool was full.
                     peak = num_blocks
                 else:
