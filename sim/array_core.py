@@ -473,11 +473,10 @@ class ArrayCore:
             max_heap = [e for e in max_heap if alive[-e & _INDEX_MASK]]
             heapify(max_heap)
 
-        def complete(i: int, end: float) -> bool:
-            """Request ``i``'s prefill (or recompute) finished in the step that ends at
-            ``end`` and sampled a token (chunked prefill): it finishes if that was its last
-            (True), else it decodes from the next step."""
-            sched = scheduled_at.pop(i)
+        def complete(i: int, end: float, sched: float) -> bool:
+            """Request ``i``'s prefill (or recompute), first scheduled at ``sched``, finished
+            in the step that ends at ``end`` and sampled a token: it finishes if that was
+            its last (True; it holds no blocks then), else it decodes from the next step."""
             entry = resume.pop(i, None) if resume else None
             prior = None
             first = end
@@ -516,16 +515,15 @@ class ArrayCore:
                 back = [late.pop(i) for i in last_rows if i in late]
                 left = [key for key in left if (key >> _SLOT_BITS) & _INDEX_MASK in late]
                 left += back
-            if held is not None:
-                for key in left:
-                    del held[(key >> _SLOT_BITS) & _INDEX_MASK]
             gone = []
             for key in left:
                 slot = key & slot_mask
                 i = (key >> _SLOT_BITS) & _INDEX_MASK
+                if held is not None:
+                    del held[i]
                 while also and also[0] < i:
                     first = also.pop(0)
-                    complete(first, end)
+                    complete(first, end, scheduled_at.pop(first))
                     gone.append(first)
                 _, _, later, prior = remove(slot)
                 if prior is None:
@@ -535,7 +533,7 @@ class ArrayCore:
                            prior[2])
                 gone.append(i)
             for first in also or ():
-                complete(first, end)
+                complete(first, end, scheduled_at.pop(first))
                 gone.append(first)
             return gone
 
@@ -606,25 +604,11 @@ class ArrayCore:
                     num_steps += 1
                     gone = 0  # blocks of prompts done with their first token
                     for i in batch:
-                        if resume and i in resume:  # recomputed: it sampled one more token
-                            first, sched, later, preemptions, swaps = resume.pop(i)
-                            later.append(t)
-                            if PEND[i] - PL[i] + 1 == OL[i]:  # its last
-                                gone += blocks_for(PEND[i], bs)
-                                finish(i, first, sched, t, later, preemptions, swaps)
-                                done += 1
-                                if held is not None:
-                                    del held[i]
-                            else:
-                                join(i, first, sched, (later, preemptions, swaps))
-                        elif OL[i] == 1:  # done with its first token: it holds no blocks
-                            gone += blocks_for(PL[i], bs)
-                            finish(i, t, start, t, empty)
+                        if complete(i, t, start):
+                            gone += blocks_for(PEND[i], bs)
                             done += 1
                             if held is not None:
                                 del held[i]
-                        else:
-                            join(i, t, start)
                     used = blocks_at(S)
                     if used + gone > peak:
                         peak = used + gone
@@ -739,15 +723,7 @@ class ArrayCore:
                         done += len(leave(t, also))
                     for i in completed:
                         if i in scheduled_at:  # not finished among the decode rows
-                            if resume and i in resume:
-                                done += complete(i, t)
-                                continue
-                            sched = scheduled_at.pop(i)
-                            if OL[i] == 1:
-                                finish(i, t, sched, t, empty)
-                                done += 1
-                            else:
-                                join(i, t, sched)
+                            done += complete(i, t, scheduled_at.pop(i))
                     if record:
                         used = blocks_at(S) + prefill_blocks
                         step_sink.write_formatted(

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from heapq import nlargest
 from itertools import islice
 from operator import add, gt
@@ -95,6 +95,15 @@ class WorkloadArrays:
     arrivals: array
     prompt_lens: array
     output_lens: array
+    _largest: dict[int, list[int]] = field(default_factory=dict, repr=False)
+
+    def largest_lengths(self, k: int) -> list[int]:
+        """The ``k`` largest total lengths (prompt + output), largest first, without a list
+        of all of them (kept: both blockers and the core ask)."""
+        out = self._largest.get(k)
+        if out is None:
+            out = self._largest[k] = nlargest(k, map(add, self.prompt_lens, self.output_lens))
+        return out
 
     @classmethod
     def collect(cls, requests: Iterable[Request],
@@ -133,8 +142,7 @@ def pool_can_bind(sim: ArrayCoreHost, w: WorkloadArrays) -> bool:
     cfg = sim.policy.config
     blocks = sim.memory.num_gpu_blocks
     bs = sim.kv_cfg.block_size
-    largest = nlargest(cfg.max_num_seqs, map(add, w.prompt_lens, w.output_lens))
-    need = sum(blocks_for(n - 1, bs) for n in largest)
+    need = sum(blocks_for(n - 1, bs) for n in w.largest_lengths(cfg.max_num_seqs))
     return need > blocks - watermark_blocks(cfg.kv_watermark, blocks)
 
 
@@ -157,8 +165,7 @@ def pool_blocker(sim: ArrayCoreHost, w: WorkloadArrays) -> str | None:
     if sim.policy.may_preempt_to_admit(w.priorities):
         return (f"policy {cfg.name!r} may preempt a running request to admit a waiting one "
                 f"on this workload (policy.preemptive)")
-    # The max_num_seqs longest requests (prompt + output), without a list of all of them.
-    largest = nlargest(cfg.max_num_seqs, map(add, w.prompt_lens, w.output_lens))
+    largest = w.largest_lengths(cfg.max_num_seqs)
     if largest[0] > sim.model.max_model_len:
         return "a request longer than model.max_model_len (refused at arrival)"
     if not cfg.enable_chunked_prefill and max(w.prompt_lens) > cfg.max_num_batched_tokens:
