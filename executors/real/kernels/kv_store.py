@@ -36,7 +36,9 @@ def _kv_store_kernel(
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     offs = tl.arange(0, BLOCK)
-    mask = (offs < ROW) & (slot >= 0)
+    # The slot broadcast over the row before the test: Triton 3.9's interpreter refuses a
+    # mask made of a block and a scalar condition.
+    mask = (offs < ROW) & (offs * 0 + slot >= 0)
     k = tl.load(key_ptr + t * stride_kt + offs, mask=mask)
     v = tl.load(value_ptr + t * stride_vt + offs, mask=mask)
     dst = cache_ptr + slot * ROW + offs  # the cache is contiguous: a slot is one ROW
