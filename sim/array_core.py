@@ -1,6 +1,8 @@
-"""The array core: step_mode=fast for one replica, with no simpy event and no block id in
-the loop, and no per-request object for FCFS and chunked prefill (a policy with its own
-waiting order gets each request as a ``Request``, which lives until the request leaves).
+"""The array core: step_mode=fast for one replica (or for each of several behind a router
+that reads only outstanding counts: sim/array_cluster.py runs this loop per replica on a
+``Lane``), with no simpy event and no block id in the loop, and no per-request object for
+FCFS and chunked prefill (a policy with its own waiting order gets each request as a
+``Request``, which lives until the request leaves).
 
 Where every request a policy may run at once fits the pool together (the ``max_num_seqs``
 longest requests' blocks, above the watermark), nothing is ever preempted, swapped or refused
@@ -56,7 +58,8 @@ import time
 from array import array
 from bisect import bisect_left, bisect_right
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Generator
+from dataclasses import dataclass, field
 from heapq import heapify, heappop, heappush
 from itertools import accumulate, cycle, islice
 from typing import TYPE_CHECKING, Any
@@ -134,6 +137,31 @@ class _BlockCount:
         if suffix is None:
             suffix = self._suffix = [*list(accumulate(reversed(self.count)))[::-1], 0]
         return self.sum_q + n * q + n + suffix[bs + 1 - r]
+
+
+@dataclass(eq=False)
+class Lane:
+    """One replica of several run on the array core behind a router (sim/array_cluster.py):
+    what its loop reads besides the run's. ``gate`` and ``lines`` are shared by every lane:
+    the time of the next request not yet routed, and requests.csv's lines not yet written."""
+
+    replica_id: int
+    policy: Policy
+    gate: list[float]
+    lines: list[str]
+    line_format: str  # a finished request's requests.csv line, the cluster columns included
+    extra_columns: tuple  # those columns, for a sink kept in memory
+    arrivals: array = field(default_factory=lambda: array("d"))  # routed here, in order
+    indices: list[int] = field(default_factory=list)  # their arrival indices
+
+
+def run_to_end(loop: Generator[Any, None, Any]) -> Any:
+    """The value a loop without a lane returns (it never yields)."""
+    try:
+        next(loop)
+    except StopIteration as e:
+        return e.value
+    raise RuntimeError("the array core waited for a router with no lane")
 
 
 class _IndexedWaiting:
@@ -221,7 +249,8 @@ class ArrayCore:
                                                                   len(self.w.arrivals))
         interrupted: RunInterrupted | None = None
         try:
-            end, steps, stretches, peak = self._loop(metrics, req_sink, step_sink, progress)
+            end, steps, stretches, peak, _ = run_to_end(
+                self._loop(metrics, req_sink, step_sink, progress))
         except RunInterrupted as e:  # the rows so far are whole: keep them, say so
             interrupted = e
             end, steps, stretches, peak = float("nan"), 0, 0, 0
@@ -251,15 +280,32 @@ class ArrayCore:
         return SimulationResult(summary, metrics, [], sim.memory, [], req_sink, step_sink, None)
 
     def _loop(self, metrics: MetricsCollector, req_sink: CsvSink, step_sink: CsvSink,
-              progress: Progress) -> tuple[float, int, int, int]:
+              progress: Progress, lane: Lane | None = None,
+              ) -> Generator[tuple[float, float, int, int], None,
+                             tuple[float, int, int, int, float]]:
         """The run itself, in one function on local names (the hot loop). Returns the
-        simulated end, the steps, the decode stretches and the peak KV blocks in use."""
+        simulated end, the steps, the decode stretches, the peak KV blocks in use and the
+        time spent in steps.
+
+        ``lane``: one replica of several behind a router (sim/array_cluster.py). Its
+        requests are those routed to it so far (``Lane.arrivals``, ``Lane.indices``), and
+        it never plans at or past the next arrival not yet routed (``Lane.gate[0]``): there
+        it yields (the time it next plans at, the end of its last step, its finished
+        requests, those finished before that step ended) and goes on once the router has
+        caught up. A single replica (no lane) takes every request and never yields."""
         w = self.w
         ARR, PL, OL = w.arrivals, w.prompt_lens, w.output_lens
         RID, PRI = w.request_ids, w.priorities
         N = len(ARR)
         INF = float("inf")
-        policy = self.policy
+        policy = self.policy if lane is None else lane.policy
+        replica = 0 if lane is None else lane.replica_id
+        # The requests this replica takes, in arrival order: their times and indices (a
+        # lane's grow as the router sends it requests).
+        QA = ARR if lane is None else lane.arrivals
+        QI = None if lane is None else lane.indices
+        gate = [INF] if lane is None else lane.gate
+        nq = len(QA)
         seats_total = policy.config.max_num_seqs
         # The policy's step structure: whole prompts in prefill-only steps (head_admissions)
         # or decodes first, then prompt chunks in the same step (chunk_plan).
@@ -322,14 +368,15 @@ class ArrayCore:
         run_prices = ex.decode_run_durations
         prefill_seconds = self.prefill_seconds
         record = step_sink.enabled
-        rows = DecodeStepRows(step_sink, 0, self.num_gpu_blocks)
+        rows = DecodeStepRows(step_sink, replica, self.num_gpu_blocks)
         write_rows = rows.write
         write_row = rows.write_step
         bs = self.block_size
         to_file = req_sink.to_file
         write_text = req_sink.write_text
-        line_fmt = FINISHED_REQUEST_LINE
-        lines: list[str] = []
+        line_fmt = FINISHED_REQUEST_LINE if lane is None else lane.line_format
+        extra = () if lane is None else lane.extra_columns
+        lines: list[str] = [] if lane is None else lane.lines
         add_finished = metrics.add_finished
         blocks = _BlockCount(bs)
         blocks_at = blocks.at
@@ -378,6 +425,8 @@ class ArrayCore:
         peak = 0
         last_d = 0.0
         last_start = -INF  # when the step that ended at t started
+        done_before = 0  # requests finished before the step that ended at t
+        idle = 0.0  # time spent waiting for a request
         next_tick = 64  # the progress line's next update
         empty = array("d")
 
@@ -388,18 +437,18 @@ class ArrayCore:
             o = OL[i]
             tpot = repr((end - first) / (o - 1)) if o > 1 else ""
             if to_file:
-                lines.append(line_fmt % (RID[i], 0, PRI[i], arrival, PL[i], o, o, sched, first,
-                                         end, sched - arrival, first - arrival, tpot,
+                lines.append(line_fmt % (RID[i], replica, PRI[i], arrival, PL[i], o, o, sched,
+                                         first, end, sched - arrival, first - arrival, tpot,
                                          end - arrival, preemptions, swaps,
                                          preemptions - swaps, 0, ""))
                 if len(lines) >= 4096:
                     write_text("".join(lines))
                     lines.clear()
             else:  # request_row's tuple (tests keep rows in memory)
-                req_sink.write((RID[i], 0, "finished", "", PRI[i], repr(arrival), PL[i], o, o,
-                                repr(sched), repr(first), repr(end), repr(sched - arrival),
+                req_sink.write((RID[i], replica, "finished", "", PRI[i], repr(arrival), PL[i], o,
+                                o, repr(sched), repr(first), repr(end), repr(sched - arrival),
                                 repr(first - arrival), tpot, repr(end - arrival), preemptions,
-                                swaps, preemptions - swaps, 0, ""))
+                                swaps, preemptions - swaps, 0, "", *extra))
             add_finished(PL[i], arrival, first, end, later)
             if preemptions:
                 metrics.num_preemptions += preemptions
@@ -555,10 +604,10 @@ class ArrayCore:
             predecessor arrived during the step comes after the step ends, and so does one
             whose predecessor arrived exactly at the step's start but after the step was
             planned (it was not there then: index ``nxt`` or later)."""
-            hi = bisect_right(ARR, end, nxt)
-            if hi > nxt and ARR[hi - 1] == end:
-                g = bisect_left(ARR, end, nxt, hi)  # the first arriving at ``end``
-                if g and (start < ARR[g - 1] or (start == ARR[g - 1] and g - 1 >= nxt)):
+            hi = bisect_right(QA, end, nxt)
+            if hi > nxt and QA[hi - 1] == end:
+                g = bisect_left(QA, end, nxt, hi)  # the first arriving at ``end``
+                if g and (start < QA[g - 1] or (start == QA[g - 1] and g - 1 >= nxt)):
                     return g
             return hi
 
@@ -577,7 +626,26 @@ class ArrayCore:
             longest_c = ((-max_heap[0]) >> _INDEX_BITS) - _CTX_OFFSET
             return longest_c
 
-        while done < N:
+        while lane is not None or done < N:
+            if lane is not None:
+                # Plan only once every request arriving up to then has been routed: wait
+                # for the router (an idle replica, for its next request), or end.
+                while True:
+                    if waiting or members or prefilling or swapped:
+                        plans_at = t
+                    elif nxt < nq:  # idle, with a request routed to it
+                        plans_at = max(t, QA[nxt])
+                    elif gate[0] == INF:  # idle, and nothing left to route
+                        if lines:
+                            write_text("".join(lines))
+                            lines.clear()
+                        return t, num_steps, stretches, peak, t - idle
+                    else:
+                        plans_at = INF
+                    if plans_at < gate[0]:
+                        break
+                    yield plans_at, t if num_steps else -INF, done, done_before
+                    nq = len(QA)  # requests routed here meanwhile
             if run_stop.requested:  # stop here, with every finished request's row written
                 if lines:
                     write_text("".join(lines))
@@ -587,12 +655,13 @@ class ArrayCore:
                           default=S)
                 del times[:low - times_off]
                 times_off = low
-            if nxt < N and ARR[nxt] <= t:
+            if nxt < nq and QA[nxt] <= t:
                 hi = arrived(t, last_start)
-                waiting.extend(range(nxt, hi))
+                waiting.extend(range(nxt, hi) if QI is None else QI[nxt:hi])
                 nxt = hi
             if not waiting and not members and not prefilling and not swapped:
-                t = last_start = ARR[nxt]  # idle: the arrivals at t wake the replica
+                idle += QA[nxt] - t
+                t = last_start = QA[nxt]  # idle: the arrivals at t wake the replica
                 continue
             if admit is not None and waiting and not swapped:
                 batch = admit(t, seats_total - members)
@@ -601,6 +670,7 @@ class ArrayCore:
                     d = prefill_seconds(tuple([PEND[i] for i in batch]))
                     start = last_start = t
                     t += d
+                    done_before = done
                     num_steps += 1
                     gone = 0  # blocks of prompts done with their first token
                     for i in batch:
@@ -613,10 +683,14 @@ class ArrayCore:
                     if used + gone > peak:
                         peak = used + gone
                     if record:
+                        # (The row counts the arrivals up to t: routed, on a lane.)
+                        while lane is not None and t >= gate[0]:
+                            yield t, t, done, done_before
+                            nq = len(QA)  # requests routed here meanwhile
                         queued = len(waiting) + arrived(t, start) - nxt
                         tokens = sum([PEND[i] for i in batch])
                         step_sink.write_formatted(
-                            (num_steps, 0, repr(start), repr(d), k, tokens, 0, k, queued,
+                            (num_steps, replica, repr(start), repr(d), k, tokens, 0, k, queued,
                              members, 0, used, round(used / self.num_gpu_blocks, 6), 0, 0, 0, 0),
                             STEP_ROW_FORMAT)
                     continue
@@ -702,6 +776,7 @@ class ArrayCore:
                     d = execute(plan).duration
                     start = last_start = t
                     t += d
+                    done_before = done
                     num_steps += 1
                     S += 1  # every member decoded
                     times.append(t)
@@ -725,9 +800,13 @@ class ArrayCore:
                         if i in scheduled_at:  # not finished among the decode rows
                             done += complete(i, t, scheduled_at.pop(i))
                     if record:
+                        # (The row counts the arrivals up to t: routed, on a lane.)
+                        while lane is not None and t >= gate[0]:
+                            yield t, t, done, done_before
+                            nq = len(QA)  # requests routed here meanwhile
                         used = blocks_at(S) + prefill_blocks
                         step_sink.write_formatted(
-                            (num_steps, 0, repr(start), repr(d), nd + len(grants),
+                            (num_steps, replica, repr(start), repr(d), nd + len(grants),
                              prompt_tokens, nd + one_token, nd + len(completed),
                              len(waiting) + arrived(t, start) - nxt,
                              members + len(prefilling), 0, used,
@@ -815,6 +894,7 @@ class ArrayCore:
                     d = last_d = execute(plan).duration
                     start = last_start = t
                     t += d
+                    done_before = done
                     num_steps += 1
                     S += 1
                     times.append(t)
@@ -827,9 +907,13 @@ class ArrayCore:
                             progress.update(done, t)
                             next_tick = done + 64
                     if record:
+                        # (The row counts the arrivals up to t: routed, on a lane.)
+                        while lane is not None and t >= gate[0]:
+                            yield t, t, done, done_before
+                            nq = len(QA)  # requests routed here meanwhile
                         used = blocks_at(S)
                         step_sink.write_formatted(
-                            (num_steps, 0, repr(start), repr(d), nd, 0, nd, nd,
+                            (num_steps, replica, repr(start), repr(d), nd, 0, nd, nd,
                              len(waiting) + arrived(t, start) - nxt, members, len(swapped), used,
                              round(used / num_blocks, 6), recomputed, swapped_out, moved_out,
                              moved_in), STEP_ROW_FORMAT)
@@ -842,7 +926,8 @@ class ArrayCore:
             # Decode until the next arrival (the steps that start before it), members
             # finishing on the way while nothing waits or is mid-prefill. (A prompt
             # mid-prefill gets a chunk every step unless the decodes take the whole budget.)
-            horizon = ARR[nxt] if nxt < N else INF
+            # (A lane's: the next request not yet routed, since any may come to it.)
+            horizon = QA[nxt] if nxt < nq else gate[0]
             if binding and held is not None:
                 # Where the pool binds, the order may decide who fits: a deadline of the
                 # policy's (SJF's aging) may reorder the queue, as an arrival may.
@@ -920,6 +1005,7 @@ class ArrayCore:
                 num_steps += j
                 last_d = durs[-1]
                 t = ends[-1]
+                done_before = done
                 cur += j
                 S = cur
                 if used < 0:
@@ -933,6 +1019,10 @@ class ArrayCore:
                         next_tick = done + 64
                     used = blocks_at(cur) + prefill_blocks
                 if record:
+                    # (The row counts the arrivals up to t: routed, on a lane.)
+                    while lane is not None and t >= gate[0]:
+                        yield t, t, done, done_before
+                        nq = len(QA)  # requests routed here meanwhile
                     queued = len(waiting) + arrived(t, step_start) - nxt
                     if swapped:
                         write_rows(num_steps, [step_start], [last_d], nd, queued, members,
@@ -945,4 +1035,4 @@ class ArrayCore:
                 longest = longest_ctx()
         if lines:
             write_text("".join(lines))
-        return t, num_steps, stretches, peak
+        return t, num_steps, stretches, peak, t - idle

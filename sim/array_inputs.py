@@ -15,6 +15,8 @@ from itertools import islice
 from operator import add, gt
 from typing import TYPE_CHECKING, Any, Protocol
 
+from sim.cluster.config import ClusterConfig
+from sim.cluster.router import ROUTERS
 from sim.kv_manager import blocks_for
 from sim.step_builder import watermark_blocks
 
@@ -39,6 +41,9 @@ class ArrayCoreHost(Protocol):
     use_array_core: bool
     step_mode: str
     is_cluster: bool
+    cluster: Any  # sim.cluster.config.ClusterConfig (or DisaggregatedConfig)
+    pools: list[Any]  # sim.cluster.pool.Pool: one for co-located replicas
+    seed: int
     check_integrity: bool
     keep_requests: bool
     policy: Policy
@@ -67,7 +72,9 @@ def array_core_blocker(sim: ArrayCoreHost) -> str | None:
     if sim.step_mode != "fast":
         return "step_mode=exact"
     if sim.is_cluster:
-        return "a cluster (several replicas, pipeline stages or disaggregation)"
+        why = _cluster_blocker(sim.cluster)
+        if why is not None:
+            return why
     if sim.check_integrity:
         return "check_integrity=true"
     if sim.keep_requests:
@@ -83,6 +90,19 @@ def array_core_blocker(sim: ArrayCoreHost) -> str | None:
     # The executor's own class states it (a subclass or wrapper may price steps otherwise).
     if not type(ex).__dict__.get("prices_on_arrays", False) or ex.produces_tokens:
         return f"executor {type(ex).__name__} (the array core prices with the cost model)"
+    return None
+
+
+def _cluster_blocker(cluster: Any) -> str | None:
+    """Why this cluster cannot run on the array core (sim/array_cluster.py), or None:
+    co-located replicas without pipeline stages, behind a router that reads only
+    outstanding counts."""
+    if not isinstance(cluster, ClusterConfig):
+        return "a disaggregated deployment"
+    if cluster.pipeline_parallel_size > 1:
+        return "pipeline stages (cluster.pipeline_parallel_size > 1)"
+    if not ROUTERS.get(str(cluster.router)).reads_only_counts:
+        return f"router {cluster.router!r} reads more than outstanding request counts"
     return None
 
 

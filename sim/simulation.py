@@ -21,6 +21,7 @@ from typing import Any, Protocol
 import simpy
 
 from sim import stop as run_stop
+from sim.array_cluster import ArrayCluster, ExactTie
 from sim.array_core import ArrayCore
 from sim.array_inputs import WorkloadArrays, array_core_blocker, pool_blocker
 from sim.clock import ChainEnvironment, timeout_at
@@ -360,7 +361,10 @@ class Simulation:
     def run(self) -> SimulationResult:
         core = self._array_core()
         if core is not None:
-            return core.run()
+            try:
+                return core.run()
+            except ExactTie as e:  # the replica loop's event order decides: run it there
+                self.array_core_skipped = str(e)
         wall0 = time.perf_counter()
         # Lazy decode replicas sleep through their jumps' steps (ChainEnvironment).
         env = (ChainEnvironment() if isinstance(self.cluster, DisaggregatedConfig) and self._jumps
@@ -540,14 +544,19 @@ class Simulation:
             rows.extra = deployment.extra_columns
         return deployment
 
-    def _array_core(self) -> ArrayCore | None:
-        """The array core for this run, or None (the reason in ``array_core_skipped``)."""
+    def _array_core(self) -> ArrayCore | ArrayCluster | None:
+        """The array core for this run (one replica, or co-located replicas behind a
+        router), or None (the reason in ``array_core_skipped``)."""
         reason = array_core_blocker(self)
         if reason is None:
             arrays = WorkloadArrays.collect(self.workload, self.prefix_caching)
             reason = arrays if isinstance(arrays, str) else pool_blocker(self, arrays)
         self.array_core_skipped = reason
-        return None if reason is not None else ArrayCore(self, arrays)  # type: ignore[arg-type]
+        if reason is not None:
+            return None
+        if self.is_cluster:
+            return ArrayCluster(self, arrays)  # type: ignore[arg-type]
+        return ArrayCore(self, arrays)  # type: ignore[arg-type]
 
     def open_outputs(self, request_columns: tuple[str, ...], num_requests: int | None,
                      ) -> tuple[CsvSink, CsvSink, MetricsCollector, Progress]:

@@ -23,11 +23,19 @@ REQUEST_TIMES = ["first_scheduled_time", "first_token_time", "finish_time", "ttf
                  "e2e_latency"]
 REQUEST_SAME = ["request_id", "replica_id", "status", "output_len", "num_preemptions",
                 "num_swaps", "num_recomputes"]
+# The cluster columns that are not times (kv_backpressure_wait and kv_transfer_time are).
+CLUSTER_SAME = ["prefill_replica_id", "decode_replica_id", "kv_transfer_bytes"]
+# summary.json's per-replica figures: equal, and equal to 1e-9 relative (times).
+REPLICA_SAME = ["replica_id", "role", "routed", "num_steps"]
+REPLICA_CLOSE = ["busy_fraction", "kv_peak_usage"]
 
 
 def _run(mode: str, overrides: list[str], components: Components = BUILT_IN):
     cfg = compose_cfg(f"step_mode={mode}", *overrides)
-    res = EngineSimulation(cfg, components=components).run()
+    sim = EngineSimulation(cfg, components=components)
+    res = sim.run()
+    # Why the fast run did not take the array core (None: it did).
+    res.summary["array_core_skipped"] = sim.array_core_skipped
     reqs = pd.DataFrame(res.requests_sink.rows, columns=res.requests_sink.columns)
     steps = pd.DataFrame(res.steps_sink.rows, columns=res.steps_sink.columns)
     # Replicas write their rows as they go (a jump writes its steps at once): compare each
@@ -39,13 +47,23 @@ def _run(mode: str, overrides: list[str], components: Components = BUILT_IN):
 
 def assert_fast_equals_exact(overrides: list[str], components: Components = BUILT_IN) -> dict:
     fast, rf, sf, free_f = _run("fast", overrides, components)
-    _, re_, se, free_e = _run("exact", overrides, components)
+    exact, re_, se, free_e = _run("exact", overrides, components)
     assert len(sf) == len(se)
     assert (sf[STEP_INTS].to_numpy() == se[STEP_INTS].to_numpy()).all()
     for c in ("time", "duration"):
         a, b = sf[c].astype(float).to_numpy(), se[c].astype(float).to_numpy()
         assert_approx(a, b, rel=1e-9, abs=1e-12, what=c)
     assert rf[REQUEST_SAME].equals(re_[REQUEST_SAME])
+    if "prefill_replica_id" in rf:
+        assert rf[CLUSTER_SAME].astype(str).equals(re_[CLUSTER_SAME].astype(str))
+        assert len(fast["replicas"]) == len(exact["replicas"])
+        for a, b in zip(fast["replicas"], exact["replicas"]):
+            assert {k: a[k] for k in REPLICA_SAME} == {k: b[k] for k in REPLICA_SAME}
+            for k in REPLICA_CLOSE:
+                assert a[k] == pytest.approx(b[k], rel=1e-9, abs=1e-12), k
+    for key in ("duration", "kv_peak_usage", "num_preemptions", "num_swaps",
+                "num_recomputes", "num_swap_fallbacks", "completed"):
+        assert fast[key] == pytest.approx(exact[key], rel=1e-9), key
     for c in REQUEST_TIMES:
         a = pd.to_numeric(rf[c]).to_numpy(dtype=float)
         b = pd.to_numeric(re_[c]).to_numpy(dtype=float)

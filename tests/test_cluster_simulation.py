@@ -23,11 +23,13 @@ def test_default_single_replica_writes_only_the_core_columns_and_keys(tmp_path):
     assert not set(CLUSTER_KEYS) & set(s)
 
 
-def test_four_replicas_route_every_request_once_and_report_per_replica_counts(tmp_path):
+@pytest.mark.parametrize("core", ["true", "false"])  # the array core, or the replica loop
+def test_four_replicas_route_every_request_once_and_report_per_replica_counts(tmp_path, core):
     cfg = small_cfg("cluster.num_replicas=4", "cluster.router=power_of_two",
-                    "workload.num_requests=200", "workload.qps=40")
+                    "workload.num_requests=200", "workload.qps=40", f"array_core={core}")
     res = run_simulation(cfg, tmp_path)
     s = json.loads((tmp_path / "summary.json").read_text())
+    assert s["step_engine"] == ("array_core" if core == "true" else "replica")
     assert s["completed"] == 200 and s["num_replicas"] == 4 and s["num_gpus"] == 4
     assert sum(r["routed"] for r in s["replicas"]) == 200
     reqs = pd.read_csv(tmp_path / "requests.csv")
@@ -38,6 +40,9 @@ def test_four_replicas_route_every_request_once_and_report_per_replica_counts(tm
     assert (reqs.prefill_replica_id == reqs.replica_id).all()
     steps = pd.read_csv(tmp_path / "steps.csv")
     assert sorted(steps.replica_id.unique()) == [0, 1, 2, 3]
+    assert steps.groupby("replica_id").size().tolist() == [r["num_steps"] for r in s["replicas"]]
+    # (The array core hands out no block ids: no replica objects to look into.)
+    assert len(res.replicas) == (0 if core == "true" else 4)
     assert all(r.kv.num_used_blocks == 0 for r in res.replicas)
 
 

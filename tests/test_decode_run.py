@@ -279,8 +279,10 @@ def _cluster_run(mode: str, overrides: tuple[str, ...]):
 ])
 def test_colocated_replicas_fast_equals_exact(policy, router, extra):
     qps = () if any(e.startswith("workload.qps=") for e in extra) else ("workload.qps=15",)
+    # The replica loop's decode runs (behind count-reading routers the array core would run
+    # these: tests/test_array_cluster.py).
     overrides = (f"policy={policy}", "cluster.num_replicas=3", f"cluster.router={router}",
-                 "workload.num_requests=150", *qps, *extra)
+                 "workload.num_requests=150", "array_core=false", *qps, *extra)
     fast, rf, sf, free_f = _cluster_run("fast", overrides)
     exact, re_, se, free_e = _cluster_run("exact", overrides)
     assert fast["num_decode_jumps"] > 0

@@ -39,7 +39,9 @@ def test_routers_state_whether_they_read_only_counts():
 
 
 def _replicas(overrides: list[str]):
-    return EngineSimulation(compose_cfg("step_mode=fast", *overrides),
+    # The replica loop's (co-located replicas behind these routers run on the array core
+    # by default: sim/array_cluster.py).
+    return EngineSimulation(compose_cfg("step_mode=fast", "array_core=false", *overrides),
                             components=BUILT_IN).run().replicas
 
 
@@ -114,7 +116,7 @@ def test_lazy_replicas_fast_equals_exact(seed, qps, blocks, replicas, router, po
         *_workload(seed, qps, 80), f"policy={policy}", *POLICY_EXTRA.get(policy, []),
         "policy.max_num_seqs=16", f"kv.num_gpu_blocks_override={blocks}",
         f"policy.preemption_mode={'swap' if swap else 'recompute'}",
-        f"cluster.num_replicas={replicas}", f"cluster.router={router}"])
+        f"cluster.num_replicas={replicas}", f"cluster.router={router}", "array_core=false"])
     assert s["num_decode_jumps"] > 0
 
 
@@ -123,7 +125,8 @@ def test_lazy_replicas_fast_equals_exact(seed, qps, blocks, replicas, router, po
 def test_lazy_replicas_fast_equals_exact_on_a_long_run(router):
     """Many arrivals across three replicas: jumps run past arrivals and are cut by them."""
     assert_fast_equals_exact([*_workload(7, 60.0, 300), "policy.max_num_seqs=32",
-                              "cluster.num_replicas=3", f"cluster.router={router}"])
+                              "cluster.num_replicas=3", f"cluster.router={router}",
+                              "array_core=false"])
 
 
 @pytest.mark.slow

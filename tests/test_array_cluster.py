@@ -1,0 +1,167 @@
+"""Co-located replicas on the array core (sim/array_cluster.py): routing on outstanding
+counts at each arrival, replicas that pause at every arrival not yet routed, and the runs
+it leaves to the replica loop. Fast equals exact on random workloads, every count-reading
+router, every policy the core runs, pools that bind (recompute and swap)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from experiments.simulation import Simulation
+from tests.helpers import compose_cfg
+from tests.test_cluster_fast_exact import assert_fast_equals_exact
+
+COUNT_ROUTERS = ["round_robin", "random", "least_outstanding", "power_of_two"]
+POLICY_EXTRA = {"fcfs": [], "sjf": ["policy.predictor=noisy"], "priority": [],
+                "chunked_prefill": ["policy.max_num_batched_tokens=256"]}
+
+
+def _trace(path: Path, rows: list[tuple[float, int, int]]) -> str:
+    path.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n"
+                    + "".join(f"{t!r},{p},{o}\n" for t, p, o in rows))
+    return f"workload.path={path}"
+
+
+def _run(*overrides: str) -> tuple[Simulation, pd.DataFrame, dict]:
+    sim = Simulation(compose_cfg(*overrides))
+    res = sim.run()
+    reqs = pd.DataFrame(res.requests_sink.rows, columns=res.requests_sink.columns)
+    return sim, reqs.sort_values("request_id").reset_index(drop=True), res.summary
+
+
+@pytest.mark.parametrize("router", COUNT_ROUTERS)
+def test_default_workload_on_four_replicas_runs_on_the_core(router):
+    s = assert_fast_equals_exact(["cluster.num_replicas=4", f"cluster.router={router}",
+                                  "workload.num_requests=300", "workload.qps=30"])
+    assert s["step_engine"] == "array_core", s["array_core_skipped"]
+    assert s["num_decode_jumps"] > 0 and s["cluster"] == "colocated"
+    assert sum(r["routed"] for r in s["replicas"]) == 300
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10_000), qps=st.floats(2.0, 80.0), replicas=st.integers(2, 4),
+       router=st.sampled_from(COUNT_ROUTERS), policy=st.sampled_from(sorted(POLICY_EXTRA)),
+       blocks=st.sampled_from([None, 60, 120, 400]), swap=st.booleans(),
+       block_size=st.sampled_from([1, 4, 16]))
+def test_random_clusters_fast_equal_exact(seed, qps, replicas, router, policy, blocks, swap,
+                                          block_size):
+    pool = [] if blocks is None else [f"kv.num_gpu_blocks_override={blocks * 16 // block_size}"]
+    s = assert_fast_equals_exact([
+        "model=tiny", f"seed={seed}", f"workload.qps={qps}", "workload.num_requests=60",
+        "workload.prompt_len.max=300", "workload.output_len.max=200",
+        f"cluster.num_replicas={replicas}", f"cluster.router={router}", f"policy={policy}",
+        f"kv.block_size={block_size}", *pool, *POLICY_EXTRA[policy],
+        f"policy.preemption_mode={'swap' if swap else 'recompute'}"])
+    # The core runs these unless a pool binds where it cannot preempt as the policy does
+    # (swap under chunked prefill), or a request arrives exactly at a step's end.
+    reason = s["array_core_skipped"]
+    assert reason is None or "the KV pool can bind" in reason or "exactly" in reason, reason
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(rows=st.lists(st.tuples(st.integers(0, 40), st.integers(1, 120), st.integers(1, 60)),
+                     min_size=1, max_size=40),
+       replicas=st.integers(2, 3), router=st.sampled_from(COUNT_ROUTERS),
+       policy=st.sampled_from(sorted(POLICY_EXTRA)))
+def test_bursts_of_equal_arrival_times_fast_equal_exact(tmp_path_factory, rows, replicas,
+                                                        router, policy):
+    # Arrival times on a 5 ms grid: many requests arrive together, and the router takes
+    # each in turn before any replica plans.
+    times = sorted(t * 0.005 for t, _, _ in rows)
+    trace = _trace(tmp_path_factory.mktemp("burst") / "trace.csv",
+                   [(t, p, o) for t, (_, p, o) in zip(times, rows)])
+    s = assert_fast_equals_exact(["model=tiny", "workload=trace", trace,
+                                  f"cluster.num_replicas={replicas}", f"cluster.router={router}",
+                                  f"policy={policy}", *POLICY_EXTRA[policy]])
+    assert s["array_core_skipped"] is None or "exactly" in s["array_core_skipped"]
+
+
+def test_outstanding_counts_at_the_arrival_decide(tmp_path):
+    """Three replicas behind least_outstanding: request 2 goes to the idlest replica with
+    the lowest index, counting request 0 as finished only if its one step ended before
+    request 2 arrived."""
+    one_step = Simulation(compose_cfg("model=tiny", "workload=trace", _trace(
+        tmp_path / "one.csv", [(0.0, 100, 1)]))).run()
+    end = float(one_step.requests_sink.rows[0][11])  # request 0's finish_time
+    layout = ["model=tiny", "workload=trace", "cluster.num_replicas=3",
+              "cluster.router=least_outstanding"]
+    for arrival, replica in ((end * 0.999, 2), (end * 1.001, 0)):
+        trace = _trace(tmp_path / "t.csv", [(0.0, 100, 1), (0.0, 50, 400), (arrival, 50, 5)])
+        sim, reqs, s = _run(*layout, trace)
+        assert s["step_engine"] == "array_core", sim.array_core_skipped
+        assert reqs["replica_id"].tolist() == [0, 1, replica]
+        assert reqs["prefill_replica_id"].tolist() == [0, 1, replica]
+        assert [r["routed"] for r in s["replicas"]] == [2, 1, 0] if replica == 0 else [1, 1, 1]
+
+
+def test_an_arrival_exactly_at_a_step_end_takes_the_replica_loop(tmp_path):
+    """Which of the two events the router sees first is simpy's order: the core leaves
+    such a run to the replica loop, and says why."""
+    layout = ["model=tiny", "workload=trace", "cluster.num_replicas=2",
+              "cluster.router=least_outstanding"]
+    alone = Simulation(compose_cfg("step_mode=exact", *layout, _trace(
+        tmp_path / "one.csv", [(0.0, 50, 200)]))).run()
+    starts = [float(row[2]) for row in alone.steps_sink.rows]
+    trace = _trace(tmp_path / "tie.csv", [(0.0, 50, 200), (starts[40], 50, 100)])
+    sim, _, s = _run(*layout, trace)
+    assert s["step_engine"] == "replica"
+    assert "exactly as a step of replica 0 ends" in sim.array_core_skipped
+    assert assert_fast_equals_exact([*layout, trace])["array_core_skipped"] is not None
+
+
+def test_the_fallback_rewrites_the_files(tmp_path):
+    """A run that leaves the core part-way writes the replica loop's files, whole."""
+    layout = ["model=tiny", "workload=trace", "cluster.num_replicas=2"]
+    alone = Simulation(compose_cfg("step_mode=exact", *layout, _trace(
+        tmp_path / "one.csv", [(0.0, 50, 200)]))).run()
+    starts = [float(row[2]) for row in alone.steps_sink.rows]
+    trace = _trace(tmp_path / "tie.csv", [(0.0, 50, 200), (starts[40], 50, 100)])
+    out = tmp_path / "out"
+    sim = Simulation(compose_cfg(*layout, trace), out)
+    s = sim.run().summary
+    assert s["step_engine"] == "replica"
+    reqs = pd.read_csv(out / "requests.csv")
+    steps = pd.read_csv(out / "steps.csv")
+    assert sorted(reqs["request_id"]) == [0, 1] and len(steps) == s["num_steps"]
+    assert not list(out.glob("*.partial"))
+
+
+@pytest.mark.parametrize("overrides, reason", [
+    (["cluster.router=least_kv"], "router 'least_kv' reads more than outstanding"),
+    (["cluster.router=prefix_aware"], "router 'prefix_aware' reads more than outstanding"),
+    (["cluster=disaggregated"], "a disaggregated deployment"),
+    (["cluster.pipeline_parallel_size=2"], "pipeline stages"),
+])
+def test_clusters_the_core_leaves_to_the_replica_loop(overrides, reason):
+    base = [] if overrides[0].startswith("cluster=") else ["cluster.num_replicas=2"]
+    sim, _, s = _run("model=tiny", "workload.num_requests=20", *base, *overrides)
+    assert s["step_engine"] == "replica"
+    assert reason in sim.array_core_skipped
+
+
+def test_files_of_a_cluster_on_the_core_match_the_replica_loop(tmp_path):
+    """requests.csv (cluster columns included), steps.csv and summary.json, as files."""
+    layout = ["model=tiny", "cluster.num_replicas=3", "cluster.router=power_of_two",
+              "workload.num_requests=80", "workload.qps=40"]
+    runs = {}
+    for core in ("true", "false"):
+        out = tmp_path / core
+        runs[core] = Simulation(compose_cfg(*layout, f"array_core={core}"), out).run().summary
+        runs[core + "_req"] = pd.read_csv(out / "requests.csv").sort_values("request_id")
+        runs[core + "_steps"] = pd.read_csv(out / "steps.csv").sort_values(
+            ["replica_id", "step"], kind="stable")
+    assert runs["true"]["step_engine"] == "array_core"
+    assert runs["false"]["step_engine"] == "replica"
+    a, b = runs["true_req"].reset_index(drop=True), runs["false_req"].reset_index(drop=True)
+    assert list(a.columns) == list(b.columns)
+    pd.testing.assert_frame_equal(a, b, rtol=1e-9)
+    a, b = runs["true_steps"].reset_index(drop=True), runs["false_steps"].reset_index(drop=True)
+    pd.testing.assert_frame_equal(a, b, rtol=1e-9)
+    for key in ("routed", "num_steps"):
+        assert ([r[key] for r in runs["true"]["replicas"]]
+                == [r[key] for r in runs["false"]["replicas"]])
