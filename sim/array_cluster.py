@@ -103,8 +103,9 @@ class ArrayCluster:
         quiet = Progress(None, False)  # each replica's; the whole run's is updated here
         loops = [core._loop(metrics, req_sink, step_sink, quiet, lane) for lane in lanes]
         interrupted: RunInterrupted | None = None
+        routed = [0] * len(lanes)  # requests routed to each replica (so far, if stopped)
         try:
-            routed = self._route(lanes, loops, gate, progress)
+            self._route(lanes, loops, gate, progress, routed)
             results = []
             for loop in loops:  # nothing left to route: each runs to its end
                 try:
@@ -114,7 +115,7 @@ class ArrayCluster:
                     results.append(e.value)
         except RunInterrupted as e:  # the rows so far are whole: keep them, say so
             interrupted = e
-            routed, results = [0] * len(lanes), [(float("nan"), 0, 0, 0, 0.0)] * len(lanes)
+            results = [(float("nan"), 0, 0, 0, 0.0)] * len(lanes)
         except BaseException:
             progress.close()
             req_sink.close(complete=False)
@@ -139,7 +140,9 @@ class ArrayCluster:
         deployment = _Deployment([_Replica(lane.replica_id, _KV(blocks, r[3]), r[1], r[4])
                                   for lane, r in zip(lanes, results)], routed)
         summary.update(cluster_summary(sim.cluster, sim.pools, deployment, end))
-        if interrupted is not None:
+        if interrupted is not None:  # the loops' own counters are lost with their frames
+            for entry in summary["replicas"]:
+                entry.update(num_steps=None, busy_fraction=None, kv_peak_usage=None)
             sim.write_summary(interrupted_summary(
                 {**summary, "num_steps": None, "num_decode_jumps": None,
                  "kv_peak_usage": None, "simulated_duration_s": None}, interrupted))
@@ -147,15 +150,14 @@ class ArrayCluster:
         sim.write_summary(summary)
         return SimulationResult(summary, metrics, [], sim.memory, [], req_sink, step_sink, None)
 
-    def _route(self, lanes: list[Lane], loops: list, gate: list[float],
-               progress: Progress) -> list[int]:
-        """Route every request, in arrival order; the requests routed to each replica."""
+    def _route(self, lanes: list[Lane], loops: list, gate: list[float], progress: Progress,
+               routed: list[int]) -> None:
+        """Route every request, in arrival order, counting them in ``routed``."""
         sim, w = self.sim, self.w
         ARR, PL, OL, RID, PRI = (w.arrivals, w.prompt_lens, w.output_lens, w.request_ids,
                                  w.priorities)
         choose = make_router(sim.cluster.router, sim.seed).choose
         targets = [_Target() for _ in lanes]
-        routed = [0] * len(lanes)
         # Each replica's last pause: when it plans next (inf: idle, nothing routed to it),
         # when its last step ended, its finished requests, those finished before that step.
         gate[0] = ARR[0]
@@ -183,4 +185,3 @@ class ArrayCluster:
             if a & 1023 == 1023:
                 progress.update(sum(s[2] for s in states), now)
         gate[0] = INF
-        return routed

@@ -87,13 +87,16 @@ def test_a_write_failure_is_one_line_and_leaves_nothing_that_looks_complete(tmp_
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sig,code,engine", [(signal.SIGINT, 130, "replica"),
-                                             (signal.SIGTERM, 143, "array_core")])
-def test_a_signal_stops_the_run_with_a_summary_marked_interrupted(tmp_path, sig, code, engine):
+@pytest.mark.parametrize("sig,code,engine,replicas", [(signal.SIGINT, 130, "replica", 1),
+                                                      (signal.SIGTERM, 143, "array_core", 1),
+                                                      (signal.SIGTERM, 143, "array_core", 3)])
+def test_a_signal_stops_the_run_with_a_summary_marked_interrupted(tmp_path, sig, code, engine,
+                                                                  replicas):
     """Each loop stops between steps: every request it counted has its row."""
     model = ["model=tiny", "workload.qps=1000", "workload.prompt_len.max=1000",
              "workload.output_len.max=500"] if engine == "array_core" else [
         "workload.qps=100", "array_core=false"]
+    model.append(f"cluster.num_replicas={replicas}")
     p = subprocess.Popen(
         [sys.executable, "-m", "experiments.run", "workload.num_requests=2000000", *model,
          "progress=false", "record_steps=false",
@@ -115,6 +118,10 @@ def test_a_signal_stops_the_run_with_a_summary_marked_interrupted(tmp_path, sig,
     assert s["step_engine"] == engine
     rows = pd.read_csv(tmp_path / "requests.csv")  # whole rows only
     assert len(rows) == s["completed"] + s["rejected"] > 0
+    if replicas > 1:
+        assert len(s["replicas"]) == replicas
+        assert sum(r["routed"] for r in s["replicas"]) >= len(rows)
+        assert set(rows["replica_id"]) == set(range(replicas))
     assert not partial.exists() and not (tmp_path / ".run.lock").exists()
 
 
