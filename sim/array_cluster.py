@@ -17,17 +17,17 @@ order simpy gives the two events (which the router may see first); the run then 
 
 from __future__ import annotations
 
-import time
+from collections.abc import Generator
 from dataclasses import dataclass
 from typing import Any
 
-from sim.array_core import ArrayCore, Lane
+from sim.array_core import ArrayCore, Lane, run_to_end
 from sim.array_inputs import ArrayCoreHost, WorkloadArrays
 from sim.cluster.outputs import CLUSTER_REQUEST_COLUMNS, cluster_summary
 from sim.cluster.pool import replica_seed
 from sim.cluster.router import make_router
-from sim.errors import RunInterrupted
-from sim.outputs import FINISHED_REQUEST_LINE, REQUEST_COLUMNS, interrupted_summary
+from sim.metrics import MetricsCollector
+from sim.outputs import FINISHED_REQUEST_LINE, REQUEST_COLUMNS, CsvSink
 from sim.progress import Progress
 from sim.request import Request
 from sim.result import SimulationResult
@@ -85,75 +85,51 @@ class ArrayCluster:
         self.sim = sim
         self.w = w
         self.core = ArrayCore(sim, w)
-
-    def run(self) -> SimulationResult:
-        sim, w, core = self.sim, self.w, self.core
-        wall0 = time.perf_counter()
-        n = len(w.arrivals)
-        req_sink, step_sink, metrics, progress = sim.open_outputs(
-            REQUEST_COLUMNS + CLUSTER_REQUEST_COLUMNS, n)
         pool = sim.pools[0]
-        gate = [INF]
-        lines: list[str] = []
+        self.gate = [INF]
+        self.lines: list[str] = []
         # Every replica gets a policy of its own (replica 0 with the run's seed), as the
         # replica loop's pool builds them; the run's own instance stays untouched.
-        lanes = [Lane(r, pool.make_policy(replica_seed(sim.seed, r)), gate, lines,
-                      f"{FINISHED_REQUEST_LINE[:-2]},{r},{r},,,\r\n", (r, r, "", "", ""))
-                 for r in range(pool.count)]
-        quiet = Progress(None, False)  # each replica's; the whole run's is updated here
-        loops = [core._loop(metrics, req_sink, step_sink, quiet, lane) for lane in lanes]
-        interrupted: RunInterrupted | None = None
-        routed = [0] * len(lanes)  # requests routed to each replica (so far, if stopped)
-        try:
-            self._route(lanes, loops, gate, progress, routed)
-            results = []
-            for loop in loops:  # nothing left to route: each runs to its end
-                try:
-                    while True:
-                        next(loop)
-                except StopIteration as e:
-                    results.append(e.value)
-        except RunInterrupted as e:  # the rows so far are whole: keep them, say so
-            interrupted = e
-            results = [(float("nan"), 0, 0, 0, 0.0)] * len(lanes)
-        except BaseException:
-            progress.close()
-            req_sink.close(complete=False)
-            step_sink.close(complete=False)
-            raise
-        if lines and interrupted is None:
-            req_sink.write_text("".join(lines))
-        progress.close()
-        req_sink.close()
-        step_sink.close()
-        metrics.first_arrival = w.arrivals[0]
-        end = max(r[0] for r in results)
-        blocks = core.num_gpu_blocks
-        summary = sim.summary(metrics, end, time.perf_counter() - wall0,
-                              kv_peak_usage=max(r[3] for r in results) / blocks,
-                              num_steps=sum(r[1] for r in results),
-                              num_decode_jumps=sum(r[2] for r in results),
-                              num_swap_fallbacks=core.num_swap_fallbacks,
-                              engine="array_core",
-                              prefix_cache=(sum(w.prompt_lens) if sim.prefix_caching else 0,
-                                            0, 0))
-        deployment = _Deployment([_Replica(lane.replica_id, _KV(blocks, r[3]), r[1], r[4])
-                                  for lane, r in zip(lanes, results)], routed)
-        summary.update(cluster_summary(sim.cluster, sim.pools, deployment, end))
-        if interrupted is not None:  # the loops' own counters are lost with their frames
-            for entry in summary["replicas"]:
-                entry.update(num_steps=None, busy_fraction=None, kv_peak_usage=None)
-            sim.write_summary(interrupted_summary(
-                {**summary, "num_steps": None, "num_decode_jumps": None,
-                 "kv_peak_usage": None, "simulated_duration_s": None}, interrupted))
-            raise interrupted
-        sim.write_summary(summary)
-        return SimulationResult(summary, metrics, [], sim.memory, [], req_sink, step_sink, None)
+        self.lanes = [Lane(r, pool.make_policy(replica_seed(sim.seed, r)), self.gate,
+                           self.lines, f"{FINISHED_REQUEST_LINE[:-2]},{r},{r},,,\r\n",
+                           (r, r, "", "", ""))
+                      for r in range(pool.count)]
+        self.routed = [0] * len(self.lanes)  # requests routed to each replica (so far)
+        # Each replica's loop's result: end, steps, stretches, peak blocks, time in steps.
+        self.results: list[tuple[float, int, int, int, float]] = []
 
-    def _route(self, lanes: list[Lane], loops: list, gate: list[float], progress: Progress,
-               routed: list[int]) -> None:
-        """Route every request, in arrival order, counting them in ``routed``."""
-        sim, w = self.sim, self.w
+    def run(self) -> SimulationResult:
+        return self.core.run(REQUEST_COLUMNS + CLUSTER_REQUEST_COLUMNS, self._simulate,
+                             self._cluster_summary)
+
+    def _simulate(self, metrics: MetricsCollector, req_sink: CsvSink, step_sink: CsvSink,
+                  progress: Progress) -> tuple[float, int, int, int]:
+        quiet = Progress(None, False)  # each replica's; the whole run's is updated here
+        loops = [self.core._loop(metrics, req_sink, step_sink, quiet, lane)
+                 for lane in self.lanes]
+        self._route(loops, progress)
+        for loop in loops:  # nothing left to route: each runs to its end
+            self.results.append(run_to_end(loop))
+        r = self.results
+        return (max(x[0] for x in r), sum(x[1] for x in r), sum(x[2] for x in r),
+                max(x[3] for x in r))
+
+    def _cluster_summary(self, end: float, interrupted: bool) -> dict[str, Any]:
+        """The cluster's summary keys; an interrupted run's per-replica counters (lost with
+        the loops' frames) are null."""
+        blocks = self.core.num_gpu_blocks
+        results = self.results if not interrupted else [(0.0, 0, 0, 0, 0.0)] * len(self.lanes)
+        deployment = _Deployment([_Replica(lane.replica_id, _KV(blocks, r[3]), r[1], r[4])
+                                  for lane, r in zip(self.lanes, results)], self.routed)
+        out = cluster_summary(self.sim.cluster, self.sim.pools, deployment, end)
+        if interrupted:
+            for entry in out["replicas"]:
+                entry.update(num_steps=None, busy_fraction=None, kv_peak_usage=None)
+        return out
+
+    def _route(self, loops: list[Generator[Any, None, Any]], progress: Progress) -> None:
+        """Route every request, in arrival order (the replicas' loops go on meanwhile)."""
+        sim, w, lanes, gate, routed = self.sim, self.w, self.lanes, self.gate, self.routed
         ARR, PL, OL, RID, PRI = (w.arrivals, w.prompt_lens, w.output_lens, w.request_ids,
                                  w.priorities)
         choose = make_router(sim.cluster.router, sim.seed).choose

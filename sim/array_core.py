@@ -155,6 +155,11 @@ class Lane:
     indices: list[int] = field(default_factory=list)  # their arrival indices
 
 
+# Runs the loops of a run: (metrics, requests sink, steps sink, progress) -> the simulated
+# end, the steps, the decode stretches and the peak KV blocks in use.
+Simulate = Callable[[MetricsCollector, CsvSink, CsvSink, Progress], tuple[float, int, int, int]]
+
+
 def run_to_end(loop: Generator[Any, None, Any]) -> Any:
     """The value a loop without a lane returns (it never yields)."""
     try:
@@ -242,15 +247,23 @@ class ArrayCore:
                 self._prefill_prices[prompts] = d
         return d
 
-    def run(self) -> SimulationResult:
+    def run(self, columns: tuple[str, ...] = REQUEST_COLUMNS,
+            simulate: Simulate | None = None,
+            more_summary: Callable[[float, bool], dict[str, Any]] | None = None,
+            ) -> SimulationResult:
+        """The run, its files and its summary. ``simulate`` runs the loops (one replica's by
+        default) and returns the simulated end, the steps, the decode stretches and the peak
+        KV blocks in use; ``more_summary(end, interrupted)`` adds summary keys (a cluster's)."""
         sim = self.sim
         wall0 = time.perf_counter()
-        req_sink, step_sink, metrics, progress = sim.open_outputs(REQUEST_COLUMNS,
-                                                                  len(self.w.arrivals))
+        req_sink, step_sink, metrics, progress = sim.open_outputs(columns, len(self.w.arrivals))
         interrupted: RunInterrupted | None = None
         try:
-            end, steps, stretches, peak, _ = run_to_end(
-                self._loop(metrics, req_sink, step_sink, progress))
+            if simulate is None:
+                end, steps, stretches, peak, _ = run_to_end(
+                    self._loop(metrics, req_sink, step_sink, progress))
+            else:
+                end, steps, stretches, peak = simulate(metrics, req_sink, step_sink, progress)
         except RunInterrupted as e:  # the rows so far are whole: keep them, say so
             interrupted = e
             end, steps, stretches, peak = float("nan"), 0, 0, 0
@@ -271,6 +284,8 @@ class ArrayCore:
                               # Every prompt is looked up once, at its only admission.
                               prefix_cache=(sum(self.w.prompt_lens)
                                             if sim.prefix_caching else 0, 0, 0))
+        if more_summary is not None:
+            summary.update(more_summary(end, interrupted is not None))
         if interrupted is not None:  # the loop's own counters are lost with its frame
             sim.write_summary(interrupted_summary(
                 {**summary, "num_steps": None, "num_decode_jumps": None,
