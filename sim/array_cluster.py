@@ -19,9 +19,10 @@ from __future__ import annotations
 
 from collections.abc import Generator
 from dataclasses import dataclass
+from math import nextafter
 from typing import Any
 
-from sim.array_core import ArrayCore, Lane, run_to_end
+from sim.array_core import ArrayCore, Lane
 from sim.array_inputs import ArrayCoreHost, WorkloadArrays
 from sim.cluster.outputs import CLUSTER_REQUEST_COLUMNS, cluster_summary
 from sim.cluster.pool import replica_seed
@@ -107,9 +108,8 @@ class ArrayCluster:
         quiet = Progress(None, False)  # each replica's; the whole run's is updated here
         loops = [self.core._loop(metrics, req_sink, step_sink, quiet, lane)
                  for lane in self.lanes]
-        self._route(loops, progress)
-        for loop in loops:  # nothing left to route: each runs to its end
-            self.results.append(run_to_end(loop))
+        states = self._route(loops, progress)
+        self._drain(loops, states, progress)
         r = self.results
         return (max(x[0] for x in r), sum(x[1] for x in r), sum(x[2] for x in r),
                 max(x[3] for x in r))
@@ -160,4 +160,30 @@ class ArrayCluster:
                 states[r] = next(loops[r])
             if a & 1023 == 1023:
                 progress.update(sum(s[2] for s in states), now)
-        gate[0] = INF
+        return states
+
+    def _drain(self, loops: list[Generator[Any, None, Any]], states: list[tuple],
+               progress: Progress) -> None:
+        """Every request routed: run the replicas to their ends, the one that plans first
+        each time, up to when the next one plans (so steps.csv stays in time order, as far
+        as the replica loop keeps it). Where it stops is only where a stretch is cut."""
+        gate = self.gate
+        results: list[Any] = [None] * len(loops)
+        live = set(range(len(loops)))
+        steps = 0
+        while live:
+            order = sorted(live, key=lambda r: states[r][0])
+            r = order[0]
+            # Up to the next replica's planning time (past its own, on a tie); a replica
+            # with nothing left (inf) ends.
+            upto = states[order[1]][0] if len(order) > 1 else INF
+            gate[0] = upto if upto > states[r][0] else nextafter(states[r][0], INF)
+            try:
+                states[r] = next(loops[r])
+            except StopIteration as e:
+                results[r] = e.value
+                live.discard(r)
+            steps += 1
+            if steps & 63 == 0:
+                progress.update(sum(s[2] for s in states), states[r][1])
+        self.results = results

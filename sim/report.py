@@ -203,7 +203,8 @@ def timeline_figure(steps: pd.DataFrame) -> go.Figure:
     fig = make_subplots(rows=rows, cols=1, shared_xaxes=True, vertical_spacing=0.06,
                         subplot_titles=[p[0] for p in panels])
     if len(steps):
-        end = float(steps["time"].iloc[-1] + steps["duration"].iloc[-1])
+        # The latest step's end (replicas' rows need not come in time order).
+        end = float((steps["time"] + steps["duration"]).max())
         bins = np.linspace(0.0, max(end, 1e-9), min(len(steps), MAX_POINTS) + 1)
         idx = np.clip(np.searchsorted(bins, steps["time"].to_numpy(), side="right") - 1, 0,
                       len(bins) - 2)
