@@ -88,11 +88,11 @@ class ArrayCluster:
         self.core = ArrayCore(sim, w)
         pool = sim.pools[0]
         self.gate = [INF]
-        self.lines: list[str] = []
+        lines: list[str] = []  # requests.csv's lines not yet written, every replica's
         # Every replica gets a policy of its own (replica 0 with the run's seed), as the
         # replica loop's pool builds them; the run's own instance stays untouched.
         self.lanes = [Lane(r, pool.make_policy(replica_seed(sim.seed, r)), self.gate,
-                           self.lines, f"{FINISHED_REQUEST_LINE[:-2]},{r},{r},,,\r\n",
+                           lines, f"{FINISHED_REQUEST_LINE[:-2]},{r},{r},,,\r\n",
                            (r, r, "", "", ""))
                       for r in range(pool.count)]
         self.routed = [0] * len(self.lanes)  # requests routed to each replica (so far)
@@ -108,9 +108,7 @@ class ArrayCluster:
         quiet = Progress(None, False)  # each replica's; the whole run's is updated here
         loops = [self.core._loop(metrics, req_sink, step_sink, quiet, lane)
                  for lane in self.lanes]
-        states = self._route(loops, progress)
-        self._drain(loops, states, progress)
-        r = self.results
+        self.results = r = self._drain(loops, self._route(loops, progress), progress)
         return (max(x[0] for x in r), sum(x[1] for x in r), sum(x[2] for x in r),
                 max(x[3] for x in r))
 
@@ -127,8 +125,10 @@ class ArrayCluster:
                 entry.update(num_steps=None, busy_fraction=None, kv_peak_usage=None)
         return out
 
-    def _route(self, loops: list[Generator[Any, None, Any]], progress: Progress) -> None:
-        """Route every request, in arrival order (the replicas' loops go on meanwhile)."""
+    def _route(self, loops: list[Generator[Any, None, Any]],
+               progress: Progress) -> list[tuple[float, float, int, int]]:
+        """Route every request, in arrival order (the replicas' loops go on meanwhile);
+        each replica's last pause."""
         sim, w, lanes, gate, routed = self.sim, self.w, self.lanes, self.gate, self.routed
         ARR, PL, OL, RID, PRI = (w.arrivals, w.prompt_lens, w.output_lens, w.request_ids,
                                  w.priorities)
@@ -163,10 +163,11 @@ class ArrayCluster:
         return states
 
     def _drain(self, loops: list[Generator[Any, None, Any]], states: list[tuple],
-               progress: Progress) -> None:
+               progress: Progress) -> list[Any]:
         """Every request routed: run the replicas to their ends, the one that plans first
         each time, up to when the next one plans (so steps.csv stays in time order, as far
-        as the replica loop keeps it). Where it stops is only where a stretch is cut."""
+        as the replica loop keeps it). Where it stops is only where a stretch is cut.
+        Each replica's loop's result."""
         gate = self.gate
         results: list[Any] = [None] * len(loops)
         live = set(range(len(loops)))
@@ -186,4 +187,4 @@ class ArrayCluster:
             steps += 1
             if steps & 63 == 0:
                 progress.update(sum(s[2] for s in states), states[r][1])
-        self.results = results
+        return results

@@ -626,6 +626,13 @@ class ArrayCore:
                     return g
             return hi
 
+        def routed_through(end: float) -> Generator[tuple[float, float, int, int], None, None]:
+            """(On a lane.) Wait until every request arriving up to ``end`` is routed."""
+            nonlocal nq
+            while end >= gate[0]:
+                yield end, end, done, done_before
+                nq = len(QA)  # requests routed here meanwhile
+
         def longest_ctx() -> int:
             nonlocal max_heap, longest_c
             if longest_c is not None:
@@ -698,10 +705,8 @@ class ArrayCore:
                     if used + gone > peak:
                         peak = used + gone
                     if record:
-                        # (The row counts the arrivals up to t: routed, on a lane.)
-                        while lane is not None and t >= gate[0]:
-                            yield t, t, done, done_before
-                            nq = len(QA)  # requests routed here meanwhile
+                        if lane is not None:  # the row counts the arrivals up to t
+                            yield from routed_through(t)
                         queued = len(waiting) + arrived(t, start) - nxt
                         tokens = sum([PEND[i] for i in batch])
                         step_sink.write_formatted(
@@ -815,10 +820,8 @@ class ArrayCore:
                         if i in scheduled_at:  # not finished among the decode rows
                             done += complete(i, t, scheduled_at.pop(i))
                     if record:
-                        # (The row counts the arrivals up to t: routed, on a lane.)
-                        while lane is not None and t >= gate[0]:
-                            yield t, t, done, done_before
-                            nq = len(QA)  # requests routed here meanwhile
+                        if lane is not None:  # the row counts the arrivals up to t
+                            yield from routed_through(t)
                         used = blocks_at(S) + prefill_blocks
                         step_sink.write_formatted(
                             (num_steps, replica, repr(start), repr(d), nd + len(grants),
@@ -922,10 +925,8 @@ class ArrayCore:
                             progress.update(done, t)
                             next_tick = done + 64
                     if record:
-                        # (The row counts the arrivals up to t: routed, on a lane.)
-                        while lane is not None and t >= gate[0]:
-                            yield t, t, done, done_before
-                            nq = len(QA)  # requests routed here meanwhile
+                        if lane is not None:  # the row counts the arrivals up to t
+                            yield from routed_through(t)
                         used = blocks_at(S)
                         step_sink.write_formatted(
                             (num_steps, replica, repr(start), repr(d), nd, 0, nd, nd,
@@ -1034,10 +1035,8 @@ class ArrayCore:
                         next_tick = done + 64
                     used = blocks_at(cur) + prefill_blocks
                 if record:
-                    # (The row counts the arrivals up to t: routed, on a lane.)
-                    while lane is not None and t >= gate[0]:
-                        yield t, t, done, done_before
-                        nq = len(QA)  # requests routed here meanwhile
+                    if lane is not None:  # the row counts the arrivals up to t
+                        yield from routed_through(t)
                     queued = len(waiting) + arrived(t, step_start) - nxt
                     if swapped:
                         write_rows(num_steps, [step_start], [last_d], nd, queued, members,

@@ -65,6 +65,7 @@ class ArrayCoreHost(Protocol):
 
     def write_summary(self, summary: dict[str, Any]) -> None: ...
 
+
 def array_core_blocker(sim: ArrayCoreHost) -> str | None:
     """Why this run cannot use the array core before looking at its requests, or None."""
     if not sim.use_array_core:
