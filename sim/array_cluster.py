@@ -17,12 +17,12 @@ order simpy gives the two events (which the router may see first); the run then 
 
 from __future__ import annotations
 
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from math import nextafter
 from typing import Any
 
-from sim.array_core import ArrayCore, Lane
+from sim.array_core import ArrayCore, ExactTie, Lane
 from sim.array_inputs import ArrayCoreHost, WorkloadArrays
 from sim.cluster.outputs import CLUSTER_REQUEST_COLUMNS, cluster_summary
 from sim.cluster.pool import replica_seed
@@ -36,12 +36,7 @@ from sim.result import SimulationResult
 INF = float("inf")
 
 
-class ExactTie(Exception):
-    """A request arrived exactly when a replica's step ended: the array core leaves the
-    run to the replica loop, whose event order decides which came first."""
-
-
-class _Target:
+class CountTarget:
     """What a router reads of a replica: its outstanding requests at the arrival."""
 
     __slots__ = ("num_outstanding",)
@@ -104,13 +99,13 @@ class ArrayCluster:
                              self._cluster_summary)
 
     def _simulate(self, metrics: MetricsCollector, req_sink: CsvSink, step_sink: CsvSink,
-                  progress: Progress) -> tuple[float, int, int, int]:
+                  progress: Progress) -> tuple[float, int, int, float]:
         quiet = Progress(None, False)  # each replica's; the whole run's is updated here
         loops = [self.core._loop(metrics, req_sink, step_sink, quiet, lane)
                  for lane in self.lanes]
-        self.results = r = self._drain(loops, self._route(loops, progress), progress)
+        self.results = r = drain(loops, self._route(loops, progress), self.gate, progress)
         return (max(x[0] for x in r), sum(x[1] for x in r), sum(x[2] for x in r),
-                max(x[3] for x in r))
+                max(x[3] for x in r) / self.core.num_gpu_blocks)
 
     def _cluster_summary(self, end: float, interrupted: bool) -> dict[str, Any]:
         """The cluster's summary keys; an interrupted run's per-replica counters (lost with
@@ -127,64 +122,72 @@ class ArrayCluster:
 
     def _route(self, loops: list[Generator[Any, None, Any]],
                progress: Progress) -> list[tuple[float, float, int, int]]:
-        """Route every request, in arrival order (the replicas' loops go on meanwhile);
-        each replica's last pause."""
-        sim, w, lanes, gate, routed = self.sim, self.w, self.lanes, self.gate, self.routed
-        ARR, PL, OL, RID, PRI = (w.arrivals, w.prompt_lens, w.output_lens, w.request_ids,
-                                 w.priorities)
-        choose = make_router(sim.cluster.router, sim.seed).choose
-        targets = [_Target() for _ in lanes]
-        # Each replica's last pause: when it plans next (inf: idle, nothing routed to it),
-        # when its last step ended, its finished requests, those finished before that step.
-        gate[0] = ARR[0]
-        states = [next(loop) for loop in loops]
-        pairs = list(zip(range(len(lanes)), loops, targets))
-        for a in range(len(ARR)):
-            now = gate[0] = ARR[a]
-            for r, loop, target in pairs:
-                state = states[r]
-                while state[0] < now:
-                    state = next(loop)
-                states[r] = state
-                _, last_end, done, before = state
-                if last_end == now:
-                    raise ExactTie(
-                        f"request {RID[a]} arrives exactly as a step of replica {r} ends")
-                target.num_outstanding = routed[r] - (before if last_end > now else done)
-            req = Request(RID[a], now, PL[a], OL[a], PRI[a])
-            r = choose(req, targets)
-            routed[r] += 1
-            lanes[r].arrivals.append(now)
-            lanes[r].indices.append(a)
-            if states[r][0] == INF:  # it was idle: when it plans now
-                states[r] = next(loops[r])
-            if a & 1023 == 1023:
-                progress.update(sum(s[2] for s in states), now)
-        return states
+        return route(self.w, self.lanes, loops, make_router(self.sim.cluster.router,
+                                                            self.sim.seed).choose,
+                     self.routed, progress)
 
-    def _drain(self, loops: list[Generator[Any, None, Any]], states: list[tuple],
-               progress: Progress) -> list[Any]:
-        """Every request routed: run the replicas to their ends, the one that plans first
-        each time, up to when the next one plans (so steps.csv stays in time order, as far
-        as the replica loop keeps it). Where it stops is only where a stretch is cut.
-        Each replica's loop's result."""
-        gate = self.gate
-        results: list[Any] = [None] * len(loops)
-        live = set(range(len(loops)))
-        steps = 0
-        while live:
-            order = sorted(live, key=lambda r: states[r][0])
-            r = order[0]
-            # Up to the next replica's planning time (past its own, on a tie); a replica
-            # with nothing left (inf) ends.
-            upto = states[order[1]][0] if len(order) > 1 else INF
-            gate[0] = upto if upto > states[r][0] else nextafter(states[r][0], INF)
-            try:
-                states[r] = next(loops[r])
-            except StopIteration as e:
-                results[r] = e.value
-                live.discard(r)
-            steps += 1
-            if steps & 63 == 0:
-                progress.update(sum(s[2] for s in states), states[r][1])
-        return results
+
+def route(w: WorkloadArrays, lanes: list[Lane], loops: list[Generator[Any, None, Any]],
+          choose: Callable[[Request, list[Any]], int], routed: list[int],
+          progress: Progress) -> list[tuple[float, float, int, int]]:
+    """Route every request of ``w`` to one of ``lanes`` (whose ``loops`` go on meanwhile),
+    in arrival order, with the router's ``choose``; count them in ``routed``. Each lane's
+    last pause."""
+    gate = lanes[0].gate
+    ARR, PL, OL, RID, PRI = (w.arrivals, w.prompt_lens, w.output_lens, w.request_ids,
+                             w.priorities)
+    targets = [CountTarget() for _ in lanes]
+    # Each replica's last pause: when it plans next (inf: idle, nothing routed to it),
+    # when its last step ended, its finished requests, those finished before that step.
+    gate[0] = ARR[0]
+    states = [next(loop) for loop in loops]
+    pairs = list(zip(range(len(lanes)), loops, targets))
+    for a in range(len(ARR)):
+        now = gate[0] = ARR[a]
+        for r, loop, target in pairs:
+            state = states[r]
+            while state[0] < now:
+                state = next(loop)
+            states[r] = state
+            _, last_end, done, before = state
+            if last_end == now:
+                raise ExactTie(
+                    f"request {RID[a]} arrives exactly as a step of replica {r} ends")
+            target.num_outstanding = routed[r] - (before if last_end > now else done)
+        req = Request(RID[a], now, PL[a], OL[a], PRI[a])
+        r = choose(req, targets)
+        routed[r] += 1
+        lanes[r].arrivals.append(now)
+        lanes[r].indices.append(a)
+        if states[r][0] == INF:  # it was idle: when it plans now
+            states[r] = next(loops[r])
+        if a & 1023 == 1023:
+            progress.update(sum(s[2] for s in states), now)
+    return states
+
+
+def drain(loops: list[Generator[Any, None, Any]], states: list[tuple], gate: list[float],
+          progress: Progress) -> list[Any]:
+    """Every request routed: run the lanes' ``loops`` to their ends, the one that plans
+    first each time, up to when the next one plans (so steps.csv stays in time order, as far
+    as the replica loop keeps it). Where it stops is only where a stretch is cut. Each
+    loop's result."""
+    results: list[Any] = [None] * len(loops)
+    live = set(range(len(loops)))
+    steps = 0
+    while live:
+        order = sorted(live, key=lambda r: states[r][0])
+        r = order[0]
+        # Up to the next replica's planning time (past its own, on a tie); a replica
+        # with nothing left (inf) ends.
+        upto = states[order[1]][0] if len(order) > 1 else INF
+        gate[0] = upto if upto > states[r][0] else nextafter(states[r][0], INF)
+        try:
+            states[r] = next(loops[r])
+        except StopIteration as e:
+            results[r] = e.value
+            live.discard(r)
+        steps += 1
+        if steps & 63 == 0:
+            progress.update(sum(s[2] for s in states), states[r][1])
+    return results

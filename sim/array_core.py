@@ -139,11 +139,27 @@ class _BlockCount:
         return self.sum_q + n * q + n + suffix[bs + 1 - r]
 
 
+class LeftToReplicaLoop(Exception):
+    """The array core gives a run up before its summary: the replica loop takes it from the
+    start (``Simulation.run``), the message says why."""
+
+
+class ExactTie(LeftToReplicaLoop):
+    """Two events at exactly the same instant (a request arriving as a step ends, say) whose
+    order only the replica loop's simpy events decide."""
+
+
+class PoolMayBind(LeftToReplicaLoop):
+    """A disaggregated run in which a KV pool might refuse a block (sim/array_disagg.py runs
+    a deployment only while no pool can)."""
+
+
 @dataclass(eq=False)
 class Lane:
-    """One replica of several run on the array core behind a router (sim/array_cluster.py):
-    what its loop reads besides the run's. ``gate`` and ``lines`` are shared by every lane:
-    the time of the next request not yet routed, and requests.csv's lines not yet written."""
+    """One replica of several run on the array core behind a router (sim/array_cluster.py,
+    sim/array_disagg.py): what its loop reads besides the run's. ``gate`` and ``lines`` are
+    shared by the lanes of a pool: the time of the next request not yet routed (or handed
+    off) there, and requests.csv's lines not yet written."""
 
     replica_id: int
     policy: Policy
@@ -153,11 +169,38 @@ class Lane:
     extra_columns: tuple  # those columns, for a sink kept in memory
     arrivals: array = field(default_factory=lambda: array("d"))  # routed here, in order
     indices: list[int] = field(default_factory=list)  # their arrival indices
+    # "replica" (co-located), "prefill" (hands each request off after its first token, its
+    # blocks kept until the transfer) or "decode" (takes requests in as their KV arrives).
+    role: str = "replica"
+    # prefill: each hand-off (time, arrival index, first scheduling); each prompt step
+    # (start, end, blocks of its prompts); and its steps.csv rows, whose blocks in use the
+    # deployment completes (those held for transfers are its to count).
+    handoffs: list[tuple[float, int, float]] = field(default_factory=list)
+    prompt_steps: list[tuple[float, float, int]] = field(default_factory=list)
+    rows: list[tuple] = field(default_factory=list)
+    # decode: the requests routed here, by arrival index: first token time and first
+    # scheduling (set at the hand-off), and cluster columns (set once the transfer's arrival
+    # is known); ``seats``: places for members (its step's token budget).
+    joins: dict[int, tuple[float, float]] = field(default_factory=dict)
+    extras: dict[int, tuple] = field(default_factory=dict)
+    seats: int = 0
+    # decode, kept by the deployment and the loop together: blocks reserved for transfers
+    # not yet joined; the members' blocks in the last step and after it (set where the loop
+    # yields); blocks the requests here hold at their full lengths, and those freed when the
+    # last step ended (``freed_at``).
+    reserved: int = 0
+    in_step: int = 0
+    now_blocks: int = 0
+    held_full: int = 0
+    freed_at: float = -1.0
+    freed: int = 0
 
 
 # Runs the loops of a run: (metrics, requests sink, steps sink, progress) -> the simulated
-# end, the steps, the decode stretches and the peak KV blocks in use.
-Simulate = Callable[[MetricsCollector, CsvSink, CsvSink, Progress], tuple[float, int, int, int]]
+# end, the steps, the decode stretches and the peak KV usage (the largest of any replica's
+# fraction of its blocks in use).
+Simulate = Callable[[MetricsCollector, CsvSink, CsvSink, Progress],
+                    tuple[float, int, int, float]]
 
 
 def run_to_end(loop: Generator[Any, None, Any]) -> Any:
@@ -222,16 +265,22 @@ class ArrayCore:
     """One run of the array core (see the module docstring); ``run`` returns what
     ``Simulation.run`` does."""
 
-    def __init__(self, sim: ArrayCoreHost, w: WorkloadArrays) -> None:
+    def __init__(self, sim: ArrayCoreHost, w: WorkloadArrays, pool: Any = None) -> None:
+        """``pool``: one side of a disaggregated deployment (sim.cluster.pool.Pool), whose
+        policy, executor and memory its lanes use; without one, the run's."""
         self.sim = sim
         self.w = w
-        self.executor = sim.executor
-        self.policy = sim.policy
-        self.block_size = sim.kv_cfg.block_size
-        self.num_gpu_blocks = sim.memory.num_gpu_blocks
-        self.watermark = watermark_blocks(sim.policy.config.kv_watermark, self.num_gpu_blocks)
+        self.executor = sim.executor if pool is None else pool.first_executor
+        self.policy = sim.policy if pool is None else pool.first_policy
+        memory = sim.memory if pool is None else pool.memory
+        self.block_size = sim.kv_cfg.block_size if pool is None else pool.block_size
+        self.num_gpu_blocks = memory.num_gpu_blocks
+        self.num_cpu_blocks = memory.num_cpu_blocks
+        self.watermark = watermark_blocks(self.policy.config.kv_watermark, self.num_gpu_blocks)
         #: The pool can run short: admission counts blocks and decode steps may preempt.
-        self.binding = pool_can_bind(sim, w)
+        #: (A disaggregated deployment's pools never do: sim/array_disagg.py gives a run up
+        #: where one could.)
+        self.binding = pool_can_bind(sim, w) if pool is None else False
         self.num_swap_fallbacks = 0  # swaps the CPU pool could not hold: recomputed instead
         self._prefill_prices: dict[tuple[int, ...], float] = {}
 
@@ -253,20 +302,21 @@ class ArrayCore:
             ) -> SimulationResult:
         """The run, its files and its summary. ``simulate`` runs the loops (one replica's by
         default) and returns the simulated end, the steps, the decode stretches and the peak
-        KV blocks in use; ``more_summary(end, interrupted)`` adds summary keys (a cluster's)."""
+        KV usage; ``more_summary(end, interrupted)`` adds summary keys (a cluster's)."""
         sim = self.sim
         wall0 = time.perf_counter()
         req_sink, step_sink, metrics, progress = sim.open_outputs(columns, len(self.w.arrivals))
         interrupted: RunInterrupted | None = None
         try:
             if simulate is None:
-                end, steps, stretches, peak, _ = run_to_end(
+                end, steps, stretches, blocks, _ = run_to_end(
                     self._loop(metrics, req_sink, step_sink, progress))
+                peak = blocks / self.num_gpu_blocks
             else:
                 end, steps, stretches, peak = simulate(metrics, req_sink, step_sink, progress)
         except RunInterrupted as e:  # the rows so far are whole: keep them, say so
             interrupted = e
-            end, steps, stretches, peak = float("nan"), 0, 0, 0
+            end, steps, stretches, peak = float("nan"), 0, 0, 0.0
         except BaseException:
             progress.close()
             req_sink.close(complete=False)
@@ -277,7 +327,7 @@ class ArrayCore:
         step_sink.close()
         metrics.first_arrival = self.w.arrivals[0]
         summary = sim.summary(metrics, end, time.perf_counter() - wall0,
-                              kv_peak_usage=peak / self.num_gpu_blocks, num_steps=steps,
+                              kv_peak_usage=peak, num_steps=steps,
                               num_decode_jumps=stretches,
                               num_swap_fallbacks=self.num_swap_fallbacks,
                               engine="array_core",
@@ -321,7 +371,15 @@ class ArrayCore:
         QI = None if lane is None else lane.indices
         gate = [INF] if lane is None else lane.gate
         nq = len(QA)
-        seats_total = policy.config.max_num_seqs
+        # A disaggregated deployment's lanes (sim/array_disagg.py): a prefill replica hands
+        # each request off after its first token (``handoffs``), a decode replica takes them
+        # in as members when their KV arrives (``joins``), blocks reserved for them until then.
+        hands_off = lane is not None and lane.role == "prefill"
+        takes_in = lane is not None and lane.role == "decode"
+        handoffs = lane.handoffs if hands_off else None
+        joins = lane.joins if takes_in else {}
+        extras = lane.extras if takes_in else None
+        seats_total = lane.seats if takes_in else policy.config.max_num_seqs
         # The policy's step structure: whole prompts in prefill-only steps (head_admissions)
         # or decodes first, then prompt chunks in the same step (chunk_plan).
         chunked = policy.implements_chunked_prefill
@@ -374,7 +432,7 @@ class ArrayCore:
         # scheduling, later token times, preemptions and swaps so far.
         resume: dict[int, tuple[float, float, array, int, int]] = {}
         swapped: deque[int] = deque()  # swapped out, in the order they left
-        cpu_free = self.sim.memory.num_cpu_blocks
+        cpu_free = self.num_cpu_blocks
         swap = policy.config.preemption_mode == "swap"
         max_tokens = policy.config.max_num_batched_tokens
         ex = self.executor
@@ -451,11 +509,14 @@ class ArrayCore:
             sched = float(sched)  # the clock's int 0 for a step at the start
             o = OL[i]
             tpot = repr((end - first) / (o - 1)) if o > 1 else ""
+            # A decode replica's requests carry their own cluster columns.
+            ex = extra if extras is None else extras.pop(i)
             if to_file:
-                lines.append(line_fmt % (RID[i], replica, PRI[i], arrival, PL[i], o, o, sched,
-                                         first, end, sched - arrival, first - arrival, tpot,
-                                         end - arrival, preemptions, swaps,
-                                         preemptions - swaps, 0, ""))
+                line = line_fmt % (RID[i], replica, PRI[i], arrival, PL[i], o, o, sched,
+                                   first, end, sched - arrival, first - arrival, tpot,
+                                   end - arrival, preemptions, swaps, preemptions - swaps, 0, "")
+                lines.append(line if extras is None else
+                             f"{line[:-2]},{','.join(map(str, ex))}\r\n")
                 if len(lines) >= 4096:
                     write_text("".join(lines))
                     lines.clear()
@@ -463,7 +524,14 @@ class ArrayCore:
                 req_sink.write((RID[i], replica, "finished", "", PRI[i], repr(arrival), PL[i], o,
                                 o, repr(sched), repr(first), repr(end), repr(sched - arrival),
                                 repr(first - arrival), tpot, repr(end - arrival), preemptions,
-                                swaps, preemptions - swaps, 0, "", *extra))
+                                swaps, preemptions - swaps, 0, "", *ex))
+            if takes_in:  # its blocks at full length are free again (the deployment reads it)
+                full = blocks_for(PL[i] + o - 1, bs)
+                lane.held_full -= full  # type: ignore[union-attr]
+                if lane.freed_at != end:  # type: ignore[union-attr]
+                    lane.freed_at = end  # type: ignore[union-attr]
+                    lane.freed = 0  # type: ignore[union-attr]
+                lane.freed += full  # type: ignore[union-attr]
             add_finished(PL[i], arrival, first, end, later)
             if preemptions:
                 metrics.num_preemptions += preemptions
@@ -557,6 +625,9 @@ class ArrayCore:
                 else:
                     finish(i, first, sched, end, *prior)
                 return True
+            if handoffs is not None:  # its KV leaves for a decode replica, its blocks stay
+                handoffs.append((end, i, float(sched)))
+                return True
             join(i, first, sched, prior)
             return False
 
@@ -628,10 +699,23 @@ class ArrayCore:
 
         def routed_through(end: float) -> Generator[tuple[float, float, int, int], None, None]:
             """(On a lane.) Wait until every request arriving up to ``end`` is routed."""
-            nonlocal nq
+            nonlocal nq, prefill_blocks
             while end >= gate[0]:
+                if takes_in:
+                    lane.now_blocks = blocks_at(S)  # type: ignore[union-attr]
                 yield end, end, done, done_before
                 nq = len(QA)  # requests routed here meanwhile
+                if takes_in:  # transfers reserved here meanwhile
+                    prefill_blocks = lane.reserved  # type: ignore[union-attr]
+
+        def took_in(end: float, start: float) -> int:
+            """(A decode lane.) The index past the last transfer arrived by ``end``, the end
+            of a step that started at ``start`` (or the instant the replica wakes, if equal).
+            A transfer arriving exactly as a step ends: simpy's event order decides."""
+            hi = bisect_right(QA, end, nxt)
+            if start < end and hi > nxt and QA[hi - 1] == end:
+                raise ExactTie(f"a transfer reaches replica {replica} exactly as its step ends")
+            return hi
 
         def longest_ctx() -> int:
             nonlocal max_heap, longest_c
@@ -666,8 +750,12 @@ class ArrayCore:
                         plans_at = INF
                     if plans_at < gate[0]:
                         break
+                    if takes_in:
+                        lane.now_blocks = blocks_at(S)
                     yield plans_at, t if num_steps else -INF, done, done_before
                     nq = len(QA)  # requests routed here meanwhile
+                    if takes_in:  # transfers reserved here meanwhile
+                        prefill_blocks = lane.reserved
             if run_stop.requested:  # stop here, with every finished request's row written
                 if lines:
                     write_text("".join(lines))
@@ -678,8 +766,15 @@ class ArrayCore:
                 del times[:low - times_off]
                 times_off = low
             if nxt < nq and QA[nxt] <= t:
-                hi = arrived(t, last_start)
-                waiting.extend(range(nxt, hi) if QI is None else QI[nxt:hi])
+                if takes_in:  # transfers arrived: members from this step, in their blocks
+                    hi = took_in(t, last_start)
+                    for i in QI[nxt:hi]:  # type: ignore[index]
+                        join(i, *joins.pop(i))
+                        prefill_blocks -= blocks_for(PL[i], bs)
+                    lane.reserved = prefill_blocks  # type: ignore[union-attr]
+                else:
+                    hi = arrived(t, last_start)
+                    waiting.extend(range(nxt, hi) if QI is None else QI[nxt:hi])
                 nxt = hi
             if not waiting and not members and not prefilling and not swapped:
                 idle += QA[nxt] - t
@@ -704,15 +799,19 @@ class ArrayCore:
                     used = blocks_at(S)
                     if used + gone > peak:
                         peak = used + gone
+                    if hands_off:  # the deployment adds the blocks held for transfers
+                        lane.prompt_steps.append((start, t, gone))  # type: ignore[union-attr]
                     if record:
                         if lane is not None:  # the row counts the arrivals up to t
                             yield from routed_through(t)
                         queued = len(waiting) + arrived(t, start) - nxt
                         tokens = sum([PEND[i] for i in batch])
-                        step_sink.write_formatted(
-                            (num_steps, replica, repr(start), repr(d), k, tokens, 0, k, queued,
-                             members, 0, used, round(used / self.num_gpu_blocks, 6), 0, 0, 0, 0),
-                            STEP_ROW_FORMAT)
+                        row = (num_steps, replica, repr(start), repr(d), k, tokens, 0, k, queued,
+                               members, 0, used, round(used / self.num_gpu_blocks, 6), 0, 0, 0, 0)
+                        if hands_off:
+                            lane.rows.append(row)  # type: ignore[union-attr]
+                        else:
+                            step_sink.write_formatted(row, STEP_ROW_FORMAT)
                     continue
             elif chunk_plan is not None and (waiting or prefilling):
                 # Decodes first (members, and prompts one token from done), then chunks.
@@ -1028,6 +1127,8 @@ class ArrayCore:
                     used = blocks_at(cur) + prefill_blocks
                 if used > peak:
                     peak = used
+                if takes_in:  # (the deployment reads them where a hand-off meets this step)
+                    lane.in_step = used - prefill_blocks  # type: ignore[union-attr]
                 if cur == last:
                     done += len(leave(t))
                     if done >= next_tick:
@@ -1037,12 +1138,16 @@ class ArrayCore:
                 if record:
                     if lane is not None:  # the row counts the arrivals up to t
                         yield from routed_through(t)
-                    queued = len(waiting) + arrived(t, step_start) - nxt
+                    if takes_in:  # those arrived during the step are running, not waiting
+                        used = blocks_at(cur) + prefill_blocks  # (reserved here meanwhile)
+                        queued, running_now = 0, members + took_in(t, step_start) - nxt
+                    else:
+                        queued, running_now = len(waiting) + arrived(t, step_start) - nxt, members
                     if swapped:
-                        write_rows(num_steps, [step_start], [last_d], nd, queued, members,
+                        write_rows(num_steps, [step_start], [last_d], nd, queued, running_now,
                                    len(swapped), [used])
                     else:
-                        write_row(num_steps, step_start, last_d, nd, queued, members, used)
+                        write_row(num_steps, step_start, last_d, nd, queued, running_now, used)
                 if (cur != last or not members or t >= horizon or waiting or prefilling
                         or swapped):
                     break

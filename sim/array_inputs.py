@@ -73,7 +73,7 @@ def array_core_blocker(sim: ArrayCoreHost) -> str | None:
     if sim.step_mode != "fast":
         return "step_mode=exact"
     if sim.is_cluster:
-        why = _cluster_blocker(sim.cluster)
+        why = _cluster_blocker(sim)
         if why is not None:
             return why
     if sim.check_integrity:
@@ -94,16 +94,42 @@ def array_core_blocker(sim: ArrayCoreHost) -> str | None:
     return None
 
 
-def _cluster_blocker(cluster: Any) -> str | None:
-    """Why this cluster cannot run on the array core (sim/array_cluster.py), or None:
-    co-located replicas without pipeline stages, behind a router that reads only
-    outstanding counts."""
-    if not isinstance(cluster, ClusterConfig):
-        return "a disaggregated deployment"
-    if cluster.pipeline_parallel_size > 1:
-        return "pipeline stages (cluster.pipeline_parallel_size > 1)"
-    if not ROUTERS.get(str(cluster.router)).reads_only_counts:
-        return f"router {cluster.router!r} reads more than outstanding request counts"
+def _cluster_blocker(sim: ArrayCoreHost) -> str | None:
+    """Why this cluster cannot run on the array core, or None: co-located replicas
+    (sim/array_cluster.py) or a disaggregated deployment (sim/array_disagg.py) without
+    pipeline stages, behind routers that read only outstanding counts; disaggregated, with
+    whole prompts on the prefill side, a decode policy that keeps no order of its own and
+    no prefix caching."""
+    cluster = sim.cluster
+    if isinstance(cluster, ClusterConfig):
+        if cluster.pipeline_parallel_size > 1:
+            return "pipeline stages (cluster.pipeline_parallel_size > 1)"
+        if not ROUTERS.get(str(cluster.router)).reads_only_counts:
+            return f"router {cluster.router!r} reads more than outstanding request counts"
+        return None
+    if cluster.pp("prefill") > 1 or cluster.pp("decode") > 1:
+        return "pipeline stages in a disaggregated deployment"
+    for field_name in ("router", "decode_router"):
+        name = getattr(cluster, field_name)
+        if not ROUTERS.get(str(name)).reads_only_counts:
+            return (f"cluster.{field_name} {name!r} reads more than outstanding request "
+                    "counts")
+    if sim.prefix_caching:
+        return "prefix caching in a disaggregated deployment"
+    prefill, decode = sim.pools[0].first_policy, sim.pools[1].first_policy
+    if prefill.implements_chunked_prefill:
+        return "chunked prefill on the prefill pool of a disaggregated deployment"
+    if not decode.array_core:
+        return f"decode pool policy {decode.config.name!r} does not decide on arrays"
+    if callable(getattr(decode, "indexed_admissions", None)):
+        return (f"decode pool policy {decode.config.name!r} keeps its own running order "
+                "(requests finishing together leave in it)")
+    if decode.config.max_num_batched_tokens >= 1 << SLOT_BITS:
+        return f"the decode pool's policy.max_num_batched_tokens >= {1 << SLOT_BITS}"
+    ex = sim.pools[1].first_executor
+    if not type(ex).__dict__.get("prices_on_arrays", False) or ex.produces_tokens:
+        return (f"decode pool executor {type(ex).__name__} (the array core prices with the "
+                "cost model)")
     return None
 
 
@@ -183,7 +209,9 @@ def pool_blocker(sim: ArrayCoreHost, w: WorkloadArrays) -> str | None:
     if any(map(gt, w.arrivals, islice(w.arrivals, 1, None))):
         return "arrival times that decrease (the replica takes them in the order given)"
     cfg = sim.policy.config
-    if sim.policy.may_preempt_to_admit(w.priorities):
+    # (A disaggregated prefill replica runs nothing when it plans: every request leaves
+    # with its prompt's step, so none is ever preempted to admit another.)
+    if isinstance(sim.cluster, ClusterConfig) and sim.policy.may_preempt_to_admit(w.priorities):
         return (f"policy {cfg.name!r} may preempt a running request to admit a waiting one "
                 f"on this workload (policy.preemptive)")
     largest = w.largest_lengths(cfg.max_num_seqs)
@@ -191,6 +219,8 @@ def pool_blocker(sim: ArrayCoreHost, w: WorkloadArrays) -> str | None:
         return "a request longer than model.max_model_len (refused at arrival)"
     if not cfg.enable_chunked_prefill and max(w.prompt_lens) > cfg.max_num_batched_tokens:
         return "a prompt longer than policy.max_num_batched_tokens (refused at arrival)"
+    if not isinstance(sim.cluster, ClusterConfig) and sim.is_cluster:
+        return _refused_by_pools(sim, w)
     if not pool_can_bind(sim, w):
         return None
     blocks = sim.memory.num_gpu_blocks
@@ -212,3 +242,19 @@ def pool_blocker(sim: ArrayCoreHost, w: WorkloadArrays) -> str | None:
     elif blocks_for(largest[0] - 1, bs) > blocks - watermark:
         why = "a request that alone fills the pool above the watermark"
     return None if why is None else f"the KV pool can bind, with {why}"
+
+
+def _refused_by_pools(sim: ArrayCoreHost, w: WorkloadArrays) -> str | None:
+    """A disaggregated deployment: a request the prefill pool refuses at arrival (its prompt's
+    blocks) or the decode pool does (its whole length's blocks, or its prompt's above the
+    decode watermark), or None. Whether a pool binds is for the run to find out
+    (sim/array_disagg.py gives a run up where one could)."""
+    prefill, decode = sim.pools
+    if blocks_for(max(w.prompt_lens), prefill.block_size) > prefill.memory.num_gpu_blocks:
+        return "a prompt the prefill pool's KV blocks cannot hold (refused at arrival)"
+    bs, blocks = decode.block_size, decode.memory.num_gpu_blocks
+    room = blocks - watermark_blocks(decode.first_policy.config.kv_watermark, blocks)
+    for p, o in zip(w.prompt_lens, w.output_lens):
+        if o > 1 and (blocks_for(p + o - 1, bs) > blocks or blocks_for(p, bs) > room):
+            return "a request the decode pool's KV blocks cannot hold (refused at arrival)"
+    return None

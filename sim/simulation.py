@@ -21,8 +21,9 @@ from typing import Any, Protocol
 import simpy
 
 from sim import stop as run_stop
-from sim.array_cluster import ArrayCluster, ExactTie
-from sim.array_core import ArrayCore
+from sim.array_cluster import ArrayCluster
+from sim.array_core import ArrayCore, LeftToReplicaLoop
+from sim.array_disagg import ArrayDisaggregated
 from sim.array_inputs import WorkloadArrays, array_core_blocker, pool_blocker
 from sim.clock import ChainEnvironment, timeout_at
 from sim.cluster.colocated import Colocated
@@ -363,7 +364,7 @@ class Simulation:
         if core is not None:
             try:
                 return core.run()
-            except ExactTie as e:  # the replica loop's event order decides: run it there
+            except LeftToReplicaLoop as e:  # an exact tie, a pool that may bind: see e
                 self.array_core_skipped = str(e)
         wall0 = time.perf_counter()
         # Lazy decode replicas sleep through their jumps' steps (ChainEnvironment).
@@ -544,9 +545,9 @@ class Simulation:
             rows.extra = deployment.extra_columns
         return deployment
 
-    def _array_core(self) -> ArrayCore | ArrayCluster | None:
-        """The array core for this run (one replica, or co-located replicas behind a
-        router), or None (the reason in ``array_core_skipped``)."""
+    def _array_core(self) -> ArrayCore | ArrayCluster | ArrayDisaggregated | None:
+        """The array core for this run (one replica, co-located replicas behind a router, or a
+        disaggregated deployment), or None (the reason in ``array_core_skipped``)."""
         reason = array_core_blocker(self)
         if reason is None:
             arrays = WorkloadArrays.collect(self.workload, self.prefix_caching)
@@ -554,6 +555,8 @@ class Simulation:
         self.array_core_skipped = reason
         if reason is not None:
             return None
+        if isinstance(self.cluster, DisaggregatedConfig):
+            return ArrayDisaggregated(self, arrays)  # type: ignore[arg-type]
         if self.is_cluster:
             return ArrayCluster(self, arrays)  # type: ignore[arg-type]
         return ArrayCore(self, arrays)  # type: ignore[arg-type]

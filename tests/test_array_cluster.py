@@ -135,7 +135,6 @@ def test_the_fallback_rewrites_the_files(tmp_path):
 @pytest.mark.parametrize("overrides, reason", [
     (["cluster.router=least_kv"], "router 'least_kv' reads more than outstanding"),
     (["cluster.router=prefix_aware"], "router 'prefix_aware' reads more than outstanding"),
-    (["cluster=disaggregated"], "a disaggregated deployment"),
     (["cluster.pipeline_parallel_size=2"], "pipeline stages"),
 ])
 def test_clusters_the_core_leaves_to_the_replica_loop(overrides, reason):

@@ -119,7 +119,8 @@ def test_chains_keep_the_order_stepping_gives(owners, observers):
 
 def _disaggregated(seed: int, qps: float, n: int, blocks: int, decode: int,
                    decode_router: str) -> list[str]:
-    return [*_workload(seed, qps, n), "policy.max_num_seqs=16",
+    # The replica loop's lazy decode (the array core's own: tests/test_array_disagg.py).
+    return [*_workload(seed, qps, n), "policy.max_num_seqs=16", "array_core=false",
             f"kv.num_gpu_blocks_override={blocks}", "cluster=disaggregated",
             "cluster.num_prefill_replicas=1", f"cluster.num_decode_replicas={decode}",
             f"cluster.decode_router={decode_router}"]
@@ -196,7 +197,7 @@ def test_lazy_decode_fast_equals_exact(seed, qps, blocks, decode, decode_router,
 
 # A pool of a few thousand blocks (the end-of-run free queues are compared block by block).
 TIE_LAYOUT = ["model=tiny", "workload=trace", "cluster=disaggregated",
-              "kv.num_gpu_blocks_override=4000"]
+              "kv.num_gpu_blocks_override=4000", "array_core=false"]
 
 
 def _trace(tmp_path: Path, name: str, rows: list[tuple[float, int, int]]) -> Path:

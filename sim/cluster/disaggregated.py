@@ -363,17 +363,26 @@ class Disaggregated:
                 repr(rec.arrive_time - rec.reserved_time))
 
     def summary(self, sim_end: float) -> dict[str, Any]:
-        t = np.frombuffer(self.transfer_time, dtype=np.float64) * 1e3
-        w = np.frombuffer(self.backpressure_wait, dtype=np.float64) * 1e3
-        util = self.link.utilization(sim_end)
-        return {
-            "num_kv_transfers": self.link.num_transfers,
-            "kv_transfer_bytes": self.link.bytes_sent,
-            "mean_kv_transfer_time_ms": float(t.mean()) if len(t) else 0.0,
-            "p99_kv_transfer_time_ms": float(np.percentile(t, 99)) if len(t) else 0.0,
-            "kv_backpressure_count": self.num_backpressured,
-            "mean_kv_backpressure_wait_ms": float(w.mean()) if len(w) else 0.0,
-            "p99_kv_backpressure_wait_ms": float(np.percentile(w, 99)) if len(w) else 0.0,
-            "link_utilization": max(util) if util else 0.0,
-            "link_utilization_per_port": util,
-        }
+        return transfer_summary(self.link, self.transfer_time, self.backpressure_wait,
+                                self.num_backpressured, sim_end)
+
+
+def transfer_summary(link: Link, transfer_time: array, backpressure_wait: array,
+                     num_backpressured: int, sim_end: float) -> dict[str, Any]:
+    """summary.json's figures of a deployment's KV transfers: their times (reservation to
+    arrival) and back-pressure waits (first token to reservation), in seconds, one per
+    transfer reserved, and the link's ports."""
+    t = np.frombuffer(transfer_time, dtype=np.float64) * 1e3
+    w = np.frombuffer(backpressure_wait, dtype=np.float64) * 1e3
+    util = link.utilization(sim_end)
+    return {
+        "num_kv_transfers": link.num_transfers,
+        "kv_transfer_bytes": link.bytes_sent,
+        "mean_kv_transfer_time_ms": float(t.mean()) if len(t) else 0.0,
+        "p99_kv_transfer_time_ms": float(np.percentile(t, 99)) if len(t) else 0.0,
+        "kv_backpressure_count": num_backpressured,
+        "mean_kv_backpressure_wait_ms": float(w.mean()) if len(w) else 0.0,
+        "p99_kv_backpressure_wait_ms": float(np.percentile(w, 99)) if len(w) else 0.0,
+        "link_utilization": max(util) if util else 0.0,
+        "link_utilization_per_port": util,
+    }
