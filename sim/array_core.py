@@ -173,10 +173,11 @@ class Lane:
     # blocks kept until the transfer) or "decode" (takes requests in as their KV arrives).
     role: str = "replica"
     # prefill: each hand-off (time, arrival index, first scheduling); each prompt step
-    # (start, end, blocks of its prompts); and its steps.csv rows, whose blocks in use the
-    # deployment completes (those held for transfers are its to count).
+    # (start, end, blocks its prompts hold as it starts and after it); and its steps.csv
+    # rows, whose blocks in use the deployment completes (those held for transfers are its
+    # to count).
     handoffs: list[tuple[float, int, float]] = field(default_factory=list)
-    prompt_steps: list[tuple[float, float, int]] = field(default_factory=list)
+    prompt_steps: list[tuple[float, float, int, int]] = field(default_factory=list)
     rows: list[tuple] = field(default_factory=list)
     # decode: the requests routed here, by arrival index: first token time and first
     # scheduling (set at the hand-off), and cluster columns (set once the transfer's arrival
@@ -800,7 +801,7 @@ class ArrayCore:
                     if used + gone > peak:
                         peak = used + gone
                     if hands_off:  # the deployment adds the blocks held for transfers
-                        lane.prompt_steps.append((start, t, gone))  # type: ignore[union-attr]
+                        lane.prompt_steps.append((start, t, gone, 0))  # type: ignore[union-attr]
                     if record:
                         if lane is not None:  # the row counts the arrivals up to t
                             yield from routed_through(t)
@@ -902,6 +903,7 @@ class ArrayCore:
                     used = blocks_at(S) + prefill_blocks
                     if used > peak:
                         peak = used
+                    at_plan = prefill_blocks
                     for i in new:
                         scheduled_at[i] = start
                     for i, n in grants:
@@ -918,17 +920,22 @@ class ArrayCore:
                     for i in completed:
                         if i in scheduled_at:  # not finished among the decode rows
                             done += complete(i, t, scheduled_at.pop(i))
+                    if hands_off:  # the deployment adds the blocks held for transfers
+                        lane.prompt_steps.append(  # type: ignore[union-attr]
+                            (start, t, at_plan, prefill_blocks))
                     if record:
                         if lane is not None:  # the row counts the arrivals up to t
                             yield from routed_through(t)
                         used = blocks_at(S) + prefill_blocks
-                        step_sink.write_formatted(
-                            (num_steps, replica, repr(start), repr(d), nd + len(grants),
-                             prompt_tokens, nd + one_token, nd + len(completed),
-                             len(waiting) + arrived(t, start) - nxt,
-                             members + len(prefilling), 0, used,
-                             round(used / self.num_gpu_blocks, 6), recomputed, 0, 0, 0),
-                            STEP_ROW_FORMAT)
+                        row = (num_steps, replica, repr(start), repr(d), nd + len(grants),
+                               prompt_tokens, nd + one_token, nd + len(completed),
+                               len(waiting) + arrived(t, start) - nxt,
+                               members + len(prefilling), 0, used,
+                               round(used / self.num_gpu_blocks, 6), recomputed, 0, 0, 0)
+                        if hands_off:
+                            lane.rows.append(row)  # type: ignore[union-attr]
+                        else:
+                            step_sink.write_formatted(row, STEP_ROW_FORMAT)
                     if done >= next_tick:
                         progress.update(done, t)
                         next_tick = done + 64

@@ -1,12 +1,12 @@
 """A disaggregated deployment on the array core: step_mode=fast for ``cluster=disaggregated``
-with whole prompts on the prefill side, behind routers that read only outstanding counts
-(``array_core_blocker`` names what else it needs).
+behind routers that read only outstanding counts (``array_core_blocker`` names what else it
+needs).
 
 Every replica is the array core's loop (sim/array_core.py) on a ``Lane``, in two passes:
 
 1. The prefill replicas, routed as co-located ones are (``route``, sim/array_cluster.py):
-   a request whose first token is not its last is handed off at the end of its prompt's
-   step (``Lane.handoffs``) and leaves the replica's count there, as the replica loop's
+   a request whose first token is not its last is handed off at the end of the step that
+   finishes its prompt (``Lane.handoffs``) and leaves the replica's count there, as the replica loop's
    ``Replica._handoff`` does; its blocks stay until its transfer ends.
 2. The hand-offs, in time order: before each, every decode replica runs until it plans at or
    after it, so the decode router reads the counts it would read then (requests routed
@@ -278,14 +278,14 @@ class ArrayDisaggregated:
         for lane, result, sent in zip(self.prefill_lanes, results, transfers):
             held = _held_for_transfers(lane.replica_id, sent)
             peak = 0
-            for start, _, prompts in lane.prompt_steps:
+            for start, _, prompts, _ in lane.prompt_steps:
                 used = held(start) + prompts
                 if used > room:
                     raise PoolMayBind(f"prefill replica {lane.replica_id} might run short of "
                                       "KV blocks for its prompts")
                 peak = max(peak, used)
-            for row, (_, end, _) in zip(lane.rows, lane.prompt_steps):
-                used = held(end)
+            for row, (_, end, _, prompts) in zip(lane.rows, lane.prompt_steps):
+                used = held(end) + prompts
                 step_sink.write_formatted(
                     (*row[:11], used, round(used / blocks, 6), *row[13:]), STEP_ROW_FORMAT)
             out.append((*result[:3], peak, result[4]))

@@ -98,8 +98,7 @@ def _cluster_blocker(sim: ArrayCoreHost) -> str | None:
     """Why this cluster cannot run on the array core, or None: co-located replicas
     (sim/array_cluster.py) or a disaggregated deployment (sim/array_disagg.py) without
     pipeline stages, behind routers that read only outstanding counts; disaggregated, with
-    whole prompts on the prefill side, a decode policy that keeps no order of its own and
-    no prefix caching."""
+    a decode policy that keeps no order of its own and no prefix caching."""
     cluster = sim.cluster
     if isinstance(cluster, ClusterConfig):
         if cluster.pipeline_parallel_size > 1:
@@ -116,9 +115,7 @@ def _cluster_blocker(sim: ArrayCoreHost) -> str | None:
                     "counts")
     if sim.prefix_caching:
         return "prefix caching in a disaggregated deployment"
-    prefill, decode = sim.pools[0].first_policy, sim.pools[1].first_policy
-    if prefill.implements_chunked_prefill:
-        return "chunked prefill on the prefill pool of a disaggregated deployment"
+    decode = sim.pools[1].first_policy
     if not decode.array_core:
         return f"decode pool policy {decode.config.name!r} does not decide on arrays"
     if callable(getattr(decode, "indexed_admissions", None)):

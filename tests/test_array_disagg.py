@@ -20,9 +20,12 @@ from tests.test_cluster_fast_exact import assert_fast_equals_exact
 
 COUNT_ROUTERS = ["round_robin", "random", "least_outstanding", "power_of_two"]
 DISAGG = ["cluster=disaggregated"]
-# The prefill pool's policy (whole prompts), over the run's fcfs.
+# The prefill pool's policy, over the run's fcfs.
 PREFILL = {"fcfs": [], "sjf": ["+cluster.prefill.policy={name: sjf, predictor: noisy}"],
-           "priority": ["+cluster.prefill.policy.name=priority", "workload.priorities=[1,1,2]"]}
+           "priority": ["+cluster.prefill.policy.name=priority", "workload.priorities=[1,1,2]"],
+           "chunked_prefill": [("+cluster.prefill.policy={name: chunked_prefill, "
+                                "enable_chunked_prefill: true, max_num_batched_tokens: 128, "
+                                "max_num_seqs: 64}")]}
 # The decode pool's policy.
 DECODE = {"fcfs": [], "chunked_prefill": [
     ("+cluster.decode.policy={name: chunked_prefill, enable_chunked_prefill: true, "
@@ -84,6 +87,19 @@ def test_random_deployments_fast_equal_exact(seed, qps, prefill, decode, router,
     reason = s["array_core_skipped"]
     assert reason is None or any(x in reason for x in STATED), reason
     assert blocks is not None or reason is None or "might run short" not in reason
+
+
+@pytest.mark.parametrize("prefill_policy", sorted(PREFILL))
+def test_each_prefill_policy_runs_on_the_core(prefill_policy):
+    """Chunked prefill's prompts span several steps there (a budget of 128 tokens), each
+    holding its whole prompt's blocks until its transfer ends."""
+    s = assert_fast_equals_exact([
+        "model=tiny", "seed=7", "workload.qps=40", "workload.num_requests=80",
+        "workload.prompt_len.max=300", "workload.output_len.max=100", *DISAGG,
+        "cluster.num_prefill_replicas=2", "cluster.num_decode_replicas=2",
+        *PREFILL[prefill_policy]])
+    assert s["step_engine"] == "array_core", s["array_core_skipped"]
+    assert s["num_kv_transfers"] > 0
 
 
 def test_the_decode_router_reads_counts_at_the_hand_off(tmp_path):
@@ -176,8 +192,6 @@ def test_a_transfer_arriving_exactly_at_a_decode_step_end(tmp_path, preset, late
     (["cluster.router=prefix_aware"], "cluster.router 'prefix_aware' reads more"),
     (["cluster.prefill.pipeline_parallel_size=2"], "pipeline stages"),
     (["kv.enable_prefix_caching=true"], "prefix caching"),
-    (["+cluster.prefill.policy={name: chunked_prefill, enable_chunked_prefill: true}"],
-     "chunked prefill on the prefill pool"),
     (["+cluster.decode.policy.name=sjf"], "keeps its own running order"),
 ])
 def test_deployments_the_core_leaves_to_the_replica_loop(overrides, reason):
