@@ -46,26 +46,48 @@ class CountTarget:
 
 
 @dataclass
-class _KV:
+class KVFigures:
     num_gpu_blocks: int
     peak_used_blocks: int
 
 
 @dataclass
-class _Replica:
+class ReplicaFigures:
     """A replica's figures for ``cluster_summary``."""
 
     replica_id: int
-    kv: _KV
+    kv: KVFigures
     num_steps: int
     busy_time: float
+
+
+def replica_figures(lanes: list[Lane], results: list[tuple[float, int, int, int, float]],
+                    blocks: list[int], interrupted: bool) -> list[ReplicaFigures]:
+    """Each lane's figures from its loop's result (end, steps, stretches, peak blocks, time
+    in steps) and its KV blocks; zeros for an interrupted run (``lanes_summary`` nulls
+    them)."""
+    if interrupted:
+        results = [(0.0, 0, 0, 0, 0.0)] * len(lanes)
+    return [ReplicaFigures(lane.replica_id, KVFigures(n, r[3]), r[1], r[4])
+            for lane, r, n in zip(lanes, results, blocks)]
+
+
+def lanes_summary(sim: ArrayCoreHost, deployment: Any, end: float,
+                  interrupted: bool) -> dict[str, Any]:
+    """``cluster_summary`` of a deployment run on lanes; an interrupted run's per-replica
+    counters (lost with the loops' frames) are null."""
+    out = cluster_summary(sim.cluster, sim.pools, deployment, end)
+    if interrupted:
+        for entry in out["replicas"]:
+            entry.update(num_steps=None, busy_fraction=None, kv_peak_usage=None)
+    return out
 
 
 @dataclass
 class _Deployment:
     """The co-located deployment's figures for ``cluster_summary``."""
 
-    replicas: list[_Replica]
+    replicas: list[ReplicaFigures]
     routed: list[int]
     kind: str = "colocated"
 
@@ -108,17 +130,11 @@ class ArrayCluster:
                 max(x[3] for x in r) / self.core.num_gpu_blocks)
 
     def _cluster_summary(self, end: float, interrupted: bool) -> dict[str, Any]:
-        """The cluster's summary keys; an interrupted run's per-replica counters (lost with
-        the loops' frames) are null."""
-        blocks = self.core.num_gpu_blocks
-        results = self.results if not interrupted else [(0.0, 0, 0, 0, 0.0)] * len(self.lanes)
-        deployment = _Deployment([_Replica(lane.replica_id, _KV(blocks, r[3]), r[1], r[4])
-                                  for lane, r in zip(self.lanes, results)], self.routed)
-        out = cluster_summary(self.sim.cluster, self.sim.pools, deployment, end)
-        if interrupted:
-            for entry in out["replicas"]:
-                entry.update(num_steps=None, busy_fraction=None, kv_peak_usage=None)
-        return out
+        """The cluster's summary keys (``lanes_summary``)."""
+        blocks = [self.core.num_gpu_blocks] * len(self.lanes)
+        deployment = _Deployment(replica_figures(self.lanes, self.results, blocks, interrupted),
+                                 self.routed)
+        return lanes_summary(self.sim, deployment, end, interrupted)
 
     def _route(self, loops: list[Generator[Any, None, Any]],
                progress: Progress) -> list[tuple[float, float, int, int]]:
@@ -137,23 +153,11 @@ def route(w: WorkloadArrays, lanes: list[Lane], loops: list[Generator[Any, None,
     ARR, PL, OL, RID, PRI = (w.arrivals, w.prompt_lens, w.output_lens, w.request_ids,
                              w.priorities)
     targets = [CountTarget() for _ in lanes]
-    # Each replica's last pause: when it plans next (inf: idle, nothing routed to it),
-    # when its last step ended, its finished requests, those finished before that step.
     gate[0] = ARR[0]
     states = [next(loop) for loop in loops]
-    pairs = list(zip(range(len(lanes)), loops, targets))
     for a in range(len(ARR)):
         now = gate[0] = ARR[a]
-        for r, loop, target in pairs:
-            state = states[r]
-            while state[0] < now:
-                state = next(loop)
-            states[r] = state
-            _, last_end, done, before = state
-            if last_end == now:
-                raise ExactTie(
-                    f"request {RID[a]} arrives exactly as a step of replica {r} ends")
-            target.num_outstanding = routed[r] - (before if last_end > now else done)
+        count_at(now, lanes, loops, states, targets, routed, 0, f"request {RID[a]} arrives")
         req = Request(RID[a], now, PL[a], OL[a], PRI[a])
         r = choose(req, targets)
         routed[r] += 1
@@ -164,6 +168,26 @@ def route(w: WorkloadArrays, lanes: list[Lane], loops: list[Generator[Any, None,
         if a & 1023 == 1023:
             progress.update(sum(s[2] for s in states), now)
     return states
+
+
+def count_at(now: float, lanes: list[Lane], loops: list[Generator[Any, None, Any]],
+             states: list[tuple[float, float, int, int]], targets: list[CountTarget],
+             routed: list[int], first: int, what: str) -> None:
+    """Run every lane until it plans at or after ``now``, and set each one's target to its
+    outstanding requests at that instant: those sent to it (``routed[first + r]``) less those
+    finished before ``now`` (a step ending after it finishes its requests after it).
+    ``states``: each lane's last pause (when it plans next, inf while idle with nothing
+    routed to it; when its last step ended; its finished requests; those finished before
+    that step). A step ending exactly at ``now``: ``ExactTie`` (``what`` happens then)."""
+    for r, loop in enumerate(loops):
+        state = states[r]
+        while state[0] < now:
+            state = next(loop)
+        states[r] = state
+        _, last_end, done, before = state
+        if last_end == now:
+            raise ExactTie(f"{what} exactly as a step of replica {lanes[r].replica_id} ends")
+        targets[r].num_outstanding = routed[first + r] - (before if last_end > now else done)
 
 
 def drain(loops: list[Generator[Any, None, Any]], states: list[tuple], gate: list[float],

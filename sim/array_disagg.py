@@ -40,13 +40,21 @@ from typing import Any
 
 import simpy
 
-from sim.array_cluster import CountTarget, drain, route
+from sim.array_cluster import (
+    CountTarget,
+    ReplicaFigures,
+    count_at,
+    drain,
+    lanes_summary,
+    replica_figures,
+    route,
+)
 from sim.array_core import ArrayCore, ExactTie, Lane, PoolMayBind
 from sim.array_inputs import ArrayCoreHost, WorkloadArrays
 from sim.clock import advance
 from sim.cluster.disaggregated import transfer_summary
 from sim.cluster.link import Link
-from sim.cluster.outputs import CLUSTER_REQUEST_COLUMNS, cluster_summary
+from sim.cluster.outputs import CLUSTER_REQUEST_COLUMNS
 from sim.cluster.pool import replica_seed
 from sim.cluster.router import make_router
 from sim.kv_manager import blocks_for
@@ -61,26 +69,10 @@ INF = float("inf")
 
 
 @dataclass
-class _KV:
-    num_gpu_blocks: int
-    peak_used_blocks: int
-
-
-@dataclass
-class _Replica:
-    """A replica's figures for ``cluster_summary``."""
-
-    replica_id: int
-    kv: _KV
-    num_steps: int
-    busy_time: float
-
-
-@dataclass
 class _Deployment:
     """The deployment's figures for ``cluster_summary``."""
 
-    replicas: list[_Replica]
+    replicas: list[ReplicaFigures]
     routed: list[int]
     link: Link
     transfer_time: array = field(default_factory=lambda: array("d"))
@@ -222,17 +214,8 @@ class ArrayDisaggregated:
                                    "transfer's event happens")
                 advance(env, t)
                 release(t)
-                for j, loop in enumerate(loops):
-                    state = states[j]
-                    while state[0] < t:
-                        state = next(loop)
-                    states[j] = state
-                    _, last_end, done, before = state
-                    if last_end == t:
-                        raise ExactTie(f"request {RID[i]} is handed off exactly as a step of "
-                                       f"replica {lanes[j].replica_id} ends")
-                    targets[j].num_outstanding = (routed[num_prefill + j]
-                                                  - (before if last_end > t else done))
+                count_at(t, lanes, loops, states, targets, routed, num_prefill,
+                         f"request {RID[i]} is handed off")
                 last_t = t
             elif p != last_p:
                 raise ExactTie(f"request {RID[i]} is handed off by two prefill replicas at "
@@ -292,20 +275,12 @@ class ArrayDisaggregated:
         return out
 
     def _cluster_summary(self, end: float, interrupted: bool) -> dict[str, Any]:
-        """The deployment's summary keys; an interrupted run's per-replica counters (lost
-        with the loops' frames) are null."""
+        """The deployment's summary keys (``lanes_summary``)."""
         lanes = self.prefill_lanes + self.decode_lanes
-        results = (self.results if not interrupted
-                   else [(0.0, 0, 0, 0, 0.0)] * len(lanes))
-        deployment = _Deployment([_Replica(lane.replica_id, _KV(self._blocks(i), r[3]), r[1],
-                                           r[4])
-                                  for i, (lane, r) in enumerate(zip(lanes, results))],
+        blocks = [self._blocks(i) for i in range(len(lanes))]
+        deployment = _Deployment(replica_figures(lanes, self.results, blocks, interrupted),
                                  self.routed, self.link, self.transfer_time)
-        out = cluster_summary(self.sim.cluster, self.sim.pools, deployment, end)
-        if interrupted:
-            for entry in out["replicas"]:
-                entry.update(num_steps=None, busy_fraction=None, kv_peak_usage=None)
-        return out
+        return lanes_summary(self.sim, deployment, end, interrupted)
 
 
 def _held_for_transfers(replica_id: int, sent: list[tuple[float, float, int]],

@@ -144,10 +144,11 @@ def test_clusters_the_core_leaves_to_the_replica_loop(overrides, reason):
     assert reason in sim.array_core_skipped
 
 
-def test_files_of_a_cluster_on_the_core_match_the_replica_loop(tmp_path):
-    """requests.csv (cluster columns included), steps.csv and summary.json, as files."""
-    layout = ["model=tiny", "cluster.num_replicas=3", "cluster.router=power_of_two",
-              "workload.num_requests=80", "workload.qps=40"]
+def files_on_both_loops(tmp_path: Path, layout: list[str]) -> tuple[dict, dict]:
+    """Run ``layout`` on the array core and on the replica loop (``array_core=false``),
+    writing files; assert that requests.csv (cluster columns included) and steps.csv (each
+    replica's rows) match to 1e-9 relative and the per-replica counts are equal. The two
+    summaries."""
     runs = {}
     for core in ("true", "false"):
         out = tmp_path / core
@@ -165,6 +166,14 @@ def test_files_of_a_cluster_on_the_core_match_the_replica_loop(tmp_path):
     for key in ("routed", "num_steps"):
         assert ([r[key] for r in runs["true"]["replicas"]]
                 == [r[key] for r in runs["false"]["replicas"]])
+    return runs["true"], runs["false"]
+
+
+def test_files_of_a_cluster_on_the_core_match_the_replica_loop(tmp_path):
+    """requests.csv (cluster columns included), steps.csv and summary.json, as files."""
+    files_on_both_loops(tmp_path, ["model=tiny", "cluster.num_replicas=3",
+                                   "cluster.router=power_of_two", "workload.num_requests=80",
+                                   "workload.qps=40"])
 
 
 def test_replicas_run_to_their_ends_in_time_order(tmp_path):

@@ -16,6 +16,7 @@ from experiments.simulation import Simulation
 from sim.cluster.link import LinkConfig
 from tests import test_lazy_decode as lazy
 from tests.helpers import compose_cfg
+from tests.test_array_cluster import files_on_both_loops
 from tests.test_cluster_fast_exact import assert_fast_equals_exact
 
 COUNT_ROUTERS = ["round_robin", "random", "least_outstanding", "power_of_two"]
@@ -202,26 +203,11 @@ def test_deployments_the_core_leaves_to_the_replica_loop(overrides, reason):
 
 def test_files_of_a_deployment_on_the_core_match_the_replica_loop(tmp_path):
     """requests.csv (cluster columns included), steps.csv and summary.json, as files."""
-    layout = ["model=tiny", *DISAGG, "cluster.num_prefill_replicas=2",
-              "cluster.num_decode_replicas=3", "cluster.decode_router=power_of_two",
-              "workload.num_requests=120", "workload.qps=60"]
-    runs = {}
-    for core in ("true", "false"):
-        out = tmp_path / core
-        runs[core] = Simulation(compose_cfg(*layout, f"array_core={core}"), out).run().summary
-        runs[core + "_req"] = pd.read_csv(out / "requests.csv").sort_values("request_id")
-        runs[core + "_steps"] = pd.read_csv(out / "steps.csv").sort_values(
-            ["replica_id", "step"], kind="stable")
-    assert runs["true"]["step_engine"] == "array_core"
-    assert runs["false"]["step_engine"] == "replica"
-    a, b = runs["true_req"].reset_index(drop=True), runs["false_req"].reset_index(drop=True)
-    assert list(a.columns) == list(b.columns)
-    pd.testing.assert_frame_equal(a, b, rtol=1e-9)
-    a, b = runs["true_steps"].reset_index(drop=True), runs["false_steps"].reset_index(drop=True)
-    pd.testing.assert_frame_equal(a, b, rtol=1e-9)
-    fast, slow = runs["true"], runs["false"]
-    for key in ("routed", "num_steps", "role"):
-        assert [r[key] for r in fast["replicas"]] == [r[key] for r in slow["replicas"]]
+    fast, slow = files_on_both_loops(tmp_path, [
+        "model=tiny", *DISAGG, "cluster.num_prefill_replicas=2",
+        "cluster.num_decode_replicas=3", "cluster.decode_router=power_of_two",
+        "workload.num_requests=120", "workload.qps=60"])
+    assert [r["role"] for r in fast["replicas"]] == [r["role"] for r in slow["replicas"]]
     for key in ("busy_fraction", "kv_peak_usage"):
         assert [r[key] for r in fast["replicas"]] == pytest.approx(
             [r[key] for r in slow["replicas"]], rel=1e-9)
