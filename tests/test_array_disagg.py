@@ -31,6 +31,10 @@ PREFILL = {"fcfs": [], "sjf": ["+cluster.prefill.policy={name: sjf, predictor: n
 DECODE = {"fcfs": [], "chunked_prefill": [
     ("+cluster.decode.policy={name: chunked_prefill, enable_chunked_prefill: true, "
      "max_num_batched_tokens: 256}")]}
+# The two pools on other hardware or parallelism (each prices its own steps; the link
+# carries a transfer over the smaller side's GPUs).
+SIDES = [[], ["cluster.prefill.tensor_parallel_size=2", "cluster.decode.hardware=h100_sxm"],
+         ["cluster.decode.tensor_parallel_size=2", "cluster.prefill.hardware=a100_40gb"]]
 # Why the core may leave a random run to the replica loop.
 STATED = ("exactly", "might run short", "at one instant")
 
@@ -68,10 +72,11 @@ def test_default_workload_on_two_by_two_runs_on_the_core(decode_router):
        scope=st.sampled_from(["replica", "cluster"]), latency=st.sampled_from([None, 0.0]),
        prefill_policy=st.sampled_from(sorted(PREFILL)),
        decode_policy=st.sampled_from(sorted(DECODE)),
-       blocks=st.sampled_from([None, 40, 120, 400]), block_size=st.sampled_from([1, 4, 16]))
+       blocks=st.sampled_from([None, 40, 120, 400]), block_size=st.sampled_from([1, 4, 16]),
+       sides=st.sampled_from(SIDES))
 def test_random_deployments_fast_equal_exact(seed, qps, prefill, decode, router, decode_router,
                                              link, scope, latency, prefill_policy,
-                                             decode_policy, blocks, block_size):
+                                             decode_policy, blocks, block_size, sides):
     pool = [] if blocks is None else [f"kv.num_gpu_blocks_override={blocks * 16 // block_size}"]
     s = assert_fast_equals_exact([
         "model=tiny", f"seed={seed}", f"workload.qps={qps}", "workload.num_requests=60",
@@ -82,7 +87,7 @@ def test_random_deployments_fast_equal_exact(seed, qps, prefill, decode, router,
         f"cluster.link.scope={scope}",
         *([] if latency is None else [f"cluster.link.latency_us={latency}"]),
         f"kv.block_size={block_size}", *pool, *PREFILL[prefill_policy],
-        *DECODE[decode_policy]])
+        *DECODE[decode_policy], *sides])
     # The core runs these unless a pool might bind (a small one), or two events the replica
     # loop orders by simpy's event order meet exactly.
     reason = s["array_core_skipped"]
