@@ -8,7 +8,9 @@ The router here takes the requests in arrival order; before routing one arriving
 lets every replica that plans before T go on until it plans at or after T, so each replica's
 outstanding count at T (routed there, less finished before T: a step ending after T finishes
 its requests after the arrival) is what the replica loop's router would read. A replica's
-decode stretches therefore stop at every arrival, not only its own.
+decode stretch therefore pauses at the step in progress at every arrival (no member
+finishes inside a stretch, so its count there is known) and goes on if the request went
+elsewhere, or ends with that step if it came here.
 
 Where a step ends exactly when a request arrives, the replica loop's outcome depends on the
 order simpy gives the two events (which the router may see first); the run then stops with

@@ -353,12 +353,14 @@ class ArrayCore:
         simulated end, the steps, the decode stretches, the peak KV blocks in use and the
         time spent in steps.
 
-        ``lane``: one replica of several behind a router (sim/array_cluster.py). Its
-        requests are those routed to it so far (``Lane.arrivals``, ``Lane.indices``), and
-        it never plans at or past the next arrival not yet routed (``Lane.gate[0]``): there
-        it yields (the time it next plans at, the end of its last step, its finished
-        requests, those finished before that step ended) and goes on once the router has
-        caught up. A single replica (no lane) takes every request and never yields."""
+        ``lane``: one replica of several behind a router (sim/array_cluster.py,
+        sim/array_disagg.py). Its requests are those routed to it so far (``Lane.arrivals``,
+        ``Lane.indices``), and it never plans at or past the next arrival not yet routed
+        (``Lane.gate[0]``): there it yields (the time it next plans at, the end of its last
+        step, its finished requests, those finished before that step ended) and goes on
+        once the router has caught up; a decode stretch that reaches it yields at the step
+        in progress and goes on if nothing came here meanwhile. A single replica (no lane)
+        takes every request and never yields."""
         w = self.w
         ARR, PL, OL = w.arrivals, w.prompt_lens, w.output_lens
         RID, PRI = w.request_ids, w.priorities
@@ -700,14 +702,12 @@ class ArrayCore:
 
         def routed_through(end: float) -> Generator[tuple[float, float, int, int], None, None]:
             """(On a lane.) Wait until every request arriving up to ``end`` is routed."""
-            nonlocal nq, prefill_blocks
+            nonlocal nq
             while end >= gate[0]:
                 if takes_in:
                     lane.now_blocks = blocks_at(S)  # type: ignore[union-attr]
                 yield end, end, done, done_before
                 nq = len(QA)  # requests routed here meanwhile
-                if takes_in:  # transfers reserved here meanwhile
-                    prefill_blocks = lane.reserved  # type: ignore[union-attr]
 
         def took_in(end: float, start: float) -> int:
             """(A decode lane.) The index past the last transfer arrived by ``end``, the end
@@ -755,8 +755,8 @@ class ArrayCore:
                         lane.now_blocks = blocks_at(S)
                     yield plans_at, t if num_steps else -INF, done, done_before
                     nq = len(QA)  # requests routed here meanwhile
-                    if takes_in:  # transfers reserved here meanwhile
-                        prefill_blocks = lane.reserved
+                if takes_in:  # transfers reserved here meanwhile
+                    prefill_blocks = lane.reserved
             if run_stop.requested:  # stop here, with every finished request's row written
                 if lines:
                     write_text("".join(lines))
@@ -1050,10 +1050,15 @@ class ArrayCore:
             # mid-prefill gets a chunk every step unless the decodes take the whole budget.)
             # (A lane's: the next request not yet routed, since any may come to it.)
             horizon = QA[nxt] if nxt < nq else gate[0]
+            decision = INF
             if binding and held is not None:
                 # Where the pool binds, the order may decide who fits: a deadline of the
                 # policy's (SJF's aging) may reorder the queue, as an arrival may.
-                horizon = min(horizon, policy.next_decision_time(t))
+                decision = policy.next_decision_time(t)
+                horizon = min(horizon, decision)
+            # (A lane, up to the next request not yet routed: a step past it waits there for
+            # the router, and the stretch goes on if nothing was sent here.)
+            routing = lane is not None and nxt >= nq and horizon == gate[0]
             cur = S
             longest = longest_ctx()
             while True:
@@ -1093,7 +1098,22 @@ class ArrayCore:
                         ends.append(tt)
                         j += 1
                         if tt >= horizon:
-                            break
+                            if not routing or j == length:
+                                break
+                            # The router reads this lane at the step in progress (no finish
+                            # in it): the stretch goes on only if nothing came here meanwhile
+                            # (then its later steps are the ones a new stretch would take).
+                            if takes_in:
+                                lane.in_step = blocks_at(cur + j)  # type: ignore[union-attr]
+                                reserved = lane.reserved  # type: ignore[union-attr]
+                            yield tt, tt, done, done
+                            if len(QA) != nq or (takes_in and lane.reserved != reserved):
+                                nq = len(QA)  # requests routed here meanwhile
+                                break
+                            horizon = min(gate[0], decision)
+                            if tt >= horizon:  # the policy's deadline passed meanwhile
+                                break
+                            routing = horizon == gate[0]
                         x += nd
                         y += 1
                 else:
@@ -1146,7 +1166,7 @@ class ArrayCore:
                     if lane is not None:  # the row counts the arrivals up to t
                         yield from routed_through(t)
                     if takes_in:  # those arrived during the step are running, not waiting
-                        used = blocks_at(cur) + prefill_blocks  # (reserved here meanwhile)
+                        used = blocks_at(cur) + lane.reserved  # (reserved here meanwhile)
                         queued, running_now = 0, members + took_in(t, step_start) - nxt
                     else:
                         queued, running_now = len(waiting) + arrived(t, step_start) - nxt, members
