@@ -145,7 +145,7 @@ class ArrayDisaggregated:
                 quiet: Progress, progress: Progress) -> list[list[tuple[float, float, int]]]:
         """Route the hand-offs, move their KV and run the decode replicas (module
         docstring, 2.). Each prefill replica's transfers: (hand-off, arrival, its blocks
-        there), in hand-off order."""
+        there), as the link announced their arrivals."""
         sim, w = self.sim, self.w
         RID, ARR, PL, OL, PRI = (w.request_ids, w.arrivals, w.prompt_lens, w.output_lens,
                                  w.priorities)
