@@ -770,6 +770,14 @@ class ArrayCore:
                 if takes_in:  # transfers arrived: members from this step, in their blocks
                     hi = took_in(t, last_start)
                     for i in QI[nxt:hi]:  # type: ignore[index]
+                        if held is not None:
+                            # A policy with its own running order meets the request as the
+                            # replica's does: RUNNING, its prompt computed, one token out.
+                            req = Request(RID[i], ARR[i], PL[i], OL[i], PRI[i])
+                            req.num_computed_tokens = PL[i]
+                            req.num_output_tokens = 1
+                            policy.on_transferred(req)
+                            held[i] = req
                         join(i, *joins.pop(i))
                         prefill_blocks -= blocks_for(PL[i], bs)
                     lane.reserved = prefill_blocks  # type: ignore[union-attr]

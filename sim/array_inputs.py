@@ -97,8 +97,8 @@ def array_core_blocker(sim: ArrayCoreHost) -> str | None:
 def _cluster_blocker(sim: ArrayCoreHost) -> str | None:
     """Why this cluster cannot run on the array core, or None: co-located replicas
     (sim/array_cluster.py) or a disaggregated deployment (sim/array_disagg.py) without
-    pipeline stages, behind routers that read only outstanding counts; disaggregated, with
-    a decode policy that keeps no order of its own and no prefix caching."""
+    pipeline stages, behind routers that read only outstanding counts; disaggregated, also
+    without prefix caching."""
     cluster = sim.cluster
     if isinstance(cluster, ClusterConfig):
         if cluster.pipeline_parallel_size > 1:
@@ -118,9 +118,6 @@ def _cluster_blocker(sim: ArrayCoreHost) -> str | None:
     decode = sim.pools[1].first_policy
     if not decode.array_core:
         return f"decode pool policy {decode.config.name!r} does not decide on arrays"
-    if callable(getattr(decode, "indexed_admissions", None)):
-        return (f"decode pool policy {decode.config.name!r} keeps its own running order "
-                "(requests finishing together leave in it)")
     if decode.config.max_num_batched_tokens >= 1 << SLOT_BITS:
         return f"the decode pool's policy.max_num_batched_tokens >= {1 << SLOT_BITS}"
     ex = sim.pools[1].first_executor

@@ -27,10 +27,13 @@ PREFILL = {"fcfs": [], "sjf": ["+cluster.prefill.policy={name: sjf, predictor: n
            "chunked_prefill": [("+cluster.prefill.policy={name: chunked_prefill, "
                                 "enable_chunked_prefill: true, max_num_batched_tokens: 128, "
                                 "max_num_seqs: 64}")]}
-# The decode pool's policy.
+# The decode pool's policy (SJF and priority: requests finishing together leave in their
+# running order; SJF's noisy predictor draws on the decode replica as each transfer arrives).
 DECODE = {"fcfs": [], "chunked_prefill": [
     ("+cluster.decode.policy={name: chunked_prefill, enable_chunked_prefill: true, "
-     "max_num_batched_tokens: 256}")]}
+     "max_num_batched_tokens: 256}")],
+    "sjf": ["+cluster.decode.policy={name: sjf, predictor: noisy}"],
+    "priority": ["+cluster.decode.policy.name=priority", "workload.priorities=[1,1,2]"]}
 # The two pools on other hardware or parallelism (each prices its own steps; the link
 # carries a transfer over the smaller side's GPUs).
 SIDES = [[], ["cluster.prefill.tensor_parallel_size=2", "cluster.decode.hardware=h100_sxm"],
@@ -86,8 +89,8 @@ def test_random_deployments_fast_equal_exact(seed, qps, prefill, decode, router,
         f"cluster.decode_router={decode_router}", f"cluster.link.preset={link}",
         f"cluster.link.scope={scope}",
         *([] if latency is None else [f"cluster.link.latency_us={latency}"]),
-        f"kv.block_size={block_size}", *pool, *PREFILL[prefill_policy],
-        *DECODE[decode_policy], *sides])
+        f"kv.block_size={block_size}", *pool,
+        *dict.fromkeys([*PREFILL[prefill_policy], *DECODE[decode_policy]]), *sides])
     # The core runs these unless a pool might bind (a small one), or two events the replica
     # loop orders by simpy's event order meet exactly.
     reason = s["array_core_skipped"]
@@ -106,6 +109,25 @@ def test_each_prefill_policy_runs_on_the_core(prefill_policy):
         *PREFILL[prefill_policy]])
     assert s["step_engine"] == "array_core", s["array_core_skipped"]
     assert s["num_kv_transfers"] > 0
+
+
+@pytest.mark.parametrize("decode_policy", sorted(DECODE))
+def test_each_decode_policy_runs_on_the_core(tmp_path, decode_policy):
+    """A busy decode replica: requests often finish in the same step, and their
+    requests.csv rows come in the decode policy's running order, as on the replica loop."""
+    layout = ["model=tiny", "seed=11", "workload.qps=300", "workload.num_requests=150",
+              "workload.prompt_len.max=200", "workload.output_len.max=200", *DISAGG,
+              "cluster.num_decode_replicas=2", *DECODE[decode_policy]]
+    s = assert_fast_equals_exact(layout)
+    assert s["step_engine"] == "array_core", s["array_core_skipped"]
+    files_on_both_loops(tmp_path, layout)
+    orders = []
+    for core in ("true", "false"):  # (written there by files_on_both_loops)
+        rows = pd.read_csv(tmp_path / core / "requests.csv")
+        orders.append({key: g["request_id"].tolist()
+                       for key, g in rows.groupby(["replica_id", "finish_time"], sort=False)})
+    assert orders[0] == orders[1]
+    assert any(len(ids) > 1 for ids in orders[0].values())
 
 
 def test_the_decode_router_reads_counts_at_the_hand_off(tmp_path):
@@ -198,7 +220,6 @@ def test_a_transfer_arriving_exactly_at_a_decode_step_end(tmp_path, preset, late
     (["cluster.router=prefix_aware"], "cluster.router 'prefix_aware' reads more"),
     (["cluster.prefill.pipeline_parallel_size=2"], "pipeline stages"),
     (["kv.enable_prefix_caching=true"], "prefix caching"),
-    (["+cluster.decode.policy.name=sjf"], "keeps its own running order"),
 ])
 def test_deployments_the_core_leaves_to_the_replica_loop(overrides, reason):
     sim, _, s = _run("model=tiny", "workload.num_requests=20", *DISAGG, *overrides)
