@@ -772,7 +772,7 @@ class ArrayCore:
                     for i in QI[nxt:hi]:  # type: ignore[index]
                         if held is not None:
                             # A policy with its own running order meets the request as the
-                            # replica's does: RUNNING, its prompt computed, one token out.
+                            # replica's does: its prompt computed, its first token out.
                             req = Request(RID[i], ARR[i], PL[i], OL[i], PRI[i])
                             req.num_computed_tokens = PL[i]
                             req.num_output_tokens = 1
