@@ -127,7 +127,9 @@ class ArrayCluster:
         quiet = Progress(None, False)  # each replica's; the whole run's is updated here
         loops = [self.core._loop(metrics, req_sink, step_sink, quiet, lane)
                  for lane in self.lanes]
-        self.results = r = drain(loops, self._route(loops, progress), self.gate, progress)
+        choose = make_router(self.sim.cluster.router, self.sim.seed).choose
+        states = route(self.w, self.lanes, loops, choose, self.routed, progress)
+        self.results = r = drain(loops, states, self.gate, progress)
         return (max(x[0] for x in r), sum(x[1] for x in r), sum(x[2] for x in r),
                 max(x[3] for x in r) / self.core.num_gpu_blocks)
 
@@ -137,12 +139,6 @@ class ArrayCluster:
         deployment = _Deployment(replica_figures(self.lanes, self.results, blocks, interrupted),
                                  self.routed)
         return lanes_summary(self.sim, deployment, end, interrupted)
-
-    def _route(self, loops: list[Generator[Any, None, Any]],
-               progress: Progress) -> list[tuple[float, float, int, int]]:
-        return route(self.w, self.lanes, loops, make_router(self.sim.cluster.router,
-                                                            self.sim.seed).choose,
-                     self.routed, progress)
 
 
 def route(w: WorkloadArrays, lanes: list[Lane], loops: list[Generator[Any, None, Any]],

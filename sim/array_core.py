@@ -447,6 +447,11 @@ class ArrayCore:
         rows = DecodeStepRows(step_sink, replica, self.num_gpu_blocks)
         write_rows = rows.write
         write_row = rows.write_step
+        # A row of a step that carries prompts; a prefill lane keeps it for the deployment,
+        # which adds the blocks held for transfers.
+        write_prompt_row: Callable[[tuple], None] = (
+            lane.rows.append if hands_off else  # type: ignore[union-attr]
+            lambda row: step_sink.write_formatted(row, STEP_ROW_FORMAT))
         bs = self.block_size
         to_file = req_sink.to_file
         write_text = req_sink.write_text
@@ -817,10 +822,7 @@ class ArrayCore:
                         tokens = sum([PEND[i] for i in batch])
                         row = (num_steps, replica, repr(start), repr(d), k, tokens, 0, k, queued,
                                members, 0, used, round(used / self.num_gpu_blocks, 6), 0, 0, 0, 0)
-                        if hands_off:
-                            lane.rows.append(row)  # type: ignore[union-attr]
-                        else:
-                            step_sink.write_formatted(row, STEP_ROW_FORMAT)
+                        write_prompt_row(row)
                     continue
             elif chunk_plan is not None and (waiting or prefilling):
                 # Decodes first (members, and prompts one token from done), then chunks.
@@ -940,10 +942,7 @@ class ArrayCore:
                                len(waiting) + arrived(t, start) - nxt,
                                members + len(prefilling), 0, used,
                                round(used / self.num_gpu_blocks, 6), recomputed, 0, 0, 0)
-                        if hands_off:
-                            lane.rows.append(row)  # type: ignore[union-attr]
-                        else:
-                            step_sink.write_formatted(row, STEP_ROW_FORMAT)
+                        write_prompt_row(row)
                     if done >= next_tick:
                         progress.update(done, t)
                         next_tick = done + 64

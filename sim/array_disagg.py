@@ -34,6 +34,7 @@ from array import array
 from bisect import bisect_right
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from heapq import heappop, heappush
 from itertools import accumulate
 from typing import Any
@@ -63,7 +64,6 @@ from sim.outputs import FINISHED_REQUEST_LINE, REQUEST_COLUMNS, STEP_ROW_FORMAT,
 from sim.progress import Progress
 from sim.request import Request
 from sim.result import SimulationResult
-from sim.step_builder import watermark_blocks
 
 INF = float("inf")
 
@@ -154,10 +154,8 @@ class ArrayDisaggregated:
         gate = lanes[0].gate
         routed = self.routed
         prefill_pool, decode_pool = sim.pools
-        bs_p, bs_d = prefill_pool.block_size, decode_pool.block_size
-        blocks_d = decode_pool.memory.num_gpu_blocks
-        room = blocks_d - watermark_blocks(decode_pool.first_policy.config.kv_watermark,
-                                           blocks_d)
+        bs_p, bs_d = self.prefill_core.block_size, self.decode_core.block_size
+        room = self.decode_core.num_gpu_blocks - self.decode_core.watermark
         seats = lanes[0].seats
         per_token = sim.model.kv_bytes_per_token
         # Parallel rank-to-rank links per transfer: the smaller side's GPUs per replica.
@@ -238,9 +236,9 @@ class ArrayDisaggregated:
             lane.joins[i] = (t, sched)
             blocks = blocks_for(PL[i], bs_p)
             nbytes = blocks * bs_p * per_token
-            env.process(link.transfer(
-                p, lane.replica_id, nbytes, link_lanes,
-                lambda a, j=j, i=i, p=p, t=t, nb=nbytes, b=blocks: on_last(a, j, i, p, t, nb, b)))
+            env.process(link.transfer(p, lane.replica_id, nbytes, link_lanes,
+                                      partial(on_last, j=j, i=i, p=p, start=t, nbytes=nbytes,
+                                              blocks=blocks)))
             if n & 1023 == 1023:
                 progress.update(sum(s[2] for s in states), t)
         env.run()

@@ -16,6 +16,7 @@ from operator import add, gt
 from typing import TYPE_CHECKING, Any, Protocol
 
 from sim.cluster.config import ClusterConfig
+from sim.cluster.disaggregated import decode_refusal
 from sim.cluster.router import ROUTERS
 from sim.kv_manager import blocks_for
 from sim.step_builder import watermark_blocks
@@ -247,8 +248,8 @@ def _refused_by_pools(sim: ArrayCoreHost, w: WorkloadArrays) -> str | None:
     if blocks_for(max(w.prompt_lens), prefill.block_size) > prefill.memory.num_gpu_blocks:
         return "a prompt the prefill pool's KV blocks cannot hold (refused at arrival)"
     bs, blocks = decode.block_size, decode.memory.num_gpu_blocks
-    room = blocks - watermark_blocks(decode.first_policy.config.kv_watermark, blocks)
+    watermark = watermark_blocks(decode.first_policy.config.kv_watermark, blocks)
     for p, o in zip(w.prompt_lens, w.output_lens):
-        if o > 1 and (blocks_for(p + o - 1, bs) > blocks or blocks_for(p, bs) > room):
+        if o > 1 and decode_refusal(p, p + o - 1, bs, blocks, watermark) is not None:
             return "a request the decode pool's KV blocks cannot hold (refused at arrival)"
     return None

@@ -47,6 +47,20 @@ class TransferRecord:
     arrive_time: float | None = None  # KV in place on the decode replica
 
 
+def decode_refusal(prompt_len: int, full_len: int, block_size: int, num_blocks: int,
+                   watermark: int) -> str | None:
+    """Why a decode replica of ``num_blocks`` blocks (``watermark`` of them kept free at
+    admission) could never hold a request: its whole length (``full_len`` tokens), or its
+    prompt above the watermark; None if it could."""
+    need = blocks_for(full_len, block_size)
+    if need > num_blocks:
+        return (f"exceeds_kv_pool: needs {need} blocks on a decode replica, which has "
+                f"{num_blocks}")
+    if blocks_for(prompt_len, block_size) > num_blocks - watermark:
+        return "exceeds_kv_pool: prompt does not fit above a decode replica's KV watermark"
+    return None
+
+
 class _DecodeTarget:
     """A decode replica as its router sees it: requests it runs plus those assigned to it
     (waiting for blocks or in transit), and the KV usage it reports."""
@@ -190,15 +204,8 @@ class Disaggregated:
     def decode_rejection(self, req: Request) -> str | None:
         """Why the decode pool could never hold ``req`` (all decode replicas are alike)."""
         d = self.decode[0]
-        kv = d.kv
-        need = blocks_for(full_length(req), kv.block_size)
-        if need > kv.num_gpu_blocks:
-            return (f"exceeds_kv_pool: needs {need} blocks on a decode replica, which has "
-                    f"{kv.num_gpu_blocks}")
-        room = kv.num_gpu_blocks - d.builder.watermark_blocks
-        if blocks_for(req.prompt_len, kv.block_size) > room:
-            return "exceeds_kv_pool: prompt does not fit above a decode replica's KV watermark"
-        return None
+        return decode_refusal(req.prompt_len, full_length(req), d.kv.block_size,
+                              d.kv.num_gpu_blocks, d.builder.watermark_blocks)
 
     def add_request(self, req: Request) -> None:
         reason = self.decode_rejection(req) if req.max_output_len > 1 else None
