@@ -69,7 +69,7 @@ FUZZ = settings(deadline=None, max_examples=20, derandomize=True,
 GROUPS = {g: sorted(p.stem for p in (CONF / g).glob("*.yaml"))
           for g in ("policy", "model", "hardware", "workload", "executor", "cluster")}
 SMALL_WORKLOAD = {
-    "synthetic": ["workload.num_requests=5"],
+    "synthetic": ["workload.num_requests=5", "workload.output_len.max=48"],
     "vidur_bench": ["workload.num_requests=5"],
     "multi_turn": ["workload.num_sessions=3", "workload.turns.max=3"],
     "trace": [],  # a small trace file of its own (below)
