@@ -31,7 +31,7 @@ from sim.cluster.pool import replica_seed
 from sim.cluster.router import make_router
 from sim.metrics import MetricsCollector
 from sim.outputs import FINISHED_REQUEST_LINE, REQUEST_COLUMNS, CsvSink
-from sim.progress import Progress
+from sim.progress import PassProgress, Progress
 from sim.request import Request
 from sim.result import SimulationResult
 
@@ -143,7 +143,7 @@ class ArrayCluster:
 
 def route(w: WorkloadArrays, lanes: list[Lane], loops: list[Generator[Any, None, Any]],
           choose: Callable[[Request, list[Any]], int], routed: list[int],
-          progress: Progress) -> list[tuple[float, float, int, int]]:
+          progress: Progress | PassProgress) -> list[tuple[float, float, int, int]]:
     """Route every request of ``w`` to one of ``lanes`` (whose ``loops`` go on meanwhile),
     in arrival order, with the router's ``choose``; count them in ``routed``. Each lane's
     last pause."""
@@ -189,7 +189,7 @@ def count_at(now: float, lanes: list[Lane], loops: list[Generator[Any, None, Any
 
 
 def drain(loops: list[Generator[Any, None, Any]], states: list[tuple], gate: list[float],
-          progress: Progress) -> list[Any]:
+          progress: Progress | PassProgress) -> list[Any]:
     """Every request routed: run the lanes' ``loops`` to their ends, the one that plans
     first each time, up to when the next one plans (so steps.csv stays in time order, as far
     as the replica loop keeps it). Where it stops is only where a stretch is cut. Each

@@ -61,7 +61,7 @@ from sim.cluster.router import make_router
 from sim.kv_manager import blocks_for
 from sim.metrics import MetricsCollector
 from sim.outputs import FINISHED_REQUEST_LINE, REQUEST_COLUMNS, STEP_ROW_FORMAT, CsvSink
-from sim.progress import Progress
+from sim.progress import PassProgress, Progress
 from sim.request import Request
 from sim.result import SimulationResult
 
@@ -128,9 +128,13 @@ class ArrayDisaggregated:
         loops = [self.prefill_core._loop(metrics, req_sink, step_sink, quiet, lane)
                  for lane in lanes]
         choose = make_router(self.sim.cluster.router, self.sim.seed, 0).choose
-        states = route(self.w, lanes, loops, choose, self.routed, quiet)
-        prefill = drain(loops, states, lanes[0].gate, quiet)
-        arrivals = self._decode(metrics, req_sink, step_sink, quiet, progress)
+        # The prefill pass finishes nothing yet (a request whose first token is its last is
+        # counted with the decode pass): its line shows how far it has come.
+        prompts = PassProgress(progress, "prefill pass", counts=False)
+        states = route(self.w, lanes, loops, choose, self.routed, prompts)
+        prefill = drain(loops, states, lanes[0].gate, prompts)
+        decodes = PassProgress(progress, base=self.w.output_lens.count(1))
+        arrivals = self._decode(metrics, req_sink, step_sink, quiet, decodes)
         prefill = self._complete_prefill(prefill, arrivals, step_sink)
         self.results = r = prefill + self.results
         peak = max(x[3] / self._blocks(i) for i, x in enumerate(r))
@@ -142,7 +146,8 @@ class ArrayDisaggregated:
         return core.num_gpu_blocks
 
     def _decode(self, metrics: MetricsCollector, req_sink: CsvSink, step_sink: CsvSink,
-                quiet: Progress, progress: Progress) -> list[list[tuple[float, float, int]]]:
+                quiet: Progress, progress: PassProgress
+                ) -> list[list[tuple[float, float, int]]]:
         """Route the hand-offs, move their KV and run the decode replicas (module
         docstring, 2.). Each prefill replica's transfers: (hand-off, arrival, its blocks
         there), as the link announced their arrivals."""

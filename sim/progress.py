@@ -21,17 +21,42 @@ class Progress:
                          desc="requests", leave=False)
         self._done = 0
 
-    def update(self, done: int, sim_time: float) -> None:
-        """``done`` requests finished so far, at ``sim_time`` simulated seconds."""
+    @property
+    def done(self) -> int:
+        return self._done
+
+    def update(self, done: int, sim_time: float, label: str = "") -> None:
+        """``done`` requests finished so far, at ``sim_time`` simulated seconds (shown after
+        ``label``, where a run says which part of it is running)."""
         bar = self._bar
         if bar.disable:
             return
-        bar.update(done - self._done)
+        bar.set_postfix_str(f"{label}{', ' if label else ''}sim {sim_time:,.0f} s",
+                            refresh=False)
+        bar.update(done - self._done)  # (redraws at the bar's pace, even with no new count)
         self._done = done
-        bar.set_postfix_str(f"sim {sim_time:,.0f} s", refresh=False)
 
     def close(self) -> None:
         self._bar.close()
+
+
+class PassProgress:
+    """The progress line as one pass of a run that goes over its requests twice sees it (a
+    disaggregated deployment on the array core: every prompt first, then every decode):
+    ``update`` as Progress's, with the count offset by ``base`` (those an earlier pass
+    finished), or left where it is with ``counts=False`` (a pass whose requests are not
+    finished yet), and the simulated time shown after ``label``."""
+
+    def __init__(self, progress: Progress, label: str = "", base: int = 0,
+                 counts: bool = True) -> None:
+        self.progress = progress
+        self.label = label
+        self.base = base
+        self.counts = counts
+
+    def update(self, done: int, sim_time: float) -> None:
+        p = self.progress
+        p.update(self.base + done if self.counts else p.done, sim_time, self.label)
 
 
 def job_bar(total: int, enabled: bool = True, desc: str = "jobs",

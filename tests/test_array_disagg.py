@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from experiments.simulation import Simulation
 from sim.cluster.link import LinkConfig
+from sim.progress import Progress
 from tests import test_lazy_decode as lazy
 from tests.helpers import compose_cfg
 from tests.test_array_cluster import files_on_both_loops
@@ -156,6 +157,34 @@ def test_a_request_whose_first_token_is_its_last_finishes_on_the_prefill_replica
     assert reqs["kv_transfer_bytes"].astype(str).tolist()[0] == ""
     assert s["num_kv_transfers"] == 1
     assert_fast_equals_exact(layout)
+
+
+def test_the_progress_line_moves_through_both_passes(tmp_path, monkeypatch):
+    """The prefill pass shows its simulated time under its name and counts nothing; the
+    decode pass counts every finished request, those whose first token was their last (on
+    the prefill replica) included."""
+    seen: list[tuple[str, int, float]] = []
+
+    def update(self: Progress, done: int, t: float, label: str = "") -> None:
+        if self._bar.total is not None:  # the run's line, not a replica's silent one
+            seen.append((label, done, t))
+
+    monkeypatch.setattr(Progress, "update", update)
+    # (The line is updated every 1,024 arrivals or hand-offs and every 64 pauses.)
+    rows = [(0.002 * k, 40 + k % 7, 1 if k % 5 == 0 else 3 + k % 4) for k in range(2100)]
+    sim, reqs, s = _run("model=tiny", "workload=trace", _trace(tmp_path / "t.csv", rows),
+                        *DISAGG, "cluster.num_prefill_replicas=2")
+    assert s["step_engine"] == "array_core", sim.array_core_skipped
+    prompts = [i for i, (label, _, _) in enumerate(seen) if label == "prefill pass"]
+    decodes = [i for i, (label, _, _) in enumerate(seen) if label == ""]
+    assert prompts and decodes and max(prompts) < min(decodes)
+    assert {seen[i][1] for i in prompts} == {0} and max(seen[i][2] for i in prompts) > 0
+    ones = int((reqs["output_len"] == 1).sum())
+    assert ones == 420
+    for i in decodes:  # the decode pass's count at its simulated time
+        _, count, t = seen[i]
+        decoded = ((reqs["output_len"] > 1) & (reqs["finish_time"].astype(float) <= t)).sum()
+        assert count == ones + decoded
 
 
 def test_a_decode_pool_that_might_bind_takes_the_replica_loop():
