@@ -30,12 +30,19 @@ admitted again.
 from __future__ import annotations
 
 import heapq
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from itertools import islice
 from typing import Any, ClassVar
 
 from policies.base import POLICIES, Policy, PolicyConfig
-from policies.budget import Budget, admission_rule, latest_arrival_victim, schedule_running
+from policies.budget import (
+    Budget,
+    admission_rule,
+    chunk_size,
+    latest_arrival_victim,
+    schedule_running,
+)
 from sim.errors import require
 from sim.plan import StepPlan
 from sim.request import Request
@@ -86,6 +93,12 @@ class VLLMV1Policy(Policy):
     prefix_caching_default = True
     # Asynchronous scheduling: the next step is scheduled while this one runs.
     host_overlap_default = True
+    # A prompt takes blocks chunk by chunk (``admit_waiting``'s ``place``).
+    holds_whole_prompt = False
+    # ``chunk_plan`` below, with the fcfs scheduling policy on a pool that cannot bind (it
+    # states no decode preemptions on counts; sim/array_inputs.py sends the rest to the
+    # replica loop).
+    array_core = True
 
     config_class = VLLMV1Config
     config: VLLMV1Config
@@ -107,6 +120,43 @@ class VLLMV1Policy(Policy):
         if step.waiting and budget.remaining_tokens > 0:
             self.admit_waiting(step, budget)
         return step.build()
+
+    def array_core_refusal(self) -> str | None:
+        if self.config.scheduling_policy != "fcfs":
+            return "policy.scheduling_policy=priority (its queue and victims by priority)"
+        return None
+
+    def chunk_plan(self, decode_tokens: int, partials: Sequence[int], waiting: Iterable[int],
+                   num_waiting: int, seats: int, room: tuple[int, int, int] | None = None,
+                   ) -> tuple[list[int], list[int]]:
+        """The array core's step (sim/array_core.py), on a pool that cannot bind:
+        ``schedule``'s decisions on plain numbers. The running requests in arrival order are
+        those with one pending token (``decode_tokens`` of them: decodes, and prompts one
+        token from done), then the prompts mid-prefill (``partials``: their pending tokens):
+        only the last request admitted can be left with part of its prompt (it took what the
+        budget had left), and while it is, nobody after it is admitted. Each gets its
+        pending tokens up to what the budget has left; then the waiting requests (their
+        pending prefill tokens in queue order, ``num_waiting`` of them) are admitted in
+        order while the budget and the ``seats`` last, the last one possibly with a partial
+        chunk. Returns the partials' chunks (fewer entries once the budget is spent) and the
+        admitted ones' (the first ``len`` of the queue). tests/test_array_core.py checks it
+        against ``schedule``."""
+        if room is not None or self.config.scheduling_policy != "fcfs":
+            raise ValueError("vllm_v1's chunk_plan is its fcfs step on a pool that cannot "
+                             "bind")
+        remaining = self.config.max_num_batched_tokens - decode_tokens
+        chunks: list[int] = []
+        for pending in partials:  # schedule_running's loop, where nobody is preempted
+            n = chunk_size(pending, remaining)
+            if n <= 0:
+                break
+            chunks.append(n)
+            remaining -= n
+        if not num_waiting or remaining <= 0:
+            return chunks, []
+        admitted = admission_rule(waiting, None, remaining, seats,
+                                  self.config.max_num_batched_tokens, chunked=True)
+        return chunks, [n for _, n in admitted]
 
     def admit_waiting(self, step: StepBuilder, budget: Budget) -> list[Request]:
         """Queue order; each admitted with its pending tokens (after its cache hit) up to the

@@ -387,6 +387,9 @@ class ArrayCore:
         # or decodes first, then prompt chunks in the same step (chunk_plan).
         chunked = policy.implements_chunked_prefill
         chunk_plan = policy.chunk_plan if chunked else None  # type: ignore[attr-defined]
+        # A prompt mid-prefill holds its whole prompt's blocks from admission on, or those
+        # of the tokens computed so far (prefill_blocks counts them either way).
+        whole_prompt = policy.holds_whole_prompt
         # Prefill-only steps: FCFS's queue in arrival order here (head_admissions), or the
         # policy's own order (indexed_admissions), whose finishers leave in its running order.
         waiting: deque[int] | _IndexedWaiting
@@ -884,10 +887,15 @@ class ArrayCore:
                     for i in new:
                         computed[i] = 0
                         prefilling.append(i)
-                        prefill_blocks += blocks_for(PEND[i], bs)
+                        if whole_prompt:
+                            prefill_blocks += blocks_for(PEND[i], bs)
                     grants = [(i, 1) for i in ones]
                     grants += zip(multi, chunks)
                     grants += zip(new, admitted)
+                    if not whole_prompt:  # this step's chunks take their blocks
+                        for i, n in grants:
+                            prefill_blocks += (blocks_for(computed[i] + n, bs)
+                                               - blocks_for(computed[i], bs))
                     plan = StepPlan([ScheduledRequest(i, computed[i], n, [],
                                                       computed[i] + n == PEND[i])
                                      for i, n in grants])

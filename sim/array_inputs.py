@@ -86,6 +86,13 @@ def array_core_blocker(sim: ArrayCoreHost) -> str | None:
     # The class's own opt-in (Policy.__init_subclass__: a subclass does not inherit it).
     if not sim.policy.array_core:
         return f"policy {sim.policy.config.name!r} does not decide on arrays"
+    why = sim.policy.array_core_refusal()
+    if why is not None:
+        return f"policy {sim.policy.config.name!r}: {why}"
+    cfg = sim.policy.config
+    if sim.policy.implements_chunked_prefill and cfg.max_num_seqs > cfg.max_num_batched_tokens:
+        return ("policy.max_num_seqs > policy.max_num_batched_tokens (a step may not hold a "
+                "token of every running request)")
     if sim.policy.config.max_num_seqs >= 1 << SLOT_BITS:
         return f"policy.max_num_seqs >= {1 << SLOT_BITS} (the core's slot numbers)"
     ex = sim.executor
@@ -119,6 +126,9 @@ def _cluster_blocker(sim: ArrayCoreHost) -> str | None:
     decode = sim.pools[1].first_policy
     if not decode.array_core:
         return f"decode pool policy {decode.config.name!r} does not decide on arrays"
+    why = decode.array_core_refusal()
+    if why is not None:
+        return f"decode pool policy {decode.config.name!r}: {why}"
     if decode.config.max_num_batched_tokens >= 1 << SLOT_BITS:
         return f"the decode pool's policy.max_num_batched_tokens >= {1 << SLOT_BITS}"
     ex = sim.pools[1].first_executor
@@ -224,6 +234,8 @@ def pool_blocker(sim: ArrayCoreHost, w: WorkloadArrays) -> str | None:
     why = None
     if not callable(getattr(sim.policy, "decode_preemptions", None)):
         why = f"policy {cfg.name!r} preempts on the replica loop only"
+    elif not sim.policy.holds_whole_prompt:
+        why = f"policy {cfg.name!r}, whose prompts take blocks chunk by chunk"
     elif cfg.preemption_mode == "swap" and sim.policy.implements_chunked_prefill:
         why = "policy.preemption_mode=swap under chunked prefill's step structure"
     elif cfg.preemption_mode == "swap" and watermark < 1:

@@ -115,6 +115,11 @@ class Policy(ABC):
     #: True if the policy implements chunked prefill's step structure (decodes first, then
     #: prefill chunks in the same step), which ``policy.enable_chunked_prefill=true`` asks for.
     implements_chunked_prefill: ClassVar[bool] = False
+    #: Under chunked prefill: True if a request admitted with a partial chunk holds its whole
+    #: prompt's blocks from admission on (vLLM v0, ``StepBuilder.reserve``); False if it holds
+    #: the blocks of the tokens computed so far only, taking more chunk by chunk (vLLM v1).
+    #: The array core counts a prompt's blocks by it.
+    holds_whole_prompt: ClassVar[bool] = True
     #: True if the policy also decides without a StepBuilder, so that a fast run whose KV
     #: pool can never bind may use the array core (sim/array_core.py) instead of the replica
     #: loop: chunked prefill's ``chunk_plan`` and FCFS's ``head_admissions`` on plain numbers
@@ -150,6 +155,11 @@ class Policy(ABC):
                 f"then prompt chunks in the same step); use policy=chunked_prefill"))
         self.config = config
         self.seed = seed
+
+    def array_core_refusal(self) -> str | None:
+        """Why this instance's settings keep a run off the array core though its class states
+        ``array_core`` (a setting its rules on plain numbers do not cover), or None."""
+        return None
 
     def next_decision_time(self, now: float) -> float:
         """The earliest simulated time after ``now`` at which this policy could plan a

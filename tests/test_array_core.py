@@ -31,7 +31,7 @@ ARRAY_CORE = [n for n in POLICIES.names() if POLICIES.get(n).array_core]
 
 
 def test_the_array_core_policies_are_collected():
-    assert {"fcfs", "chunked_prefill", "sjf", "priority"} <= set(ARRAY_CORE)
+    assert {"fcfs", "chunked_prefill", "sjf", "priority", "vllm_v1"} <= set(ARRAY_CORE)
 
 
 def _engine(*overrides: str) -> str:
@@ -63,17 +63,20 @@ def test_core_equals_exact_on_random_small_workloads(seed, qps, seqs, budget, ou
 @pytest.mark.slow
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 10_000), qps=st.floats(1.0, 400.0), seqs=st.integers(1, 40),
-       budget=st.integers(40, 600), partials=st.integers(1, 3), out_min=st.integers(1, 3),
-       prompt_min=st.sampled_from([1, 2, 50]), block=st.sampled_from([1, 16]))
+       budget=st.integers(40, 600), partials=st.sampled_from([1, 2, 3, None]),
+       out_min=st.integers(1, 3), prompt_min=st.sampled_from([1, 2, 50]),
+       block=st.sampled_from([1, 16]))
 def test_chunked_core_equals_exact_on_random_small_workloads(seed, qps, seqs, budget, partials,
                                                              out_min, prompt_min, block):
     """Prompts longer than the step, shared between partial prefills, one-token prompts
-    and outputs, chunks of one token (decode rows by their shape)."""
-    s = _assert_same([*TINY, *UNIFORM, "policy=chunked_prefill", f"seed={seed}",
-                      f"workload.qps={qps}",
+    and outputs, chunks of one token (decode rows by their shape). ``partials`` None: vLLM
+    v1's step (every running request in order, a prompt's blocks taken chunk by chunk, the
+    prefix cache on)."""
+    policy = (["policy=vllm_v1"] if partials is None else
+              ["policy=chunked_prefill", f"policy.max_num_partial_prefills={partials}"])
+    s = _assert_same([*TINY, *UNIFORM, *policy, f"seed={seed}", f"workload.qps={qps}",
                       "workload.num_requests=60", f"policy.max_num_seqs={min(seqs, budget)}",
                       f"policy.max_num_batched_tokens={budget}", f"kv.block_size={block}",
-                      f"policy.max_num_partial_prefills={partials}",
                       f"workload.prompt_len.min={prompt_min}",
                       f"workload.output_len.min={out_min}"])
     assert s["step_engine"] == "array_core"
@@ -273,6 +276,11 @@ def test_same_seed_same_bytes(tmp_path):
      "whose recompute (prompt + output - 1 tokens) exceeds policy.max_num_batched_tokens"),
     (("kv.num_gpu_blocks_override=21", "policy.kv_watermark=0.1"), "alone fills the pool"),
     (("model.max_model_len=300",), "longer than model.max_model_len"),
+    (("policy=vllm_v1", "policy.scheduling_policy=priority"), "scheduling_policy=priority"),
+    (("policy=vllm_v1", "policy.max_num_seqs=300", "policy.max_num_batched_tokens=256"),
+     "policy.max_num_seqs > policy.max_num_batched_tokens"),
+    (("kv.num_gpu_blocks_override=300", "policy=vllm_v1"),
+     "the KV pool can bind, with policy 'vllm_v1' preempts on the replica loop only"),
 ])
 def test_runs_it_cannot_take_go_to_the_replica_loop(overrides, reason):
     sim = Simulation(compose_cfg(*TINY, "workload.num_requests=30", *overrides))
@@ -534,6 +542,58 @@ def test_chunk_plan_is_schedules_step(decoding, partial, prompts, seqs, budget, 
     assert all(grants[r.request_id] == 1 for r in ones)
     assert [grants.get(r.request_id, 0) for r in multi] == chunks + [0] * (len(multi) - len(chunks))
     first_waiting = decoding + len(mids)
+    assert [grants.get(first_waiting + j) for j in range(len(admitted))] == admitted
+    assert first_waiting + len(admitted) not in grants
+
+
+@settings(max_examples=150, deadline=None)
+@given(decoding=st.integers(0, 6), partial=st.tuples(st.integers(2, 400), st.integers(0, 399)),
+       has_partial=st.booleans(), prompts=st.lists(st.integers(1, 400), max_size=8),
+       seqs=st.integers(4, 16), budget=st.integers(16, 600))
+def test_vllm_v1_chunk_plan_is_schedules_step(decoding, partial, has_partial, prompts, seqs,
+                                              budget):
+    """vLLM v1's schedule with requests decoding, at most one prompt mid-prefill (the
+    latest admitted, one token or more left) and a queue, on a pool that cannot bind: the
+    chunks it grants are chunk_plan's."""
+    policy = make_policy({"name": "vllm_v1", "max_num_seqs": seqs,
+                          "max_num_batched_tokens": max(budget, seqs)})
+    kv = KVBlockManager(10_000, 16)
+    queues = ReplicaQueues()
+    builder = StepBuilder(queues, kv)
+    rid = 0
+    for _ in range(min(decoding, seqs - has_partial)):
+        r = Request(rid, 0.0, 10, 50)
+        r.transition(RequestStatus.RUNNING)
+        r.num_computed_tokens = 10
+        r.num_output_tokens = 1
+        assert kv.allocate_slots(rid, 10) is not None
+        queues.add_running(r)
+        rid += 1
+    num_decoding = rid
+    mid = None
+    if has_partial:  # holding the blocks of the tokens it computed
+        p, c = partial[0], min(partial[1], partial[0] - 1)
+        mid = Request(rid, 0.0, p, 5)
+        mid.transition(RequestStatus.RUNNING)
+        mid.num_computed_tokens = c
+        assert kv.allocate_slots(rid, c) is not None
+        queues.add_running(mid)
+        rid += 1
+    for p in prompts:
+        queues.waiting.append(Request(rid, 1.0, p, 5))
+        rid += 1
+    plan = policy.schedule(builder)
+    grants = {s.request_id: s.num_new_tokens for s in plan.scheduled}
+    left = None if mid is None else mid.prompt_len - mid.num_computed_tokens
+    chunks, admitted = policy.chunk_plan(
+        num_decoding + (left == 1), [left] if left is not None and left > 1 else [], prompts,
+        len(prompts), seqs - num_decoding - has_partial)
+    assert all(grants[i] == 1 for i in range(num_decoding))
+    if left == 1:
+        assert grants[mid.request_id] == 1
+    elif mid is not None:
+        assert [grants.get(mid.request_id, 0)] == chunks + [0] * (1 - len(chunks))
+    first_waiting = num_decoding + has_partial
     assert [grants.get(first_waiting + j) for j in range(len(admitted))] == admitted
     assert first_waiting + len(admitted) not in grants
 

@@ -22,19 +22,26 @@ from tests.test_cluster_fast_exact import assert_fast_equals_exact
 
 COUNT_ROUTERS = ["round_robin", "random", "least_outstanding", "power_of_two"]
 DISAGG = ["cluster=disaggregated"]
-# The prefill pool's policy, over the run's fcfs.
+# The prefill pool's policy, over the run's fcfs (vLLM v1's prefix caching off: the core runs a
+# disaggregated deployment without it).
 PREFILL = {"fcfs": [], "sjf": ["+cluster.prefill.policy={name: sjf, predictor: noisy}"],
            "priority": ["+cluster.prefill.policy.name=priority", "workload.priorities=[1,1,2]"],
            "chunked_prefill": [("+cluster.prefill.policy={name: chunked_prefill, "
                                 "enable_chunked_prefill: true, max_num_batched_tokens: 128, "
-                                "max_num_seqs: 64}")]}
+                                "max_num_seqs: 64}")],
+           "vllm_v1": [("+cluster.prefill.policy={name: vllm_v1, enable_chunked_prefill: true, "
+                        "kv_watermark: 0.0, max_num_batched_tokens: 128, max_num_seqs: 64}"),
+                       "kv.enable_prefix_caching=false"]}
 # The decode pool's policy (SJF and priority: requests finishing together leave in their
 # running order; SJF's noisy predictor draws on the decode replica as each transfer arrives).
 DECODE = {"fcfs": [], "chunked_prefill": [
     ("+cluster.decode.policy={name: chunked_prefill, enable_chunked_prefill: true, "
      "max_num_batched_tokens: 256}")],
     "sjf": ["+cluster.decode.policy={name: sjf, predictor: noisy}"],
-    "priority": ["+cluster.decode.policy.name=priority", "workload.priorities=[1,1,2]"]}
+    "priority": ["+cluster.decode.policy.name=priority", "workload.priorities=[1,1,2]"],
+    "vllm_v1": [("+cluster.decode.policy={name: vllm_v1, enable_chunked_prefill: true, "
+                 "kv_watermark: 0.0, max_num_batched_tokens: 512}"),
+                "kv.enable_prefix_caching=false"]}
 # The two pools on other hardware or parallelism (each prices its own steps; the link
 # carries a transfer over the smaller side's GPUs).
 SIDES = [[], ["cluster.prefill.tensor_parallel_size=2", "cluster.decode.hardware=h100_sxm"],
