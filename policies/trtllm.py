@@ -28,15 +28,21 @@ the budget leaves) and may reuse a paused request's KV blocks when they were not
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from operator import itemgetter
 from typing import ClassVar
 
 from policies.base import POLICIES, Policy, PolicyConfig
 from policies.budget import (
     Budget,
+    admission_rule,
     admit,
+    chunk_size,
+    counted_room,
     latest_arrival_victim,
     no_victim,
+    preempted_on_counts,
     schedule_running,
 )
 from sim.errors import require
@@ -76,6 +82,9 @@ class TensorRTLLMPolicy(Policy):
     # Its PyTorch backend's overlap scheduler (on by default) prepares the next batch while
     # this one runs.
     host_overlap_default = True
+    # ``chunk_plan`` and ``decode_preemptions`` below: guaranteed_no_evict (nobody is ever
+    # paused), and max_utilization without chunked prefill.
+    array_core = True
 
     config_class = TensorRTLLMConfig
     config: TensorRTLLMConfig
@@ -85,6 +94,78 @@ class TensorRTLLMPolicy(Policy):
         """``guaranteed_no_evict`` holds every request's whole length (a decode replica
         reserves that much for a transfer)."""
         return self.config.capacity_scheduler_policy == "guaranteed_no_evict"
+
+    def array_core_refusal(self) -> str | None:
+        if not self.reserves_full_length and self.config.enable_chunked_prefill:
+            # A request paused and recomputed would re-prefill in chunks ahead of later
+            # arrivals' decodes in the running order, where the core grants decodes first.
+            return ("policy.capacity_scheduler_policy=max_utilization under chunked prefill "
+                    "(a paused request re-prefills ahead of later decodes)")
+        return None
+
+    def decode_preemptions(self, needs: Sequence[int], held: Sequence[int], free: int) -> int:
+        """The array core's step when the pool cannot hold every decode's new block
+        (max_utilization; sim/array_core.py): ``schedule_running`` with
+        ``latest_arrival_victim`` on counts. Every running request in arrival order,
+        ``needs[r]`` its new blocks, ``held[r]`` what it holds; returns how many of the
+        latest arrivals it pauses (``preempted_on_counts``). The step then decodes the rest
+        and admits nobody."""
+        return preempted_on_counts(needs, held, free)
+
+    def chunk_plan(self, decode_tokens: int, partials: Sequence[int], waiting: Iterable[int],
+                   num_waiting: int, seats: int, room: tuple[int, int, int] | None = None,
+                   lengths: Iterable[int] | None = None) -> tuple[list[int], list[int]]:
+        """The array core's step (sim/array_core.py) under guaranteed_no_evict: ``schedule``'s
+        decisions on plain numbers. The running requests in arrival order are those with one
+        pending token (``decode_tokens`` of them: decodes, and prompts one token from done),
+        then the prompts mid-prefill (``partials``: their pending tokens; with chunked
+        prefill only the last request admitted can be left with part of its prompt, and
+        while it is nobody after it is admitted). Each gets its pending tokens up to what the
+        budget has left; then the waiting requests (their pending prefill tokens in queue
+        order, ``num_waiting`` of them) are admitted strictly in order while the budget and
+        the ``seats`` last, with their whole prompts (or, with chunked prefill, the last
+        with a partial chunk). Where the pool can bind, ``room`` = (free blocks, watermark,
+        block size): under guaranteed_no_evict with ``lengths``, their whole lengths (prompt
+        + maximum output - 1) in the same order, each admitted only if the pool holds its
+        whole length, which it reserves; under max_utilization each admitted only if its
+        pending prefill's blocks fit now (``counted_room``). Returns the partials' chunks (fewer entries once the budget is spent) and
+        the admitted ones' (the first ``len`` of the queue). tests/test_array_core.py checks
+        it against ``schedule``."""
+        cfg = self.config
+        remaining = cfg.max_num_batched_tokens - decode_tokens
+        chunks: list[int] = []
+        for pending in partials:  # schedule_running's loop: nobody is ever paused
+            n = chunk_size(pending, remaining)
+            if n <= 0:
+                break
+            chunks.append(n)
+            remaining -= n
+        if not num_waiting:
+            return chunks, []
+        if room is None or not self.reserves_full_length:
+            # max_utilization: admitted if its whole pending prefill's blocks fit now.
+            admitted = admission_rule(waiting, None, remaining, seats,
+                                      cfg.max_num_batched_tokens,
+                                      chunked=cfg.enable_chunked_prefill,
+                                      place=None if room is None else counted_room(room))
+            return chunks, [n for _, n in admitted]
+        if lengths is None:
+            raise ValueError("trtllm's chunk_plan admits on whole lengths where the pool can "
+                             "bind: pass lengths")
+        free, _, block_size = room  # (TensorRT-LLM keeps no watermark)
+
+        def place(candidate: tuple[int, int], n: int, pending: int) -> bool:
+            nonlocal free
+            need = -(-candidate[1] // block_size)
+            if need > free:
+                return False
+            free -= need
+            return True
+
+        admitted = admission_rule(zip(waiting, lengths), itemgetter(0), remaining, seats,
+                                  cfg.max_num_batched_tokens,
+                                  chunked=cfg.enable_chunked_prefill, place=place)
+        return chunks, [n for _, n in admitted]
 
     def schedule(self, step: StepBuilder) -> StepPlan:
         cfg = self.config

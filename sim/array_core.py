@@ -120,7 +120,7 @@ class _BlockCount:
         self.members = 0
         self._suffix: list[int] | None = None  # sums of count[i:] (i <= B), until a change
 
-    def add(self, c: int, sign: int) -> None:
+    def add(self, c: int, sign: int, i: int = -1) -> None:
         q, r = divmod(c, self.bs)
         self.count[r] += sign
         self.sum_q += sign * q
@@ -137,6 +137,27 @@ class _BlockCount:
         if suffix is None:
             suffix = self._suffix = [*list(accumulate(reversed(self.count)))[::-1], 0]
         return self.sum_q + n * q + n + suffix[bs + 1 - r]
+
+
+class _FullLengthCount:
+    """The KV blocks the members hold where each holds its whole length (prompt + maximum
+    output - 1) from admission on (``Policy.reserves_full_length``): constant while the
+    membership stays, so no residue ever grows (``count`` stays zero)."""
+
+    __slots__ = ("bs", "count", "full", "total")
+
+    def __init__(self, block_size: int, prompt_lens: array, output_lens: array) -> None:
+        self.bs = block_size
+        self.count = [0] * block_size
+        self.full = (prompt_lens, output_lens)
+        self.total = 0
+
+    def add(self, c: int, sign: int, i: int) -> None:
+        prompt_lens, output_lens = self.full
+        self.total += sign * blocks_for(prompt_lens[i] + output_lens[i] - 1, self.bs)
+
+    def at(self, k: int) -> int:
+        return self.total
 
 
 class LeftToReplicaLoop(Exception):
@@ -388,8 +409,13 @@ class ArrayCore:
         chunked = policy.implements_chunked_prefill
         chunk_plan = policy.chunk_plan if chunked else None  # type: ignore[attr-defined]
         # A prompt mid-prefill holds its whole prompt's blocks from admission on, or those
-        # of the tokens computed so far (prefill_blocks counts them either way).
-        whole_prompt = policy.holds_whole_prompt
+        # of the tokens computed so far, or its whole length's (prefill_blocks counts them).
+        reserves_full = policy.reserves_full_length
+        whole_prompt = policy.holds_whole_prompt or reserves_full
+
+        def held_mid_prefill(i: int) -> int:
+            """The blocks request ``i`` holds by the end of its prefill (or recompute)."""
+            return blocks_for(PL[i] + OL[i] - 1 if reserves_full else PEND[i], bs)
         # Prefill-only steps: FCFS's queue in arrival order here (head_admissions), or the
         # policy's own order (indexed_admissions), whose finishers leave in its running order.
         waiting: deque[int] | _IndexedWaiting
@@ -432,7 +458,8 @@ class ArrayCore:
         binding = self.binding
         num_blocks = self.num_gpu_blocks
         watermark = self.watermark
-        decode_preemptions = policy.decode_preemptions if binding else None  # type: ignore
+        # (None for a policy whose requests hold their whole lengths: none is preempted.)
+        decode_preemptions = getattr(policy, "decode_preemptions", None) if binding else None
         PEND = array("q", PL) if binding else PL
         # Preempted (recomputed and waiting, or swapped out): its first token time, first
         # scheduling, later token times, preemptions and swaps so far.
@@ -462,7 +489,9 @@ class ArrayCore:
         extra = () if lane is None else lane.extra_columns
         lines: list[str] = [] if lane is None else lane.lines
         add_finished = metrics.add_finished
-        blocks = _BlockCount(bs)
+        # What a request holds: its context's blocks, or its whole length's from admission on.
+        blocks: _BlockCount | _FullLengthCount = (
+            _FullLengthCount(bs, PL, OL) if reserves_full else _BlockCount(bs))
         blocks_at = blocks.at
         add_blocks = blocks.add
 
@@ -576,7 +605,7 @@ class ArrayCore:
                 longest_c = c
             alive[i] = 1
             ctx_sum += c
-            add_blocks(c, 1)
+            add_blocks(c, 1, i)
             members += 1
 
         def evict(slot: int) -> tuple[int, int, tuple[float, float, array, int, int]]:
@@ -599,7 +628,7 @@ class ArrayCore:
             if c == longest_c:
                 longest_c = None
             ctx_sum -= c
-            add_blocks(c, -1)
+            add_blocks(c, -1, i)
             members -= 1
             alive[i] = 0
             slot_index[slot] = -1
@@ -878,17 +907,20 @@ class ArrayCore:
                         (ones if left == 1 else multi).append(i)
                     room = (num_blocks - blocks_at(S + 1) - prefill_blocks, watermark,
                             bs) if binding else None
+                    # (A policy that reserves whole lengths admits on them.)
+                    lengths = ({"lengths": (PL[i] + OL[i] - 1 for i in waiting)}
+                               if reserves_full and room is not None else {})
                     chunks, admitted = chunk_plan(
                         members + len(ones), [PEND[i] - computed[i] for i in multi],
                         map(PEND.__getitem__, waiting), len(waiting),
-                        seats_total - members - len(prefilling), room)
+                        seats_total - members - len(prefilling), room, **lengths)
                 if ones or chunks or admitted or recomputed:
                     new = [waiting.popleft() for _ in admitted]
                     for i in new:
                         computed[i] = 0
                         prefilling.append(i)
                         if whole_prompt:
-                            prefill_blocks += blocks_for(PEND[i], bs)
+                            prefill_blocks += held_mid_prefill(i)
                     grants = [(i, 1) for i in ones]
                     grants += zip(multi, chunks)
                     grants += zip(new, admitted)
@@ -929,7 +961,7 @@ class ArrayCore:
                     for i in completed:
                         prefilling.remove(i)
                         del computed[i]
-                        prefill_blocks -= blocks_for(PEND[i], bs)
+                        prefill_blocks -= held_mid_prefill(i)
                     # Sampled in row order: the decode rows in arrival order (members and
                     # prompts one token from done), then the chunks in grant order.
                     also = [i for i in ones if PEND[i] - PL[i] + 1 == OL[i]] if ones else None

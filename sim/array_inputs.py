@@ -129,6 +129,10 @@ def _cluster_blocker(sim: ArrayCoreHost) -> str | None:
     why = decode.array_core_refusal()
     if why is not None:
         return f"decode pool policy {decode.config.name!r}: {why}"
+    for side, policy in (("prefill", sim.policy), ("decode", decode)):
+        if policy.reserves_full_length:
+            return (f"the {side} pool's policy {policy.config.name!r} reserves whole lengths "
+                    "(in a disaggregated deployment)")
     if decode.config.max_num_batched_tokens >= 1 << SLOT_BITS:
         return f"the decode pool's policy.max_num_batched_tokens >= {1 << SLOT_BITS}"
     ex = sim.pools[1].first_executor
@@ -232,7 +236,14 @@ def pool_blocker(sim: ArrayCoreHost, w: WorkloadArrays) -> str | None:
     watermark = watermark_blocks(cfg.kv_watermark, blocks)
     bs = sim.kv_cfg.block_size
     why = None
-    if not callable(getattr(sim.policy, "decode_preemptions", None)):
+    if sim.policy.reserves_full_length:
+        # Nobody is ever preempted: admission counts each request's whole length (chunk_plan's
+        # room), which its decodes never outgrow.
+        if sim.prefix_caching:
+            why = "prefix caching (its hits would change what a request reserves)"
+        elif blocks_for(largest[0] - 1, bs) > blocks - watermark:
+            why = "a request that alone fills the pool above the watermark"
+    elif not callable(getattr(sim.policy, "decode_preemptions", None)):
         why = f"policy {cfg.name!r} preempts on the replica loop only"
     elif not sim.policy.holds_whole_prompt:
         why = f"policy {cfg.name!r}, whose prompts take blocks chunk by chunk"

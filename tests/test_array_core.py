@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from executors.recording import RecordingExecutor
@@ -31,7 +31,7 @@ ARRAY_CORE = [n for n in POLICIES.names() if POLICIES.get(n).array_core]
 
 
 def test_the_array_core_policies_are_collected():
-    assert {"fcfs", "chunked_prefill", "sjf", "priority", "vllm_v1"} <= set(ARRAY_CORE)
+    assert {"fcfs", "chunked_prefill", "sjf", "priority", "vllm_v1", "trtllm"} <= set(ARRAY_CORE)
 
 
 def _engine(*overrides: str) -> str:
@@ -281,6 +281,12 @@ def test_same_seed_same_bytes(tmp_path):
      "policy.max_num_seqs > policy.max_num_batched_tokens"),
     (("kv.num_gpu_blocks_override=300", "policy=vllm_v1"),
      "the KV pool can bind, with policy 'vllm_v1' preempts on the replica loop only"),
+    (("policy=trtllm", "policy.capacity_scheduler_policy=max_utilization",
+      "policy.enable_chunked_prefill=true"),
+     "capacity_scheduler_policy=max_utilization under chunked prefill"),
+    (("kv.num_gpu_blocks_override=300", "policy=trtllm", "kv.enable_prefix_caching=true"),
+     "the KV pool can bind, with prefix caching"),
+    (("kv.num_gpu_blocks_override=18", "policy=trtllm"), "alone fills the pool"),
 ])
 def test_runs_it_cannot_take_go_to_the_replica_loop(overrides, reason):
     sim = Simulation(compose_cfg(*TINY, "workload.num_requests=30", *overrides))
@@ -546,6 +552,37 @@ def test_chunk_plan_is_schedules_step(decoding, partial, prompts, seqs, budget, 
     assert first_waiting + len(admitted) not in grants
 
 
+@pytest.mark.slow
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10_000), qps=st.floats(1.0, 400.0), seqs=st.integers(1, 40),
+       budget=st.integers(200, 600), out_min=st.integers(1, 3),
+       prompt_min=st.sampled_from([1, 2, 50]), block=st.sampled_from([1, 16]),
+       pool=st.sampled_from([None, 25, 60, 400]), chunked=st.booleans(),
+       pauses=st.booleans())
+def test_trtllm_core_equals_exact_on_random_small_workloads(seed, qps, seqs, budget, out_min,
+                                                            prompt_min, block, pool, chunked,
+                                                            pauses):
+    """TensorRT-LLM's guaranteed_no_evict: every request holds its whole length from
+    admission on, admitted only while the pool holds it (``pool`` blocks of 16 tokens' worth;
+    None: a pool that never binds), prompts whole or, with chunked prefill, the last admitted
+    cut to what the budget leaves. ``pauses``: max_utilization without chunked prefill
+    instead, admitted on its prompt's blocks, the latest arrivals paused (recomputed) when a
+    decode finds no block."""
+    capacity = "max_utilization" if pauses else "guaranteed_no_evict"
+    over = [*TINY, *UNIFORM, "policy=trtllm", f"seed={seed}", f"workload.qps={qps}",
+            "workload.num_requests=60", f"policy.max_num_seqs={seqs}",
+            f"policy.max_num_batched_tokens={budget}", f"kv.block_size={block}",
+            f"workload.prompt_len.min={prompt_min}", f"workload.output_len.min={out_min}",
+            f"policy.enable_chunked_prefill={str(chunked and not pauses).lower()}",
+            f"policy.capacity_scheduler_policy={capacity}"]
+    if pool is not None:
+        over.append(f"kv.num_gpu_blocks_override={pool * 16 // block}")
+    s = _assert_same(over)
+    sim = Simulation(compose_cfg(*over))
+    assert sim.run().summary["step_engine"] == "array_core" or (
+        pauses and "whose recompute" in sim.array_core_skipped), sim.array_core_skipped
+
+
 @settings(max_examples=150, deadline=None)
 @given(decoding=st.integers(0, 6), partial=st.tuples(st.integers(2, 400), st.integers(0, 399)),
        has_partial=st.booleans(), prompts=st.lists(st.integers(1, 400), max_size=8),
@@ -594,6 +631,74 @@ def test_vllm_v1_chunk_plan_is_schedules_step(decoding, partial, has_partial, pr
     elif mid is not None:
         assert [grants.get(mid.request_id, 0)] == chunks + [0] * (1 - len(chunks))
     first_waiting = num_decoding + has_partial
+    assert [grants.get(first_waiting + j) for j in range(len(admitted))] == admitted
+    assert first_waiting + len(admitted) not in grants
+
+
+@settings(max_examples=150, deadline=None)
+@given(decoding=st.lists(st.tuples(st.integers(1, 300), st.integers(1, 200)), max_size=6),
+       partial=st.tuples(st.integers(2, 400), st.integers(0, 399), st.integers(1, 200)),
+       has_partial=st.booleans(),
+       queue=st.lists(st.tuples(st.integers(1, 400), st.integers(1, 200)), max_size=8),
+       seqs=st.integers(4, 16), budget=st.integers(16, 600), spare=st.sampled_from(
+           [None, 0, 8, 30, 80]), chunked=st.booleans())
+def test_trtllm_chunk_plan_is_schedules_step(decoding, partial, has_partial, queue, seqs,
+                                             budget, spare, chunked):
+    """TensorRT-LLM's schedule (guaranteed_no_evict) with requests decoding and at most one
+    prompt mid-prefill (the latest admitted), each holding its whole length, and a queue: the
+    chunks it grants are chunk_plan's, with ``spare`` blocks free (None: a pool that never
+    binds)."""
+    if not chunked:
+        has_partial = False
+    policy = make_policy({"name": "trtllm", "max_num_seqs": seqs, "enable_chunked_prefill":
+                          chunked, "max_num_batched_tokens": max(budget, seqs)})
+    decoding = decoding[:seqs - has_partial]
+    full = lambda p, o: -(-(p + o - 1) // 16)
+    held = sum(full(p + 1, o) for p, o in decoding)
+    if has_partial:
+        held += full(partial[0], partial[2])
+    pool = 100_000 if spare is None else max(held + spare, 1)
+    kv = KVBlockManager(pool, 16)
+    queues = ReplicaQueues()
+    builder = StepBuilder(queues, kv)
+    rid = 0
+    for p, o in decoding:  # one token sampled, holding its whole length
+        r = Request(rid, 0.0, p, o + 1)
+        r.transition(RequestStatus.RUNNING)
+        r.num_computed_tokens = p
+        r.num_output_tokens = 1
+        assert kv.allocate_slots(rid, p + o) is not None
+        queues.add_running(r)
+        rid += 1
+    mid = None
+    if has_partial:
+        p, c, o = partial[0], min(partial[1], partial[0] - 1), partial[2]
+        mid = Request(rid, 0.0, p, o)
+        mid.transition(RequestStatus.RUNNING)
+        mid.num_computed_tokens = c
+        assert kv.allocate_slots(rid, p + o - 1) is not None
+        queues.add_running(mid)
+        rid += 1
+    for p, o in queue:
+        queues.waiting.append(Request(rid, 1.0, p, o))
+        rid += 1
+    room = None if spare is None else (kv.num_free_blocks, 0, 16)
+    plan = policy.schedule(builder)
+    grants = {s.request_id: s.num_new_tokens for s in plan.scheduled}
+    left = None if mid is None else mid.prompt_len - mid.num_computed_tokens
+    prompts = [p for p, _ in queue]
+    # (The core takes no run with a prompt over the budget without chunking: refused.)
+    assume(chunked or all(p <= max(budget, seqs) for p in prompts))
+    lengths = None if spare is None else [p + o - 1 for p, o in queue]
+    chunks, admitted = policy.chunk_plan(
+        len(decoding) + (left == 1), [left] if left is not None and left > 1 else [],
+        prompts, len(prompts), seqs - len(decoding) - has_partial, room, lengths)
+    assert all(grants[i] == 1 for i in range(len(decoding)))
+    if left == 1:
+        assert grants[mid.request_id] == 1
+    elif mid is not None:
+        assert [grants.get(mid.request_id, 0)] == chunks + [0] * (1 - len(chunks))
+    first_waiting = len(decoding) + has_partial
     assert [grants.get(first_waiting + j) for j in range(len(admitted))] == admitted
     assert first_waiting + len(admitted) not in grants
 
