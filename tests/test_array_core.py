@@ -577,7 +577,7 @@ def test_trtllm_core_equals_exact_on_random_small_workloads(seed, qps, seqs, bud
             f"policy.capacity_scheduler_policy={capacity}"]
     if pool is not None:
         over.append(f"kv.num_gpu_blocks_override={pool * 16 // block}")
-    s = _assert_same(over)
+    _assert_same(over)
     sim = Simulation(compose_cfg(*over))
     assert sim.run().summary["step_engine"] == "array_core" or (
         pauses and "whose recompute" in sim.array_core_skipped), sim.array_core_skipped
