@@ -54,6 +54,10 @@ CASES: dict[str, tuple[list[str], float]] = {
     # vLLM v1's scheduler (prefix caching on) with the recipe's limits.
     "vllm_v1": (["policy=vllm_v1", "policy.max_num_seqs=128",
                  "policy.max_num_batched_tokens=4096"], 6),
+    # TensorRT-LLM's scheduler (guaranteed_no_evict: each request holds its whole length)
+    # with the recipe's limits.
+    "trtllm": (["policy=trtllm", "policy.max_num_seqs=128",
+                "policy.max_num_batched_tokens=4096"], 6),
     # SGLang's scheduler (radix cache on) with the recipe's limits; it takes no decode jumps.
     "sglang": (["policy=sglang", "policy.max_num_seqs=128", "policy.max_num_batched_tokens=4096",
                 "policy.chunked_prefill_size=4096"], 6),
