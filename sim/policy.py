@@ -110,7 +110,9 @@ class Policy(ABC):
     #: tests pass for them.
     supports_decode_jumps: ClassVar[bool] = False
     #: True if every request this policy runs holds KV for its whole length (prompt + maximum
-    #: output) from admission on: a decode replica then reserves that much for a transfer.
+    #: output) from admission on: a decode replica then reserves that much for a transfer, and
+    #: the array core counts whole lengths (passing them to ``chunk_plan`` as ``lengths``
+    #: where the pool can bind).
     reserves_full_length: ClassVar[bool] = False
     #: True if the policy implements chunked prefill's step structure (decodes first, then
     #: prefill chunks in the same step), which ``policy.enable_chunked_prefill=true`` asks for.
