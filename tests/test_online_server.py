@@ -83,13 +83,16 @@ def _assert_clients_saw_the_simulated_latencies(seen: dict, rows: dict, summary:
     """Wall ms. No client sees its first token sooner after sending than the simulated TTFT /
     speed. Counted from the response's headers (the request is in the engine by then, so the
     client's own sending and the server's parsing are left out, which a busy machine
-    stretches), the TTFT is the simulated one plus the pacing lag and the delivery (a few ms),
-    less the delivery of the headers. The gaps between tokens are the simulated ones / speed,
-    give or take the lag (a busy machine delays some releases)."""
+    stretches), the TTFT is at most the simulated one plus the pacing lag and the delivery (a
+    few ms): less, by as much as the headers were delayed. The gaps between tokens are the
+    simulated ones / speed, give or take the lag (a busy machine delays some releases)."""
     from_sent, from_answer, tpot = _latency_gaps(seen, rows, speed)
     lag50, lag99 = summary["pacing_lag_p50_ms"], summary["pacing_lag_p99_ms"]
+    # Most tokens reach their connections within a few ms of their simulated times (a token
+    # released a step late, 10 ms here, would not).
+    assert lag50 < 5, summary
     assert min(from_sent) > 0, (sorted(from_sent), lag50)
-    assert -3 < statistics.median(from_answer) < 8 + lag50, (sorted(from_answer), lag50)
+    assert statistics.median(from_answer) < 8 + lag50, (sorted(from_answer), lag50)
     # Most within the bound; a client thread the machine starves for a while (a busy test
     # run) may read its tokens late.
     near = sum(gap < 8 + lag99 for gap in from_answer)
