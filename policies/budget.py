@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from itertools import islice
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from sim.request import Request, RequestStatus
 from sim.step_builder import ReadOnly, StepBuilder
@@ -48,6 +48,22 @@ def chunk_size(pending: int, remaining: int, max_chunk: int | None = None) -> in
     spent. The rule of every loop that grants running requests their next tokens."""
     n = min(pending, remaining)
     return n if max_chunk is None or n <= 0 else min(n, max_chunk)
+
+
+def grant_chunks(pendings: Iterable[int], remaining: int, max_chunk: int | None = None
+                 ) -> tuple[list[int], int]:
+    """``schedule_running``'s loop on counts where nobody is preempted, for the array core's
+    ``chunk_plan``: the chunks running requests with ``pendings`` tokens left get in order
+    (``chunk_size``; the list ends where the budget is spent) and the budget left after
+    them."""
+    chunks: list[int] = []
+    for pending in pendings:
+        n = chunk_size(pending, remaining, max_chunk)
+        if n <= 0:
+            break
+        chunks.append(n)
+        remaining -= n
+    return chunks, remaining
 
 
 def prefill_share(remaining: int, max_partial_prefills: int, num_wanting: int) -> int:
@@ -106,18 +122,22 @@ def admission_rule(candidates: Iterable[T], pending_of: Callable[[T], int] | Non
     return out
 
 
-def counted_room(room: tuple[int, int, int]) -> Callable[[object, int, int], bool]:
+def counted_room(room: tuple[int, int, int],
+                 held_tokens: Callable[[Any], int] | None = None,
+                 ) -> Callable[[Any, int, int], bool]:
     """``admit``'s KV part on counts, for ``admission_rule``'s ``place`` in the array core
     (sim/array_core.py): ``room`` = (free blocks, watermark blocks, block size). A candidate
-    holding nothing is admitted if the blocks of its whole pending prefill leave the
-    watermark free (``KVBlockManager.can_allocate``), and takes them. (The core runs only
-    where every request fits the pool alone above the watermark, so ``admit``'s fallback
-    for one that never could does not arise.)"""
+    holding nothing is admitted if the blocks of its whole pending prefill (or of
+    ``held_tokens(candidate)`` tokens: a whole length that ``admit(reserve_full=True)``
+    reserves) leave the watermark free (``KVBlockManager.can_allocate``), and takes them.
+    (The core runs only where every request fits the pool alone above the watermark, so
+    ``admit``'s fallback for one that never could does not arise.)"""
     free, watermark, block_size = room
 
-    def place(_: object, n: int, pending: int) -> bool:
+    def place(candidate: Any, n: int, pending: int) -> bool:
         nonlocal free
-        need = -(-pending // block_size)
+        tokens = pending if held_tokens is None else held_tokens(candidate)
+        need = -(-tokens // block_size)
         if free - need < watermark:
             return False
         free -= need

@@ -35,8 +35,8 @@ from policies.budget import (
     Budget,
     admission_rule,
     admit,
-    chunk_size,
     counted_room,
+    grant_chunks,
     preempted_on_counts,
     prefill_share,
     resume_swapped,
@@ -123,18 +123,12 @@ class ChunkedPrefillPolicy(Policy):
         remaining = cfg.max_num_batched_tokens - decode_tokens
         k = cfg.max_num_partial_prefills
         share = prefill_share(remaining, k, len(partials) + num_waiting)
-        chunks: list[int] = []
-        open_partials = 0
-        for pending in partials:  # schedule_running's loop, where nobody is preempted
-            n = chunk_size(pending, remaining, share)
-            if n <= 0:
-                break
-            chunks.append(n)
-            remaining -= n
-            open_partials += n < pending
+        chunks, remaining = grant_chunks(partials, remaining, share)
         if not num_waiting:  # (most steps: a prompt mid-prefill, nobody waiting)
             return chunks, []
-        open_partials += len(partials) - len(chunks)
+        # Partials left unfinished: those cut short, and those the budget did not reach.
+        open_partials = (sum(n < p for n, p in zip(chunks, partials))
+                         + len(partials) - len(chunks))
         admitted = admission_rule(waiting, None, remaining, seats, cfg.max_num_batched_tokens,
                                   chunked=True, max_partial=max(0, k - open_partials),
                                   max_chunk=share,

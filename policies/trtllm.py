@@ -31,15 +31,15 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from operator import itemgetter
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from policies.base import POLICIES, Policy, PolicyConfig
 from policies.budget import (
     Budget,
     admission_rule,
     admit,
-    chunk_size,
     counted_room,
+    grant_chunks,
     latest_arrival_victim,
     no_victim,
     preempted_on_counts,
@@ -128,41 +128,25 @@ class TensorRTLLMPolicy(Policy):
         block size): under guaranteed_no_evict with ``lengths``, their whole lengths (prompt
         + maximum output - 1) in the same order, each admitted only if the pool holds its
         whole length, which it reserves; under max_utilization each admitted only if its
-        pending prefill's blocks fit now (``counted_room``). Returns the partials' chunks (fewer entries once the budget is spent) and
-        the admitted ones' (the first ``len`` of the queue). tests/test_array_core.py checks
-        it against ``schedule``."""
+        pending prefill's blocks fit now (``counted_room``). Returns the partials' chunks
+        (fewer entries once the budget is spent) and the admitted ones' (the first ``len`` of
+        the queue). tests/test_array_core.py checks it against ``schedule``."""
         cfg = self.config
-        remaining = cfg.max_num_batched_tokens - decode_tokens
-        chunks: list[int] = []
-        for pending in partials:  # schedule_running's loop: nobody is ever paused
-            n = chunk_size(pending, remaining)
-            if n <= 0:
-                break
-            chunks.append(n)
-            remaining -= n
+        chunks, remaining = grant_chunks(partials, cfg.max_num_batched_tokens - decode_tokens)
         if not num_waiting:
             return chunks, []
-        if room is None or not self.reserves_full_length:
-            # max_utilization: admitted if its whole pending prefill's blocks fit now.
-            admitted = admission_rule(waiting, None, remaining, seats,
-                                      cfg.max_num_batched_tokens,
-                                      chunked=cfg.enable_chunked_prefill,
-                                      place=None if room is None else counted_room(room))
-            return chunks, [n for _, n in admitted]
-        if lengths is None:
-            raise ValueError("trtllm's chunk_plan admits on whole lengths where the pool can "
-                             "bind: pass lengths")
-        free, _, block_size = room  # (TensorRT-LLM keeps no watermark)
-
-        def place(candidate: tuple[int, int], n: int, pending: int) -> bool:
-            nonlocal free
-            need = -(-candidate[1] // block_size)
-            if need > free:
-                return False
-            free -= need
-            return True
-
-        admitted = admission_rule(zip(waiting, lengths), itemgetter(0), remaining, seats,
+        candidates: Iterable[Any] = waiting
+        pending_of = place = None
+        if room is not None and self.reserves_full_length:
+            if lengths is None:
+                raise ValueError("trtllm's chunk_plan admits on whole lengths where the pool "
+                                 "can bind: pass lengths")
+            # (pending tokens, whole length) each: the whole length's blocks must fit.
+            candidates, pending_of = zip(waiting, lengths), itemgetter(0)
+            place = counted_room(room, itemgetter(1))
+        elif room is not None:  # max_utilization: its pending prefill's blocks fit now
+            place = counted_room(room)
+        admitted = admission_rule(candidates, pending_of, remaining, seats,
                                   cfg.max_num_batched_tokens,
                                   chunked=cfg.enable_chunked_prefill, place=place)
         return chunks, [n for _, n in admitted]

@@ -39,7 +39,7 @@ from policies.base import POLICIES, Policy, PolicyConfig
 from policies.budget import (
     Budget,
     admission_rule,
-    chunk_size,
+    grant_chunks,
     latest_arrival_victim,
     schedule_running,
 )
@@ -144,14 +144,8 @@ class VLLMV1Policy(Policy):
         if room is not None or self.config.scheduling_policy != "fcfs":
             raise ValueError("vllm_v1's chunk_plan is its fcfs step on a pool that cannot "
                              "bind")
-        remaining = self.config.max_num_batched_tokens - decode_tokens
-        chunks: list[int] = []
-        for pending in partials:  # schedule_running's loop, where nobody is preempted
-            n = chunk_size(pending, remaining)
-            if n <= 0:
-                break
-            chunks.append(n)
-            remaining -= n
+        chunks, remaining = grant_chunks(partials,
+                                         self.config.max_num_batched_tokens - decode_tokens)
         if not num_waiting or remaining <= 0:
             return chunks, []
         admitted = admission_rule(waiting, None, remaining, seats,

@@ -144,17 +144,15 @@ class _FullLengthCount:
     output - 1) from admission on (``Policy.reserves_full_length``): constant while the
     membership stays, so no residue ever grows (``count`` stays zero)."""
 
-    __slots__ = ("bs", "count", "full", "total")
+    __slots__ = ("count", "full_blocks", "total")
 
-    def __init__(self, block_size: int, prompt_lens: array, output_lens: array) -> None:
-        self.bs = block_size
+    def __init__(self, block_size: int, full_blocks: Callable[[int], int]) -> None:
         self.count = [0] * block_size
-        self.full = (prompt_lens, output_lens)
+        self.full_blocks = full_blocks  # request index -> its whole length's blocks
         self.total = 0
 
     def add(self, c: int, sign: int, i: int) -> None:
-        prompt_lens, output_lens = self.full
-        self.total += sign * blocks_for(prompt_lens[i] + output_lens[i] - 1, self.bs)
+        self.total += sign * self.full_blocks(i)
 
     def at(self, k: int) -> int:
         return self.total
@@ -413,9 +411,13 @@ class ArrayCore:
         reserves_full = policy.reserves_full_length
         whole_prompt = policy.holds_whole_prompt or reserves_full
 
+        def full_blocks(i: int) -> int:
+            """The blocks of request ``i``'s whole length (prompt + maximum output - 1)."""
+            return blocks_for(PL[i] + OL[i] - 1, bs)
+
         def held_mid_prefill(i: int) -> int:
             """The blocks request ``i`` holds by the end of its prefill (or recompute)."""
-            return blocks_for(PL[i] + OL[i] - 1 if reserves_full else PEND[i], bs)
+            return full_blocks(i) if reserves_full else blocks_for(PEND[i], bs)
         # Prefill-only steps: FCFS's queue in arrival order here (head_admissions), or the
         # policy's own order (indexed_admissions), whose finishers leave in its running order.
         waiting: deque[int] | _IndexedWaiting
@@ -491,7 +493,7 @@ class ArrayCore:
         add_finished = metrics.add_finished
         # What a request holds: its context's blocks, or its whole length's from admission on.
         blocks: _BlockCount | _FullLengthCount = (
-            _FullLengthCount(bs, PL, OL) if reserves_full else _BlockCount(bs))
+            _FullLengthCount(bs, full_blocks) if reserves_full else _BlockCount(bs))
         blocks_at = blocks.at
         add_blocks = blocks.add
 

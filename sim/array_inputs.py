@@ -93,7 +93,7 @@ def array_core_blocker(sim: ArrayCoreHost) -> str | None:
     if sim.policy.implements_chunked_prefill and cfg.max_num_seqs > cfg.max_num_batched_tokens:
         return ("policy.max_num_seqs > policy.max_num_batched_tokens (a step may not hold a "
                 "token of every running request)")
-    if sim.policy.config.max_num_seqs >= 1 << SLOT_BITS:
+    if cfg.max_num_seqs >= 1 << SLOT_BITS:
         return f"policy.max_num_seqs >= {1 << SLOT_BITS} (the core's slot numbers)"
     ex = sim.executor
     # The executor's own class states it (a subclass or wrapper may price steps otherwise).

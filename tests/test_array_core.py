@@ -489,6 +489,19 @@ def test_indexed_admissions_is_admits_rule(reqs, running, seqs, budget, now, pol
     assert all(r.status is RequestStatus.WAITING for r in twins if r not in chosen)
 
 
+def _running(queues: ReplicaQueues, kv: KVBlockManager, rid: int, prompt: int, output: int,
+             computed: int, held: int, sampled: int = 0) -> Request:
+    """A running request with ``computed`` prompt tokens computed and ``sampled`` sampled,
+    holding blocks for ``held`` tokens."""
+    r = Request(rid, 0.0, prompt, output)
+    r.transition(RequestStatus.RUNNING)
+    r.num_computed_tokens = computed
+    r.num_output_tokens = sampled
+    assert kv.allocate_slots(rid, held) is not None
+    queues.add_running(r)
+    return r
+
+
 @settings(max_examples=150, deadline=None)
 @given(decoding=st.integers(0, 6), partial=st.lists(st.tuples(st.integers(2, 400),
                                                               st.integers(0, 399)), max_size=4),
@@ -518,21 +531,11 @@ def test_chunk_plan_is_schedules_step(decoding, partial, prompts, seqs, budget, 
     builder = StepBuilder(queues, kv, kv_watermark=watermark)
     rid = 0
     for _ in range(decoding):
-        r = Request(rid, 0.0, 10, 50)
-        r.transition(RequestStatus.RUNNING)
-        r.num_computed_tokens = 10
-        r.num_output_tokens = 1
-        assert kv.allocate_slots(rid, 10) is not None
-        queues.add_running(r)
+        _running(queues, kv, rid, 10, 50, computed=10, held=10, sampled=1)
         rid += 1
     mids = []
     for p, c in partial:  # holding its whole prompt's blocks, c tokens computed
-        r = Request(rid, 0.0, p, 5)
-        r.transition(RequestStatus.RUNNING)
-        r.num_computed_tokens = c
-        assert kv.allocate_slots(rid, p) is not None
-        queues.add_running(r)
-        mids.append(r)
+        mids.append(_running(queues, kv, rid, p, 5, computed=c, held=p))
         rid += 1
     for p in prompts:
         queues.waiting.append(Request(rid, 1.0, p, 5))
@@ -599,22 +602,13 @@ def test_vllm_v1_chunk_plan_is_schedules_step(decoding, partial, has_partial, pr
     builder = StepBuilder(queues, kv)
     rid = 0
     for _ in range(min(decoding, seqs - has_partial)):
-        r = Request(rid, 0.0, 10, 50)
-        r.transition(RequestStatus.RUNNING)
-        r.num_computed_tokens = 10
-        r.num_output_tokens = 1
-        assert kv.allocate_slots(rid, 10) is not None
-        queues.add_running(r)
+        _running(queues, kv, rid, 10, 50, computed=10, held=10, sampled=1)
         rid += 1
     num_decoding = rid
     mid = None
     if has_partial:  # holding the blocks of the tokens it computed
         p, c = partial[0], min(partial[1], partial[0] - 1)
-        mid = Request(rid, 0.0, p, 5)
-        mid.transition(RequestStatus.RUNNING)
-        mid.num_computed_tokens = c
-        assert kv.allocate_slots(rid, c) is not None
-        queues.add_running(mid)
+        mid = _running(queues, kv, rid, p, 5, computed=c, held=c)
         rid += 1
     for p in prompts:
         queues.waiting.append(Request(rid, 1.0, p, 5))
@@ -663,21 +657,12 @@ def test_trtllm_chunk_plan_is_schedules_step(decoding, partial, has_partial, que
     builder = StepBuilder(queues, kv)
     rid = 0
     for p, o in decoding:  # one token sampled, holding its whole length
-        r = Request(rid, 0.0, p, o + 1)
-        r.transition(RequestStatus.RUNNING)
-        r.num_computed_tokens = p
-        r.num_output_tokens = 1
-        assert kv.allocate_slots(rid, p + o) is not None
-        queues.add_running(r)
+        _running(queues, kv, rid, p, o + 1, computed=p, held=p + o, sampled=1)
         rid += 1
     mid = None
     if has_partial:
         p, c, o = partial[0], min(partial[1], partial[0] - 1), partial[2]
-        mid = Request(rid, 0.0, p, o)
-        mid.transition(RequestStatus.RUNNING)
-        mid.num_computed_tokens = c
-        assert kv.allocate_slots(rid, p + o - 1) is not None
-        queues.add_running(mid)
+        mid = _running(queues, kv, rid, p, o, computed=c, held=p + o - 1)
         rid += 1
     for p, o in queue:
         queues.waiting.append(Request(rid, 1.0, p, o))
