@@ -254,6 +254,16 @@ SMALL_GRID = ("profile.decode_batch_sizes=[1,2,4,8,12]", "profile.decode_context
               "profile.mixed_prefill_cached=[0]", "profile.warmup=1", "profile.repeats=2")
 
 
+def _local_levels(predicted: np.ndarray, measured: np.ndarray, half_window: int) -> np.ndarray:
+    """Each step's measured / predicted time summed over the steps within half_window of it."""
+    cum_p = np.concatenate([[0.0], np.cumsum(predicted)])
+    cum_m = np.concatenate([[0.0], np.cumsum(measured)])
+    index = np.arange(len(predicted))
+    lo = np.maximum(index - half_window, 0)
+    hi = np.minimum(index + half_window + 1, len(predicted))
+    return (cum_m[hi] - cum_m[lo]) / (cum_p[hi] - cum_p[lo])
+
+
 @pytest.mark.slow
 def test_whole_loop_on_the_real_cpu_executor(tmp_path):
     """Profile the real executor (tiny model, CPU) on a small grid, fit, run the workload
@@ -282,10 +292,17 @@ def test_whole_loop_on_the_real_cpu_executor(tmp_path):
     # time, ``hs["factors"]`` below), the simulation by the paired runs (each real run
     # simulated at that level), and the level itself only against a range that a unit or
     # scale bug would leave; the level-true figures come from the benchmark.
+    # The host's speed also drifts within a run: a CI run's decode steps went from 1.4 to 2.8 ms
+    # against a flat price (a neighbouring worker's load), which took the steps' error at the
+    # run's level to 0.41. So each step is also judged at the level of the 21 steps around it
+    # (0.07 to 0.09 on a quiet host, 0.10 to 0.13 beside two matrix-multiply hogs), and the
+    # run's level keeps a bound that only a mispriced shape or a dropped term crosses.
     levels = [rep.measured.sum() / rep.predicted.sum() for rep in res.replays]
     for level, rep in zip(levels, res.replays):
         assert 1 / 3 < level < 3
-        assert np.mean(np.abs(rep.predicted * level / rep.measured - 1)) < 0.4
+        assert np.mean(np.abs(rep.predicted * level / rep.measured - 1)) < 0.6
+        local = _local_levels(rep.predicted, rep.measured, half_window=10)
+        assert np.mean(np.abs(rep.predicted * local / rep.measured - 1)) < 0.25
     for metric in ("TPOT", "E2E"):
         assert abs(res.error(metric, "p50", "paired")) < 50.0, metric
     # The calibrated simulation itself (at the calibration run's level): its decode steps'
