@@ -12,6 +12,7 @@ file does not list, falls back to the hardware spec's interconnect figures:
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -81,11 +82,19 @@ def load_network(hardware: HardwareSpec, name: str | None = "auto") -> NetworkMo
         raise ConfigError("executor.network", f"unknown network {name!r}; known: auto, none, "
                                               f"{', '.join(known)}")
     path: Path = NETWORK_DIR / f"{stem}.yaml"
+    fits, send_recv, source = _network_file(path, path.stat().st_mtime_ns)
+    return NetworkModel(fallback, dict(fits), send_recv, source)
+
+
+@functools.lru_cache(maxsize=64)
+def _network_file(path: Path, mtime_ns: int) -> tuple[dict[int, AlphaBeta], AlphaBeta | None,
+                                                      str]:
+    """A network file's all-reduce fits, send/recv fit and source, parsed once per version of
+    the file (``mtime_ns``): a cluster builds one cost model per replica."""
     data = yaml.safe_load(path.read_text()) or {}
     where = f"{path.name}"
     fits = {int(w): _ab(v, f"{where}: all_reduce.{w}", "bus_bandwidth_gbps")
             for w, v in (data.get("all_reduce") or {}).items()}
     sr = (data.get("send_recv") or {}).get("intra_node")
-    return NetworkModel(fallback, fits,
-                        _ab(sr, f"{where}: send_recv.intra_node", "bandwidth_gbps") if sr else None,
-                        str(data.get("source", path.name)))
+    return (fits, _ab(sr, f"{where}: send_recv.intra_node", "bandwidth_gbps") if sr else None,
+            str(data.get("source", path.name)))
