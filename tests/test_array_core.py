@@ -21,6 +21,10 @@ from tests.helpers import compose_cfg
 from tests.test_fast_forward import _assert_same
 from workloads.base import Workload
 
+# Every test here holds a fast engine to step-by-step simulation, or to its own
+# step (`python -m pytest -m equivalence` runs them all).
+pytestmark = pytest.mark.equivalence
+
 # A small eligible run: the tiny model, a pool that holds every batch the policy may form.
 TINY = ("model=tiny", "workload.prompt_len.max=200", "workload.output_len.max=120",
         "kv.num_gpu_blocks_override=20000")

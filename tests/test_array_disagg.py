@@ -20,6 +20,10 @@ from tests.helpers import compose_cfg
 from tests.test_array_cluster import files_on_both_loops
 from tests.test_cluster_fast_exact import assert_fast_equals_exact
 
+# Every test here holds a fast engine to step-by-step simulation, or to its own
+# step (`python -m pytest -m equivalence` runs them all).
+pytestmark = pytest.mark.equivalence
+
 COUNT_ROUTERS = ["round_robin", "random", "least_outstanding", "power_of_two"]
 DISAGG = ["cluster=disaggregated"]
 # The prefill pool's policy, over the run's fcfs (vLLM v1's prefix caching off: the core runs a

@@ -16,6 +16,10 @@ from sim.simulation import Components
 from sim.simulation import Simulation as EngineSimulation
 from tests.helpers import assert_approx, compose_cfg, free_queues
 
+# Every test here holds a fast engine to step-by-step simulation, or to its own
+# step (`python -m pytest -m equivalence` runs them all).
+pytestmark = pytest.mark.equivalence
+
 STEP_INTS = ["replica_id", "step", "batch_size", "prefill_tokens", "decode_tokens", "sampled",
              "num_waiting", "num_running", "num_swapped", "kv_blocks_used", "recomputed",
              "swapped_out", "swap_out_blocks", "swap_in_blocks"]

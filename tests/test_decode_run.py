@@ -21,6 +21,10 @@ from sim.specs import load_hardware_spec, load_model_spec
 from sim.step_builder import ReplicaQueues, StepBuilder
 from tests.helpers import assert_approx, compose_cfg, free_queues
 
+# Every test here holds a fast engine to step-by-step simulation, or to its own
+# step (`python -m pytest -m equivalence` runs them all).
+pytestmark = pytest.mark.equivalence
+
 
 def _decoding_replica(contexts: list[int], outputs: list[int], num_blocks: int, bs: int,
                       with_run: bool, order_key=None) -> tuple[StepBuilder, list[Request]]:

@@ -11,6 +11,10 @@ import simpy
 from sim.clock import exact_delay, timeout_at
 from tests.test_cluster_fast_exact import assert_fast_equals_exact
 
+# Every test here holds a fast engine to step-by-step simulation, or to its own
+# step (`python -m pytest -m equivalence` runs them all).
+pytestmark = pytest.mark.equivalence
+
 TIE_CASES = {
     # A transfer whose link latency is longer than a decode step arrives exactly as a decode
     # step ends: the decode replica must not plan a jump through that instant before the

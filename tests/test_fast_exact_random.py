@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from tests.test_cluster_fast_exact import assert_fast_equals_exact
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.equivalence]
 SETTINGS = settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 # What a pool's policy section needs beside its name over the run's fcfs section.
 POOL_POLICY = {"chunked_prefill": {"enable_chunked_prefill": "true"},

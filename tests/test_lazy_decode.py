@@ -29,6 +29,10 @@ from tests.test_cluster_fast_exact import (
 )
 from tests.test_lazy_horizon import COUNT_ROUTERS
 
+# Every test here holds a fast engine to step-by-step simulation, or to its own
+# step (`python -m pytest -m equivalence` runs them all).
+pytestmark = pytest.mark.equivalence
+
 # ---- ChainEnvironment against stepping -----------------------------------------------------
 
 

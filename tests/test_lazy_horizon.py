@@ -23,6 +23,10 @@ from tests.test_cluster_fast_exact import (
     assert_fast_equals_exact,
 )
 
+# Every test here holds a fast engine to step-by-step simulation, or to its own
+# step (`python -m pytest -m equivalence` runs them all).
+pytestmark = pytest.mark.equivalence
+
 COUNT_ROUTERS = ["round_robin", "random", "least_outstanding", "power_of_two"]
 
 

@@ -19,6 +19,10 @@ from sim.request import Request
 from sim.step_builder import StepBuilder
 from tests.test_cluster_fast_exact import _run, _workload, assert_fast_equals_exact
 
+# Every test here holds a fast engine to step-by-step simulation, or to its own
+# step (`python -m pytest -m equivalence` runs them all).
+pytestmark = pytest.mark.equivalence
+
 NAME = "shortest_prompt_first"
 
 

@@ -225,6 +225,7 @@ def test_caching_off_is_the_run_without_it():
     assert sum(int(r[col]) for r in on.requests_sink.rows) == on.summary["prefix_cache_hits"]
 
 
+@pytest.mark.equivalence
 @pytest.mark.parametrize("extra", [[], ["policy=sjf"], ["policy=chunked_prefill"],
                                    ["policy.preemption_mode=swap"],
                                    ["cluster.num_replicas=2", "cluster.router=least_kv"],
@@ -270,6 +271,7 @@ def test_unbounded_cache_hit_rate_on_mooncake_equals_a_count_from_its_hash_ids(t
 
 
 @pytest.mark.slow
+@pytest.mark.equivalence
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 10_000), qps=st.floats(5.0, 120.0), blocks=st.integers(40, 300),
        prefix=st.integers(1, 250), groups=st.integers(1, 4),

@@ -14,6 +14,10 @@ from tests.harness import run_requests
 from tests.helpers import compose_cfg
 from tests.test_fast_forward import _assert_same
 
+# Every test here holds a fast engine to step-by-step simulation, or to its own
+# step (`python -m pytest -m equivalence` runs them all).
+pytestmark = pytest.mark.equivalence
+
 TRT = {"name": "trtllm", "max_num_seqs": 4, "max_num_batched_tokens": 8}
 # A(3 prompt, 3 out) and B(3, 3) need 5 KV tokens each by their end (the last sampled token
 # needs none): 3 blocks of 2; C(2, 4) needs 5 tokens, 3 blocks. The pool holds 6 blocks.

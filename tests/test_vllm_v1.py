@@ -14,6 +14,10 @@ from tests.harness import run_requests
 from tests.helpers import compose_cfg
 from tests.test_cluster_fast_exact import assert_fast_equals_exact
 
+# Every test here holds a fast engine to step-by-step simulation, or to its own
+# step (`python -m pytest -m equivalence` runs them all).
+pytestmark = pytest.mark.equivalence
+
 V1 = {"name": "vllm_v1", "max_num_seqs": 4, "max_num_batched_tokens": 8}
 
 
