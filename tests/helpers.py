@@ -27,16 +27,17 @@ def compose_named(config_name: str, *overrides: str) -> dict[str, Any]:
 
 @lru_cache(maxsize=256)
 def _composed(config_name: str, overrides: tuple[str, ...]) -> dict[str, Any]:
-    # Composing takes ~0.1 s, most of it reading the YAML of the config groups; the tests
-    # compose hundreds of configs that differ only in values. Hydra applies group choices
-    # to the defaults list first and value overrides to the composed config after, so the
-    # composition of the group choices is kept and the values are applied to a copy of it,
-    # by Hydra's own override parser and override step. Anything else (+, ~, hydra.*,
-    # packages) takes the whole compose.
+    # Composing takes ~0.1 s (up to 1 s with many groups), most of it reading the YAML of
+    # the config groups; the tests compose thousands of configs that differ only in values.
+    # Hydra applies group choices (added, changed or deleted) to the defaults list first and
+    # value overrides (set, added with +, forced with ++, deleted with ~) to the composed
+    # config after, so the composition of the group choices is kept and the values are
+    # applied to a copy of it, by Hydra's own override parser and override step. Anything
+    # else (hydra.*, packages, nested groups) takes the whole compose.
     groups = tuple(o for o in overrides if _is_group_choice(o))
     values = [o for o in overrides if not _is_group_choice(o)]
-    if any(o[:1] in "+~" or o.startswith("hydra") or "@" in o.split("=", 1)[0]
-           for o in values):
+    if any(o.lstrip("+~").startswith("hydra") or "@" in o.split("=", 1)[0]
+           or "/" in o.split("=", 1)[0] for o in values):
         return _container(_compose_groups(config_name, overrides))
     cfg = copy.deepcopy(_compose_groups(config_name, groups))
     ConfigLoaderImpl._apply_overrides_to_config(
@@ -45,8 +46,8 @@ def _composed(config_name: str, overrides: tuple[str, ...]) -> dict[str, Any]:
 
 
 def _is_group_choice(override: str) -> bool:
-    key = override.split("=", 1)[0]
-    return "=" in override and key.isidentifier() and (CONF / key).is_dir()
+    key = override.split("=", 1)[0].lstrip("+~")
+    return key.isidentifier() and (CONF / key).is_dir()
 
 
 @lru_cache(maxsize=64)

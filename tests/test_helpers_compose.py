@@ -20,6 +20,13 @@ CASES = [
     ["policy=priority", "workload.priorities=[1,1,2]", "+extra=3"],
     ["policy=fcfs", "policy=sjf", "policy.bucket_edges=[1,2]", "seed=5"],
     ["hardware=h200", "executor=real", "model.kv_cache_dtype=fp8"],
+    # Values added (+), forced (++) and deleted (~) on the kept composition; a mapping added
+    # under a group's node.
+    ["model=tiny", "cluster=disaggregated",
+     "+cluster.prefill.policy={name: sjf, predictor: noisy}", "cluster.num_prefill_replicas=2"],
+    ["cluster=disaggregated", "+cluster.decode.policy.name=priority", "++policy.max_num_seqs=8",
+     "++seed=4"],
+    ["policy=sjf", "~policy.aging_s", "+policy.aging_s=0.5"],
 ]
 
 
@@ -49,3 +56,6 @@ def test_compose_named_returns_a_fresh_copy():
 def test_unknown_keys_fail_as_in_hydra():
     with pytest.raises(ConfigCompositionException, match="policy.nonexistent"):
         compose_cfg("model=tiny", "policy.nonexistent=3")
+    # Adding a value that is already there is Hydra's error too.
+    with pytest.raises(ConfigCompositionException, match="already at 'seed'"):
+        compose_cfg("model=tiny", "+seed=3")
