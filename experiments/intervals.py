@@ -26,8 +26,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from executors.cost_model import MAX_STEP_TIME_FACTOR
-from executors.uncertainty import LEVEL
 from sim.errors import ConfigError, require
 
 log = logging.getLogger(__name__)
@@ -87,6 +85,10 @@ def step_time_interval(cfg: dict[str, Any], bars: ErrorBarsConfig,
     """(low, high, where it comes from) of the run's step-time factor, or None for no error
     bars (turned off, or an executor that measures its steps). Checked before the run: the
     ends' factors times ``executor.step_time_factor`` must be factors the cost model takes."""
+    # Imported here: the cost model (numpy and the executors) is not needed to start the
+    # main job's command, whose OBJECTIVES are made of HEADLINE.
+    from executors.cost_model import MAX_STEP_TIME_FACTOR
+
     interval = _step_time_interval(cfg, bars)
     if interval is not None:
         base = (cfg.get("executor") or {}).get("step_time_factor", 1.0)
@@ -133,6 +135,8 @@ def with_intervals(cfg: dict[str, Any], summary: dict[str, Any],
     interval's provenance (``error_bars_*``); unchanged where the run gets no error bars.
     Runs the configuration twice more through ``simulate`` (config -> summary; default: the
     built-in components, without outputs)."""
+    from executors.uncertainty import LEVEL
+
     bars = ErrorBarsConfig.from_dict(cfg.get("error_bars"))
     interval = step_time_interval(cfg, bars)
     if interval is None or summary.get("status", "complete") != "complete":

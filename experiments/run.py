@@ -35,18 +35,11 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from experiments.hydra_errors import hydra_errors_as_config_errors
-from experiments.intervals import (
-    HEADLINE,
-    ErrorBarsConfig,
-    step_time_interval,
-    with_intervals,
-)
-from experiments.simulation import Simulation
+from experiments.intervals import HEADLINE
 from experiments.sweep import DEFAULT_OBJECTIVE
 from sim import stop as sim_stop
 from sim.errors import ConfigError, RunInterrupted, exit_on_config_error, exit_with, require
 from sim.outputs import PARTIAL, write_atomic
-from sim.report import format_summary, write_report
 
 log = logging.getLogger(__name__)
 
@@ -165,10 +158,18 @@ def run_job(cfg: DictConfig) -> dict:
         objective_name(container)
         claim_output_dir(out_dir, bool(container.get("overwrite", False)))
     try:
+        # Imported here, not at start-up: the simulator, pandas and plotly take about a second
+        # to import, and a command refused by Hydra, by the checks above or by the config's
+        # own check needs none of them (pandas and plotly: the report's).
+        from experiments.intervals import ErrorBarsConfig, step_time_interval, with_intervals
+        from experiments.simulation import Simulation
+
         with exit_on_config_error():
             sim = Simulation(container, out_dir)
             bars = step_time_interval(container, ErrorBarsConfig.from_dict(
                 container.get("error_bars")))
+        from sim.report import format_summary, write_report
+
         result = None
         try:
             with stop_on_signals(), exit_on_config_error():

@@ -21,19 +21,20 @@ import json
 import math
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import pandas as pd
-import plotly.graph_objects as go
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
-from plotly.subplots import make_subplots
 
-from experiments.common import markdown_table
 from sim.errors import ConfigError
 from sim.outputs import write_atomic
-from sim.report import write_page
 from sim.report_options import report_options
+
+# pandas, plotly and the simulator are imported where a sweep is gathered, not at start-up:
+# Hydra makes this callback for every run of the main job, most of which are no sweep.
+if TYPE_CHECKING:
+    import pandas as pd
+    import plotly.graph_objects as go
 
 #: The figure a job returns and sweep.html draws when ``objective`` is not set.
 DEFAULT_OBJECTIVE = "p99_ttft_ms"
@@ -45,6 +46,8 @@ FIGURES = ("completed", "rejected", "request_throughput", "request_goodput", "ou
 
 def gather(sweep_dir: Path) -> pd.DataFrame:
     """One row per job folder of ``sweep_dir`` (numbered subfolders), in job order."""
+    import pandas as pd
+
     heads: list[dict[str, Any]] = []  # job, overrides, status, error
     figures: list[dict[str, Any]] = []  # the job's summary.json but its status
     jobs = sorted((p for p in sweep_dir.iterdir() if p.is_dir() and p.name.isdigit()),
@@ -88,6 +91,8 @@ def swept_keys(table: pd.DataFrame) -> list[str]:
 
 def _axis(values: pd.Series) -> pd.Series:
     """Swept values as numbers where they all are (a numeric axis), else as text."""
+    import pandas as pd
+
     numbers = pd.to_numeric(values, errors="coerce")
     return numbers if numbers.notna().all() else values.astype(str)
 
@@ -95,6 +100,10 @@ def _axis(values: pd.Series) -> pd.Series:
 def sweep_figure(table: pd.DataFrame, objective: str) -> go.Figure:
     """``objective`` against each swept key, one panel per key; with two or more keys, each
     panel has one line per value of the first other key."""
+    import pandas as pd
+    import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
+
     keys = swept_keys(table) or ["job"]
     y = pd.to_numeric(table.get(objective, pd.Series(index=table.index, dtype=float)),
                       errors="coerce")
@@ -125,6 +134,9 @@ def sweep_figure(table: pd.DataFrame, objective: str) -> go.Figure:
 
 class GatherSweep(Callback):
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        from experiments.common import markdown_table
+        from sim.report import write_page
+
         sweep_dir = Path(str(config.hydra.sweep.dir))
         if not sweep_dir.is_dir():
             return
