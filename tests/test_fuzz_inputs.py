@@ -91,6 +91,26 @@ def small_trace() -> str:
 
 
 @cache
+def scratch_dir() -> Path:
+    """This process's folder for the runs' outputs and the trace files, emptied after each
+    check: creating and removing a folder per check costs more than most checks (a few ms
+    on ext4), and most checks are refused before they write anything."""
+    folder = Path(tempfile.mkdtemp(prefix="fuzz-out-"))
+    atexit.register(shutil.rmtree, folder, True)
+    return folder
+
+
+def empty(folder: Path) -> None:
+    """Remove everything in ``folder``: the next check starts from an empty folder, as from
+    a fresh one."""
+    for path in folder.iterdir():
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+
+
+@cache
 def base_config(group: str | None, option: str | None) -> dict[str, Any]:
     """The composed config of ``group=option`` (the defaults for the rest) on a small
     workload, in parallelism its model fits: a run that builds and finishes."""
@@ -189,16 +209,19 @@ def check_build_and_run(base: dict[str, Any], changes: dict[tuple[str, ...], Any
     for key, value in changes.items():
         cfg = with_value(cfg, key, value)
     shown = {".".join(k): v for k, v in changes.items()}
-    with tempfile.TemporaryDirectory() as out:
+    out = scratch_dir()
+    try:
         try:
-            result = Simulation(cfg, Path(out)).run()
+            result = Simulation(cfg, out).run()
         except ConfigError as e:
             message = str(e)
             assert "\n" not in message and message.startswith(f"{e.field}: "), message
             assert _names_a_changed_field(base, changes, e.field), (shown, message)
             return "refused"
-        summary = json.loads((Path(out) / "summary.json").read_text(),
+        summary = json.loads((out / "summary.json").read_text(),
                              parse_constant=lambda c: pytest.fail(f"{shown}: {c}"))
+    finally:
+        empty(out)
     assert summary["status"] == "complete"
     raw = result.summary
     if any(isinstance(v, float) and math.isnan(v) for v in raw.values()):
@@ -433,10 +456,12 @@ def _data_rows(data: bytes, suffix: str) -> int | None:
 @settings(FUZZ, max_examples=300)
 @given(data=TRACE_FILES, suffix=st.sampled_from([".csv", ".jsonl", ".json", ""]))
 def test_a_hostile_trace_file_loads_or_is_refused_at_its_line(data, suffix):
-    with tempfile.TemporaryDirectory() as d:
-        path = Path(d) / f"trace{suffix}"
+    path = scratch_dir() / f"trace{suffix}"
+    try:
         path.write_bytes(data)
         event(check_trace(path, _data_rows(data, suffix)))
+    finally:
+        empty(scratch_dir())
 
 
 @pytest.mark.parametrize("make", ["folder", "missing", "empty", "header only", "blank lines"])

@@ -92,13 +92,16 @@ def test_a_write_failure_is_one_line_and_leaves_nothing_that_looks_complete(tmp_
                                                       (signal.SIGTERM, 143, "array_core", 3)])
 def test_a_signal_stops_the_run_with_a_summary_marked_interrupted(tmp_path, sig, code, engine,
                                                                   replicas):
-    """Each loop stops between steps: every request it counted has its row."""
+    """Each loop stops between steps: every request it counted has its row. 200,000
+    requests keep each loop running for many seconds after its first rows (the array core
+    builds every request's arrays before its first step: a larger workload only delays the
+    signal)."""
     model = ["model=tiny", "workload.qps=1000", "workload.prompt_len.max=1000",
              "workload.output_len.max=500"] if engine == "array_core" else [
         "workload.qps=100", "array_core=false"]
     model.append(f"cluster.num_replicas={replicas}")
     p = subprocess.Popen(
-        [sys.executable, "-m", "experiments.run", "workload.num_requests=2000000", *model,
+        [sys.executable, "-m", "experiments.run", "workload.num_requests=200000", *model,
          "progress=false", "record_steps=false",
          f"hydra.run.dir={tmp_path}"], cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True)
@@ -142,13 +145,15 @@ def test_a_folder_with_another_runs_outputs_is_refused_unless_overwrite(tmp_path
 
 @pytest.mark.slow
 def test_two_runs_into_one_folder_at_once_one_is_refused(tmp_path):
-    args = [sys.executable, "-m", "experiments.run", "model=tiny", "workload.num_requests=3000",
+    # 1,000 requests hold the folder for seconds (the run, its error bars' two runs and the
+    # report), far longer than the two commands' start-ups differ.
+    args = [sys.executable, "-m", "experiments.run", "model=tiny", "workload.num_requests=1000",
             "progress=false", f"hydra.run.dir={tmp_path}"]
     procs = [subprocess.Popen(args, cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for _ in range(2)]
     results = [(p.wait(timeout=300), p.stderr.read()) for p in procs]
     assert sorted(rc for rc, _ in results) == [0, 2], results
-    assert len(pd.read_csv(tmp_path / "requests.csv")) == 3000
+    assert len(pd.read_csv(tmp_path / "requests.csv")) == 1000
 
 
 @pytest.mark.slow

@@ -27,19 +27,46 @@ def _sweep(tmp_path: Path, qps: str) -> subprocess.CompletedProcess:
         timeout=300, check=False)
 
 
+CRASH = """\
+import experiments.simulation as s
+run = s.Simulation.run
+def crash(self):
+    if self.cfg['workload']['qps'] == 7:
+        raise RuntimeError('broken on purpose')
+    return run(self)
+s.Simulation.run = crash
+"""
+
+
+@pytest.fixture(scope="module")
+def failing_sweep(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    """One sweep for the two tests of failing jobs (a command and its jobs take seconds): job
+    1 is refused by the config check (qps=-1), job 2 raises in the run itself (for qps=7, by
+    a ``sitecustomize`` module patched in before the command starts), jobs 0 and 3 run."""
+    patch = tmp_path_factory.mktemp("patch")
+    (patch / "sitecustomize.py").write_text(CRASH)
+    out = tmp_path_factory.mktemp("sweep")
+    r = subprocess.run(
+        [sys.executable, "-m", "experiments.run", "-m", "model=tiny", "workload.num_requests=30",
+         "progress=false", "workload.qps=5,-1,7,20", f"hydra.sweep.dir={out}"], cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": f"{patch}{os.pathsep}{ROOT}"}, capture_output=True,
+        text=True, timeout=300, check=False)
+    return out, r
+
+
 @pytest.mark.slow
-def test_a_failing_job_is_reported_and_the_others_run(tmp_path):
-    r = _sweep(tmp_path, "5,-1,20")
+def test_a_failing_job_is_reported_and_the_others_run(failing_sweep):
+    out, r = failing_sweep
     assert r.returncode == 1
-    table = pd.read_csv(tmp_path / "sweep.csv")
+    table = pd.read_csv(out / "sweep.csv")
     assert list(table.columns[:3]) == ["job", "workload.qps", "status"]  # fixed values dropped
-    assert table["status"].tolist() == ["complete", "failed", "complete"]
-    assert table["completed"].tolist()[::2] == [30, 30]
+    assert table["status"].tolist() == ["complete", "failed", "failed", "complete"]
+    assert table["completed"].tolist()[::3] == [30, 30]
     assert table["error"][1] == "config error: workload.qps: must be > 0, got -1.0"
     assert "job 1 (model=tiny workload.num_requests=30 progress=False workload.qps=-1) failed" \
         in r.stderr
-    assert "job 2: model=tiny workload.num_requests=30 progress=False workload.qps=20" in r.stdout
-    assert (tmp_path / "sweep.md").read_text().startswith("| job | workload.qps | status |")
+    assert "job 3: model=tiny workload.num_requests=30 progress=False workload.qps=20" in r.stdout
+    assert (out / "sweep.md").read_text().startswith("| job | workload.qps | status |")
 
 
 @pytest.mark.slow
@@ -53,28 +80,15 @@ def test_a_sweep_that_succeeds_exits_0_with_its_table(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_job_that_crashes_is_recorded_and_the_sweep_is_still_gathered(tmp_path):
+def test_a_job_that_crashes_is_recorded_and_the_sweep_is_still_gathered(failing_sweep):
     """Any exception, not only a config error (here the run itself raises for qps=7)."""
-    patch = tmp_path / "patch"
-    patch.mkdir()
-    (patch / "sitecustomize.py").write_text(
-        "import experiments.simulation as s\n"
-        "run = s.Simulation.run\n"
-        "def crash(self):\n"
-        "    if self.cfg['workload']['qps'] == 7:\n"
-        "        raise RuntimeError('broken on purpose')\n"
-        "    return run(self)\n"
-        "s.Simulation.run = crash\n")
-    out = tmp_path / "sweep"
-    r = subprocess.run(
-        [sys.executable, "-m", "experiments.run", "-m", "model=tiny", "workload.num_requests=20",
-         "progress=false", "workload.qps=5,7,9", f"hydra.sweep.dir={out}"], cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": f"{patch}{os.pathsep}{ROOT}"}, capture_output=True,
-        text=True, timeout=300, check=False)
+    out, r = failing_sweep
     assert r.returncode == 1, r.stderr
     table = pd.read_csv(out / "sweep.csv")
-    assert table["status"].tolist() == ["complete", "failed", "complete"]
-    assert table["error"][1] == "RuntimeError: broken on purpose"
+    assert table["status"].tolist() == ["complete", "failed", "failed", "complete"]
+    assert table["error"][2] == "RuntimeError: broken on purpose"
+    assert ("job 2 (model=tiny workload.num_requests=30 progress=False workload.qps=7) failed: "
+            "RuntimeError: broken on purpose; the sweep goes on") in r.stderr
 
 
 @pytest.mark.slow
