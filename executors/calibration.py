@@ -32,6 +32,7 @@ from executors.step_terms import (
     StepShape,
     driver_matrix,
     predict_array,
+    predict_jacobian,
     step_shape,
 )
 from executors.uncertainty import LEVEL, ratio_interval
@@ -380,8 +381,13 @@ def _fit_at_knee(X: np.ndarray, yv: np.ndarray, sv: np.ndarray, seq_knee: int,
                 x[idx] = z * scale[idx]
                 return (predict_array(x, X, p, seq_knee, memo) - yv) / sv
 
-            r = least_squares(resid, z0, bounds=(0.0, np.inf), x_scale=1.0, loss=loss,
-                              f_scale=0.05, max_nfev=2000)
+            def jac(z: np.ndarray, p: float = p) -> np.ndarray:
+                x = np.zeros(len(names))
+                x[idx] = z * scale[idx]
+                return predict_jacobian(x, X, p, seq_knee, idx) * (scale[idx] / sv[:, None])
+
+            r = least_squares(resid, z0, jac=jac, bounds=(0.0, np.inf), x_scale=1.0,
+                              loss=loss, f_scale=0.05, max_nfev=2000)
             x = np.zeros(len(names))
             x[idx] = r.x * scale[idx]
             err = objective(predict_array(x, X, p, seq_knee))
@@ -685,9 +691,14 @@ def bootstrap_interval(coefficients: Coefficients, drivers: Sequence[StepDrivers
         x[idx] = z * x0[idx]
         return (predict_array(x, Xb, p, knee) - yb) / sb
 
+    def jac(z: np.ndarray, Xb: np.ndarray, yb: np.ndarray, sb: np.ndarray) -> np.ndarray:
+        x = np.zeros(len(names))
+        x[idx] = z * x0[idx]
+        return predict_jacobian(x, Xb, p, knee, idx) * (x0[idx] / sb[:, None])
+
     for _ in range(fits):
         pick = rng.integers(0, len(y), len(y))
-        r = least_squares(resid, np.ones(len(idx)), bounds=(0.0, np.inf), loss=loss,
+        r = least_squares(resid, np.ones(len(idx)), jac=jac, bounds=(0.0, np.inf), loss=loss,
                           f_scale=0.05, max_nfev=200, args=(X[pick], y[pick], scale[pick]))
         x = np.zeros(len(names))
         x[idx] = r.x * x0[idx]

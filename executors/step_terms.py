@@ -16,7 +16,7 @@ derives them from the hardware spec, the calibrated cost model fits them to a me
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, fields
 from functools import lru_cache
 from typing import ClassVar, NamedTuple
@@ -783,3 +783,88 @@ def predict_array(x: np.ndarray, X: np.ndarray, sharpness: float,
             + kern * (c["prefill_kernels"] + c["decode_kernels"])
             + part * c["decode_partials"] + tile * c["decode_chain_tiles"]
             + prow * c["prefill_rows"])
+
+
+def knee_gradient(terms: list[np.ndarray], sharpness: float) -> list[np.ndarray]:
+    """``d knee_array(terms) / d terms[i]`` for each term, the derivative from the right
+    (the side a finite difference with a positive step takes): with ``p = sharpness`` it is
+    ``(t_i / knee)^(p - 1)``; at p = inf (a max) 1 for every term at the maximum, ties
+    included; where every term is 0 the knee grows like the one term moved, so 1."""
+    hi = terms[0]
+    for t in terms[1:]:
+        hi = np.maximum(hi, t)
+    p = sharpness
+    if math.isinf(p):
+        return [(t >= hi).astype(float) for t in terms]
+    if p == 1.0:
+        return [np.ones_like(hi) for _ in terms]
+    zero = hi <= 0.0
+    any_zero = bool(zero.any())
+    h = np.where(zero, 1.0, hi) if any_zero else hi
+    ratios = [t / h for t in terms]
+    powers = [r ** p for r in ratios]
+    # (t_i / knee)^(p-1) = r_i^p / r_i * S^(1/p) / S with r_i = t_i / hi and S = sum r_i^p
+    # (>= 1 where hi > 0): the p-th powers serve the value and the derivative alike.
+    total = sum(powers)
+    if any_zero:
+        total = np.where(zero, 1.0, total)
+    factor = total ** (1.0 / p) / total
+    out = []
+    for r, rp in zip(ratios, powers):
+        g = np.divide(rp, r, out=np.zeros_like(r), where=r > 0.0)
+        g *= factor
+        out.append(np.where(zero, 1.0, g) if any_zero else g)
+    return out
+
+
+def predict_jacobian(x: np.ndarray, X: np.ndarray, sharpness: float, seq_knee: int = 0,
+                     columns: Sequence[int] | None = None) -> np.ndarray:
+    """``d predict_array(x, X, ...) / d x``: one row per row of ``X``, one column per price
+    (``Coefficients.names()`` order), or per index of ``columns`` (the prices a fit varies:
+    the knee terms no such price enters are not differentiated). The fit's solver takes it
+    in place of finite differences, which cost one evaluation of the prices' terms per price
+    moved. Where a max has ties (the knee at p = inf, the decode bytes' bound) each tied term
+    gets the derivative from the right, as a forward difference would."""
+    flop, wbyte, aflop, dflop, kvbyte, ctab, smb = x[3:10]  # the prices inside knee terms
+    c = {name: X[:, i] for i, name in enumerate(DRIVER_COLUMNS)}
+    p = sharpness
+    want = set(range(len(x)) if columns is None else columns)
+    J = np.zeros((X.shape[0], len(x)))
+    J[:, 0] = c["nonempty"]
+    J[:, 1] = c["rows"]
+    J[:, 2] = c["tokens"]
+    for lhs, rhs in (("linear_flops", "linear_bytes"), ("lm_head_flops", "lm_head_bytes")):
+        if not want & {3, 4} or not (c[lhs].any() or c[rhs].any()):
+            continue  # nothing asked for, or nothing to differentiate (attention-only rows)
+        g_flop, g_byte = knee_gradient([flop * c[lhs], wbyte * c[rhs]], p)
+        J[:, 3] += g_flop * c[lhs]
+        J[:, 4] += g_byte * c[rhs]
+    if want & {5, 6, 7}:
+        g_flop, g_byte = knee_gradient([aflop * c["prefill_flops"]
+                                        + dflop * c["prefill_diag_flops"],
+                                        kvbyte * c["prefill_bytes"]], p)
+        J[:, 5] += g_flop * c["prefill_flops"]
+        J[:, 6] += g_flop * c["prefill_diag_flops"]
+        J[:, 7] += g_byte * c["prefill_bytes"]
+    for count, flops, kv, sm in (("decode_waves", "decode_wave_flops", "decode_wave_bytes",
+                                  "decode_sm_bytes"),
+                                 ("decode_tail", "decode_tail_flops", "decode_tail_bytes",
+                                  "decode_tail_sm_bytes")):
+        if not want & {5, 7, 8, 9} or not c[count].any():
+            continue
+        by_kv, by_cta, by_sm = kvbyte * c[kv], ctab * c["decode_cta_bytes"], smb * c[sm]
+        memory = np.maximum(np.maximum(by_kv, by_cta), by_sm)
+        g_flop, g_mem = knee_gradient([aflop * c[flops], memory], p)
+        g_flop *= c[count]
+        g_mem *= c[count]
+        J[:, 5] += g_flop * c[flops]
+        J[:, 7] += g_mem * (by_kv >= memory) * c[kv]
+        J[:, 8] += g_mem * (by_cta >= memory) * c["decode_cta_bytes"]
+        J[:, 9] += g_mem * (by_sm >= memory) * c[sm]
+    J[:, 10] = c["decode_wave_count"]
+    J[:, 11] = c["prefill_kernels"] + c["decode_kernels"]
+    J[:, 12] = c["decode_partials"]
+    J[:, 13] = c["decode_chain_tiles"]
+    J[:, 14] = c["prefill_rows"]
+    J[:, 15] = first_rows(c["rows"], seq_knee)
+    return J if columns is None else J[:, columns]

@@ -29,7 +29,10 @@ from executors.step_terms import (
     StepDecomposer,
     StepDrivers,
     StepShape,
+    driver_matrix,
     first_rows,
+    predict_array,
+    predict_jacobian,
     step_shape,
 )
 from experiments.profile import ProfileGrid, blocks_needed, profile_executor, write_csv
@@ -611,3 +614,33 @@ def test_calibrate_command_prices_cpu_profiles_untiled(tmp_path, capsys):
                       ("block_size=x", "block_size: must be an integer, got 'x'")):
         assert main([f"profile_csv={csv}", bad]) == 2
         assert says in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("sharpness", [1.0, 1.5, 2.0, 8.0, math.inf])
+def test_the_fits_jacobian_is_the_forward_difference_of_the_prices(sharpness):
+    """predict_jacobian, which the fits hand to the solver, against forward differences of
+    predict_array over decode, prefill and mixed shapes (every knee term in play), price by
+    price; a price at 0 (the fit's bound) included."""
+    dec = StepDecomposer(load_model_spec("llama3_8b"), 1, 16, 10, 2)
+    specs = [ShapeSpec("decode", num_decode_seqs=b, decode_context=c)
+             for b in (1, 7, 40) for c in (31, 900)]
+    specs += [ShapeSpec("prefill", n, chunk, cached) for n in (1, 3) for chunk in (8, 512)
+              for cached in (0, 300)]
+    specs += [ShapeSpec("mixed", 1, 300, 100, 7, 900), ShapeSpec("mixed", 2, 64, 0, 30, 40)]
+    X = driver_matrix([dec.drivers(s.shape()) for s in specs])
+    rng = np.random.default_rng(5)
+    # Prices of the order a fit sees (seconds per unit of each driver), one of them 0.
+    x = np.array([1e-4, 2e-6, 1e-7, 1e-14, 5e-13, 2e-14, 3e-14, 6e-13, 4e-13, 2e-12, 3e-7,
+                  4e-6, 1e-7, 2e-8, 5e-7, 1e-5]) * rng.uniform(0.5, 2.0, 16)
+    x[8] = 0.0
+    J = predict_jacobian(x, X, sharpness, seq_knee=4)
+    base = predict_array(x, X, sharpness, 4)
+    for i in range(len(x)):
+        h = max(abs(x[i]), 1e-14) * 1e-5
+        moved = x.copy()
+        moved[i] += h
+        fd = (predict_array(moved, X, sharpness, 4) - base) / h
+        # What a difference can resolve: a few float steps of the step's time, over h.
+        resolution = 8 * np.finfo(float).eps * np.abs(base) / h
+        assert (np.abs(J[:, i] - fd) <= 1e-3 * np.abs(fd) + resolution).all(), i
+    assert np.array_equal(predict_jacobian(x, X, sharpness, 4, [3, 7, 15]), J[:, [3, 7, 15]])
