@@ -15,9 +15,16 @@ from experiments import gpu_validation as gv
 from tests.test_validate import SMALL_GRID
 
 # conf/validate_gpu.yaml on a CPU with tiny counts (tests/test_validate_gpu.py).
-CPU = ("device=cpu", "model=tiny", "executor.timer=cpu", "executor.kernels=torch",
-       "executor.dtype=fp32", "workload.num_requests=40", "validate.real_repeats=2",
-       "validate.calibration_runs=1", "validate.saturation_num_gpu_blocks=512", *SMALL_GRID)
+ON_CPU = ("device=cpu", "model=tiny", "executor.timer=cpu", "executor.kernels=torch",
+          "executor.dtype=fp32", "validate.saturation_num_gpu_blocks=512", *SMALL_GRID)
+CPU = (*ON_CPU, "workload.num_requests=40", "validate.real_repeats=2",
+       "validate.calibration_runs=1")
+# Fewer requests and runs where a validation only has to finish as one part among the others
+# (tests/test_validate_gpu.py checks the preset's own runs, probes and folders): every stage
+# still runs, the saturation probes, the interleaved profile, a real run, the fit, the
+# simulated run and the replay.
+CPU_QUICK = (*ON_CPU, "workload.num_requests=12", "validate.real_repeats=1",
+             "validate.calibration_runs=0")
 
 
 def _progress(out: Path) -> dict[str, list[str]]:
@@ -88,7 +95,7 @@ def test_one_command_runs_the_validation_and_writes_each_part_as_it_finishes(
     pytest.importorskip("torch")
     out, work = tmp_path / "out", tmp_path / "work"
     rc = gv.main(["--out", str(out), "--work", str(work), "--budget", "400", "--min-part", "1",
-                  "--parts", "install,gpu_check,fcfs", "--requests", "5", *CPU])
+                  "--parts", "install,gpu_check,fcfs", "--requests", "5", *CPU_QUICK])
     progress = _progress(out)
     assert list(progress) == ["install", "gpu_check", "fcfs"]
     assert progress["install"][0] == "done"

@@ -19,8 +19,10 @@ triton = pytest.importorskip("triton")
 @pytest.mark.slow
 def test_triton_kernels_match_references_under_the_interpreter():
     env = {**os.environ, "TRITON_INTERPRET": "1"}
+    # -n 0: one process (pyproject's addopts would start a pytest-xdist worker per core, each
+    # importing torch and triton, for the one file a worker runs whole).
     p = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W",
+        [sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", "-W",
          "ignore::DeprecationWarning", "tests/kernels_interpreted.py"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-6000:] + p.stderr[-2000:]
