@@ -354,6 +354,14 @@ def _linear_start(A: np.ndarray, yv: np.ndarray, sv: np.ndarray,
     return x_lin
 
 
+def _prices(z: np.ndarray, idx: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """The whole price vector (``Coefficients.names()`` order) of a solver's variables ``z``:
+    the prices ``idx`` the fit varies, each in units of its ``scale``; the others 0."""
+    x = np.zeros(len(scale))
+    x[idx] = z * scale[idx]
+    return x
+
+
 def _fit_at_knee(X: np.ndarray, yv: np.ndarray, sv: np.ndarray, seq_knee: int,
                  on: np.ndarray, x_lin: np.ndarray, A: np.ndarray, grid: tuple[float, ...],
                  loss: str, objective: Callable[[np.ndarray], float],
@@ -374,22 +382,17 @@ def _fit_at_knee(X: np.ndarray, yv: np.ndarray, sv: np.ndarray, seq_knee: int,
     starts = [np.ones(len(idx)), np.where(x_lin[idx] > 0, 1.0, 10.0)]
     for p in grid:
         best_p: tuple[float, np.ndarray] | None = None
-        memo: dict = {}  # the knee terms of one sharpness (predict_array)
         for z0 in starts:
-            def resid(z: np.ndarray, p: float = p, memo: dict = memo) -> np.ndarray:
-                x = np.zeros(len(names))
-                x[idx] = z * scale[idx]
-                return (predict_array(x, X, p, seq_knee, memo) - yv) / sv
+            def resid(z: np.ndarray, p: float = p) -> np.ndarray:
+                return (predict_array(_prices(z, idx, scale), X, p, seq_knee) - yv) / sv
 
             def jac(z: np.ndarray, p: float = p) -> np.ndarray:
-                x = np.zeros(len(names))
-                x[idx] = z * scale[idx]
-                return predict_jacobian(x, X, p, seq_knee, idx) * (scale[idx] / sv[:, None])
+                return (predict_jacobian(_prices(z, idx, scale), X, p, seq_knee, idx)
+                        * (scale[idx] / sv[:, None]))
 
             r = least_squares(resid, z0, jac=jac, bounds=(0.0, np.inf), x_scale=1.0,
                               loss=loss, f_scale=0.05, max_nfev=2000)
-            x = np.zeros(len(names))
-            x[idx] = r.x * scale[idx]
+            x = _prices(r.x, idx, scale)
             err = objective(predict_array(x, X, p, seq_knee))
             if best_p is None or err < best_p[0]:
                 best_p = (err, x)
@@ -687,21 +690,16 @@ def bootstrap_interval(coefficients: Coefficients, drivers: Sequence[StepDrivers
     rng = np.random.default_rng(seed)
     ratios = []
     def resid(z: np.ndarray, Xb: np.ndarray, yb: np.ndarray, sb: np.ndarray) -> np.ndarray:
-        x = np.zeros(len(names))
-        x[idx] = z * x0[idx]
-        return (predict_array(x, Xb, p, knee) - yb) / sb
+        return (predict_array(_prices(z, idx, x0), Xb, p, knee) - yb) / sb
 
     def jac(z: np.ndarray, Xb: np.ndarray, yb: np.ndarray, sb: np.ndarray) -> np.ndarray:
-        x = np.zeros(len(names))
-        x[idx] = z * x0[idx]
-        return predict_jacobian(x, Xb, p, knee, idx) * (x0[idx] / sb[:, None])
+        return predict_jacobian(_prices(z, idx, x0), Xb, p, knee, idx) * (x0[idx] / sb[:, None])
 
     for _ in range(fits):
         pick = rng.integers(0, len(y), len(y))
         r = least_squares(resid, np.ones(len(idx)), jac=jac, bounds=(0.0, np.inf), loss=loss,
                           f_scale=0.05, max_nfev=200, args=(X[pick], y[pick], scale[pick]))
-        x = np.zeros(len(names))
-        x[idx] = r.x * x0[idx]
+        x = _prices(r.x, idx, x0)
         ratios.append(held_y / (predict_array(x, Xh, p, knee) * level_factor))
     return ratio_interval(np.concatenate(ratios))
 

@@ -16,7 +16,7 @@ derives them from the hardware spec, the calibrated cost model fits them to a me
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields
 from functools import lru_cache
 from typing import ClassVar, NamedTuple
@@ -731,15 +731,12 @@ def first_rows(rows: float | np.ndarray, seq_knee: int) -> float | np.ndarray:
 
 
 def predict_array(x: np.ndarray, X: np.ndarray, sharpness: float,
-                  seq_knee: int = 0, memo: dict | None = None) -> np.ndarray:
+                  seq_knee: int = 0) -> np.ndarray:
     """Vectorised ``Coefficients.breakdown(...).total`` (without comm/swap) for fitting.
 
     ``x`` is in ``Coefficients.names()`` order; ``X`` from ``driver_matrix``. With
     ``sharpness`` 1 every knee is a sum, so the model is linear in ``x`` (the fit's start).
-    ``memo``: a dict kept across calls with the same ``X``, ``sharpness`` and ``seq_knee``
-    (a fit's residuals): each knee term is computed once per value of the prices it reads,
-    since a finite-difference Jacobian moves one price at a time. The sum is the same float
-    either way.
+    ``predict_jacobian`` is its derivative.
     """
     (step, seq, tok, flop, wbyte, aflop, dflop, kvbyte, ctab, smb, wave, kern, part, tile, prow,
      first) = x
@@ -758,27 +755,14 @@ def predict_array(x: np.ndarray, X: np.ndarray, sharpness: float,
         return c[count] * knee_array([aflop * c[flops], np.maximum(np.maximum(
             kvbyte * c[kv], cta), smb * c[sm])], p)
 
-    def term(key: tuple, make: Callable[[], np.ndarray]) -> np.ndarray:
-        if memo is None:
-            return make()
-        value = memo.get(key)
-        if value is None:
-            if len(memo) > 64:  # the values of one Jacobian's moves and the point itself
-                memo.clear()
-            value = memo[key] = make()
-        return value
-
     return (step * c["nonempty"] + seq * c["rows"] + tok * c["tokens"]
             + first * first_rows(c["rows"], seq_knee)
-            + term(("linear", flop, wbyte), lambda: linear("linear_flops", "linear_bytes"))
-            + term(("lm_head", flop, wbyte), lambda: linear("lm_head_flops", "lm_head_bytes"))
-            + term(("prefill", aflop, dflop, kvbyte), prefill)
-            + term(("waves", aflop, kvbyte, ctab, smb),
-                   lambda: decode("decode_waves", "decode_wave_flops", "decode_wave_bytes",
-                                  "decode_sm_bytes"))
-            + term(("tail", aflop, kvbyte, ctab, smb),
-                   lambda: decode("decode_tail", "decode_tail_flops", "decode_tail_bytes",
-                                  "decode_tail_sm_bytes"))
+            + linear("linear_flops", "linear_bytes")
+            + linear("lm_head_flops", "lm_head_bytes")
+            + prefill()
+            + decode("decode_waves", "decode_wave_flops", "decode_wave_bytes", "decode_sm_bytes")
+            + decode("decode_tail", "decode_tail_flops", "decode_tail_bytes",
+                     "decode_tail_sm_bytes")
             + wave * c["decode_wave_count"]
             + kern * (c["prefill_kernels"] + c["decode_kernels"])
             + part * c["decode_partials"] + tile * c["decode_chain_tiles"]
@@ -825,7 +809,7 @@ def predict_jacobian(x: np.ndarray, X: np.ndarray, sharpness: float, seq_knee: i
     in place of finite differences, which cost one evaluation of the prices' terms per price
     moved. Where a max has ties (the knee at p = inf, the decode bytes' bound) each tied term
     gets the derivative from the right, as a forward difference would."""
-    flop, wbyte, aflop, dflop, kvbyte, ctab, smb = x[3:10]  # the prices inside knee terms
+    _, _, _, flop, wbyte, aflop, dflop, kvbyte, ctab, smb, *_ = x  # predict_array's order
     c = {name: X[:, i] for i, name in enumerate(DRIVER_COLUMNS)}
     p = sharpness
     want = set(range(len(x)) if columns is None else columns)
