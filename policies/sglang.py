@@ -163,7 +163,11 @@ class SGLangPolicy(Policy):
         rem_input = cfg.max_num_batched_tokens
         rem_chunk = cfg.chunked_prefill_size
         for req in chunking:  # the prompt mid-chunk goes on first
-            n = min(req.num_pending_tokens, rem_chunk, max(int(rem_total()), 0))
+            # Its chunk fills the slots left in the blocks it holds before it takes free
+            # ones (without them, a prompt whose last block the free pool cannot follow
+            # would never finish).
+            own = len(kv.block_table(req.request_id)) * size - req.num_computed_tokens
+            n = min(req.num_pending_tokens, rem_chunk, max(int(rem_total()) + own, 0))
             if n <= 0 or not step.schedule(req, n):
                 return step.num_scheduled > 0
             rem_input -= n

@@ -134,6 +134,17 @@ def test_a_prompt_that_fills_the_free_pool_exactly_starts_when_nothing_runs():
         (float(t), [(0, t, 1, t == 5)]) for t in range(6)]
 
 
+def test_a_chunk_fills_the_slots_its_own_last_block_has_left():
+    """6 blocks of 4 tokens, a 23-token prompt in chunks of 1: after token 21 the free pool
+    is empty, but the prompt's last block still has slots for its last 2 tokens."""
+    run = run_requests({**SG, "max_num_seqs": 1, "chunked_prefill_size": 1,
+                        "schedule_conservativeness": 0.05}, [Request(0, 0.0, 23, 1)],
+                       num_gpu_blocks=6, block_size=4)
+    assert [(s.time, s.rows) for s in run.steps] == [
+        (float(t), [(0, t, 1, t == 22)]) for t in range(23)]
+    assert run.requests[0].num_output_tokens == 1
+
+
 def test_the_cached_blocks_a_hit_takes_leave_the_budget():
     """10 blocks of 2. A computes the shared 8-token prefix (4 blocks) and finishes; at t=5 B
     (the prefix + 1 token, 6 outputs) takes those 4 cached blocks and a fifth: the 10 tokens
