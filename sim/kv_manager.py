@@ -34,9 +34,11 @@ to ``copy_log`` (the step plan's ``swaps``)::
 from __future__ import annotations
 
 from collections.abc import Hashable, Mapping, Sequence
-from itertools import compress
+from itertools import chain, compress
 from operator import eq
 from typing import Any
+
+import numpy as np
 
 
 class KVIntegrityError(AssertionError):
@@ -589,46 +591,26 @@ class KVBlockManager:
             ("gpu", self._gpu, self.block_tables),
             ("cpu", self._cpu, self.cpu_tables),
         ):
-            refs = [0] * pool.num_blocks
             free = pool.free_blocks()
-            counts = pool.ref_counts(free)
-            for rid, table in tables.items():
-                if not table:
-                    raise KVIntegrityError(f"{name}: request {rid} has an empty block table")
-                for b in table:
-                    if not 0 <= b < pool.num_blocks:
-                        raise KVIntegrityError(f"{name}: request {rid} holds bad block id {b}")
-                    refs[b] += 1
             if pool.num_free != len(free):
                 raise KVIntegrityError(f"{name}: {pool.num_free} blocks counted free, "
                                        f"{len(free)} in the free queue")
-            free_set = set(free)
-            if len(free_set) != len(free):
-                raise KVIntegrityError(f"{name}: a block is in the free queue twice")
-            # The per-block checks below pass if the counts match list for list and the
-            # blocks counted with none are exactly the free ones (free ids in range, each
-            # counted with none, as many as count none): test that in C first (this runs
-            # after every step), and walk the blocks only to name the first that fails.
-            in_range = not free or (min(free) >= 0 and max(free) < pool.num_blocks)
-            if (refs == counts and counts.count(0) == len(free_set) and in_range
-                    and not any(map(counts.__getitem__, free))):
-                continue
-            for b in range(pool.num_blocks):
-                if refs[b] != counts[b]:
-                    raise KVIntegrityError(
-                        f"{name}: block {b} is held by {refs[b]} tables but the pool counts "
-                        f"{counts[b]} references (free queue and shared blocks)"
-                    )
-                if (refs[b] == 0) != (b in free_set):
-                    state = "free" if b in free_set else "not free"
-                    raise KVIntegrityError(f"{name}: block {b} has {refs[b]} refs and is {state}")
+            # This runs after every step of a checked run: the whole test in numpy first,
+            # and the walk that names the first block at fault only where it fails.
+            if not _books_agree(pool, tables, free):
+                _name_the_fault(name, pool, tables, free)
         if len(self.cached) != len(self.block_key):
             raise KVIntegrityError(f"{len(self.cached)} cached keys name "
                                    f"{len(self.block_key)} blocks")
-        for key, b in self.cached.items():
-            if self.block_key.get(b) != key:
+        # Each cached key names the block that holds it: with as many keys as blocks, exactly
+        # when the map inverted is ``block_key`` (compared in C; walked only to name a fault).
+        if {b: key for key, b in self.cached.items()} != self.block_key:
+            for key, b in self.cached.items():
+                if self.block_key.get(b) == key:
+                    continue
                 raise KVIntegrityError(f"cached key {key!r} names block {b}, which holds "
                                        f"{self.block_key.get(b)!r}")
+            raise KVIntegrityError("two cached keys name one block")
         for rid, n in self._registered.items():
             if n > len(self.block_tables.get(rid, ())):
                 raise KVIntegrityError(f"request {rid}: {n} blocks registered, table of "
@@ -645,6 +627,61 @@ class KVBlockManager:
         both = self.block_tables.keys() & self.cpu_tables.keys()
         if both:
             raise KVIntegrityError(f"requests {sorted(both)} hold both GPU and CPU blocks")
+
+
+def _books_agree(pool: _Pool, tables: Mapping[Hashable, list[int]], free: list[int]) -> bool:
+    """Whether ``pool``'s books hold (what ``_name_the_fault`` checks block by block): no
+    empty table, every held id in the pool, the free queue without repeats, and each
+    block's count of holding tables equal to the pool's reference count (0 exactly for the
+    free blocks, 1 for a taken one, more for a shared one)."""
+    n = pool.num_blocks
+    if not all(tables.values()):
+        return False
+    held = np.fromiter(chain.from_iterable(tables.values()), np.int64)
+    if len(held) and (held.min() < 0 or held.max() >= n):
+        return False
+    queue = np.fromiter(free, np.int64, len(free))
+    if len(queue) and (queue.min() < 0 or queue.max() >= n):
+        return False
+    counts = np.ones(n, np.int64)
+    counts[queue] = 0
+    if pool.shared:
+        counts[np.fromiter(pool.shared, np.int64)] += np.fromiter(pool.shared.values(),
+                                                                  np.int64)
+    # Shared extras are positive, so the blocks counted with none are the free queue's
+    # distinct blocks: as many as the queue holds exactly when it has no repeat.
+    return (n - np.count_nonzero(counts) == len(queue)
+            and np.array_equal(np.bincount(held, minlength=n), counts))
+
+
+def _name_the_fault(name: str, pool: _Pool, tables: Mapping[Hashable, list[int]],
+                    free: list[int]) -> None:
+    """Raise ``KVIntegrityError`` naming the first fault of ``pool``'s books (``name``: which
+    pool), walking them block by block."""
+    refs = [0] * pool.num_blocks
+    for rid, table in tables.items():
+        if not table:
+            raise KVIntegrityError(f"{name}: request {rid} has an empty block table")
+        for b in table:
+            if not 0 <= b < pool.num_blocks:
+                raise KVIntegrityError(f"{name}: request {rid} holds bad block id {b}")
+            refs[b] += 1
+    free_set = set(free)
+    if len(free_set) != len(free):
+        raise KVIntegrityError(f"{name}: a block is in the free queue twice")
+    if any(not 0 <= b < pool.num_blocks for b in free):
+        raise KVIntegrityError(f"{name}: the free queue holds a block id outside the pool")
+    counts = pool.ref_counts(free)
+    for b in range(pool.num_blocks):
+        if refs[b] != counts[b]:
+            raise KVIntegrityError(
+                f"{name}: block {b} is held by {refs[b]} tables but the pool counts "
+                f"{counts[b]} references (free queue and shared blocks)"
+            )
+        if (refs[b] == 0) != (b in free_set):
+            state = "free" if b in free_set else "not free"
+            raise KVIntegrityError(f"{name}: block {b} has {refs[b]} refs and is {state}")
+    raise AssertionError(f"{name}: the books disagree, yet no block is at fault")
 
 
 def _read_only(name: str) -> property:

@@ -1,5 +1,6 @@
 """KVBlockManager: exact block ids and free order on tiny pools, plus property tests."""
 
+import re
 import tracemalloc
 from collections import deque
 
@@ -142,6 +143,48 @@ def test_integrity_check_catches_a_free_count_that_drifted():
     kv.allocate_slots("a", 8)
     kv._gpu.num_free += 1
     with pytest.raises(KVIntegrityError, match="3 blocks counted free, 2 in the free queue"):
+        kv.check_integrity()
+
+
+@pytest.mark.parametrize("fault,message", [
+    ("repeat", "gpu: a block is in the free queue twice"),
+    ("outside", "gpu: the free queue holds a block id outside the pool"),
+    ("held_outside", "gpu: request a holds bad block id 9"),
+    ("empty", "gpu: request a has an empty block table"),
+    ("swapped_shared", "cpu: block 0 is held by 1 tables but the pool counts 2 references"),
+])
+def test_integrity_check_names_each_fault_of_the_books(fault, message):
+    """The check decides in numpy and walks the books only to name the fault: each kind of
+    fault is found and named, in the GPU and in the CPU pool."""
+    kv = KVBlockManager(num_gpu_blocks=4, block_size=4, num_cpu_blocks=4)
+    kv.allocate_slots("a", 8)  # blocks 0, 1
+    kv.check_integrity()
+    if fault == "repeat":  # block 3 twice in the queue: one more free than blocks 2 and 3
+        kv._gpu.free_queue.append(3)
+        kv._gpu.num_free += 1
+    elif fault == "outside":
+        kv._gpu.free_queue.append(7)
+        kv._gpu.num_free += 1
+    elif fault == "held_outside":
+        kv.block_tables["a"].append(9)
+    elif fault == "empty":
+        kv.block_tables["a"].clear()
+    else:
+        kv.allocate_slots("b", 4)
+        assert kv.swap_out("b") is not None
+        kv._cpu.shared[0] = 1  # a swapped block counted twice, held once
+    with pytest.raises(KVIntegrityError, match=f"^{re.escape(message)}"):
+        kv.check_integrity()
+
+
+def test_integrity_check_names_a_cached_key_on_the_wrong_block():
+    kv = KVBlockManager(num_gpu_blocks=4, block_size=4, enable_prefix_caching=True)
+    kv.allocate_slots("a", 8)
+    kv.cached = {"k0": 0, "k1": 1}
+    kv.block_key = {0: "k0", 1: "k1"}
+    kv.check_integrity()
+    kv.block_key = {0: "k0", 1: "k0"}
+    with pytest.raises(KVIntegrityError, match="cached key 'k1' names block 1, which holds 'k0'"):
         kv.check_integrity()
 
 
