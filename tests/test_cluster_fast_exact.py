@@ -6,6 +6,8 @@ end (so the same block ids were handed out in the same order)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import pandas as pd
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -49,9 +51,13 @@ def _run(mode: str, overrides: list[str], components: Components = BUILT_IN):
             free_queues(res))
 
 
-def assert_fast_equals_exact(overrides: list[str], components: Components = BUILT_IN) -> dict:
+def assert_fast_equals_exact(overrides: list[str], components: Components = BUILT_IN,
+                             exact_only: Sequence[str] = ()) -> dict:
+    """The fast run's summary, once it has the exact run's steps, requests, block ids and
+    figures. ``exact_only``: overrides of the exact run alone that change nothing it does
+    (``check_integrity=true`` checks the books after its every step)."""
     fast, rf, sf, free_f = _run("fast", overrides, components)
-    exact, re_, se, free_e = _run("exact", overrides, components)
+    exact, re_, se, free_e = _run("exact", [*overrides, *exact_only], components)
     assert len(sf) == len(se)
     assert (sf[STEP_INTS].to_numpy() == se[STEP_INTS].to_numpy()).all()
     for c in ("time", "duration"):
