@@ -1,8 +1,12 @@
 """Routers' decisions on tiny cases, and co-located replicas behind them."""
 
+import random
 from dataclasses import dataclass
 
 import pytest
+import simpy
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from sim.cluster.link import Link, LinkConfig
 from sim.cluster.router import ROUTERS, make_router
@@ -167,6 +171,71 @@ def test_link_per_replica_ports_let_disjoint_transfers_overlap():
     env.run()
     assert done == {"a": pytest.approx(1.2), "b": pytest.approx(1.2), "c": pytest.approx(2.2)}
     assert link.bytes_sent == 3000 and link.num_transfers == 3
+
+
+class _ResourcePort(simpy.Resource):
+    """simpy's own FIFO resource of capacity one, released as ``Port`` is: the reference."""
+
+    def __init__(self, env: simpy.Environment) -> None:
+        super().__init__(env, capacity=1)
+
+    def release(self, req):  # type: ignore[override]
+        if req.triggered:
+            return super().release(req)
+        req.cancel()
+
+
+def _link_events(seed: int, scope: str, reference: bool) -> list[tuple]:
+    """Random transfers over a link, with other processes' events at the same instants and
+    transfers interrupted on the way: what happened, when, in order."""
+    rnd = random.Random(seed)
+    env = simpy.Environment()
+    link = Link(env, LinkConfig(bandwidth_gbps=1e-9, latency_us=rnd.choice([0, 5e5, 1e6]),
+                                scope=scope), 4)
+    if reference:
+        link.ports = [_ResourcePort(env) for _ in link.ports]
+    log: list[tuple] = []
+
+    def xfer(k, src, dst, nbytes):
+        try:
+            yield from link.transfer(src, dst, nbytes,
+                                     on_last=lambda t: log.append(("last", k, t)),
+                                     on_start=lambda: log.append(("start", k, env.now)))
+        except simpy.Interrupt:
+            log.append(("interrupted", k, env.now))
+            return
+        log.append(("arrived", k, env.now))
+
+    def other(k, delay):
+        yield env.timeout(delay)
+        log.append(("other", k, env.now))
+
+    def interrupt(proc, delay):
+        yield env.timeout(delay)
+        if proc.is_alive:
+            proc.interrupt()
+
+    def source():
+        for k in range(60):  # gaps and sizes on a grid of halves: many exact ties
+            yield env.timeout(rnd.choice([0, 0, 0.5, 1, 2]))
+            proc = env.process(xfer(k, rnd.randrange(2), 2 + rnd.randrange(2),
+                                    rnd.choice([0, 0.5, 1, 2]) * 1.0))
+            if rnd.random() < 0.3:
+                env.process(other(k, rnd.choice([0, 0.5, 1])))
+            if rnd.random() < 0.15:
+                env.process(interrupt(proc, rnd.choice([0, 0.5, 1, 1.5])))
+
+    env.process(source())
+    env.run()
+    return [*log, ("busy", *link.busy_time), ("sent", link.bytes_sent, link.num_transfers)]
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(seed=st.integers(0, 2**32 - 1), scope=st.sampled_from(["replica", "cluster"]))
+def test_link_ports_grant_in_simpys_resource_order(seed, scope):
+    """A port grants, queues and hands over in the very order simpy.Resource does: the same
+    events at the same instants in the same order, ties and interrupted transfers included."""
+    assert _link_events(seed, scope, False) == _link_events(seed, scope, True)
 
 
 @pytest.mark.parametrize("value,field", [

@@ -1,6 +1,6 @@
 """The KV-transfer link between the prefill and the decode pool.
 
-Model: every port is a FIFO ``simpy.Resource`` of capacity one. A transfer holds its ports
+Model: every port is a FIFO queue of capacity one (``Port``). A transfer holds its ports
 for its serialization time (bytes / bandwidth) and then arrives ``latency`` later (the
 latency is propagation and set-up, it does not occupy the port). Concurrent transfers on a
 port therefore queue: two transfers of S bytes started together finish at
@@ -18,6 +18,7 @@ port therefore queue: two transfers of S bytes started together finish at
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
 
@@ -89,6 +90,48 @@ class LinkConfig:
         return us * 1e-6
 
 
+class Port:
+    """One port: a FIFO queue of capacity one that grants in simpy.Resource's order, event
+    for event, with fewer events and less bookkeeping (a transfer takes two ports, and a
+    disaggregated run of 100,000 requests 100,000 transfers).
+
+    A request is an event that succeeds when it holds the port (at once if the port is free
+    and nobody waits). A release frees the port and, like simpy's ``Release`` event, hands
+    it to the next in line only when an event scheduled now is processed, or earlier if a
+    new request comes first (which then queues behind it). With nobody waiting, simpy's
+    ``Release`` event does nothing when processed; it is not scheduled here, which leaves
+    the order of every other event as it was (tests/test_routing.py compares the two)."""
+
+    __slots__ = ("env", "holder", "waiting")
+
+    def __init__(self, env: simpy.Environment) -> None:
+        self.env = env
+        self.holder: simpy.Event | None = None
+        self.waiting: deque[simpy.Event] = deque()
+
+    def request(self) -> simpy.Event:
+        ev = simpy.Event(self.env)
+        self.waiting.append(ev)
+        self._grant(None)
+        return ev
+
+    def release(self, ev: simpy.Event) -> None:
+        """Give the port up (``ev`` holds it) or leave the queue (``ev`` still waits)."""
+        if self.holder is ev:
+            self.holder = None
+            if self.waiting:
+                handover = simpy.Event(self.env)
+                handover.callbacks.append(self._grant)
+                handover.succeed()
+        else:
+            self.waiting.remove(ev)
+
+    def _grant(self, _: simpy.Event | None) -> None:
+        if self.holder is None and self.waiting:
+            self.holder = ev = self.waiting.popleft()
+            ev.succeed()
+
+
 class Link:
     """The ports of one deployment and the transfers over them (see the module docstring)."""
 
@@ -98,7 +141,7 @@ class Link:
         self.bandwidth = config.bandwidth_bytes_per_s
         self.latency = config.latency_s
         n = 1 if config.scope == "cluster" else num_replicas
-        self.ports = [simpy.Resource(env, capacity=1) for _ in range(n)]
+        self.ports = [Port(env) for _ in range(n)]
         self.busy_time = [0.0] * n
         self.bytes_sent = 0.0
         self.num_transfers = 0
@@ -135,11 +178,8 @@ class Link:
             for p, _ in held:
                 self.busy_time[p] += busy
         finally:
-            for p, req in held:
-                if req.triggered:  # granted: the next in the queue gets the port
-                    self.ports[p].release(req)
-                else:  # still queued: leave the queue
-                    req.cancel()
+            for p, req in held:  # the next in the queue gets the port, or leave the queue
+                self.ports[p].release(req)
         self.bytes_sent += nbytes
         self.num_transfers += 1
         if self.latency:
