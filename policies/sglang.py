@@ -30,6 +30,12 @@ the engine is idle (no batch at all).
 With nothing running, a prompt that fits the free pool is admitted whatever its output
 estimate (it would otherwise wait forever in a small pool).
 
+Decode jumps (``step_mode=fast``) repeat a decode batch only while nothing waits and no prompt
+is mid-chunk: then no admission is tried, and each repeated batch only lowers
+``new_token_ratio`` as a planned one does (``StepBuilder.repeated_steps``). While requests wait,
+the falling ratio may admit one at any step, so every step is planned
+(``next_decision_time``).
+
 Prefix caching is on by default (SGLang's radix cache). SGLang matches prefixes token by
 token (page size 1); here hits are whole ``kv.block_size`` blocks (``kv.block_size=1`` is
 token-granular). ``chunked_prefill_size`` left null takes SGLang's default for the GPU's
@@ -40,6 +46,7 @@ stands for ``max_running_requests``, which SGLang derives from its pools. Not mo
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -100,8 +107,10 @@ def _estimate(req: Request) -> int:
 
 @POLICIES.register("sglang")
 class SGLangPolicy(Policy):
-    # new_token_ratio moves with every decode batch, and with it what may be admitted: no
-    # decode jumps (every step is planned).
+    # A decode batch is planned again, one more token each, until an arrival, a finish or
+    # a shortage, while nothing waits and no prompt is mid-chunk (next_decision_time); its
+    # repeats lower new_token_ratio as planned ones do (repeated_steps).
+    supports_decode_jumps = True
     implements_chunked_prefill = True
     prefix_caching_default = True
     # The overlap scheduler: the next batch is prepared while this one runs.
@@ -123,8 +132,23 @@ class SGLangPolicy(Policy):
         self.min_ratio = min(self.init_ratio * MIN_NEW_TOKEN_RATIO_FACTOR, 1.0)
         self.decay = (self.init_ratio - self.min_ratio) / NEW_TOKEN_RATIO_DECAY_STEPS
         self.new_token_ratio = self.init_ratio
+        # The last plan found requests waiting or a prompt mid-chunk: the next step may
+        # admit or continue one as the ratio falls, so it must be planned.
+        self._admission_pending = False
+
+    def next_decision_time(self, now: float) -> float:
+        """Now while requests wait or a prompt is mid-chunk (every step is planned), else
+        none: a decode batch then repeats until an arrival, a finish or a shortage."""
+        return now if self._admission_pending else math.inf
 
     def schedule(self, step: StepBuilder) -> StepPlan:
+        # Decode batches the replica repeated since the last plan (a decode jump): each
+        # retracted nobody and lowers the ratio, as the planned one did.
+        for _ in range(step.repeated_steps):
+            if self.new_token_ratio <= self.min_ratio:
+                break
+            self.new_token_ratio = max(self.new_token_ratio - self.decay, self.min_ratio)
+        self._admission_pending = bool(step.waiting)
         if self._prefill_batch(step):
             return step.build()
         if step.running:
@@ -149,6 +173,7 @@ class SGLangPolicy(Policy):
                     if r.num_pending_tokens > 1 and not step.is_scheduled(r)]
         if not chunking and not step.waiting:
             return False
+        self._admission_pending = True
         kv, size = step.kv, step.kv.block_size
         reserved = (sum(_estimate(r) for r in step.running if r.num_pending_tokens == 1)
                     * self.new_token_ratio)
@@ -202,6 +227,12 @@ class SGLangPolicy(Policy):
     def _decode_batch(self, step: StepBuilder) -> None:
         """Every decoding request one token (a prompt mid-chunk waits for the next prefill
         batch), after retracting some if the pool cannot hold the step."""
+        decodes, _ = step.split_running()
+        # The whole decode run as one block where the pool holds its new blocks (a fast
+        # run's; what scheduling each row in order would do), else row by row.
+        if step.schedule_decode_run(decodes, self.config.max_num_batched_tokens):
+            self.new_token_ratio = max(self.new_token_ratio - self.decay, self.min_ratio)
+            return
         decoding = [r for r in step.running
                     if r.num_pending_tokens == 1 and not step.is_scheduled(r)]
         if sum(step.blocks_needed(r, 1) for r in decoding) > step.kv.num_free_blocks:

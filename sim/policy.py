@@ -106,7 +106,9 @@ class Policy(ABC):
     #: waits or is swapped out, a finish changes it only by the finished request leaving
     #: (nobody can take its seat or blocks). The order of its rows is arrival order, or
     #: ``decode_run_key`` as far as ``decode_order_steps`` keeps it. The replica may then take
-    #: many such steps at once, through finishes. Policies state it after the fast-vs-exact
+    #: many such steps at once, through finishes, and tells the policy how many it took
+    #: without asking at its next plan (``StepBuilder.repeated_steps``: state that moves
+    #: with every planned step catches up there). Policies state it after the fast-vs-exact
     #: tests pass for them.
     supports_decode_jumps: ClassVar[bool] = False
     #: True if every request this policy runs holds KV for its whole length (prompt + maximum

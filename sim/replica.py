@@ -86,6 +86,9 @@ class Replica:
                              and getattr(policy, "supports_decode_jumps", False))
         self.num_jumps = 0
         self.num_jump_stops = 0  # finishes inside jumps past finishes
+        # Steps taken since the last plan by repeating it (a jump's after its first): the
+        # next plan's ``StepBuilder.repeated_steps``.
+        self._repeated = 0
         # Lazy horizons (sim/fast_forward.py; ``enable_lazy_horizon``): the upcoming arrivals,
         # how many of them a jump may run past, and, while the loop waits inside a jump, that
         # jump, its steps taken and the time waited for (an arrival here cuts the jump).
@@ -365,7 +368,8 @@ class Replica:
                 self._wakeup = None
                 continue
             start = env.now
-            builder.reset(start)
+            builder.reset(start, repeated_steps=self._repeated)
+            self._repeated = 0
             plan = policy.schedule(builder)
             if plan.is_empty:
                 if self.check_integrity:  # a plan that only preempted changed state too
@@ -715,6 +719,7 @@ class Replica:
                                  jump.durations[:m].tolist(), rows, waiting, runs, swapped,
                                  used)
         self.num_steps += m
+        self._repeated += m
         # A jump cut to one step (an arrival here during its first) records only that step.
         self._record_step(float(ends[-2]) if k > 1 else start, float(jump.durations[-1]), plan,
                           None if sizes is None else sizes[-1])

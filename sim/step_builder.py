@@ -163,11 +163,19 @@ class StepBuilder:
         self._transferred: list[Request] = []
         self._run_view = ReadOnly(self.run.members)
 
-    def reset(self, now: float, in_flight: set[int] | None = None) -> None:
+    def reset(self, now: float, in_flight: set[int] | None = None,
+              repeated_steps: int = 0) -> None:
         """Start a new step at ``now``. ``in_flight``: ids of running requests that are part
         of a micro-batch still in the pipeline (pipeline parallelism); they count as already
-        scheduled, so the shared loops skip them and never pick them as victims."""
+        scheduled, so the shared loops skip them and never pick them as victims.
+        ``repeated_steps``: steps the replica took since the last plan by repeating it
+        without asking the policy (a decode jump's steps after its first)."""
         self.now = now
+        #: Decode-only steps taken since the policy's last plan by repeating that plan (a
+        #: decode jump, sim/fast_forward.py, plans its first step and repeats it): 0 where
+        #: every step was planned. A policy whose own state moves with every step it plans
+        #: (SGLang's ``new_token_ratio``) catches up on them here.
+        self.repeated_steps = repeated_steps
         if self.run is not None and self._transferred:
             self._join_transferred()
         self._step_index += 1

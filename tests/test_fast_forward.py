@@ -24,9 +24,12 @@ EXTRA = {
     # Pausing under KV pressure (guaranteed_no_evict never pauses: tests/test_trtllm.py).
     "trtllm": ("policy.capacity_scheduler_policy=max_utilization", "policy.max_num_seqs=64",
                "policy.max_num_batched_tokens=512", "policy.enable_chunked_prefill=true"),
+    # Prompts chunked at 128 tokens, radix-cache hits, and new_token_ratio's admissions.
+    "sglang": ("policy.chunked_prefill_size=128", "policy.max_num_seqs=64",
+               "workload.shared_prefix_len=50", "workload.num_prefix_groups=2"),
 }
 # Policies without swap to host memory: their runs always recompute.
-NO_SWAP = ("vllm_v1", "trtllm")
+NO_SWAP = ("vllm_v1", "trtllm", "sglang")
 
 
 # Step-by-step runs by their overrides: ``array_core`` only chooses the fast engine, so the
