@@ -168,9 +168,10 @@ class SGLangPolicy(Policy):
     def _prefill_batch(self, step: StepBuilder) -> bool:
         """Build a prefill batch; False if it would be empty (then the step decodes)."""
         cfg = self.config
-        # (A request in a micro-batch still in the pipeline waits for it: pipeline stages.)
-        chunking = [r for r in step.running
-                    if r.num_pending_tokens > 1 and not step.is_scheduled(r)]
+        # The running requests with more than one token pending (nothing is scheduled yet
+        # but micro-batches still in the pipeline, whose requests wait for them).
+        _, prefills = step.split_running()
+        chunking = [r for r in prefills if not step.is_scheduled(r)]
         if not chunking and not step.waiting:
             return False
         self._admission_pending = True

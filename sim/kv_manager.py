@@ -208,14 +208,22 @@ class _CachingPool(_Pool):
     def _take_returned(self, n: int) -> list[int]:
         q, pos, h = self.free_queue, self.pos, self.head
         at = self.base + h
-        out: list[int] = []
-        while len(out) < n:
-            b = q[h]
-            if pos.get(b) == at:
+        out = q[h:h + n]
+        if len(out) == n and all(map(eq, map(pos.get, out), range(at, at + n))):
+            # The common case, in C: the next n entries are all live (no block left the
+            # queue from among them, none came back later).
+            for b in out:
                 del pos[b]
-                out.append(b)
-            h += 1
-            at += 1
+            h += n
+        else:
+            out = []
+            while len(out) < n:
+                b = q[h]
+                if pos.get(b) == at:
+                    del pos[b]
+                    out.append(b)
+                h += 1
+                at += 1
         if h > 1024 and 2 * h > len(q):
             del q[:h]
             self.base += h
@@ -226,17 +234,24 @@ class _CachingPool(_Pool):
     def release(self, blocks: list[int]) -> None:
         shared, q, pos = self.shared, self.free_queue, self.pos
         at = self.base + len(q)
-        for b in reversed(blocks):  # tail first, as ``_Pool.release``
-            extra = shared.get(b)
-            if extra is None:
-                pos[b] = at
-                q.append(b)
-                at += 1
-                self.num_free += 1
-            elif extra == 1:
-                del shared[b]
-            else:
-                shared[b] = extra - 1
+        if not shared or shared.keys().isdisjoint(blocks):
+            # The common case, in C: no block is shared, every one goes back to the queue.
+            tail_first = blocks[::-1]
+            pos.update(zip(tail_first, range(at, at + len(blocks))))
+            q.extend(tail_first)
+            self.num_free += len(blocks)
+        else:
+            for b in reversed(blocks):  # tail first, as ``_Pool.release``
+                extra = shared.get(b)
+                if extra is None:
+                    pos[b] = at
+                    q.append(b)
+                    at += 1
+                    self.num_free += 1
+                elif extra == 1:
+                    del shared[b]
+                else:
+                    shared[b] = extra - 1
         if self.num_free > self.num_blocks:
             raise KVIntegrityError(
                 f"double free: {self.num_free} blocks free in a pool of "

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sim.kv_manager import KVBlockManager, KVIntegrityError, blocks_for
+from sim.kv_manager import KVBlockManager, KVIntegrityError, _CachingPool, blocks_for
 
 
 def test_allocate_hands_out_ids_in_order_and_returns_new_blocks():
@@ -312,6 +312,45 @@ def test_free_queue_order_equals_one_explicit_queue(seq, gpu, bs, cpu):
                 ref_gpu.refs[b] += 1
         assert kv._gpu.free_blocks() == list(ref_gpu.free)
         assert kv._cpu.free_blocks() == list(ref_cpu.free)
+
+
+pool_ops = st.lists(st.tuples(st.sampled_from(["take", "release", "share", "revive"]),
+                             st.integers(0, 8)), max_size=150)
+
+
+@settings(max_examples=200, deadline=None)
+@given(pool_ops, st.integers(1, 12))
+def test_caching_pool_queue_equals_one_explicit_queue(seq, n):
+    """The prefix-caching pool, whose free blocks can also leave from the middle of the queue
+    (``revive``: a cached block hit), hands out and queues blocks as one explicit queue does,
+    shared blocks and stale entries included (the queue's fast paths and its slow ones)."""
+    pool, ref = _CachingPool(n), _ReferenceQueue(n)
+    held: list[list[int]] = []  # each holder's blocks
+    for op, k in seq:
+        if op == "take" and 0 < k <= pool.num_free:
+            blocks = pool.take(k)
+            assert blocks == ref.take(k)
+            held.append(blocks)
+        elif op == "release" and held:
+            blocks = held.pop(k % len(held))
+            pool.release(blocks)
+            ref.release(blocks)
+        elif op == "share" and held:
+            blocks = held[k % len(held)]
+            pool.share(blocks)
+            for b in blocks:
+                ref.refs[b] += 1
+            held.append(list(blocks))
+        elif op == "revive":
+            returned = pool.returned_blocks()
+            if returned:
+                b = returned[k % len(returned)]
+                pool.revive(b)
+                ref.free.remove(b)
+                ref.refs[b] = 1
+                held.append([b])
+        assert pool.free_blocks() == list(ref.free)
+        assert pool.num_free == len(ref.free)
 
 
 def test_a_pool_of_ten_million_blocks_costs_nothing_until_used():
