@@ -239,8 +239,9 @@ class Request:
 
     @property
     def num_pending_tokens(self) -> int:
-        """Tokens that must be computed before this request can sample again."""
-        return self.prompt_len + self.num_output_tokens - self.num_computed_tokens
+        """Tokens that must be computed before this request can sample again. (A decode
+        run's step count is in both counters or in neither: the stored ones suffice.)"""
+        return self.prompt_len + self._outputs - self._computed
 
     @property
     def remaining_output_tokens(self) -> int:
@@ -260,7 +261,8 @@ class Request:
     # ---- events applied by the replica ----------------------------------------------------
     def record_token(self, now: float, token_id: int | None = None) -> None:
         """One sampled token at simulated time ``now``."""
-        self._sync_times()
+        if self._run is not None:
+            self._sync_times()
         self.num_output_tokens += 1
         if self._first_token is None:
             self._first_token = now
