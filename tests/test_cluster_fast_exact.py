@@ -88,10 +88,18 @@ def _workload(seed: int, qps: float, n: int) -> list[str]:
             "workload.prompt_len.max=300", "workload.output_len.max=200"]
 
 
-POLICIES = ["fcfs", "sjf", "priority", "chunked_prefill"]
+POLICIES = ["fcfs", "sjf", "priority", "chunked_prefill", "sglang"]
 POLICY_EXTRA = {"priority": ["workload.priorities=[1,1,2]"],
                 "sjf": ["policy.predictor=noisy"],
-                "chunked_prefill": ["policy.max_num_batched_tokens=256"]}
+                "chunked_prefill": ["policy.max_num_batched_tokens=256"],
+                "sglang": ["policy.chunked_prefill_size=128"]}
+RECOMPUTE_ONLY = ("sglang",)  # (SGLang retracts by recompute)
+
+
+def preemption(policy: str, swap: bool) -> str:
+    """The ``policy.preemption_mode`` override: swap where asked and the policy has it."""
+    swap = swap and policy not in RECOMPUTE_ONLY
+    return f"policy.preemption_mode={'swap' if swap else 'recompute'}"
 
 
 @pytest.mark.slow
@@ -106,7 +114,7 @@ def test_colocated_replicas_fast_equals_exact(seed, qps, blocks, replicas, route
     assert_fast_equals_exact([
         *_workload(seed, qps, 60), f"policy={policy}", *POLICY_EXTRA.get(policy, []),
         "policy.max_num_seqs=16", f"kv.num_gpu_blocks_override={blocks}",
-        f"policy.preemption_mode={'swap' if swap else 'recompute'}",
+        preemption(policy, swap),
         f"cluster.num_replicas={replicas}", f"cluster.router={router}"])
 
 
@@ -124,7 +132,7 @@ def test_disaggregated_pools_fast_equals_exact(seed, qps, blocks, prefill, decod
     assert_fast_equals_exact([
         *_workload(seed, qps, 60), f"policy={policy}", *POLICY_EXTRA.get(policy, []),
         "policy.max_num_seqs=16", f"kv.num_gpu_blocks_override={blocks}",
-        f"policy.preemption_mode={'swap' if swap else 'recompute'}",
+        preemption(policy, swap),
         "cluster=disaggregated", f"cluster.num_prefill_replicas={prefill}",
         f"cluster.num_decode_replicas={decode}", f"cluster.decode_router={decode_router}",
         f"cluster.link.preset={link}", f"cluster.link.scope={scope}",

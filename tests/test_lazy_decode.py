@@ -26,6 +26,7 @@ from tests.test_cluster_fast_exact import (
     POLICY_EXTRA,
     _workload,
     assert_fast_equals_exact,
+    preemption,
 )
 from tests.test_lazy_horizon import COUNT_ROUTERS
 
@@ -193,7 +194,7 @@ def test_lazy_decode_fast_equals_exact(seed, qps, blocks, decode, decode_router,
     assert_fast_equals_exact([
         *_disaggregated(seed, qps, 80, blocks, decode, decode_router), f"policy={policy}",
         *POLICY_EXTRA.get(policy, []),
-        f"policy.preemption_mode={'swap' if swap else 'recompute'}",
+        preemption(policy, swap),
         f"cluster.link.preset={link}"])
 
 

@@ -98,9 +98,14 @@ class Port:
     A request is an event that succeeds when it holds the port (at once if the port is free
     and nobody waits). A release frees the port and, like simpy's ``Release`` event, hands
     it to the next in line only when an event scheduled now is processed, or earlier if a
-    new request comes first (which then queues behind it). With nobody waiting, simpy's
-    ``Release`` event does nothing when processed; it is not scheduled here, which leaves
-    the order of every other event as it was (tests/test_routing.py compares the two)."""
+    new request comes first (which then queues behind it). A release with nobody waiting
+    schedules nothing here, where simpy schedules a ``Release`` event that hands the port
+    over when processed. The two orders are the same (tests/test_routing.py compares them)
+    unless, at one instant, a port is released with nobody waiting, granted at once to a new
+    request, and released again by an interrupt before that request's process resumed,
+    someone waiting meanwhile: simpy then hands it over at the first release's event, and
+    this port at the second's. Only an abort interrupts a transfer
+    (``Disaggregated.abort``), and it runs between events, when every grant has resumed."""
 
     __slots__ = ("env", "holder", "waiting")
 
