@@ -176,7 +176,10 @@ class SGLangPolicy(Policy):
             return False
         self._admission_pending = True
         kv, size = step.kv, step.kv.block_size
-        reserved = (sum(_estimate(r) for r in step.running if r.num_pending_tokens == 1)
+        # (``_estimate`` of every decoding request, inline: this runs at every planned step
+        # while requests wait.)
+        reserved = (sum(min(r.max_output_len - r.num_output_tokens, CLIP_MAX_NEW_TOKENS)
+                        for r in step.running if r.num_pending_tokens == 1)
                     * self.new_token_ratio)
         committed = 0  # output estimates of the requests this batch admitted whole
 
