@@ -21,6 +21,7 @@ from tests.test_cluster_fast_exact import (
     POLICY_EXTRA,
     _workload,
     assert_fast_equals_exact,
+    preemption,
 )
 
 # Every test here holds a fast engine to step-by-step simulation, or to its own
@@ -119,7 +120,7 @@ def test_lazy_replicas_fast_equals_exact(seed, qps, blocks, replicas, router, po
     s = assert_fast_equals_exact([
         *_workload(seed, qps, 80), f"policy={policy}", *POLICY_EXTRA.get(policy, []),
         "policy.max_num_seqs=16", f"kv.num_gpu_blocks_override={blocks}",
-        f"policy.preemption_mode={'swap' if swap else 'recompute'}",
+        preemption(policy, swap),
         f"cluster.num_replicas={replicas}", f"cluster.router={router}", "array_core=false"])
     assert s["num_decode_jumps"] > 0
 
