@@ -33,9 +33,9 @@ to ``copy_log`` (the step plan's ``swaps``)::
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Hashable, Mapping, Sequence
-from itertools import chain, compress
-from operator import eq
+from itertools import chain
 from typing import Any
 
 import numpy as np
@@ -164,36 +164,55 @@ class _Pool:
 class _CachingPool(_Pool):
     """A ``_Pool`` whose returned blocks can also leave the free queue from the middle: a
     cached block handed to a request that hits it (``revive``). Each returned block's
-    position in the queue is kept (``pos``, absolute: ``base`` counts the entries compacted
-    away); an entry whose block has left since, or was returned again later, is stale and
-    skipped when the queue is read. Blocks never handed out hold no content, so they never
-    leave from the middle and stay a range."""
+    position in the queue is kept (``pos[block]``, absolute: ``base`` counts the entries
+    compacted away; -1 for a block that is not a free returned one); an entry whose block
+    has left since, or was returned again later, is stale and skipped when the queue is
+    read. Blocks never handed out hold no content, so they never leave from the middle and
+    stay a range.
+
+    The queue and the positions are C arrays, read and written in bulk through numpy views
+    where a call moves many blocks (``_BULK``): a pool of one-token blocks (SGLang's page
+    size) returns a thousand blocks per request and hands them out again a run at a time.
+    ``pos`` covers the blocks handed out so far (``fresh``), so an unused pool holds none."""
 
     __slots__ = ("base", "pos")
 
     def __init__(self, num_blocks: int) -> None:
         super().__init__(num_blocks)
+        self.free_queue: array = array("q")  # type: ignore[assignment]
         self.base = 0
-        self.pos: dict[int, int] = {}  # free returned block -> its queue entry (absolute)
+        self.pos = array("q")  # block -> its live queue entry (absolute), or -1
+
+    def take(self, n: int) -> list[int]:
+        grown = min(self.fresh + n, self.num_blocks) - len(self.pos)
+        if grown > 0:  # blocks handed out for the first time: not in the queue (-1)
+            self.pos.frombytes(b"\xff" * (8 * grown))
+        return super().take(n)
 
     def returned_blocks(self) -> list[int]:
-        # The live entries: those whose block's position is theirs (``pos.get(b) == i``,
-        # compared entry by entry in C).
-        rest = self.free_queue[self.head:]
-        at = self.base + self.head
-        live = map(eq, map(self.pos.get, rest), range(at, at + len(rest)))
-        return list(compress(rest, live))
+        h = self.head
+        n = len(self.free_queue) - h
+        if not n:
+            return []
+        at = self.base + h
+        entries = np.frombuffer(self.free_queue, np.int64)[h:]
+        live = np.frombuffer(self.pos, np.int64)[entries] == np.arange(at, at + n)
+        out = entries[live].tolist()
+        del entries  # (an array exporting its buffer cannot grow)
+        return out
 
     def is_free(self, block: int) -> bool:
-        return block in self.pos
+        return block < len(self.pos) and self.pos[block] >= 0
 
     def front_without(self, keyed: Mapping[int, Any]) -> int:
         """How many blocks the free queue's front holds before the first one in ``keyed``
         (a block with cached content): those can be handed out without evicting anything."""
         n = self.num_blocks - self.fresh  # never handed out: no content
-        q, pos, at = self.free_queue, self.pos, self.base + self.head
-        for b in q[self.head:]:
-            if pos.get(b) == at:  # a live entry
+        q, pos, h = self.free_queue, self.pos, self.head
+        at = self.base + h
+        for i in range(h, len(q)):
+            b = q[i]
+            if pos[b] == at:  # a live entry
                 if b in keyed:
                     return n
                 n += 1
@@ -202,25 +221,29 @@ class _CachingPool(_Pool):
 
     def revive(self, block: int) -> None:
         """Take the free ``block`` out of the queue, wherever it is (one reference now)."""
-        del self.pos[block]
+        self.pos[block] = -1
         self.num_free -= 1
 
     def _take_returned(self, n: int) -> list[int]:
         q, pos, h = self.free_queue, self.pos, self.head
         at = self.base + h
-        out = q[h:h + n]
-        if len(out) == n and all(map(eq, map(pos.get, out), range(at, at + n))):
-            # The common case, in C: the next n entries are all live (no block left the
+        out: list[int] | None = None
+        if n >= _BULK and len(q) - h >= n:
+            # The common case, in bulk: the next n entries are all live (no block left the
             # queue from among them, none came back later).
-            for b in out:
-                del pos[b]
-            h += n
-        else:
+            entries = np.frombuffer(q, np.int64)[h:h + n]
+            positions = np.frombuffer(pos, np.int64)
+            if (positions[entries] == np.arange(at, at + n)).all():
+                positions[entries] = -1
+                out = entries.tolist()
+                h += n
+            del entries, positions  # (an array exporting its buffer cannot shrink)
+        if out is None:
             out = []
             while len(out) < n:
                 b = q[h]
-                if pos.get(b) == at:
-                    del pos[b]
+                if pos[b] == at:
+                    pos[b] = -1
                     out.append(b)
                 h += 1
                 at += 1
@@ -234,12 +257,18 @@ class _CachingPool(_Pool):
     def release(self, blocks: list[int]) -> None:
         shared, q, pos = self.shared, self.free_queue, self.pos
         at = self.base + len(q)
+        n = len(blocks)
         if not shared or shared.keys().isdisjoint(blocks):
-            # The common case, in C: no block is shared, every one goes back to the queue.
-            tail_first = blocks[::-1]
-            pos.update(zip(tail_first, range(at, at + len(blocks))))
-            q.extend(tail_first)
-            self.num_free += len(blocks)
+            # The common case: no block is shared, every one goes back to the queue.
+            q.fromlist(blocks[::-1])
+            if n >= _BULK:
+                entries = np.frombuffer(q, np.int64)[len(q) - n:]
+                np.frombuffer(pos, np.int64)[entries] = np.arange(at, at + n)
+                del entries  # (an array exporting its buffer cannot grow)
+            else:
+                for i, b in enumerate(reversed(blocks), at):
+                    pos[b] = i
+            self.num_free += n
         else:
             for b in reversed(blocks):  # tail first, as ``_Pool.release``
                 extra = shared.get(b)
@@ -256,6 +285,11 @@ class _CachingPool(_Pool):
             raise KVIntegrityError(
                 f"double free: {self.num_free} blocks free in a pool of "
                 f"{self.num_blocks} after releasing {blocks}")
+
+
+# Blocks one call moves from which the caching pool goes through numpy views (below it, a
+# loop over the C arrays costs less than building the views).
+_BULK = 16
 
 
 class KVBlockManager:

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sim.kv_manager import KVBlockManager, KVIntegrityError, _CachingPool, blocks_for
+from sim.kv_manager import _BULK, KVBlockManager, KVIntegrityError, _CachingPool, blocks_for
 
 
 def test_allocate_hands_out_ids_in_order_and_returns_new_blocks():
@@ -314,19 +314,24 @@ def test_free_queue_order_equals_one_explicit_queue(seq, gpu, bs, cpu):
         assert kv._cpu.free_blocks() == list(ref_cpu.free)
 
 
-pool_ops = st.lists(st.tuples(st.sampled_from(["take", "release", "share", "revive"]),
-                             st.integers(0, 8)), max_size=150)
+# Few blocks per call (the pool's per-block loops) and many (its bulk path, from _BULK).
+pool_ops = st.lists(st.tuples(st.sampled_from(["take", "take_all", "release", "share",
+                                              "revive"]),
+                             st.one_of(st.integers(0, 8), st.integers(_BULK, 3 * _BULK))),
+                    max_size=150)
 
 
-@settings(max_examples=200, deadline=None)
-@given(pool_ops, st.integers(1, 12))
+@settings(max_examples=300, deadline=None)
+@given(pool_ops, st.one_of(st.integers(1, 12), st.integers(_BULK, 6 * _BULK)))
 def test_caching_pool_queue_equals_one_explicit_queue(seq, n):
     """The prefix-caching pool, whose free blocks can also leave from the middle of the queue
     (``revive``: a cached block hit), hands out and queues blocks as one explicit queue does,
-    shared blocks and stale entries included (the queue's fast paths and its slow ones)."""
+    shared blocks and stale entries included (the queue's bulk paths and its loops)."""
     pool, ref = _CachingPool(n), _ReferenceQueue(n)
     held: list[list[int]] = []  # each holder's blocks
     for op, k in seq:
+        if op == "take_all" and pool.num_free:
+            k, op = pool.num_free, "take"
         if op == "take" and 0 < k <= pool.num_free:
             blocks = pool.take(k)
             assert blocks == ref.take(k)
@@ -343,14 +348,16 @@ def test_caching_pool_queue_equals_one_explicit_queue(seq, n):
             held.append(list(blocks))
         elif op == "revive":
             returned = pool.returned_blocks()
-            if returned:
-                b = returned[k % len(returned)]
-                pool.revive(b)
-                ref.free.remove(b)
-                ref.refs[b] = 1
-                held.append([b])
+            for j in range(min(k, 3)) if returned else ():  # a few from the middle at once
+                b = returned[(k + 7 * j) % len(returned)]
+                if pool.is_free(b):
+                    pool.revive(b)
+                    ref.free.remove(b)
+                    ref.refs[b] = 1
+                    held.append([b])
         assert pool.free_blocks() == list(ref.free)
         assert pool.num_free == len(ref.free)
+        assert all(pool.is_free(b) == (b in ref.free) for b in range(n) if b < pool.fresh)
 
 
 def test_a_pool_of_ten_million_blocks_costs_nothing_until_used():
