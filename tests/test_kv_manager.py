@@ -1,5 +1,6 @@
 """KVBlockManager: exact block ids and free order on tiny pools, plus property tests."""
 
+import random
 import re
 import tracemalloc
 from collections import deque
@@ -358,6 +359,38 @@ def test_caching_pool_queue_equals_one_explicit_queue(seq, n):
         assert pool.free_blocks() == list(ref.free)
         assert pool.num_free == len(ref.free)
         assert all(pool.is_free(b) == (b in ref.free) for b in range(n) if b < pool.fresh)
+
+
+def test_caching_pool_keeps_its_order_across_compactions():
+    """Thousands of takes and releases move the queue's head past its compaction point
+    (entries before it are dropped, positions stay absolute) many times over, with revives
+    leaving stale entries on the way: the pool still equals one explicit queue."""
+    rng = random.Random(7)
+    n = 64
+    pool, ref = _CachingPool(n), _ReferenceQueue(n)
+    held: list[list[int]] = []
+    for _ in range(6000):
+        r = rng.random()
+        if r < 0.45 and pool.num_free:
+            k = rng.choice([1, 2, 3, rng.randint(_BULK, 40)])
+            k = min(k, pool.num_free)
+            blocks = pool.take(k)
+            assert blocks == ref.take(k)
+            held.append(blocks)
+        elif r < 0.9 and held:
+            blocks = held.pop(rng.randrange(len(held)))
+            pool.release(blocks)
+            ref.release(blocks)
+        else:
+            returned = pool.returned_blocks()
+            if returned:
+                b = rng.choice(returned)
+                pool.revive(b)
+                ref.free.remove(b)
+                ref.refs[b] = 1
+                held.append([b])
+        assert pool.free_blocks() == list(ref.free)
+    assert pool.base > 0 and pool.num_free == len(ref.free)  # (it compacted)
 
 
 def test_a_pool_of_ten_million_blocks_costs_nothing_until_used():
