@@ -51,14 +51,13 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
 
 
 def _leading(blocks: dict[Hashable, int], keys: Sequence[Hashable]) -> list[int]:
-    """The blocks ``blocks`` maps ``keys`` to, from the first key up to the first it lacks."""
-    out: list[int] = []
-    for key in keys:
-        b = blocks.get(key)
-        if b is None:
-            break
-        out.append(b)
-    return out
+    """The blocks ``blocks`` maps ``keys`` to, from the first key up to the first it lacks
+    (every key looked up in C: a prompt of one-token blocks has hundreds)."""
+    found = list(map(blocks.get, keys))
+    try:
+        return found[:found.index(None)]
+    except ValueError:  # every key is there
+        return found
 
 
 class _Pool:
@@ -269,6 +268,24 @@ class _CachingPool(_Pool):
                 for i, b in enumerate(reversed(blocks), at):
                     pos[b] = i
             self.num_free += n
+        elif n >= _BULK and len(set(blocks)) == n:
+            # Some are shared (a cached prefix other requests hold): those lose a reference,
+            # the others go back to the queue, tail first, as in the loop below.
+            held = shared.keys() & blocks
+            for b in held:
+                extra = shared[b]
+                if extra == 1:
+                    del shared[b]
+                else:
+                    shared[b] = extra - 1
+            freed = [b for b in reversed(blocks) if b not in held]
+            if freed:
+                q.fromlist(freed)
+                k = len(freed)
+                entries = np.frombuffer(q, np.int64)[len(q) - k:]
+                np.frombuffer(pos, np.int64)[entries] = np.arange(at, at + k)
+                del entries  # (an array exporting its buffer cannot grow)
+                self.num_free += k
         else:
             for b in reversed(blocks):  # tail first, as ``_Pool.release``
                 extra = shared.get(b)
@@ -285,6 +302,36 @@ class _CachingPool(_Pool):
             raise KVIntegrityError(
                 f"double free: {self.num_free} blocks free in a pool of "
                 f"{self.num_blocks} after releasing {blocks}")
+
+    def count_free(self, blocks: list[int]) -> int:
+        """How many of ``blocks`` (handed out before: cached ones) are free."""
+        pos = self.pos
+        if len(blocks) >= _BULK:
+            return int(np.count_nonzero(
+                np.frombuffer(pos, np.int64)[np.array(blocks, np.int64)] >= 0))
+        return sum(1 for b in blocks if pos[b] >= 0)
+
+    def revive_free(self, blocks: list[int]) -> list[int]:
+        """``revive`` each free block of ``blocks`` (distinct ones, handed out before); the
+        others (held), in order."""
+        pos = self.pos
+        if len(blocks) >= _BULK:
+            positions = np.frombuffer(pos, np.int64)
+            ids = np.array(blocks, np.int64)
+            free = positions[ids] >= 0
+            positions[ids[free]] = -1
+            self.num_free -= int(np.count_nonzero(free))
+            held = ids[~free].tolist()
+            del positions  # (an array exporting its buffer cannot grow)
+            return held
+        held = []
+        for b in blocks:
+            if pos[b] >= 0:
+                pos[b] = -1
+                self.num_free -= 1
+            else:
+                held.append(b)
+        return held
 
 
 # Blocks one call moves from which the caching pool goes through numpy views (below it, a
@@ -547,8 +594,7 @@ class KVBlockManager:
     def num_free_among(self, blocks: list[int]) -> int:
         """How many of ``blocks`` (cached blocks) are free: attaching them takes as many free
         blocks off the pool."""
-        pool = self._gpu
-        return sum(1 for b in blocks if pool.is_free(b)) if blocks else 0  # type: ignore[attr-defined]
+        return self._gpu.count_free(blocks) if blocks else 0  # type: ignore[attr-defined]
 
     def attach(self, request_id: Hashable, blocks: list[int]) -> None:
         """Start ``request_id``'s table with the cached ``blocks`` (a ``match``): free ones
@@ -557,11 +603,9 @@ class KVBlockManager:
             raise KVIntegrityError(f"request {request_id} already holds blocks; a cache hit "
                                    "starts a table")
         pool = self._gpu
-        for b in blocks:
-            if pool.is_free(b):  # type: ignore[attr-defined]
-                pool.revive(b)  # type: ignore[attr-defined]
-            else:
-                pool.share([b])
+        held = pool.revive_free(blocks)  # type: ignore[attr-defined]
+        if held:
+            pool.share(held)
         self.block_tables[request_id] = list(blocks)
         self._registered[request_id] = len(blocks)
         self.epoch += 1

@@ -17,11 +17,21 @@ turn of a conversation). Everything after the shared spans is the request's own.
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
+from functools import lru_cache
 
 
 def shared_block_hashes(prefix: Sequence[tuple[int, int]], block_size: int) -> list[int]:
     """The chained hashes of the full blocks that lie wholly inside the shared spans
-    ``prefix`` ((content key, tokens) pairs in prompt order)."""
+    ``prefix`` ((content key, tokens) pairs in prompt order). Requests that share a prefix
+    share its spans, so the chain is computed once per spans and block size (a prompt of
+    one-token blocks has hundreds); each caller gets its own list."""
+    return list(_block_hashes(tuple(map(tuple, prefix)), block_size))
+
+
+# (A few hundred prefixes: a workload's shared system prompts; a conversation's growing
+# prefix is new at every turn and gains nothing from a larger memo.)
+@lru_cache(maxsize=256)
+def _block_hashes(prefix: tuple[tuple[int, int], ...], block_size: int) -> tuple[int, ...]:
     out: list[int] = []
     parent = 0
     pieces: list[tuple[int, int, int]] = []
@@ -38,7 +48,7 @@ def shared_block_hashes(prefix: Sequence[tuple[int, int]], block_size: int) -> l
                 out.append(parent)
                 pieces = []
                 filled = 0
-    return out
+    return tuple(out)
 
 
 def own_block_key(request_id: Hashable, index: int) -> tuple[Hashable, int]:

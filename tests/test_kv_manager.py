@@ -317,7 +317,7 @@ def test_free_queue_order_equals_one_explicit_queue(seq, gpu, bs, cpu):
 
 # Few blocks per call (the pool's per-block loops) and many (its bulk path, from _BULK).
 pool_ops = st.lists(st.tuples(st.sampled_from(["take", "take_all", "release", "share",
-                                              "revive"]),
+                                              "revive", "attach"]),
                              st.one_of(st.integers(0, 8), st.integers(_BULK, 3 * _BULK))),
                     max_size=150)
 
@@ -356,6 +356,24 @@ def test_caching_pool_queue_equals_one_explicit_queue(seq, n):
                     ref.free.remove(b)
                     ref.refs[b] = 1
                     held.append([b])
+        elif op == "attach":  # a cache hit: free cached blocks and held ones, as attach takes them
+            returned, holders = pool.returned_blocks(), [b for g in held for b in g]
+            picked = list(dict.fromkeys(
+                [*returned[k % 5::3], *holders[k % 3::2]][:k]))  # distinct, free and held mixed
+            free = [b for b in picked if b in ref.free]
+            assert pool.count_free(picked) == len(free)
+            others = pool.revive_free(picked)
+            assert others == [b for b in picked if b not in free]
+            if others:
+                pool.share(others)
+            for b in picked:
+                if b in free:
+                    ref.free.remove(b)
+                    ref.refs[b] = 1
+                else:
+                    ref.refs[b] += 1
+            if picked:
+                held.append(picked)
         assert pool.free_blocks() == list(ref.free)
         assert pool.num_free == len(ref.free)
         assert all(pool.is_free(b) == (b in ref.free) for b in range(n) if b < pool.fresh)
@@ -364,7 +382,8 @@ def test_caching_pool_queue_equals_one_explicit_queue(seq, n):
 def test_caching_pool_keeps_its_order_across_compactions():
     """Thousands of takes and releases move the queue's head past its compaction point
     (entries before it are dropped, positions stay absolute) many times over, with revives
-    leaving stale entries on the way: the pool still equals one explicit queue."""
+    leaving stale entries on the way and runs of blocks shared by two holders (released in
+    bulk with their references): the pool still equals one explicit queue."""
     rng = random.Random(7)
     n = 64
     pool, ref = _CachingPool(n), _ReferenceQueue(n)
@@ -377,10 +396,16 @@ def test_caching_pool_keeps_its_order_across_compactions():
             blocks = pool.take(k)
             assert blocks == ref.take(k)
             held.append(blocks)
-        elif r < 0.9 and held:
+        elif r < 0.85 and held:
             blocks = held.pop(rng.randrange(len(held)))
             pool.release(blocks)
             ref.release(blocks)
+        elif r < 0.9 and held:
+            blocks = rng.choice(held)
+            pool.share(blocks)
+            for b in blocks:
+                ref.refs[b] += 1
+            held.append(list(blocks))
         else:
             returned = pool.returned_blocks()
             if returned:
