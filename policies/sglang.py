@@ -50,6 +50,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import numpy as np
+
 from policies.base import POLICIES, Policy, PolicyConfig
 from sim.errors import require
 from sim.plan import StepPlan
@@ -176,11 +178,10 @@ class SGLangPolicy(Policy):
             return False
         self._admission_pending = True
         kv, size = step.kv, step.kv.block_size
-        # (``_estimate`` of every decoding request, inline: this runs at every planned step
-        # while requests wait.)
-        reserved = (sum(min(r.max_output_len - r.num_output_tokens, CLIP_MAX_NEW_TOKENS)
-                        for r in step.running if r.num_pending_tokens == 1)
-                    * self.new_token_ratio)
+        # ``_estimate`` of every decoding request (at every planned step while requests
+        # wait: in one array operation).
+        remaining = np.minimum(step.remaining_outputs(), CLIP_MAX_NEW_TOKENS)
+        reserved = int(remaining.sum()) * self.new_token_ratio
         committed = 0  # output estimates of the requests this batch admitted whole
 
         def rem_total() -> float:

@@ -476,6 +476,17 @@ class StepBuilder:
         return ([r for r in running if r.num_pending_tokens == 1],
                 [r for r in running if r.num_pending_tokens > 1])
 
+    def remaining_outputs(self) -> Sequence[int]:
+        """The output tokens each running request with one pending token may still sample
+        (``max_output_len - num_output_tokens``), in ``split_running``'s order: the decode
+        run's as one array where the run holds them all (a policy that sums them over a
+        large batch at every step reads no request)."""
+        decodes, _ = self.split_running()
+        run = self.run
+        if run is not None and decodes is self._run_view:
+            return run.end - run.steps
+        return [r.max_output_len - r.num_output_tokens for r in decodes]
+
     def decode_run_order(self) -> list[Request] | None:
         """The running requests in the decode run's order (a copy), when the run is complete,
         kept in a policy's order (``Policy.decode_run_key``) and holds every running request;

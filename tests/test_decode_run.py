@@ -77,6 +77,35 @@ def test_bulk_decode_scheduling_equals_row_by_row(contexts, bs, spare):
     assert states[0] == states[1]
 
 
+@settings(max_examples=40, deadline=None)
+@given(contexts=st.lists(st.integers(1, 70), min_size=1, max_size=12),
+       bs=st.sampled_from([1, 4, 16]), steps=st.integers(0, 3))
+def test_remaining_outputs_from_the_run_equal_each_requests(contexts, bs, steps):
+    """``StepBuilder.remaining_outputs`` reads the decode run's arrays where the run holds
+    every decode: the same numbers, in the same order, as each request's own counters,
+    after run steps too."""
+    outputs = [min(c, 1 + c % 3) for c in contexts]
+    got = []
+    for with_run in (True, False):
+        builder, reqs = _decoding_replica(contexts, outputs, 4096, bs, with_run)
+        for k in range(steps):  # decode steps, every request one more token
+            builder.reset(float(k))
+            schedule_running(builder, Budget(builder, 4096, 256))
+            builder.build()
+            if with_run:
+                builder.run.take_steps(np.array([k + 1.0]))
+            else:
+                for r in reqs:
+                    r.num_computed_tokens += 1
+                    r.record_token(k + 1.0)
+        builder.reset(float(steps))
+        remaining = builder.remaining_outputs()
+        assert isinstance(remaining, np.ndarray) == with_run
+        got.append([int(x) for x in remaining])
+        assert got[-1] == [r.max_output_len - r.num_output_tokens for r in reqs]
+    assert got[0] == got[1]
+
+
 def _longest_context_first(r: Request) -> tuple[int, int]:
     """A policy's own running order (not arrival order) that moves as requests decode."""
     return (-r.num_computed_tokens, r.request_id)
