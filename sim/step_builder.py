@@ -5,6 +5,8 @@ read-only ``KVView`` (``step.kv``), and acts only through the methods below, whi
 single home of request state transitions and KV operations:
 
     pending_tokens(req) tokens req still needs computed, less what the prefix cache holds
+    split_running()    the running requests that decode and those mid-prefill
+    remaining_outputs() each decoding request's remaining output tokens (fast: one array)
     schedule(req, n)   grant n new tokens (allocates slots; moves a waiting request to running;
                        with prefix caching a request admitted within its ``pending_tokens``
                        starts with the cached blocks of its prompt)
