@@ -195,9 +195,13 @@ class _CachingPool(_Pool):
             return []
         at = self.base + h
         entries = np.frombuffer(self.free_queue, np.int64)[h:]
-        live = np.frombuffer(self.pos, np.int64)[entries] == np.arange(at, at + n)
+        positions = np.frombuffer(self.pos, np.int64)
+        # (An id past the blocks ever handed out is no live entry: books an integrity
+        # check is looking at may hold one.)
+        known = (entries >= 0) & (entries < len(positions))
+        live = known & (positions[np.where(known, entries, 0)] == np.arange(at, at + n))
         out = entries[live].tolist()
-        del entries  # (an array exporting its buffer cannot grow)
+        del entries, positions  # (an array exporting its buffer cannot grow)
         return out
 
     def is_free(self, block: int) -> bool:
@@ -220,6 +224,8 @@ class _CachingPool(_Pool):
 
     def revive(self, block: int) -> None:
         """Take the free ``block`` out of the queue, wherever it is (one reference now)."""
+        if not self.is_free(block):
+            raise KVIntegrityError(f"block {block} revived but not free")
         self.pos[block] = -1
         self.num_free -= 1
 
@@ -315,7 +321,7 @@ class _CachingPool(_Pool):
         """``revive`` each free block of ``blocks`` (distinct ones, handed out before); the
         others (held), in order."""
         pos = self.pos
-        if len(blocks) >= _BULK:
+        if len(blocks) >= _BULK and len(set(blocks)) == len(blocks):
             positions = np.frombuffer(pos, np.int64)
             ids = np.array(blocks, np.int64)
             free = positions[ids] >= 0

@@ -22,16 +22,29 @@ from functools import lru_cache
 
 def shared_block_hashes(prefix: Sequence[tuple[int, int]], block_size: int) -> list[int]:
     """The chained hashes of the full blocks that lie wholly inside the shared spans
-    ``prefix`` ((content key, tokens) pairs in prompt order). Requests that share a prefix
-    share its spans, so the chain is computed once per spans and block size (a prompt of
-    one-token blocks has hundreds); each caller gets its own list."""
-    return list(_block_hashes(tuple(map(tuple, prefix)), block_size))
+    ``prefix`` ((content key, tokens) pairs in prompt order). A prefix of one or two spans
+    (a shared system prompt, which many requests repeat) is hashed once per block size (a
+    prompt of one-token blocks has hundreds of blocks); each caller gets its own list."""
+    spans = tuple(map(tuple, prefix))
+    if (len(spans) <= _MEMO_SPANS
+            and sum(n for _, n in spans) // block_size <= _MEMO_BLOCKS):
+        return list(_memo_hashes(spans, block_size))
+    return _block_hashes(spans, block_size)
 
 
-# (A few hundred prefixes: a workload's shared system prompts; a conversation's growing
-# prefix is new at every turn and gains nothing from a larger memo.)
+# What the memo keeps: up to 256 chains of up to 4,096 blocks (a few tens of MB at most).
+# Longer span lists (a conversation's turns, a trace's hash ids) are new at nearly every
+# request and are hashed directly.
+_MEMO_SPANS = 2
+_MEMO_BLOCKS = 4096
+
+
 @lru_cache(maxsize=256)
-def _block_hashes(prefix: tuple[tuple[int, int], ...], block_size: int) -> tuple[int, ...]:
+def _memo_hashes(prefix: tuple[tuple[int, int], ...], block_size: int) -> tuple[int, ...]:
+    return tuple(_block_hashes(prefix, block_size))
+
+
+def _block_hashes(prefix: Sequence[tuple[int, int]], block_size: int) -> list[int]:
     out: list[int] = []
     parent = 0
     pieces: list[tuple[int, int, int]] = []
@@ -48,7 +61,7 @@ def _block_hashes(prefix: tuple[tuple[int, int], ...], block_size: int) -> tuple
                 out.append(parent)
                 pieces = []
                 filled = 0
-    return tuple(out)
+    return out
 
 
 def own_block_key(request_id: Hashable, index: int) -> tuple[Hashable, int]:

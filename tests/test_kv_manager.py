@@ -418,6 +418,29 @@ def test_caching_pool_keeps_its_order_across_compactions():
     assert pool.base > 0 and pool.num_free == len(ref.free)  # (it compacted)
 
 
+def test_caching_pool_refuses_what_its_callers_never_ask():
+    """Reviving a block that is not free is an integrity error; a hit that lists a block
+    twice takes it once and shares it the second time, as one block at a time would; a
+    queue entry past every block ever handed out (broken books) is no free block."""
+    pool = _CachingPool(40)
+    blocks = pool.take(40)
+    with pytest.raises(KVIntegrityError, match="block 3 revived but not free"):
+        pool.revive(3)
+    pool.release(blocks[:20])  # blocks 19 .. 0 queued, tail first
+    twice = [*range(10), 5, *range(10, 20)]  # 5 twice, 21 blocks: the bulk size
+    assert pool.revive_free(twice) == [5]
+    assert pool.num_free == 0 and pool.returned_blocks() == []
+    pool.free_queue.append(99)  # an id no block has
+    pool.num_free += 1
+    assert pool.returned_blocks() == []
+    kv = KVBlockManager(num_gpu_blocks=4, block_size=4, enable_prefix_caching=True)
+    kv.allocate_slots("a", 8)
+    kv._gpu.free_queue.append(7)
+    kv._gpu.num_free += 1
+    with pytest.raises(KVIntegrityError, match="^gpu: 3 blocks counted free"):
+        kv.check_integrity()
+
+
 def test_a_pool_of_ten_million_blocks_costs_nothing_until_used():
     """A pool holds no per-block state for blocks never handed out: building ten million
     blocks (GPU and CPU) allocates under a kilobyte, ids come out 0, 1, 2 ..., and returned
