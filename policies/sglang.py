@@ -47,6 +47,7 @@ stands for ``max_running_requests``, which SGLang derives from its pools. Not mo
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -146,15 +147,15 @@ class SGLangPolicy(Policy):
     def schedule(self, step: StepBuilder) -> StepPlan:
         # Decode batches the replica repeated since the last plan (a decode jump): each
         # retracted nobody and lowers the ratio, as the planned one did.
-        for _ in range(step.repeated_steps):
-            if self.new_token_ratio <= self.min_ratio:
-                break
-            self.new_token_ratio = max(self.new_token_ratio - self.decay, self.min_ratio)
+        self._lower_ratio(step.repeated_steps)
         self._admission_pending = bool(step.waiting)
-        if self._prefill_batch(step):
+        # The running requests that decode and those with more to prefill (a prefill batch
+        # that schedules nothing changes neither).
+        decodes, prefills = step.split_running()
+        if self._prefill_batch(step, decodes, prefills):
             return step.build()
         if step.running:
-            self._decode_batch(step)
+            self._decode_batch(step, decodes)
         else:  # idle: no batch at all
             self.new_token_ratio = self.init_ratio
         return step.build()
@@ -167,12 +168,12 @@ class SGLangPolicy(Policy):
             waiting.sort(key=lambda r: step.pending_tokens(r) - r.num_pending_tokens)
         return waiting
 
-    def _prefill_batch(self, step: StepBuilder) -> bool:
+    def _prefill_batch(self, step: StepBuilder, decodes: Sequence[Request],
+                       prefills: Sequence[Request]) -> bool:
         """Build a prefill batch; False if it would be empty (then the step decodes)."""
         cfg = self.config
-        # The running requests with more than one token pending (nothing is scheduled yet
-        # but micro-batches still in the pipeline, whose requests wait for them).
-        _, prefills = step.split_running()
+        # Nothing is scheduled yet but micro-batches still in the pipeline, whose requests
+        # wait for them.
         chunking = [r for r in prefills if not step.is_scheduled(r)]
         if not chunking and not step.waiting:
             return False
@@ -180,7 +181,7 @@ class SGLangPolicy(Policy):
         kv, size = step.kv, step.kv.block_size
         # ``_estimate`` of every decoding request (at every planned step while requests
         # wait: in one array operation).
-        remaining = np.minimum(step.remaining_outputs(), CLIP_MAX_NEW_TOKENS)
+        remaining = np.minimum(step.remaining_outputs(decodes), CLIP_MAX_NEW_TOKENS)
         reserved = int(remaining.sum()) * self.new_token_ratio
         committed = 0  # output estimates of the requests this batch admitted whole
 
@@ -229,24 +230,31 @@ class SGLangPolicy(Policy):
         return step.num_scheduled > 0
 
     # ---- decode ----------------------------------------------------------------------------
-    def _decode_batch(self, step: StepBuilder) -> None:
+    def _decode_batch(self, step: StepBuilder, decodes: Sequence[Request]) -> None:
         """Every decoding request one token (a prompt mid-chunk waits for the next prefill
         batch), after retracting some if the pool cannot hold the step."""
-        decodes, _ = step.split_running()
         # The whole decode run as one block where the pool holds its new blocks (a fast
         # run's; what scheduling each row in order would do), else row by row.
         if step.schedule_decode_run(decodes, self.config.max_num_batched_tokens):
-            self.new_token_ratio = max(self.new_token_ratio - self.decay, self.min_ratio)
+            self._lower_ratio()
             return
         decoding = [r for r in step.running
                     if r.num_pending_tokens == 1 and not step.is_scheduled(r)]
         if sum(step.blocks_needed(r, 1) for r in decoding) > step.kv.num_free_blocks:
             decoding = self._retract(step, decoding)
         else:
-            self.new_token_ratio = max(self.new_token_ratio - self.decay, self.min_ratio)
+            self._lower_ratio()
         for req in decoding:
             if not step.schedule(req, 1):  # retraction left room for this step
                 raise AssertionError(f"request {req.request_id}: no block after retraction")
+
+    def _lower_ratio(self, batches: int = 1) -> None:
+        """``batches`` decode batches that retracted nobody: each lowers ``new_token_ratio``
+        by the decay, down to its floor."""
+        for _ in range(batches):
+            if self.new_token_ratio <= self.min_ratio:
+                break
+            self.new_token_ratio = max(self.new_token_ratio - self.decay, self.min_ratio)
 
     def _retract(self, step: StepBuilder, running: list[Request]) -> list[Request]:
         """Preempt by recompute, fewest outputs and then longest prompt first, until the

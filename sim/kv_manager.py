@@ -260,23 +260,14 @@ class _CachingPool(_Pool):
         return out
 
     def release(self, blocks: list[int]) -> None:
-        shared, q, pos = self.shared, self.free_queue, self.pos
-        at = self.base + len(q)
+        shared = self.shared
         n = len(blocks)
         if not shared or shared.keys().isdisjoint(blocks):
             # The common case: no block is shared, every one goes back to the queue.
-            q.fromlist(blocks[::-1])
-            if n >= _BULK:
-                entries = np.frombuffer(q, np.int64)[len(q) - n:]
-                np.frombuffer(pos, np.int64)[entries] = np.arange(at, at + n)
-                del entries  # (an array exporting its buffer cannot grow)
-            else:
-                for i, b in enumerate(reversed(blocks), at):
-                    pos[b] = i
-            self.num_free += n
-        elif n >= _BULK and len(set(blocks)) == n:
+            self._queue(blocks[::-1])
+        elif len(set(blocks)) == n:
             # Some are shared (a cached prefix other requests hold): those lose a reference,
-            # the others go back to the queue, tail first, as in the loop below.
+            # the others go back to the queue, tail first.
             held = shared.keys() & blocks
             for b in held:
                 extra = shared[b]
@@ -284,22 +275,12 @@ class _CachingPool(_Pool):
                     del shared[b]
                 else:
                     shared[b] = extra - 1
-            freed = [b for b in reversed(blocks) if b not in held]
-            if freed:
-                q.fromlist(freed)
-                k = len(freed)
-                entries = np.frombuffer(q, np.int64)[len(q) - k:]
-                np.frombuffer(pos, np.int64)[entries] = np.arange(at, at + k)
-                del entries  # (an array exporting its buffer cannot grow)
-                self.num_free += k
-        else:
-            for b in reversed(blocks):  # tail first, as ``_Pool.release``
+            self._queue([b for b in reversed(blocks) if b not in held])
+        else:  # a block listed twice (books gone wrong): one reference at a time
+            for b in reversed(blocks):
                 extra = shared.get(b)
                 if extra is None:
-                    pos[b] = at
-                    q.append(b)
-                    at += 1
-                    self.num_free += 1
+                    self._queue([b])
                 elif extra == 1:
                     del shared[b]
                 else:
@@ -308,6 +289,20 @@ class _CachingPool(_Pool):
             raise KVIntegrityError(
                 f"double free: {self.num_free} blocks free in a pool of "
                 f"{self.num_blocks} after releasing {blocks}")
+
+    def _queue(self, blocks: list[int]) -> None:
+        """Put ``blocks`` at the back of the free queue, in this order, as live entries."""
+        q, pos, n = self.free_queue, self.pos, len(blocks)
+        at = self.base + len(q)
+        q.fromlist(blocks)
+        if n >= _BULK:
+            entries = np.frombuffer(q, np.int64)[len(q) - n:]
+            np.frombuffer(pos, np.int64)[entries] = np.arange(at, at + n)
+            del entries  # (an array exporting its buffer cannot grow)
+        else:
+            for i, b in enumerate(blocks, at):
+                pos[b] = i
+        self.num_free += n
 
     def count_free(self, blocks: list[int]) -> int:
         """How many of ``blocks`` (handed out before: cached ones) are free."""

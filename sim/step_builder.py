@@ -6,7 +6,7 @@ single home of request state transitions and KV operations:
 
     pending_tokens(req) tokens req still needs computed, less what the prefix cache holds
     split_running()    the running requests that decode and those mid-prefill
-    remaining_outputs() each decoding request's remaining output tokens (fast: one array)
+    remaining_outputs(decodes) their remaining output tokens (fast: one array)
     schedule(req, n)   grant n new tokens (allocates slots; moves a waiting request to running;
                        with prefix caching a request admitted within its ``pending_tokens``
                        starts with the cached blocks of its prompt)
@@ -478,12 +478,11 @@ class StepBuilder:
         return ([r for r in running if r.num_pending_tokens == 1],
                 [r for r in running if r.num_pending_tokens > 1])
 
-    def remaining_outputs(self) -> Sequence[int]:
-        """The output tokens each running request with one pending token may still sample
-        (``max_output_len - num_output_tokens``), in ``split_running``'s order: the decode
-        run's as one array where the run holds them all (a policy that sums them over a
-        large batch at every step reads no request)."""
-        decodes, _ = self.split_running()
+    def remaining_outputs(self, decodes: Sequence[Request]) -> Sequence[int]:
+        """The output tokens each of ``decodes`` (``split_running``'s first part) may still
+        sample (``max_output_len - num_output_tokens``), in order: the decode run's as one
+        array where ``decodes`` is the run (a policy that sums them over a large batch at
+        every step reads no request)."""
         run = self.run
         if run is not None and decodes is self._run_view:
             return run.end - run.steps

@@ -99,7 +99,7 @@ def test_remaining_outputs_from_the_run_equal_each_requests(contexts, bs, steps)
                     r.num_computed_tokens += 1
                     r.record_token(k + 1.0)
         builder.reset(float(steps))
-        remaining = builder.remaining_outputs()
+        remaining = builder.remaining_outputs(builder.split_running()[0])
         assert isinstance(remaining, np.ndarray) == with_run
         got.append([int(x) for x in remaining])
         assert got[-1] == [r.max_output_len - r.num_output_tokens for r in reqs]
