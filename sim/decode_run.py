@@ -19,7 +19,10 @@ single-row operation on a member (schedule, preempt...) first dissolves the run,
 member back into a plain request, so the per-row code paths see exactly what they always saw.
 After a dissolve the run is *incomplete* (some decoding requests may be outside it) until it is
 rebuilt from the running set. The replica uses a run only in fast mode (cost model, no
-disaggregation handoff, no pipeline); exact mode and the real executor never see one.
+disaggregation handoff); exact mode and the real executor never see one. On a pipelined
+replica the run holds the decoding requests not in flight, and a micro-batch takes it along
+(``StepBuilder.detach_run``; sim/cluster/pipeline.py): several runs then exist at once,
+each member counted by its own.
 """
 
 from __future__ import annotations
@@ -226,6 +229,45 @@ class DecodeRun:
         self._cols = np.stack((ctx0, end, nblk * self.block_size - ctx0))
         self._summarize()
         self.complete = True
+
+    def absorb(self, other: DecodeRun) -> None:
+        """Make every member of ``other`` (complete, with the same key) a member here, in
+        the run's order, and leave ``other`` empty: a pipelined replica's micro-batch,
+        applied, rejoins the decoding requests not in flight (``StepBuilder.attach_run``).
+        Counters and token times carry over; one sort and one array build for all."""
+        moved = other.members
+        if not moved:
+            return
+        tables = other.tables
+        for req in moved:
+            other._release(req)
+        s = self.steps
+        for req in moved:
+            req._computed -= s
+            req._outputs -= s
+            req._joined = s
+            req._run = self
+        members = self.members + moved
+        all_tables = self.tables + tables
+        n = len(members)
+        key = self.key or _arrival_key
+        perm = sorted(range(n), key=lambda i: key(members[i]))
+        self.members[:] = [members[i] for i in perm]
+        self.ids[:] = [r.request_id for r in self.members]
+        self.tables[:] = [all_tables[i] for i in perm]
+        ctx0 = np.fromiter((r._computed for r in moved), np.int64, len(moved))
+        end = np.fromiter((r.max_output_len - r._outputs for r in moved), np.int64, len(moved))
+        nblk = np.fromiter((len(t) for t in tables), np.int64, len(moved))
+        cols = np.concatenate((self._cols, np.stack((ctx0, end, nblk * self.block_size - ctx0))),
+                              axis=1)
+        self._cols = cols[:, perm]
+        self._summarize()
+        other.members = []
+        other.ids = []
+        other.tables = []
+        other._cols = other._cols[:, :0]
+        other._summarize()
+        other._trim()
 
     def reorder(self, order: list[Request]) -> bool:
         """Put the members in ``order``, if it holds each of them once (False, nothing

@@ -105,8 +105,10 @@ class Policy(ABC):
     #: cannot hold the next step's blocks, or ``next_decision_time`` comes; and while nothing
     #: waits or is swapped out, a finish changes it only by the finished request leaving
     #: (nobody can take its seat or blocks). The order of its rows is arrival order, or
-    #: ``decode_run_key`` as far as ``decode_order_steps`` keeps it. The replica may then take
-    #: many such steps at once, through finishes, and tells the policy how many it took
+    #: ``decode_run_key`` as far as ``decode_order_steps`` keeps it. On a pipelined replica
+    #: the step is a micro-batch of every running request not in flight, planned again when
+    #: they are free again (sim/cluster/pipeline.py). The replica may then take many such
+    #: steps without asking, through finishes, and tells the policy how many it took
     #: without asking at its next plan (``StepBuilder.repeated_steps``: state that moves
     #: with every planned step catches up there). Policies state it after the fast-vs-exact
     #: tests pass for them.

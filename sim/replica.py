@@ -562,7 +562,11 @@ class Replica:
             stretch_durations_fn=executor.decode_stretch_durations if past else None,
             step_pricer=executor.decode_step_pricer)
 
-    def _apply(self, plan: StepPlan, requests: list[Request], result: StepResult) -> None:
+    def _apply(self, plan: StepPlan, requests: list[Request], result: StepResult,
+               block_run: tuple[DecodeRun, int] | None = None) -> None:
+        """Apply a step's results at its end. ``block_run``: the decode run whose block the
+        plan holds and its step when planned, where the run left the builder with the plan
+        (a pipelined replica's micro-batch: ``StepBuilder.detach_run``)."""
         now = self.env.now
         sampled = result.sampled_token_ids
         run = self.builder.run
@@ -575,7 +579,7 @@ class Replica:
         caching = self.kv.enable_prefix_caching
         for part in plan.parts:
             if isinstance(part, DecodeBlock):
-                self._apply_block(part, now)
+                self._apply_block(part, now, block_run)
                 i += len(part)
                 continue
             req = requests[i]
@@ -601,10 +605,15 @@ class Replica:
         for req in joining:  # after the run's own step: they decode from the next one
             run.join(req, self.kv.block_tables[req.request_id])  # type: ignore[union-attr]
 
-    def _apply_block(self, block: DecodeBlock, now: float) -> None:
-        """The decode run took one step (the block is the whole run)."""
-        run = self.builder.run
-        if run.steps != self.builder.run_block_step:
+    def _apply_block(self, block: DecodeBlock, now: float,
+                     block_run: tuple[DecodeRun, int] | None = None) -> None:
+        """The decode run took one step (the block is the whole run): the builder's, or
+        ``block_run``'s (see ``_apply``)."""
+        if block_run is None:
+            run, step = self.builder.run, self.builder.run_block_step
+        else:
+            run, step = block_run
+        if run.steps != step:
             raise AssertionError("a decode block applied out of step with its run")
         done = run.advance([now])
         if len(done):

@@ -164,6 +164,8 @@ class StepBuilder:
         # their first step.
         self._transferred: list[Request] = []
         self._run_view = ReadOnly(self.run.members)
+        # An empty run kept for the next one to leave with a micro-batch (``detach_run``).
+        self._spare_run: DecodeRun | None = None
 
     def reset(self, now: float, in_flight: set[int] | None = None,
               repeated_steps: int = 0) -> None:
@@ -171,7 +173,9 @@ class StepBuilder:
         of a micro-batch still in the pipeline (pipeline parallelism); they count as already
         scheduled, so the shared loops skip them and never pick them as victims.
         ``repeated_steps``: steps the replica took since the last plan by repeating it
-        without asking the policy (a decode jump's steps after its first)."""
+        without asking the policy (a decode jump's steps after its first; a pipelined
+        replica's repeated micro-batches, and the instants it found every running request
+        in flight)."""
         self.now = now
         #: Decode-only steps taken since the policy's last plan by repeating that plan (a
         #: decode jump, sim/fast_forward.py, plans its first step and repeats it): 0 where
@@ -325,12 +329,12 @@ class StepBuilder:
         """Grant ``num_new_tokens`` to ``req`` this step. Returns False (and changes nothing)
         if the KV pool cannot hold them: the policy may preempt someone and retry."""
         rid = req.request_id
+        if rid in self._in_flight:
+            raise ValueError(f"request {rid} is in a micro-batch still in the pipeline")
         if req._run is not None:
             self.dissolve_run()
         if rid in self._granted:
             raise ValueError(f"request {rid} is already scheduled in this step")
-        if rid in self._in_flight:
-            raise ValueError(f"request {rid} is in a micro-batch still in the pipeline")
         pending = req.num_pending_tokens
         if not 1 <= num_new_tokens <= pending:
             raise ValueError(
@@ -399,13 +403,13 @@ class StepBuilder:
         recomputed goes back to the head of the waiting queue (vLLM), or with
         ``to_front=False`` to its tail (SGLang's retraction)."""
         rid = req.request_id
+        if rid in self._in_flight:
+            raise ValueError(f"request {rid} is in a micro-batch still in the pipeline; "
+                             f"it cannot be preempted until that batch completes")
         if req._run is not None:
             self.dissolve_run()
         if req.status is not RequestStatus.RUNNING:
             raise ValueError(f"request {rid} is {req.status.name}, only RUNNING can be preempted")
-        if rid in self._in_flight:
-            raise ValueError(f"request {rid} is in a micro-batch still in the pipeline; "
-                             f"it cannot be preempted until that batch completes")
         if rid in self._granted:
             self._unschedule(req)
         mode = PreemptionMode(mode or self.preemption_mode)
@@ -504,10 +508,14 @@ class StepBuilder:
         scheduled, or granted less than they have pending)."""
         granted = self._granted
         n = 0
-        for r in self._q.running:
-            if r._run is None and r.num_pending_tokens > granted.get(r.request_id, 0):
-                n += 1
         run = self.run
+        for r in self._q.running:
+            # Members of this builder's run are counted below; those of a run in flight (a
+            # pipelined replica's micro-batch) are not granted here and still have a token
+            # pending.
+            if ((r._run is None or r._run is not run)
+                    and r.num_pending_tokens > granted.get(r.request_id, 0)):
+                n += 1
         if run is not None and run.members and run.scheduled_at != self._step_index:
             n += len(run)
         return n
@@ -521,17 +529,36 @@ class StepBuilder:
         do then (the same blocks, in the same order). False (nothing changes) otherwise: the
         caller goes row by row."""
         run = self.run
-        if run is None or self._in_flight:
+        if run is None:
             return False
+        in_flight = self._in_flight
         keyed = run.key is not None
-        if not keyed and order is not self._run_view and order is not self.running:
+        free: list[Request] | None = None
+        if in_flight:
+            # A pipelined replica: the run holds the decoding requests not in flight, and
+            # ``order`` lists those in flight too (they count as scheduled). Its part not in
+            # flight must be the run: every running request not in flight (``running``), or
+            # the run's members in its order (a list).
+            if isinstance(order, list):
+                free = [r for r in order if r.request_id not in in_flight]
+            elif order is not self.running:
+                return False
+        elif not keyed and order is not self._run_view and order is not self.running:
             return False
         if not run.complete:
             if self._granted:
                 return False
-            run.rebuild(self._q.running, self._kv.block_tables)
+            run.rebuild(self._not_in_flight(), self._kv.block_tables)
         n = len(run)
-        if keyed:
+        if in_flight:
+            if free is None:
+                if n != len(self._q.running) - len(in_flight):
+                    return False
+            elif free != run.members:  # the same requests, compared by identity
+                if (not keyed or self._granted or run.scheduled_at == self._step_index
+                        or not run.reorder(free)):
+                    return False
+        elif keyed:
             if n != len(self._q.running) or not isinstance(order, list):
                 return False
             if order != run.members:  # the same requests, compared by identity
@@ -561,6 +588,52 @@ class StepBuilder:
         run.scheduled_at = self._step_index  # its members count as granted one token each
         self.num_scheduled_tokens += n
         return True
+
+    def _not_in_flight(self) -> Sequence[Request]:
+        """The running requests not in a micro-batch still in the pipeline."""
+        in_flight = self._in_flight
+        if not in_flight:
+            return self._q.running
+        return [r for r in self._q.running if r.request_id not in in_flight]
+
+    def detach_run(self, planned: bool = True) -> DecodeRun:
+        """A pipelined replica's micro-batch holds the decode run's block: the run leaves
+        with it (its members are in flight until the batch has run) and the builder keeps a
+        new, empty run for the decoding requests not in flight. Returns the run that left,
+        for ``attach_run`` once its step is applied. ``planned=False``: the replica repeats
+        the run's last block without a plan (sim/cluster/pipeline.py)."""
+        run = self.run
+        if run is None or (planned and run.scheduled_at != self._step_index):
+            raise ValueError("only a run whose block is in this step's plan can leave with it")
+        fresh = self._spare_run
+        if fresh is None:
+            fresh = DecodeRun(self._kv.block_size, run.key)
+        self._spare_run = None
+        self.run = fresh
+        self._run_view = ReadOnly(fresh.members)
+        return run
+
+    def attach_run(self, run: DecodeRun) -> None:
+        """A run that left with a micro-batch (``detach_run``) has taken its step: its
+        members left in it decode again beside the requests not in flight, in one run (the
+        smaller joins the larger), or as plain requests if the builder's run was dissolved
+        meanwhile (they join it when it is rebuilt)."""
+        own = self.run
+        if own is None:
+            raise ValueError("this builder keeps no decode run")
+        run.scheduled_at = -1
+        if not own.complete:
+            run.dissolve()
+        elif len(run) > len(own):
+            if own.members:
+                run.absorb(own)
+            else:  # the empty run serves the next micro-batch that leaves
+                own.scheduled_at = -1
+                self._spare_run = own
+            self.run = run
+            self._run_view = ReadOnly(run.members)
+        else:
+            own.absorb(run)
 
     @property
     def run_in_plan(self) -> bool:

@@ -93,7 +93,8 @@ POLICY_EXTRA = {"priority": ["workload.priorities=[1,1,2]"],
                 "sjf": ["policy.predictor=noisy"],
                 "chunked_prefill": ["policy.max_num_batched_tokens=256"],
                 "sglang": ["policy.chunked_prefill_size=128"]}
-RECOMPUTE_ONLY = ("sglang",)  # (SGLang retracts by recompute)
+# (Each of these engines preempts by recompute only.)
+RECOMPUTE_ONLY = ("sglang", "vllm_v1", "trtllm")
 
 
 def preemption(policy: str, swap: bool) -> str:
@@ -116,6 +117,46 @@ def test_colocated_replicas_fast_equals_exact(seed, qps, blocks, replicas, route
         "policy.max_num_seqs=16", f"kv.num_gpu_blocks_override={blocks}",
         preemption(policy, swap),
         f"cluster.num_replicas={replicas}", f"cluster.router={router}"])
+
+
+# Every built-in policy, on pipelined replicas.
+PIPELINE_POLICIES = [*POLICIES, "vllm_v1", "trtllm", "static"]
+
+
+@pytest.mark.slow
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10_000), qps=st.floats(5.0, 100.0), blocks=st.integers(50, 400),
+       replicas=st.integers(1, 2), policy=st.sampled_from(PIPELINE_POLICIES),
+       swap=st.booleans())
+def test_pipelined_replicas_fast_equals_exact(seed, qps, blocks, replicas, policy, swap):
+    """Pipeline stages in step_mode=fast (decode runs in flight, the policy's steady
+    micro-batches repeated without asking it) against one plan per micro-batch."""
+    assert_fast_equals_exact([
+        *_workload(seed, qps, 60), f"policy={policy}", *POLICY_EXTRA.get(policy, []),
+        "policy.max_num_seqs=16", f"kv.num_gpu_blocks_override={blocks}",
+        preemption(policy, swap), "cluster.pipeline_parallel_size=2",
+        f"cluster.num_replicas={replicas}", "cluster.router=least_kv"])
+
+
+def test_pipelined_replica_repeats_steady_micro_batches():
+    """A pipelined replica repeats most of its micro-batches without the policy, through
+    finishes, and stops at every arrival: the same steps, block ids and times as
+    step_mode=exact, where the policy plans each micro-batch."""
+    setup = [*_workload(11, 20.0, 60), "policy.max_num_seqs=16",
+             "cluster.pipeline_parallel_size=2"]
+    assert_fast_equals_exact(setup)
+    res = EngineSimulation(compose_cfg("step_mode=fast", *setup), components=BUILT_IN).run()
+    (replica,) = res.replicas
+    assert replica.num_repeats > res.summary["num_steps"] // 2
+
+
+def test_pipelined_sjf_repeats_only_while_its_order_holds():
+    """SJF with noisy predictions reorders its running requests as predictions run out: a
+    repeated micro-batch keeps its run's order only as far as ``decode_order_steps`` says
+    (a replica that repeats past it hands out blocks and finishes in the wrong order)."""
+    assert_fast_equals_exact([*_workload(7104, 27.99946832539177, 100), "policy=sjf",
+                              "policy.predictor=noisy", "policy.max_num_seqs=32",
+                              "cluster.pipeline_parallel_size=2"])
 
 
 @pytest.mark.slow

@@ -16,17 +16,97 @@ stage ``k`` (a flow shop)::
 
 A new micro-batch is built when stage 0 is free and fewer than ``stages`` are in flight; a
 batch's tokens are applied (sampled, finished, handed off) when it leaves the last stage.
+
+**step_mode=fast** (a closed-form executor, a policy that states
+``Policy.supports_decode_jumps``, no handoff) takes the same micro-batches at a fraction of
+the cost, in two ways:
+
+* The decoding requests not in flight form the builder's decode run (sim/decode_run.py),
+  which the policy grants as one block; the run leaves with its micro-batch
+  (``StepBuilder.detach_run``) and, once the batch has run, its members rejoin those not in
+  flight (``attach_run``). A micro-batch's decodes cost one block, not a row each.
+* Repeats: once the policy has planned a micro-batch that is one block of every request not
+  in flight (a steady decode), and nothing has changed since (no arrival, finish, transfer,
+  admission or preemption; ``_steady`` holds such runs), the policy's statement
+  (``supports_decode_jumps``: a decode-only plan is planned again, one more token each) says
+  what it would plan when that run is free again: the same block. ``_repeat`` then takes the
+  pipeline's iterations itself, priced in plain floats (``Executor.decode_step_pricer``),
+  without asking the policy, up to the first that could differ: the next arrival or the
+  policy's own deadline (``horizon``, ``Policy.next_decision_time``), a micro-batch whose
+  members finish or that is not such a block, new KV blocks that do not fit, or an event of
+  another process first (it only moves the clock with ``advance``). An instant when every
+  running request is in flight is repeated too (the policy would plan nothing). The policy
+  hears how many plans were taken for it (``StepBuilder.repeated_steps``).
+
+The plans, block ids and times are those of step_mode=exact (one plan per micro-batch).
 """
 
 from __future__ import annotations
 
 from collections import deque
+from operator import attrgetter
 from typing import Any
 
+import numpy as np
+
 from sim import stop as run_stop
-from sim.plan import StepPlan, StepResult
+from sim.clock import advance
+from sim.decode_run import DecodeRun
+from sim.fast_forward import UpcomingArrivals, is_steady_decode
+from sim.plan import DecodeBlock, StepPlan, StepResult
+from sim.policy import Policy
 from sim.replica import Replica, SimulationStalled
 from sim.request import Request
+
+_request_id = attrgetter("request_id")
+_min = np.minimum.reduce
+_NO_PLAN = StepPlan()  # what a repeated micro-batch's row reads besides its decode rows
+# Where the loop goes on after ``_repeat`` took something: at its top, or asleep (an instant
+# when everything was in flight, taken without the policy, needs no plan).
+_LOOP, _SLEEP = "loop", "sleep"
+
+
+class _Batch:
+    """A micro-batch in the pipeline. A repeated one (``_repeat``) has no plan: it is the
+    block of ``run`` at run step ``run_step``, ``rows`` requests."""
+
+    __slots__ = ("leave", "plan", "requests", "result", "rows", "run", "run_step", "start",
+                 "steady")
+
+    def __init__(self, leave: float, start: float, plan: StepPlan | None,
+                 requests: list[Request] | None, result: StepResult | None,
+                 run: DecodeRun | None, run_step: int, rows: int, steady: bool) -> None:
+        self.leave = leave
+        self.start = start
+        self.plan = plan
+        self.requests = requests
+        self.result = result
+        self.run = run
+        self.run_step = run_step
+        self.rows = rows
+        self.steady = steady  # one block of every request not in flight when planned
+
+
+class _Steady:
+    """A run the policy last planned as a steady micro-batch, with nothing changed since:
+    the run step up to which the policy's order holds (``Policy.decode_order_steps``), the
+    first run step after which a member has sampled its last token (``DecodeRun.end``'s
+    minimum), and the prices of its next blocks from run step ``prices_from`` (they hold
+    while its members do)."""
+
+    __slots__ = ("first_end", "order_until", "prices", "prices_from", "run")
+
+    def __init__(self, run: DecodeRun, order_until: int) -> None:
+        self.run = run
+        self.order_until = order_until
+        self.first_end = int(_min(run.end))
+        self.prices: list[float] = []
+        self.prices_from = 0
+
+
+# Blocks priced ahead at a time (``Executor.decode_run_durations``): a repeated run's next
+# ones, up to its first finish.
+_PRICED_AHEAD = 32
 
 
 class PipelinedReplica(Replica):
@@ -34,63 +114,297 @@ class PipelinedReplica(Replica):
         if pipeline_parallel < 2:
             raise ValueError(f"a pipelined replica needs >= 2 stages, got {pipeline_parallel}")
         self.stages = pipeline_parallel
+        # Runs the policy last planned as a steady micro-batch, with nothing changed since,
+        # by id (``_repeat``).
+        self._steady: dict[int, _Steady] = {}
+        self.num_repeats = 0  # micro-batches (and empty instants) taken without the policy
         super().__init__(*args, **kwargs)
+        policy = self.policy
+        self._repeats = self.fast_forward and not self.check_integrity
+        # A policy whose running order may move as its requests decode (SJF's remaining
+        # work) says how far it holds (``Policy.decode_order_steps``).
+        self._order_moves = (type(policy).decode_order_steps
+                             is not Policy.decode_order_steps)
 
+    # Micro-batches are planned one at a time (no decode jumps): nothing to make lazy.
+    def enable_lazy_horizon(self, upcoming: UpcomingArrivals, span: int) -> None:
+        return None
+
+    def enable_lazy_decode(self) -> bool:
+        return False
+
+    # ---- what ends the policy's repeats -------------------------------------------------
+    def add_request(self, req: Request) -> None:
+        self._steady.clear()
+        super().add_request(req)
+
+    def accept_transferred(self, req: Request) -> None:
+        self._steady.clear()
+        super().accept_transferred(req)
+
+    def reserve_transfer(self, req: Request) -> bool:
+        self._steady.clear()
+        return super().reserve_transfer(req)
+
+    def release_handoff(self, req: Request) -> None:
+        self._steady.clear()
+        super().release_handoff(req)
+
+    def drop_transfer(self, req: Request) -> None:
+        self._steady.clear()
+        super().drop_transfer(req)
+
+    # ---- the loop -----------------------------------------------------------------------
     def _run(self):
         env, pp = self.env, self.stages
         stage_free = [0.0] * pp  # when each stage finishes its last accepted micro-batch
-        # (leave time, plan, requests, result, start time), in issue order = leave order
-        in_flight: deque[tuple[float, StepPlan, list[Request], StepResult, float]] = deque()
+        builder, policy = self.builder, self.policy
+        in_flight: deque[_Batch] = deque()  # in issue order = leave order
         busy: set[int] = set()
+        steady = self._steady
         empty_plans = 0
         while True:
             if run_stop.requested:  # a signal asked the run to stop
                 run_stop.check()
             now = env.now
-            while in_flight and in_flight[0][0] <= now:
-                leave, plan, requests, result, start = in_flight.popleft()
-                busy.difference_update(r.request_id for r in requests)
-                self._apply(plan, requests, result)
-                self._record_step(start, leave - start, plan)
+            while in_flight and in_flight[0].leave <= now:
+                self._leave(in_flight.popleft(), busy)
                 if self.check_integrity:
                     self.verify()
             if self._aborts:
+                steady.clear()
                 self._apply_aborts(busy)
             if len(in_flight) < pp and stage_free[0] <= now and self._has_work():
-                self.builder.reset(now, busy)
-                plan = self.policy.schedule(self.builder)
-                if not plan.is_empty:
-                    empty_plans = 0
-                    requests = self.builder.scheduled_requests
-                    result = self.executor.execute(plan)
-                    if result.duration < 0:
-                        raise ValueError(f"executor returned a negative duration {result.duration}")
-                    share = result.duration / pp
-                    t = now
-                    for k in range(pp):
-                        t = max(t, stage_free[k]) + share
-                        stage_free[k] = t
-                    in_flight.append((t, plan, requests, result, now))
-                    busy.update(r.request_id for r in requests)
-                    self.busy_time += share
+                goes_on = (self._repeat(in_flight, stage_free, busy)
+                           if steady and self._repeats else None)
+                if goes_on is _LOOP:
                     continue
-                if plan.recomputed or plan.swapped_out:
-                    if self.check_integrity:  # a plan that only preempted changed state too
-                        self.verify()
-                    empty_plans += 1
-                    if empty_plans > 10_000:
-                        raise SimulationStalled(self._stall_message())
-                    continue
+                now = env.now  # (asleep from where the repeats left the clock)
+                if goes_on is None:  # the policy plans
+                    builder.reset(now, busy, repeated_steps=self._repeated)
+                    self._repeated = 0
+                    plan = policy.schedule(builder)
+                    if not plan.is_empty:
+                        empty_plans = 0
+                        self._issue(plan, in_flight, stage_free, busy, now)
+                        continue
+                    if plan.recomputed or plan.swapped_out:
+                        steady.clear()
+                        if self.check_integrity:  # a plan that only preempted changed state
+                            self.verify()
+                        empty_plans += 1
+                        if empty_plans > 10_000:
+                            raise SimulationStalled(self._stall_message())
+                        continue
             # Sleep until the next batch leaves, stage 0 frees up, or something arrives.
-            wake_at = [in_flight[0][0]] if in_flight else []
+            wake_at = [in_flight[0].leave] if in_flight else []
             if len(in_flight) < pp and stage_free[0] > now:
                 wake_at.append(stage_free[0])
             # The next handoff can only come when a micro-batch leaves (what a disaggregated
             # decode replica's horizon reads: Replica.busy_until).
-            self.busy_until = in_flight[0][0] if in_flight else float("inf")
-            self._wakeup = env.event()
+            self.busy_until = in_flight[0].leave if in_flight else float("inf")
             if wake_at:
+                # The instant a timeout of that delay made now fires at; with nothing else
+                # scheduled by then, nothing can wake or read this replica before it.
+                if advance(env, now + (min(wake_at) - now)):
+                    continue
+                self._wakeup = env.event()
                 yield env.any_of([self._wakeup, env.timeout(min(wake_at) - now)])
             else:
+                self._wakeup = env.event()
                 yield self._wakeup
             self._wakeup = None
+
+    def _issue(self, plan: StepPlan, in_flight: deque[_Batch], stage_free: list[float],
+               busy: set[int], now: float) -> None:
+        """The policy's ``plan`` enters the pipeline now, with the decode run if it holds the
+        run's block; a steady one (the block of every request not in flight) may be repeated
+        until something changes (``_repeat``)."""
+        builder, steady = self.builder, self._steady
+        requests = builder.scheduled_requests
+        run, run_step = None, 0
+        if builder.run_in_plan:
+            if plan.num_blocks:  # the run goes into the pipeline with its block
+                run = builder.detach_run()
+                run_step = run.steps
+            else:  # someone expanded the block into rows
+                builder.dissolve_run()
+        is_steady = (run is not None and plan.decode_block is not None
+                     and is_steady_decode(plan)
+                     and len(busy) + len(run) == len(self.queues.running))
+        if is_steady:
+            steady[id(run)] = _Steady(run, self._order_holds(run))  # type: ignore[arg-type]
+        else:
+            steady.clear()
+        result = self.executor.execute(plan)
+        if result.duration < 0:
+            raise ValueError(f"executor returned a negative duration {result.duration}")
+        self._enter(in_flight, stage_free, now, result.duration, _Batch(
+            0.0, now, plan, requests, result, run, run_step, len(requests), is_steady))
+        busy.update(map(_request_id, requests))
+
+    def _enter(self, in_flight: deque[_Batch], stage_free: list[float], now: float,
+               duration: float, batch: _Batch) -> None:
+        """``batch``, of that duration, enters stage 0 now and goes through the flow shop."""
+        share = duration / self.stages
+        t = now
+        for k in range(self.stages):
+            t = max(t, stage_free[k]) + share
+            stage_free[k] = t
+        batch.leave = t
+        in_flight.append(batch)
+        self.busy_time += share
+
+    def _leave(self, b: _Batch, busy: set[int]) -> None:
+        """Micro-batch ``b`` leaves the last stage: its tokens are applied, its row recorded.
+        A run that left with it rejoins the requests not in flight; the policy's repeats end
+        unless it was a steady block whose members all go on, rejoining nobody."""
+        run, builder = b.run, self.builder
+        unfinished = self.num_unfinished
+        if b.plan is None:  # repeated: the block of ``run``
+            busy.difference_update(run.ids)  # type: ignore[union-attr]
+            entry = self._steady.get(id(run))
+            if (entry is not None and entry.run is run and run.steps == b.run_step
+                    and entry.first_end > b.run_step + 1):  # nobody finishes
+                run.take_steps((self.env.now,))  # type: ignore[union-attr]
+            else:
+                self._apply_block(None, self.env.now, (run, b.run_step))  # type: ignore[arg-type]
+        else:
+            busy.difference_update(map(_request_id, b.requests))  # type: ignore[arg-type]
+            self._apply(b.plan, b.requests, b.result,  # type: ignore[arg-type]
+                        None if run is None else (run, b.run_step))
+        merged = False
+        if run is not None:
+            merged = bool(builder.run.members)  # type: ignore[union-attr]
+            builder.attach_run(run)
+        steady = self._steady
+        if merged or not b.steady:
+            steady.clear()
+        elif self.num_unfinished != unfinished:
+            # Members finished. With nothing waiting or swapped out, that changes the plans
+            # only by their leaving (``Policy.supports_decode_jumps``): nobody can take the
+            # seats or blocks they freed.
+            q = self.queues
+            entry = steady.pop(id(run), None)
+            if q.waiting or q.swapped:
+                steady.clear()
+            elif entry is not None and entry.run is run and run.members:  # type: ignore[union-attr]
+                steady[id(run)] = _Steady(run, entry.order_until)  # type: ignore[arg-type]
+        if b.plan is None:
+            self._record_step(b.start, b.leave - b.start, _NO_PLAN, b.rows)
+        else:
+            self._record_step(b.start, b.leave - b.start, b.plan)
+
+    def _price_block(self, entry: _Steady, n: int, s: int) -> float | None:
+        """The duration of run ``entry.run``'s block at run step ``s`` (``n`` members),
+        pricing the blocks ahead up to its first finish; None where the executor has no
+        closed form for it."""
+        run, ex = entry.run, self.executor
+        ctx, longest = run.ctx0_sum + n * (s + 1), run.ctx0_max + s + 1  # new tokens in
+        ahead = ex.decode_run_durations(n, ctx, longest,
+                                        max(1, min(entry.first_end - s, _PRICED_AHEAD)))
+        if ahead is not None:
+            entry.prices = ahead.tolist()
+            entry.prices_from = s
+            return entry.prices[0]
+        price = ex.decode_step_pricer(n)
+        if price is not None:
+            return price(ctx, longest)
+        if not ex.prices_on_arrays:
+            return None
+        shape = StepPlan()  # the block's shape, priced as the plan holding it would be
+        shape.add_block(DecodeBlock.for_pricing(n, ctx - n, longest - 1))
+        return ex.execute(shape).duration
+
+    def _order_holds(self, run: DecodeRun) -> int:
+        """The run step up to which the policy gives ``run``'s members their tokens in the
+        run's order (its block planned at run step ``run.steps``)."""
+        if not self._order_moves:
+            return 1 << 62
+        return run.steps + self.policy.decode_order_steps(run.members, 1 << 16)
+
+    def _repeat(self, in_flight: deque[_Batch], stage_free: list[float],
+                busy: set[int]) -> str | None:
+        """Take the loop's iterations from now as the policy would plan them (the module
+        docstring's repeats), up to the first that needs the policy or another process.
+        Returns None if it took nothing (the policy plans now), else where the loop goes on
+        (``_LOOP``: at its top; ``_SLEEP``: asleep, after an instant when every running
+        request was in flight). It leaves the state the loop's own iterations would: the
+        clock at the last instant taken, the micro-batches that left then applied."""
+        env, pp, builder, kv = self.env, self.stages, self.builder, self.kv
+        running, waiting, swapped = self.queues.running, self.queues.waiting, self.queues.swapped
+        steady = self._steady
+        now = env.now
+        horizon = min(self.horizon(), self.policy.next_decision_time(now))  # type: ignore[misc]
+        caching = kv.enable_prefix_caching
+        took: str | None = None
+        while now < horizon:
+            # Micro-batches leaving now: each a steady block whose members all go on, the
+            # only requests not in flight once it has left.
+            while in_flight and in_flight[0].leave <= now:
+                b = in_flight[0]
+                run = b.run
+                entry = steady.get(id(run))
+                if (not b.steady or entry is None or entry.run is not run
+                        or builder.run.members  # type: ignore[union-attr]
+                        or (entry.first_end == run.steps + 1  # type: ignore[union-attr]
+                            and (waiting or swapped))):
+                    return took
+                in_flight.popleft()
+                self._leave(b, busy)
+                took = _LOOP
+            if len(in_flight) < pp and stage_free[0] <= now:
+                run = builder.run  # type: ignore[assignment]
+                if not run.members:
+                    if len(busy) != len(running) or not running or waiting or swapped:
+                        return took
+                    # Every running request is in flight and nothing waits: the policy
+                    # would plan nothing; the loop sleeps.
+                    self._repeated += 1
+                    self.num_repeats += 1
+                    took = _SLEEP
+                else:
+                    entry = steady.get(id(run))
+                    if (entry is None or entry.run is not run or run.steps >= entry.order_until
+                            or len(busy) + len(run) != len(running)):
+                        return took
+                    n, s = len(run), run.steps
+                    k = s - entry.prices_from
+                    if 0 <= k < len(entry.prices):
+                        duration = entry.prices[k]
+                    else:
+                        duration = self._price_block(entry, n, s)
+                        if duration is None:
+                            return took
+                    need = run.members_needing_blocks()
+                    if need is not None:
+                        free = (kv.free_without_eviction() if caching and waiting
+                                else kv.num_free_blocks)
+                        if len(need) > free:
+                            return took
+                        ids = run.ids
+                        kv.grow([ids[i] for i in need.tolist()])
+                        run.add_block_each(need)
+                    builder.detach_run(planned=False)
+                    self._enter(in_flight, stage_free, now, duration,
+                                _Batch(0.0, now, None, None, None, run, s, n, True))
+                    busy.update(run.ids)
+                    self._repeated += 1
+                    self.num_repeats += 1
+                    took = _LOOP
+                    continue
+            # Asleep, as the loop would be, until the next batch leaves or stage 0 frees up.
+            if in_flight:
+                wake = in_flight[0].leave
+                if len(in_flight) < pp and now < stage_free[0] < wake:
+                    wake = stage_free[0]
+            elif stage_free[0] > now:
+                wake = stage_free[0]
+            else:
+                return took
+            t = now + (wake - now)
+            if t >= horizon or not advance(env, t):
+                return took
+            now = t
+            took = _LOOP
+        return took

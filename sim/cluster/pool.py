@@ -80,12 +80,12 @@ class Pool:
                                    **({"num_offload_blocks": offload} if offload else {}))
             kwargs: dict[str, Any] = dict(max_model_len=max_model_len,
                                           check_integrity=check_integrity,
-                                          on_finished=on_finished, handoff=handoff)
+                                          on_finished=on_finished, handoff=handoff,
+                                          horizon=horizon, fast_forward=fast_forward)
             if self.pipeline_parallel > 1:
                 cls, kwargs["pipeline_parallel"] = PipelinedReplica, self.pipeline_parallel
             else:
                 cls = Replica
-                kwargs.update(horizon=horizon, fast_forward=fast_forward)
             out.append(cls(env, rid, policy, executor, kv, metrics, requests_sink,
                            steps_sink, **kwargs))
         return out
