@@ -166,10 +166,11 @@ def test_pipelined_sjf_repeats_only_while_its_order_holds():
        decode_router=st.sampled_from(["round_robin", "least_outstanding", "least_kv"]),
        link=st.sampled_from(["nvlink", "infiniband", "pcie", "ethernet"]),
        scope=st.sampled_from(["replica", "cluster"]), prefill_pp=st.sampled_from([1, 1, 2]),
-       policy=st.sampled_from(POLICIES), swap=st.booleans())
+       decode_pp=st.sampled_from([1, 1, 2]), policy=st.sampled_from(POLICIES),
+       swap=st.booleans())
 def test_disaggregated_pools_fast_equals_exact(seed, qps, blocks, prefill, decode,
-                                               decode_router, link, scope, prefill_pp, policy,
-                                               swap):
+                                               decode_router, link, scope, prefill_pp,
+                                               decode_pp, policy, swap):
     assert_fast_equals_exact([
         *_workload(seed, qps, 60), f"policy={policy}", *POLICY_EXTRA.get(policy, []),
         "policy.max_num_seqs=16", f"kv.num_gpu_blocks_override={blocks}",
@@ -177,7 +178,8 @@ def test_disaggregated_pools_fast_equals_exact(seed, qps, blocks, prefill, decod
         "cluster=disaggregated", f"cluster.num_prefill_replicas={prefill}",
         f"cluster.num_decode_replicas={decode}", f"cluster.decode_router={decode_router}",
         f"cluster.link.preset={link}", f"cluster.link.scope={scope}",
-        f"cluster.prefill.pipeline_parallel_size={prefill_pp}"])
+        f"cluster.prefill.pipeline_parallel_size={prefill_pp}",
+        f"cluster.decode.pipeline_parallel_size={decode_pp}"])
 
 
 @pytest.mark.slow
