@@ -1,7 +1,7 @@
 """A policy written from docs/adding-a-policy.md alone, defined here and handed to the
 engine through its components (not registered): it runs fast (decode jumps, through finishes)
 and exactly as step by step, on one replica under KV pressure with either preemption mode,
-behind a router and disaggregated, on random small workloads."""
+behind a router, disaggregated and with pipeline stages, on random small workloads."""
 
 from __future__ import annotations
 
@@ -73,7 +73,8 @@ def test_it_jumps_and_is_not_fcfs():
 @given(seed=st.integers(0, 10_000), qps=st.floats(5.0, 80.0), blocks=st.integers(40, 400),
        swap=st.booleans(),
        layout=st.sampled_from([(), ("cluster.num_replicas=2", "cluster.router=least_kv"),
-                               ("cluster=disaggregated", "cluster.num_decode_replicas=2")]))
+                               ("cluster=disaggregated", "cluster.num_decode_replicas=2"),
+                               ("cluster.pipeline_parallel_size=2",)]))
 def test_fast_equals_exact_on_random_small_workloads(seed, qps, blocks, swap, layout):
     _check([*_workload(seed, qps, 50), f"kv.num_gpu_blocks_override={blocks}", "policy.max_num_seqs=16",
             f"policy.preemption_mode={'swap' if swap else 'recompute'}", *layout])
