@@ -16,52 +16,79 @@ turn of a conversation). Everything after the shared spans is the request's own.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Hashable, Sequence
-from functools import lru_cache
 
 
 def shared_block_hashes(prefix: Sequence[tuple[int, int]], block_size: int) -> list[int]:
     """The chained hashes of the full blocks that lie wholly inside the shared spans
-    ``prefix`` ((content key, tokens) pairs in prompt order). A prefix of one or two spans
-    (a shared system prompt, which many requests repeat) is hashed once per block size (a
-    prompt of one-token blocks has hundreds of blocks); each caller gets its own list."""
-    spans = tuple(map(tuple, prefix))
-    if (len(spans) <= _MEMO_SPANS
-            and sum(n for _, n in spans) // block_size <= _MEMO_BLOCKS):
-        return list(_memo_hashes(spans, block_size))
-    return _block_hashes(spans, block_size)
+    ``prefix`` ((content key, tokens) pairs in prompt order). Span lists that extend one
+    hashed before (a conversation's next turn repeats the last prompt and its answer; a
+    trace's requests share leading hash ids; a system prompt) go on from where that one
+    ended (``_Chains``), so a token is hashed about once per run; each caller gets its own
+    list."""
+    return _CHAINS.hashes(tuple(map(tuple, prefix)), block_size)
 
 
-# What the memo keeps: up to 256 chains of up to 4,096 blocks (a few tens of MB at most).
-# Longer span lists (a conversation's turns, a trace's hash ids) are new at nearly every
-# request and are hashed directly.
-_MEMO_SPANS = 2
-_MEMO_BLOCKS = 4096
+class _Chains:
+    """The hash chains of recent span lists, by span list: the blocks' hashes and where the
+    chain stood after the last span (its parent hash, the pieces of its partial block and
+    their tokens). At most ``max_blocks`` hashes kept in all, least recently used dropped
+    first (about 40 bytes each)."""
+
+    def __init__(self, max_blocks: int = 1 << 19) -> None:
+        self.max_blocks = max_blocks
+        self.kept = 0
+        self._states: OrderedDict[tuple, tuple[tuple[int, ...], int,
+                                               tuple[tuple[int, int, int], ...], int]] = (
+            OrderedDict())
+
+    def hashes(self, spans: tuple[tuple[int, int], ...], block_size: int) -> list[int]:
+        states = self._states
+        # The longest span list hashed before that this one extends, among those a few
+        # spans shorter (a conversation's next turn or answer) and its first one or two (a
+        # system prompt): probing every length would cost a slice per span.
+        n = len(spans)
+        state = None
+        for i in (*range(n, max(n - _PROBED, 0), -1), *range(min(2, n - _PROBED), 0, -1)):
+            state = states.get((block_size, spans[:i]))
+            if state is not None:
+                states.move_to_end((block_size, spans[:i]))
+                break
+        else:
+            i = 0
+        if state is None:
+            out: list[int] = []
+            parent, pieces, filled = 0, [], 0
+        else:
+            if i == len(spans):
+                return list(state[0])
+            out = list(state[0])
+            parent, pieces, filled = state[1], list(state[2]), state[3]
+        for key, length in spans[i:]:
+            offset = 0
+            while offset < length:
+                take = min(length - offset, block_size - filled)
+                pieces.append((key, offset, offset + take))
+                offset += take
+                filled += take
+                if filled == block_size:
+                    parent = hash((parent, tuple(pieces)))
+                    out.append(parent)
+                    pieces = []
+                    filled = 0
+        if len(out) <= self.max_blocks:
+            states[(block_size, spans)] = (tuple(out), parent, tuple(pieces), filled)
+            self.kept += len(out)
+            while self.kept > self.max_blocks:
+                _, (old, *_) = states.popitem(last=False)
+                self.kept -= len(old)
+        return out
 
 
-@lru_cache(maxsize=256)
-def _memo_hashes(prefix: tuple[tuple[int, int], ...], block_size: int) -> tuple[int, ...]:
-    return tuple(_block_hashes(prefix, block_size))
-
-
-def _block_hashes(prefix: Sequence[tuple[int, int]], block_size: int) -> list[int]:
-    out: list[int] = []
-    parent = 0
-    pieces: list[tuple[int, int, int]] = []
-    filled = 0  # tokens of the current block so far
-    for key, length in prefix:
-        offset = 0
-        while offset < length:
-            take = min(length - offset, block_size - filled)
-            pieces.append((key, offset, offset + take))
-            offset += take
-            filled += take
-            if filled == block_size:
-                parent = hash((parent, tuple(pieces)))
-                out.append(parent)
-                pieces = []
-                filled = 0
-    return out
+# Span lists shorter by up to this many spans that ``_Chains.hashes`` looks for.
+_PROBED = 4
+_CHAINS = _Chains()
 
 
 def own_block_key(request_id: Hashable, index: int) -> tuple[Hashable, int]:

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from experiments.simulation import Simulation
 from sim.kv_manager import KVBlockManager
-from sim.prefix_cache import own_block_key, shared_block_hashes
+from sim.prefix_cache import _Chains, own_block_key, shared_block_hashes
 from sim.request import Request, RequestStatus
 from sim.step_builder import ReplicaQueues, StepBuilder
 from tests.helpers import SHARED, compose_cfg
@@ -36,6 +36,31 @@ def test_block_hashes_chain_the_whole_prefix():
     assert shared_block_hashes(((1, 3), (2, 3)), 2) == shared_block_hashes(
         ((1, 3), (2, 3)), 2)
     assert own_block_key(5, 2) == (5, 2)
+
+
+def _chain_from_scratch(spans: tuple[tuple[int, int], ...], block_size: int) -> list[int]:
+    """The hashes computed block by block from the first span (a chain memo that keeps
+    nothing)."""
+    return _Chains(max_blocks=0).hashes(spans, block_size)
+
+
+@settings(max_examples=60, deadline=None)
+@given(base=st.lists(st.tuples(st.integers(0, 4), st.integers(1, 40)), min_size=1, max_size=12),
+       tails=st.lists(st.tuples(st.integers(0, 12), st.lists(
+           st.tuples(st.integers(0, 4), st.integers(1, 40)), max_size=3)), min_size=1,
+           max_size=12),
+       block_size=st.sampled_from([1, 2, 3, 16]), keep=st.sampled_from([0, 5, 40, 1 << 19]))
+def test_block_hashes_that_extend_a_hashed_list_are_the_chain_from_scratch(base, tails,
+                                                                         block_size, keep):
+    """Span lists that extend one hashed before (a conversation's turns, a trace's shared
+    hash ids) go on from where it ended: the same hashes as computed from the first span,
+    whatever the memo kept, and never more than its bound kept."""
+    chains = _Chains(max_blocks=keep)
+    for cut, tail in tails:
+        spans = tuple(base[:cut]) + tuple(tail)
+        assert chains.hashes(spans, block_size) == _chain_from_scratch(spans, block_size)
+        assert chains.kept <= keep
+        assert chains.kept == sum(len(v[0]) for v in chains._states.values())
 
 
 # ---- the block manager on a tiny pool -------------------------------------------------------
