@@ -144,10 +144,11 @@ def test_pipelined_replica_repeats_steady_micro_batches():
     step_mode=exact, where the policy plans each micro-batch."""
     setup = [*_workload(11, 20.0, 60), "policy.max_num_seqs=16",
              "cluster.pipeline_parallel_size=2"]
-    assert_fast_equals_exact(setup)
+    summary = assert_fast_equals_exact(setup)
     res = EngineSimulation(compose_cfg("step_mode=fast", *setup), components=BUILT_IN).run()
     (replica,) = res.replicas
     assert replica.num_repeats > res.summary["num_steps"] // 2
+    assert 0 < summary["num_decode_jumps"] < replica.num_repeats
 
 
 def test_pipelined_sjf_repeats_only_while_its_order_holds():

@@ -175,8 +175,11 @@ class PipelinedReplica(Replica):
                 steady.clear()
                 self._apply_aborts(busy)
             if len(in_flight) < pp and stage_free[0] <= now and self._has_work():
+                repeats = self.num_repeats
                 goes_on = (self._repeat(in_flight, stage_free, busy)
                            if steady and self._repeats else None)
+                if self.num_repeats != repeats:  # a stretch taken in one go (a "jump")
+                    self.num_jumps += 1
                 if goes_on is _LOOP:
                     continue
                 now = env.now  # (asleep from where the repeats left the clock)
