@@ -160,6 +160,17 @@ def test_pipelined_sjf_repeats_only_while_its_order_holds():
                               "cluster.pipeline_parallel_size=2"])
 
 
+def test_pipelined_repeats_stop_at_the_policys_deadline():
+    """SJF's aging deadline comes while a steady micro-batch repeats: the repeats stop
+    there, and the policy plans (an aged request goes ahead), even though the loop's clock
+    passed the deadline while the pipeline was full and the policy no longer names it."""
+    assert_fast_equals_exact([
+        "model=tiny", "seed=4", "policy=sjf", "policy.predictor=bucket", "policy.aging_s=0.5",
+        "workload.qps=300.0", "workload.num_requests=100", "workload.prompt_len.max=600",
+        "workload.output_len.max=200", "kv.num_gpu_blocks_override=200",
+        "policy.max_num_batched_tokens=1024", "cluster.pipeline_parallel_size=2"])
+
+
 @pytest.mark.slow
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 10_000), qps=st.floats(5.0, 120.0), blocks=st.integers(40, 400),

@@ -32,7 +32,7 @@ the cost, in two ways:
   what it would plan when that run is free again: the same block. ``_repeat`` then takes the
   pipeline's iterations itself, priced in plain floats (``Executor.decode_step_pricer``),
   without asking the policy, up to the first that could differ: the next arrival or the
-  policy's own deadline (``horizon``, ``Policy.next_decision_time``), a micro-batch whose
+  policy's own deadline as of its last plan (``horizon``, ``Policy.next_decision_time``), a micro-batch whose
   members finish or that is not such a block, new KV blocks that do not fit, or an event of
   another process first (it only moves the clock with ``advance``). An instant when every
   running request is in flight is repeated too (the policy would plan nothing). The policy
@@ -118,6 +118,7 @@ class PipelinedReplica(Replica):
         # by id (``_repeat``).
         self._steady: dict[int, _Steady] = {}
         self.num_repeats = 0  # micro-batches (and empty instants) taken without the policy
+        self._deadline = float("inf")  # the policy's next_decision_time at its last plan
         super().__init__(*args, **kwargs)
         policy = self.policy
         self._repeats = self.fast_forward and not self.check_integrity
@@ -187,6 +188,9 @@ class PipelinedReplica(Replica):
                     builder.reset(now, busy, repeated_steps=self._repeated)
                     self._repeated = 0
                     plan = policy.schedule(builder)
+                    # Its own next deadline as of this plan (SJF's aging): repeats stop there
+                    # even once the clock has passed it (the policy may not name it again).
+                    self._deadline = policy.next_decision_time(now)
                     if not plan.is_empty:
                         empty_plans = 0
                         self._issue(plan, in_flight, stage_free, busy, now)
@@ -338,7 +342,8 @@ class PipelinedReplica(Replica):
         running, waiting, swapped = self.queues.running, self.queues.waiting, self.queues.swapped
         steady = self._steady
         now = env.now
-        horizon = min(self.horizon(), self.policy.next_decision_time(now))  # type: ignore[misc]
+        horizon = min(self.horizon(), self._deadline,  # type: ignore[misc]
+                      self.policy.next_decision_time(now))
         caching = kv.enable_prefix_caching
         took: str | None = None
         while now < horizon:
