@@ -26,17 +26,20 @@ the cost, in two ways:
   (``StepBuilder.detach_run``) and, once the batch has run, its members rejoin those not in
   flight (``attach_run``). A micro-batch's decodes cost one block, not a row each.
 * Repeats: once the policy has planned a micro-batch that is one block of every request not
-  in flight (a steady decode), and nothing has changed since (no arrival, finish, transfer,
-  admission or preemption; ``_steady`` holds such runs), the policy's statement
-  (``supports_decode_jumps``: a decode-only plan is planned again, one more token each) says
-  what it would plan when that run is free again: the same block. ``_repeat`` then takes the
-  pipeline's iterations itself, priced in plain floats (``Executor.decode_step_pricer``),
-  without asking the policy, up to the first that could differ: the next arrival or the
-  policy's own deadline as of its last plan (``horizon``, ``Policy.next_decision_time``), a micro-batch whose
-  members finish or that is not such a block, new KV blocks that do not fit, or an event of
-  another process first (it only moves the clock with ``advance``). An instant when every
-  running request is in flight is repeated too (the policy would plan nothing). The policy
-  hears how many plans were taken for it (``StepBuilder.repeated_steps``).
+  in flight (a steady decode), and nothing has changed since (no arrival, transfer,
+  admission or preemption, no finish while requests wait; ``_steady`` holds such runs), the
+  policy's statement (``supports_decode_jumps``: a decode-only plan is planned again, one
+  more token each, and while nothing waits a finish only removes the finished request) says
+  what it would plan when that run is free again: the same block. ``_repeat`` then takes
+  the pipeline's iterations itself, without asking the policy, each block priced ahead up to
+  its run's first finish (``Executor.decode_run_durations``), up to the first iteration that
+  could differ: the next arrival, or the policy's own deadline as of its last plan
+  (``horizon``, ``Policy.next_decision_time``); a micro-batch leaving that is not such a
+  block, or whose members finish while requests wait; new KV blocks that do not fit; an
+  event of another process first (it only moves the clock with ``advance``). An instant
+  when every running request is in flight and nothing waits is repeated too (the policy
+  would plan nothing). The policy hears how many plans were taken for it
+  (``StepBuilder.repeated_steps``).
 
 The plans, block ids and times are those of step_mode=exact (one plan per micro-batch).
 """
