@@ -193,6 +193,10 @@ class SGLangPolicy(Policy):
 
         rem_input = cfg.max_num_batched_tokens
         rem_chunk = cfg.chunked_prefill_size
+        # SGLang keeps one prompt mid-chunk (its ``chunked_req``): while one is in a
+        # micro-batch still in the pipeline, a new prompt is admitted only whole (two prompts
+        # mid-chunk could hold every block between them, neither able to go on).
+        chunk_in_flight = len(prefills) > len(chunking)
         for req in chunking:  # the prompt mid-chunk goes on first
             # Its chunk fills the slots left in the blocks it holds before it takes free
             # ones (without them, a prompt whose last block the free pool cannot follow
@@ -218,7 +222,7 @@ class SGLangPolicy(Policy):
             if n >= rem_input and step.num_scheduled:
                 break
             grant = min(n, rem_chunk)
-            if grant <= 0 or not step.schedule(req, grant):
+            if grant <= 0 or (grant < n and chunk_in_flight) or not step.schedule(req, grant):
                 break
             running += 1
             if grant == n:

@@ -157,3 +157,16 @@ def test_the_cached_blocks_a_hit_takes_leave_the_budget():
                        num_gpu_blocks=10, block_size=2, enable_prefix_caching=True)
     at5 = next(s for s in run.steps if s.time == 5.0)
     assert at5.rows == [(1, 8, 1, True)] and at5.tables == {1: [0, 1, 2, 3, 5]}
+
+
+def test_a_pipelined_replica_keeps_one_prompt_mid_chunk():
+    """With two micro-batches in flight, a new prompt starts chunking only while no other
+    is mid-chunk (SGLang's single ``chunked_req``): two prompts mid-chunk in a tight pool
+    would hold every block between them, neither able to go on, and the run would stall.
+    Fast and exact agree."""
+    s = assert_fast_equals_exact([
+        "model=tiny", "seed=9725", "policy=sglang", "policy.chunked_prefill_size=128",
+        "workload.qps=100", "workload.num_requests=30", "workload.prompt_len.max=600",
+        "workload.output_len.max=20", "policy.max_num_seqs=3",
+        "kv.num_gpu_blocks_override=60", "cluster.pipeline_parallel_size=2"])
+    assert s["completed"] == 30
