@@ -685,14 +685,17 @@ class KVBlockManager:
             ("gpu", self._gpu, self.block_tables),
             ("cpu", self._cpu, self.cpu_tables),
         ):
-            free = pool.free_blocks()
-            if pool.num_free != len(free):
+            returned = pool.returned_blocks()
+            queued = pool.num_blocks - pool.fresh + len(returned)
+            if pool.num_free != queued:
                 raise KVIntegrityError(f"{name}: {pool.num_free} blocks counted free, "
-                                       f"{len(free)} in the free queue")
+                                       f"{queued} in the free queue")
             # This runs after every step of a checked run: the whole test in numpy first,
-            # and the walk that names the first block at fault only where it fails.
-            if not _books_agree(pool, tables, free):
-                _name_the_fault(name, pool, tables, free)
+            # over the blocks handed out so far (a pool of millions, most never used, costs
+            # what its used part does), and the walk that names the first block at fault
+            # only where it fails.
+            if not _books_agree(pool, tables, returned):
+                _name_the_fault(name, pool, tables, pool.free_blocks())
         if len(self.cached) != len(self.block_key):
             raise KVIntegrityError(f"{len(self.cached)} cached keys name "
                                    f"{len(self.block_key)} blocks")
@@ -723,12 +726,16 @@ class KVBlockManager:
             raise KVIntegrityError(f"requests {sorted(both)} hold both GPU and CPU blocks")
 
 
-def _books_agree(pool: _Pool, tables: Mapping[Hashable, list[int]], free: list[int]) -> bool:
+def _books_agree(pool: _Pool, tables: Mapping[Hashable, list[int]],
+                 free: list[int]) -> bool:
     """Whether ``pool``'s books hold (what ``_name_the_fault`` checks block by block): no
     empty table, every held id in the pool, the free queue without repeats, and each
     block's count of holding tables equal to the pool's reference count (0 exactly for the
-    free blocks, 1 for a taken one, more for a shared one)."""
-    n = pool.num_blocks
+    free blocks, 1 for a taken one, more for a shared one). ``free``: the free queue past
+    the blocks never handed out (``returned_blocks``), which are free and held by nobody
+    exactly when no id held, returned or shared reaches ``fresh``: only the blocks handed
+    out so far are counted."""
+    n = pool.fresh
     if not all(tables.values()):
         return False
     held = np.fromiter(chain.from_iterable(tables.values()), np.int64)
@@ -740,8 +747,10 @@ def _books_agree(pool: _Pool, tables: Mapping[Hashable, list[int]], free: list[i
     counts = np.ones(n, np.int64)
     counts[queue] = 0
     if pool.shared:
-        counts[np.fromiter(pool.shared, np.int64)] += np.fromiter(pool.shared.values(),
-                                                                  np.int64)
+        ids = np.fromiter(pool.shared, np.int64, len(pool.shared))
+        if ids.min() < 0 or ids.max() >= n:
+            return False
+        counts[ids] += np.fromiter(pool.shared.values(), np.int64, len(ids))
     # Shared extras are positive, so the blocks counted with none are the free queue's
     # distinct blocks: as many as the queue holds exactly when it has no repeat.
     return (n - np.count_nonzero(counts) == len(queue)

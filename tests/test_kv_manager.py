@@ -153,6 +153,8 @@ def test_integrity_check_catches_a_free_count_that_drifted():
     ("held_outside", "gpu: request a holds bad block id 9"),
     ("empty", "gpu: request a has an empty block table"),
     ("swapped_shared", "cpu: block 0 is held by 1 tables but the pool counts 2 references"),
+    ("held_unused", "gpu: block 3 is held by 1 tables but the pool counts 0 references"),
+    ("shared_unused", "gpu: block 2 is held by 0 tables but the pool counts 1 references"),
 ])
 def test_integrity_check_names_each_fault_of_the_books(fault, message):
     """The check decides in numpy and walks the books only to name the fault: each kind of
@@ -170,6 +172,10 @@ def test_integrity_check_names_each_fault_of_the_books(fault, message):
         kv.block_tables["a"].append(9)
     elif fault == "empty":
         kv.block_tables["a"].clear()
+    elif fault == "held_unused":  # a block never handed out, in a table
+        kv.block_tables["a"].append(3)
+    elif fault == "shared_unused":  # a block never handed out, counted as shared
+        kv._gpu.shared[2] = 1
     else:
         kv.allocate_slots("b", 4)
         assert kv.swap_out("b") is not None
@@ -451,6 +457,13 @@ def test_a_pool_of_ten_million_blocks_costs_nothing_until_used():
     tracemalloc.stop()
     assert built < 1024
     assert kv.allocate_slots("a", 3) == [0, 1, 2]
+    # Checking the books reads the blocks handed out, not the pool (check_integrity=true
+    # runs it after every step).
+    tracemalloc.start()
+    kv.check_integrity()
+    _, checked = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert checked < 64 * 1024
     kv.free("a")
     assert kv.num_free_blocks == 10_000_000
     assert kv._gpu.take(9_999_999)[-2:] == [2, 1]
