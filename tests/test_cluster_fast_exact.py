@@ -124,7 +124,7 @@ PIPELINE_POLICIES = [*POLICIES, "vllm_v1", "trtllm", "static"]
 
 
 @pytest.mark.slow
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 10_000), qps=st.floats(5.0, 100.0), blocks=st.integers(50, 400),
        replicas=st.integers(1, 2), policy=st.sampled_from(PIPELINE_POLICIES),
        swap=st.booleans())
