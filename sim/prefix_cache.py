@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
+from itertools import repeat
 
 
 def shared_block_hashes(prefix: Sequence[tuple[int, int]], block_size: int) -> list[int]:
@@ -94,4 +95,10 @@ _CHAINS = _Chains()
 def own_block_key(request_id: Hashable, index: int) -> tuple[Hashable, int]:
     """The key of block ``index`` of a request once it holds the request's own tokens."""
     return (request_id, index)
+
+
+def own_block_keys(request_id: Hashable, start: int, stop: int) -> list[tuple[Hashable, int]]:
+    """``own_block_key`` of blocks ``start .. stop - 1``, built in C (a recomputed request
+    waiting in a pool that binds looks its blocks up at every step)."""
+    return list(zip(repeat(request_id, max(stop - start, 0)), range(start, stop)))
 

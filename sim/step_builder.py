@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 from sim.decode_run import DecodeRun, is_decoding
 from sim.kv_manager import KVIntegrityError, KVView, blocks_for
 from sim.plan import DecodeBlock, ScheduledRequest, StepPlan
-from sim.prefix_cache import own_block_key, shared_block_hashes
+from sim.prefix_cache import own_block_keys, shared_block_hashes
 from sim.request import Request, RequestStatus, full_length
 
 if TYPE_CHECKING:
@@ -272,7 +272,7 @@ class StepBuilder:
         shared = self.shared_keys(req)[:limit]
         if req.num_recomputes and len(shared) < limit:  # its own blocks, kept by preemption
             rid = req.request_id
-            return [*shared, *(own_block_key(rid, k) for k in range(len(shared), limit))]
+            return [*shared, *own_block_keys(rid, len(shared), limit)]
         return shared
 
     def shared_keys(self, req: Request) -> list[int]:
@@ -317,7 +317,7 @@ class StepBuilder:
         full = req.num_computed_tokens // size
         shared = self.shared_keys(req)[:full]
         rid = req.request_id
-        keys = [*shared, *(own_block_key(rid, k) for k in range(len(shared), full))]
+        keys = [*shared, *own_block_keys(rid, len(shared), full)]
         kv.register(rid, keys, full)
 
     def can_allocate(self, req: Request, num_new_tokens: int, use_watermark: bool = False) -> bool:
@@ -554,10 +554,10 @@ class StepBuilder:
             if free is None:
                 if n != len(self._q.running) - len(in_flight):
                     return False
-            elif free != run.members:  # the same requests, compared by identity
-                if (not keyed or self._granted or run.scheduled_at == self._step_index
-                        or not run.reorder(free)):
-                    return False
+            elif free != run.members and (  # the same requests, compared by identity
+                    not keyed or self._granted or run.scheduled_at == self._step_index
+                    or not run.reorder(free)):
+                return False
         elif keyed:
             if n != len(self._q.running) or not isinstance(order, list):
                 return False

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from experiments.simulation import Simulation
 from sim.kv_manager import KVBlockManager
-from sim.prefix_cache import _Chains, own_block_key, shared_block_hashes
+from sim.prefix_cache import _Chains, own_block_key, own_block_keys, shared_block_hashes
 from sim.request import Request, RequestStatus
 from sim.step_builder import ReplicaQueues, StepBuilder
 from tests.helpers import SHARED, compose_cfg
@@ -36,6 +36,8 @@ def test_block_hashes_chain_the_whole_prefix():
     assert shared_block_hashes(((1, 3), (2, 3)), 2) == shared_block_hashes(
         ((1, 3), (2, 3)), 2)
     assert own_block_key(5, 2) == (5, 2)
+    assert own_block_keys(5, 1, 4) == [own_block_key(5, k) for k in (1, 2, 3)]
+    assert own_block_keys(5, 3, 3) == [] == own_block_keys(5, 4, 3)
 
 
 def _chain_from_scratch(spans: tuple[tuple[int, int], ...], block_size: int) -> list[int]:
