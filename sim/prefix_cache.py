@@ -34,21 +34,23 @@ def shared_block_hashes(prefix: Sequence[tuple[int, int]], block_size: int) -> l
 class _Chains:
     """The hash chains of recent span lists, by span list: the blocks' hashes and where the
     chain stood after the last span (its parent hash, the pieces of its partial block and
-    their tokens). At most ``max_blocks`` hashes kept in all, least recently used dropped
-    first (about 40 bytes each)."""
+    their tokens). At most ``max_items`` hashes and spans kept in all (an entry counts its
+    hashes, its key's spans and one more), least recently used dropped first (a few tens of
+    bytes each)."""
 
-    def __init__(self, max_blocks: int = 1 << 19) -> None:
-        self.max_blocks = max_blocks
+    def __init__(self, max_items: int = 1 << 19) -> None:
+        self.max_items = max_items
         self.kept = 0
         self._states: OrderedDict[tuple, tuple[tuple[int, ...], int,
-                                               tuple[tuple[int, int, int], ...], int]] = (
+                                               tuple[tuple[int, int, int], ...], int, int]] = (
             OrderedDict())
 
     def hashes(self, spans: tuple[tuple[int, int], ...], block_size: int) -> list[int]:
         states = self._states
-        # The longest span list hashed before that this one extends, among those a few
-        # spans shorter (a conversation's next turn or answer) and its first one or two (a
-        # system prompt): probing every length would cost a slice per span.
+        # The longest span list hashed before that this one extends, among the one a span
+        # shorter (a conversation's next turn extends its last answer, which extends its
+        # prompt) and its first one or two spans (a shared system prompt): probing every
+        # length would cost a slice and a hash per span.
         n = len(spans)
         state = None
         for i in (*range(n, max(n - _PROBED, 0), -1), *range(min(2, n - _PROBED), 0, -1)):
@@ -62,7 +64,7 @@ class _Chains:
             out: list[int] = []
             parent, pieces, filled = 0, [], 0
         else:
-            if i == len(spans):
+            if i == n:
                 return list(state[0])
             out = list(state[0])
             parent, pieces, filled = state[1], list(state[2]), state[3]
@@ -78,17 +80,20 @@ class _Chains:
                     out.append(parent)
                     pieces = []
                     filled = 0
-        if len(out) <= self.max_blocks:
-            states[(block_size, spans)] = (tuple(out), parent, tuple(pieces), filled)
-            self.kept += len(out)
-            while self.kept > self.max_blocks:
-                _, (old, *_) = states.popitem(last=False)
-                self.kept -= len(old)
+        cost = len(out) + n + 1
+        if cost <= self.max_items:
+            replaced = states.pop((block_size, spans), None)  # (the empty list is probed never)
+            if replaced is not None:
+                self.kept -= replaced[4]
+            states[(block_size, spans)] = (tuple(out), parent, tuple(pieces), filled, cost)
+            self.kept += cost
+            while self.kept > self.max_items:
+                self.kept -= states.popitem(last=False)[1][4]
         return out
 
 
 # Span lists shorter by up to this many spans that ``_Chains.hashes`` looks for.
-_PROBED = 4
+_PROBED = 2
 _CHAINS = _Chains()
 
 

@@ -43,7 +43,7 @@ def test_block_hashes_chain_the_whole_prefix():
 def _chain_from_scratch(spans: tuple[tuple[int, int], ...], block_size: int) -> list[int]:
     """The hashes computed block by block from the first span (a chain memo that keeps
     nothing)."""
-    return _Chains(max_blocks=0).hashes(spans, block_size)
+    return _Chains(max_items=0).hashes(spans, block_size)
 
 
 @settings(max_examples=60, deadline=None)
@@ -57,12 +57,17 @@ def test_block_hashes_that_extend_a_hashed_list_are_the_chain_from_scratch(base,
     """Span lists that extend one hashed before (a conversation's turns, a trace's shared
     hash ids) go on from where it ended: the same hashes as computed from the first span,
     whatever the memo kept, and never more than its bound kept."""
-    chains = _Chains(max_blocks=keep)
+    chains = _Chains(max_items=keep)
     for cut, tail in tails:
         spans = tuple(base[:cut]) + tuple(tail)
+        got = chains.hashes(spans, block_size)
+        assert got == _chain_from_scratch(spans, block_size)
+        got.append(0)  # the caller's own list
         assert chains.hashes(spans, block_size) == _chain_from_scratch(spans, block_size)
         assert chains.kept <= keep
-        assert chains.kept == sum(len(v[0]) for v in chains._states.values())
+        # An entry costs its hashes, its spans and one more: spans that fill no block (or
+        # many spans) count too.
+        assert chains.kept == sum(len(v[0]) + len(k[1]) + 1 for k, v in chains._states.items())
 
 
 # ---- the block manager on a tiny pool -------------------------------------------------------
