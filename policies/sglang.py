@@ -193,9 +193,10 @@ class SGLangPolicy(Policy):
 
         rem_input = cfg.max_num_batched_tokens
         rem_chunk = cfg.chunked_prefill_size
-        # SGLang keeps one prompt mid-chunk (its ``chunked_req``): while one is in a
-        # micro-batch still in the pipeline, a new prompt is admitted only whole (two prompts
-        # mid-chunk could hold every block between them, neither able to go on).
+        # SGLang keeps one prompt mid-chunk (its ``chunked_req``): while a prompt with tokens
+        # left to prefill is in a micro-batch still in the pipeline (it may come back
+        # mid-chunk), a new prompt is admitted only whole (two prompts mid-chunk could hold
+        # every block between them, neither able to go on).
         chunk_in_flight = len(prefills) > len(chunking)
         for req in chunking:  # the prompt mid-chunk goes on first
             # Its chunk fills the slots left in the blocks it holds before it takes free

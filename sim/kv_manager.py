@@ -685,6 +685,9 @@ class KVBlockManager:
             ("gpu", self._gpu, self.block_tables),
             ("cpu", self._cpu, self.cpu_tables),
         ):
+            if not 0 <= pool.fresh <= pool.num_blocks:
+                raise KVIntegrityError(f"{name}: {pool.fresh} blocks counted handed out, in "
+                                       f"a pool of {pool.num_blocks}")
             returned = pool.returned_blocks()
             queued = pool.num_blocks - pool.fresh + len(returned)
             if pool.num_free != queued:

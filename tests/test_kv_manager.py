@@ -155,6 +155,7 @@ def test_integrity_check_catches_a_free_count_that_drifted():
     ("swapped_shared", "cpu: block 0 is held by 1 tables but the pool counts 2 references"),
     ("held_unused", "gpu: block 3 is held by 1 tables but the pool counts 0 references"),
     ("shared_unused", "gpu: block 2 is held by 0 tables but the pool counts 1 references"),
+    ("fresh_past_pool", "gpu: 5 blocks counted handed out, in a pool of 4"),
 ])
 def test_integrity_check_names_each_fault_of_the_books(fault, message):
     """The check decides in numpy and walks the books only to name the fault: each kind of
@@ -176,6 +177,9 @@ def test_integrity_check_names_each_fault_of_the_books(fault, message):
         kv.block_tables["a"].append(3)
     elif fault == "shared_unused":  # a block never handed out, counted as shared
         kv._gpu.shared[2] = 1
+    elif fault == "fresh_past_pool":  # the count of blocks handed out, past the pool
+        kv._gpu.fresh = 5
+        kv._gpu.num_free = -1
     else:
         kv.allocate_slots("b", 4)
         assert kv.swap_out("b") is not None
