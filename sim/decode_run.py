@@ -234,13 +234,19 @@ class DecodeRun:
         """Make every member of ``other`` (complete, with the same key) a member here, in
         the run's order, and leave ``other`` empty: a pipelined replica's micro-batch,
         applied, rejoins the decoding requests not in flight (``StepBuilder.attach_run``).
-        Counters and token times carry over; one sort and one array build for all."""
+        Counters and token times carry over; a few members join one by one, more in one
+        sort and one array build."""
         moved = other.members
         if not moved:
             return
         tables = other.tables
         for req in moved:
             other._release(req)
+        if len(moved) <= _JOINED_ONE_BY_ONE < len(self.members):
+            for req, table in zip(moved, tables):
+                self.join(req, table)
+            other._forget_members()
+            return
         s = self.steps
         for req in moved:
             req._computed -= s
@@ -262,12 +268,16 @@ class DecodeRun:
                               axis=1)
         self._cols = cols[:, perm]
         self._summarize()
-        other.members = []
-        other.ids = []
-        other.tables = []
-        other._cols = other._cols[:, :0]
-        other._summarize()
-        other._trim()
+        other._forget_members()
+
+    def _forget_members(self) -> None:
+        """Empty the run of members already released (``absorb``)."""
+        self.members = []
+        self.ids = []
+        self.tables = []
+        self._cols = self._cols[:, :0]
+        self._summarize()
+        self._trim()
 
     def reorder(self, order: list[Request]) -> bool:
         """Put the members in ``order``, if it holds each of them once (False, nothing
@@ -346,6 +356,11 @@ class DecodeRun:
             if keep - self._base > len(self._times) // 2:
                 del self._times[:keep - self._base]
                 self._base = keep
+
+
+# ``absorb`` moves up to this many members into a larger run one by one (a binary search
+# and an array insert each), more in one sort.
+_JOINED_ONE_BY_ONE = 4
 
 
 def _insert(a: np.ndarray, i: int, column: tuple[int, ...]) -> np.ndarray:

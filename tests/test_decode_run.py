@@ -195,6 +195,48 @@ def test_run_counters_read_through_and_survive_leaving():
     assert list(reqs[1].token_times) == [1.0, 2.0, 3.0, 4.0] and reqs[1].num_output_tokens == 9
 
 
+@settings(max_examples=60, deadline=None)
+@given(contexts=st.lists(st.integers(1, 90), min_size=2, max_size=14),
+       split=st.integers(0, 14), steps=st.tuples(st.integers(0, 5), st.integers(0, 5)),
+       bs=st.sampled_from([1, 4, 16]), keyed=st.booleans())
+def test_a_run_absorbing_another_equals_one_rebuilt_from_both(contexts, split, steps, bs,
+                                                              keyed):
+    """A pipelined replica's micro-batch run rejoining the others (``DecodeRun.absorb``,
+    one by one or in one sort): the members in the run's order with their own counters,
+    token times, block tables and KV bounds, as one run rebuilt from all of them holds."""
+    from sim.decode_run import DecodeRun
+    outputs = [min(c, 1 + c % 3) for c in contexts]
+    key = (lambda r: (-r.prompt_len, r.request_id)) if keyed else None
+    builder, reqs = _decoding_replica(contexts, outputs, 2000, bs, True, key)
+    tables = builder._kv.block_tables
+    a, b = DecodeRun(bs, key), DecodeRun(bs, key)
+    builder.run.dissolve()
+    cut = min(split, len(reqs))
+    a.rebuild(reqs[:cut], tables)
+    b.rebuild(reqs[cut:], tables)
+    for run, k in zip((a, b), steps):  # each its own steps first (times the step index)
+        run.advance([float(run.steps + j) for j in range(k)])
+    counters = [(r.num_computed_tokens, r.num_output_tokens, list(r.token_times)) for r in reqs]
+    bounds = {r.request_id: len(tables[r.request_id]) * bs - r.num_computed_tokens
+              for r in reqs}
+    a.absorb(b)
+    assert len(b) == 0 and not b.ids and all(r._run is a for r in reqs)
+    order = sorted(reqs, key=key or (lambda r: (r.arrival_time, r.request_id)))
+    assert a.members == order and a.ids == [r.request_id for r in order]
+    assert a.tables == [tables[r.request_id] for r in order]
+    assert [(r.num_computed_tokens, r.num_output_tokens, list(r.token_times))
+            for r in reqs] == counters
+    assert (a.ctx0 + a.steps).tolist() == [r.num_computed_tokens for r in order]
+    # (the run step from which a member's token no longer fits its blocks)
+    assert (a.bound - a.steps).tolist() == [bounds[r.request_id] for r in order]
+    assert (a.end - a.steps).tolist() == [r.max_output_len - r.num_output_tokens
+                                          for r in order]
+    assert (a.ctx0_sum, a.ctx0_max) == (int(a.ctx0.sum()), int(a.ctx0.max()))
+    a.advance([99.0])  # one more step for every member, the absorbed ones included
+    assert [r.num_output_tokens for r in reqs] == [c[1] + 1 for c in counters]
+    assert all(list(r.token_times)[-1] == 99.0 for r in reqs)
+
+
 def test_decode_block_expands_into_the_rows_it_stands_for():
     tables = [[0], [1, 2], [3]]
     block = DecodeBlock.of_rows([7, 8, 9], [5, 20, 9], tables)
