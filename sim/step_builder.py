@@ -537,11 +537,11 @@ class StepBuilder:
         if in_flight:
             # A pipelined replica: the run holds the decoding requests not in flight, and
             # ``order`` lists those in flight too (they count as scheduled). Its part not in
-            # flight must be the run: every running request not in flight (``running``), or
-            # the run's members in its order (a list).
+            # flight must be the run: every running request not in flight (``running``, for
+            # a run in arrival order), or the run's members in its order (a list).
             if isinstance(order, list):
                 free = [r for r in order if r.request_id not in in_flight]
-            elif order is not self.running:
+            elif order is not self.running or keyed:
                 return False
         elif not keyed and order is not self._run_view and order is not self.running:
             return False
