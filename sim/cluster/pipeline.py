@@ -130,7 +130,8 @@ class PipelinedReplica(Replica):
         self._order_moves = (type(policy).decode_order_steps
                              is not Policy.decode_order_steps)
 
-    # Micro-batches are planned one at a time (no decode jumps): nothing to make lazy.
+    # Repeats stop at every arrival and transfer here (they clear ``_steady``): no lazy
+    # horizon or lazy decode.
     def enable_lazy_horizon(self, upcoming: UpcomingArrivals, span: int) -> None:
         return None
 
