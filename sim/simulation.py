@@ -496,7 +496,8 @@ class Simulation:
             # never show a router a replica's future.
             replicas = self.pools[0].build(env, 0, metrics, rows, step_sink,
                                            on_finished=on_done, horizon=horizon,
-                                           fast_forward=self._jumps, **common)
+                                           fast_forward=self._jumps,
+                                           fast_pipelines=self.step_mode == "fast", **common)
             router = make_router(c.router, self.seed)
             deployment = Colocated(replicas, router)
             # A router that reads only request counts lets each replica jump past arrivals
@@ -523,7 +524,8 @@ class Simulation:
             # off after its prompt step, so they step one at a time.
             decode = decode_pool.build(env, prefill_pool.count, metrics, rows, step_sink,
                                        on_finished=decode_done, horizon=horizon,
-                                       fast_forward=self._jumps, **common)
+                                       fast_forward=self._jumps,
+                                       fast_pipelines=self.step_mode == "fast", **common)
             link = Link(env, c.link, prefill_pool.count + decode_pool.count)
             lanes = min(prefill_pool.tensor_parallel * prefill_pool.pipeline_parallel,
                         decode_pool.tensor_parallel * decode_pool.pipeline_parallel)

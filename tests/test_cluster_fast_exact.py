@@ -151,6 +151,21 @@ def test_pipelined_replica_repeats_steady_micro_batches():
     assert 0 < summary["num_decode_jumps"] < replica.num_repeats
 
 
+@pytest.mark.parametrize("layout", [[], ["cluster.num_replicas=2", "cluster.router=least_kv"]])
+def test_pipelined_replicas_repeat_in_a_closed_loop(layout):
+    """Multi-turn sessions: a finish brings the session's next turn, at once (no think
+    time) or later. A pipelined replica's repeats never pass another process's event, so
+    they go on in a closed loop too, where plain replicas take no jumps in a cluster."""
+    setup = ["model=tiny", "seed=3", "workload=multi_turn", "workload.num_sessions=30",
+             "workload.qps=4", "workload.think_time_s=0.0", "workload.system_prompt_len=64",
+             "workload.max_prompt_len=600", "workload.user_len.max=100",
+             "workload.output_len.max=80", "policy=vllm_v1", "kv.num_gpu_blocks_override=300",
+             "cluster.pipeline_parallel_size=2", *layout]
+    assert_fast_equals_exact(setup)
+    res = EngineSimulation(compose_cfg("step_mode=fast", *setup), components=BUILT_IN).run()
+    assert sum(r.num_repeats for r in res.replicas) > res.summary["num_steps"] // 2
+
+
 def test_pipelined_sjf_repeats_only_while_its_order_holds():
     """SJF with noisy predictions reorders its running requests as predictions run out: a
     repeated micro-batch keeps its run's order only as far as ``decode_order_steps`` says

@@ -18,8 +18,9 @@ A new micro-batch is built when stage 0 is free and fewer than ``stages`` are in
 batch's tokens are applied (sampled, finished, handed off) when it leaves the last stage.
 
 **step_mode=fast** (a closed-form executor, a policy that states
-``Policy.supports_decode_jumps``, no handoff) takes the same micro-batches at a fraction of
-the cost, in two ways:
+``Policy.supports_decode_jumps``, no handoff; closed loops included, since nothing here
+passes another process's event) takes the same micro-batches at a fraction of the cost, in
+two ways:
 
 * The decoding requests not in flight form the builder's decode run (sim/decode_run.py),
   which the policy grants as one block; the run leaves with its micro-batch

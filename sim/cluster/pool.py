@@ -60,7 +60,11 @@ class Pool:
               check_integrity: bool, on_finished: Callable[[Request], None] | None,
               handoff: Callable[[Request, Replica], None] | None = None,
               horizon: Callable[[], float] | None = None,
-              fast_forward: bool = False) -> list[Replica]:
+              fast_forward: bool = False, fast_pipelines: bool = False) -> list[Replica]:
+        """The pool's replicas, ids from ``first_id``. ``fast_forward``: decode jumps (and
+        decode runs) on plain replicas; ``fast_pipelines``: decode runs and repeated
+        micro-batches on pipelined ones, which never pass another process's event
+        (sim/cluster/pipeline.py), so a closed loop's follow-ups cannot be run past."""
         out = []
         for i in range(self.count):
             rid = first_id + i
@@ -84,6 +88,7 @@ class Pool:
                                           horizon=horizon, fast_forward=fast_forward)
             if self.pipeline_parallel > 1:
                 cls, kwargs["pipeline_parallel"] = PipelinedReplica, self.pipeline_parallel
+                kwargs["fast_forward"] = fast_pipelines
             else:
                 cls = Replica
             out.append(cls(env, rid, policy, executor, kv, metrics, requests_sink,
