@@ -61,6 +61,7 @@ class Replica:
         horizon: Callable[[], float] | None = None,
         fast_forward: bool = False,
         handoff: Callable[[Request, Replica], None] | None = None,
+        decode_runs: bool = False,
     ) -> None:
         self.env = env
         self.replica_id = replica_id
@@ -81,9 +82,12 @@ class Replica:
         self.horizon = horizon
         # A prefill replica hands requests off after their first token (disaggregation): every
         # step's membership changes, and the handoff happens in _apply, so no jumps there.
-        self.fast_forward = (fast_forward and horizon is not None and handoff is None
-                             and executor.closed_form_decode
-                             and getattr(policy, "supports_decode_jumps", False))
+        fast = (handoff is None and executor.closed_form_decode
+                and getattr(policy, "supports_decode_jumps", False))
+        self.fast_forward = fast and fast_forward and horizon is not None
+        # ``decode_runs``: the decoding requests as one block even where the replica takes no
+        # jumps (step_mode=fast in a closed loop's cluster: one step at a time, each cheaper).
+        runs = self.fast_forward or (fast and decode_runs)
         self.num_jumps = 0
         self.num_jump_stops = 0  # finishes inside jumps past finishes
         # Steps taken since the last plan by repeating it (a jump's after its first): the
@@ -110,7 +114,7 @@ class Replica:
         self.queues = ReplicaQueues()
         self.builder = StepBuilder(self.queues, kv, cfg.preemption_mode, cfg.kv_watermark,
                                    hands_off=handoff is not None)
-        if self.fast_forward:
+        if runs:
             # Decoding requests as one persistent block (sim/decode_run.py).
             self.builder.enable_decode_run(policy.decode_run_key())
         self.num_steps = 0

@@ -497,7 +497,7 @@ class Simulation:
             replicas = self.pools[0].build(env, 0, metrics, rows, step_sink,
                                            on_finished=on_done, horizon=horizon,
                                            fast_forward=self._jumps,
-                                           fast_pipelines=self.step_mode == "fast", **common)
+                                           fast_steps=self.step_mode == "fast", **common)
             router = make_router(c.router, self.seed)
             deployment = Colocated(replicas, router)
             # A router that reads only request counts lets each replica jump past arrivals
@@ -525,7 +525,7 @@ class Simulation:
             decode = decode_pool.build(env, prefill_pool.count, metrics, rows, step_sink,
                                        on_finished=decode_done, horizon=horizon,
                                        fast_forward=self._jumps,
-                                       fast_pipelines=self.step_mode == "fast", **common)
+                                       fast_steps=self.step_mode == "fast", **common)
             link = Link(env, c.link, prefill_pool.count + decode_pool.count)
             lanes = min(prefill_pool.tensor_parallel * prefill_pool.pipeline_parallel,
                         decode_pool.tensor_parallel * decode_pool.pipeline_parallel)

@@ -166,6 +166,22 @@ def test_pipelined_replicas_repeat_in_a_closed_loop(layout):
     assert sum(r.num_repeats for r in res.replicas) > res.summary["num_steps"] // 2
 
 
+@pytest.mark.parametrize("router", ["prefix_aware", "least_kv"])
+def test_closed_loop_clusters_step_with_decode_runs(router):
+    """Multi-turn sessions behind a router that reads the replicas' caches or KV use: the
+    replicas take no decode jumps (a finish may bring a turn another replica's jump would
+    run past) but step with their decoding requests as one block, exactly as row by row."""
+    setup = ["model=tiny", "seed=5", "workload=multi_turn", "workload.num_sessions=30",
+             "workload.qps=4", "workload.think_time_s=0.0", "workload.system_prompt_len=64",
+             "workload.max_prompt_len=600", "workload.user_len.max=100",
+             "workload.output_len.max=80", "policy=vllm_v1", "kv.num_gpu_blocks_override=300",
+             "cluster.num_replicas=2", f"cluster.router={router}"]
+    summary = assert_fast_equals_exact(setup)
+    assert summary["num_decode_jumps"] == 0
+    res = EngineSimulation(compose_cfg("step_mode=fast", *setup), components=BUILT_IN).run()
+    assert all(r.builder.run is not None and not r.fast_forward for r in res.replicas)
+
+
 def test_pipelined_sjf_repeats_only_while_its_order_holds():
     """SJF with noisy predictions reorders its running requests as predictions run out: a
     repeated micro-batch keeps its run's order only as far as ``decode_order_steps`` says

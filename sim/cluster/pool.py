@@ -60,10 +60,10 @@ class Pool:
               check_integrity: bool, on_finished: Callable[[Request], None] | None,
               handoff: Callable[[Request, Replica], None] | None = None,
               horizon: Callable[[], float] | None = None,
-              fast_forward: bool = False, fast_pipelines: bool = False) -> list[Replica]:
-        """The pool's replicas, ids from ``first_id``. ``fast_forward``: decode jumps (and
-        decode runs) on plain replicas; ``fast_pipelines``: decode runs and repeated
-        micro-batches on pipelined ones, which never pass another process's event
+              fast_forward: bool = False, fast_steps: bool = False) -> list[Replica]:
+        """The pool's replicas, ids from ``first_id``. ``fast_forward``: decode jumps on
+        plain replicas; ``fast_steps`` (step_mode=fast): decode runs on every replica, and
+        repeated micro-batches on pipelined ones, which never pass another process's event
         (sim/cluster/pipeline.py), so a closed loop's follow-ups cannot be run past."""
         out = []
         for i in range(self.count):
@@ -88,9 +88,10 @@ class Pool:
                                           horizon=horizon, fast_forward=fast_forward)
             if self.pipeline_parallel > 1:
                 cls, kwargs["pipeline_parallel"] = PipelinedReplica, self.pipeline_parallel
-                kwargs["fast_forward"] = fast_pipelines
+                kwargs["fast_forward"] = fast_steps
             else:
                 cls = Replica
+                kwargs["decode_runs"] = fast_steps
             out.append(cls(env, rid, policy, executor, kv, metrics, requests_sink,
                            steps_sink, **kwargs))
         return out
