@@ -171,8 +171,9 @@ class Replica:
         """``req``'s client gave up (online mode): it leaves before the next step is
         planned, as vLLM aborts a request between two steps (a step already running finishes
         with it), freeing its blocks. Nothing happens if it has finished by then. Only for
-        replicas that plan one step at a time: a decode jump has planned its steps ahead."""
-        if self.fast_forward:
+        replicas that plan one step at a time with every request a row of its own: a decode
+        jump has planned its steps ahead, and a decode run holds its members' counters."""
+        if self.builder.run is not None:
             raise ValueError(f"replica {self.replica_id}: aborting requests needs "
                              f"step_mode=exact (a decode jump plans its steps ahead)")
         if req.replica_id != self.replica_id:
@@ -194,7 +195,7 @@ class Replica:
                 pending.append(req)
                 continue
             status = req.status
-            if status is RequestStatus.RUNNING:  # (no decode run: abort refuses jumps)
+            if status is RequestStatus.RUNNING:  # (no decode run: abort refuses runs)
                 queues.remove_running(req)
             elif status is RequestStatus.SWAPPED:
                 queues.swapped.remove(req)

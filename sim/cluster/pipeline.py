@@ -347,6 +347,9 @@ class PipelinedReplica(Replica):
         running, waiting, swapped = self.queues.running, self.queues.waiting, self.queues.swapped
         steady = self._steady
         now = env.now
+        # The horizon is read once: what comes later and sooner (a closed loop's next turn,
+        # brought by a finish here) is a simpy event queued when it is known (the turn's
+        # arrival process starts at once), which ``advance`` never passes.
         horizon = min(self.horizon(), self._deadline,  # type: ignore[misc]
                       self.policy.next_decision_time(now))
         caching = kv.enable_prefix_caching
@@ -369,7 +372,8 @@ class PipelinedReplica(Replica):
             if len(in_flight) < pp and stage_free[0] <= now:
                 run = builder.run  # type: ignore[assignment]
                 if not run.members:
-                    if len(busy) != len(running) or not running or waiting or swapped:
+                    if (not steady or len(busy) != len(running) or not running or waiting
+                            or swapped):
                         return took
                     # Every running request is in flight and nothing waits: the policy
                     # would plan nothing; the loop sleeps.
