@@ -126,11 +126,7 @@ class DecodeRun:
             raise ValueError(f"request {req.request_id} is already in a decode run")
         key = self.key or _arrival_key
         i = bisect.bisect_right(self.members, key(req), key=key)
-        s = self.steps
-        req._computed -= s
-        req._outputs -= s
-        req._joined = s
-        req._run = self
+        self._adopt(req)
         self.members.insert(i, req)
         self.ids.insert(i, req.request_id)
         self.tables.insert(i, table)
@@ -142,6 +138,22 @@ class DecodeRun:
             self.next_bound = min(self.next_bound, b)
             self.ctx0_sum += req._computed
             self.ctx0_max = max(self.ctx0_max, req._computed)
+
+    def _adopt(self, req: Request) -> None:
+        """``req``'s counters and token times become relative to this run's steps."""
+        s = self.steps
+        req._computed -= s
+        req._outputs -= s
+        req._joined = s
+        req._run = self
+
+    def _columns(self, members: list[Request], tables: list[list[int]]) -> np.ndarray:
+        """The ``_cols`` rows (ctx0, end, bound) of ``members``, adopted, holding ``tables``."""
+        n = len(members)
+        ctx0 = np.fromiter((r._computed for r in members), np.int64, n)
+        end = np.fromiter((r.max_output_len - r._outputs for r in members), np.int64, n)
+        nblk = np.fromiter((len(t) for t in tables), np.int64, n)
+        return np.stack((ctx0, end, nblk * self.block_size - ctx0))
 
     def _release(self, req: Request) -> None:
         """``req`` stops being a member: its counters and token times become its own again."""
@@ -198,35 +210,22 @@ class DecodeRun:
         """Every member becomes a plain request again; the run is incomplete until rebuilt."""
         for req in self.members:
             self._release(req)
-        self.members.clear()
-        self.ids.clear()
-        self.tables.clear()
-        self._cols = np.empty((3, 0), dtype=np.int64)
-        self._summarize()
+        self._forget_members()
         self.complete = False
-        self._trim()
 
     def rebuild(self, running: list[Request], tables: dict[int, list[int]]) -> None:
         """Make every decoding request of ``running`` (arrival order) a member, in the run's
         order."""
         self.dissolve()
-        s = self.steps
         decoding = [req for req in running if is_decoding(req)]
         if self.key is not None:
             decoding.sort(key=self.key)  # the keys read each request's own counters
         for req in decoding:
-            req._computed -= s
-            req._outputs -= s
-            req._joined = s
-            req._run = self
+            self._adopt(req)
             self.members.append(req)
             self.ids.append(req.request_id)
             self.tables.append(tables[req.request_id])
-        n = len(self.members)
-        ctx0 = np.fromiter((r._computed for r in self.members), np.int64, n)
-        end = np.fromiter((r.max_output_len - r._outputs for r in self.members), np.int64, n)
-        nblk = np.fromiter((len(t) for t in self.tables), np.int64, n)
-        self._cols = np.stack((ctx0, end, nblk * self.block_size - ctx0))
+        self._cols = self._columns(self.members, self.tables)
         self._summarize()
         self.complete = True
 
@@ -247,12 +246,8 @@ class DecodeRun:
                 self.join(req, table)
             other._forget_members()
             return
-        s = self.steps
         for req in moved:
-            req._computed -= s
-            req._outputs -= s
-            req._joined = s
-            req._run = self
+            self._adopt(req)
         members = self.members + moved
         all_tables = self.tables + tables
         n = len(members)
@@ -261,20 +256,17 @@ class DecodeRun:
         self.members[:] = [members[i] for i in perm]
         self.ids[:] = [r.request_id for r in self.members]
         self.tables[:] = [all_tables[i] for i in perm]
-        ctx0 = np.fromiter((r._computed for r in moved), np.int64, len(moved))
-        end = np.fromiter((r.max_output_len - r._outputs for r in moved), np.int64, len(moved))
-        nblk = np.fromiter((len(t) for t in tables), np.int64, len(moved))
-        cols = np.concatenate((self._cols, np.stack((ctx0, end, nblk * self.block_size - ctx0))),
-                              axis=1)
+        cols = np.concatenate((self._cols, self._columns(moved, tables)), axis=1)
         self._cols = cols[:, perm]
         self._summarize()
         other._forget_members()
 
     def _forget_members(self) -> None:
-        """Empty the run of members already released (``absorb``)."""
-        self.members = []
-        self.ids = []
-        self.tables = []
+        """Empty the run of members already released (the lists stay the same objects:
+        a builder's view reads ``members``)."""
+        self.members.clear()
+        self.ids.clear()
+        self.tables.clear()
         self._cols = self._cols[:, :0]
         self._summarize()
         self._trim()

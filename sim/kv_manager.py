@@ -127,6 +127,21 @@ class _Pool:
         self.head = h
         return out
 
+    def _drop_references(self, blocks: list[int]) -> list[int]:
+        """Drop one reference to each of ``blocks``, tail first; those left with none, in
+        that order (to go back to the free queue)."""
+        shared = self.shared
+        freed = []
+        for b in reversed(blocks):
+            extra = shared.get(b)
+            if extra is None:
+                freed.append(b)
+            elif extra == 1:
+                del shared[b]
+            else:
+                shared[b] = extra - 1
+        return freed
+
     def share(self, blocks: list[int]) -> None:
         """One more reference to each of ``blocks`` (held blocks)."""
         shared = self.shared
@@ -141,15 +156,7 @@ class _Pool:
             self.free_queue.extend(reversed(blocks))
             self.num_free += len(blocks)
         else:
-            freed = []
-            for b in reversed(blocks):
-                extra = shared.get(b)
-                if extra is None:
-                    freed.append(b)
-                elif extra == 1:
-                    del shared[b]
-                else:
-                    shared[b] = extra - 1
+            freed = self._drop_references(blocks)
             self.free_queue.extend(freed)
             self.num_free += len(freed)
         # Per-block double frees are found by ``check_integrity`` (counts are implicit); this
@@ -277,14 +284,8 @@ class _CachingPool(_Pool):
                     shared[b] = extra - 1
             self._queue([b for b in reversed(blocks) if b not in held])
         else:  # a block listed twice (books gone wrong): one reference at a time
-            for b in reversed(blocks):
-                extra = shared.get(b)
-                if extra is None:
-                    self._queue([b])
-                elif extra == 1:
-                    del shared[b]
-                else:
-                    shared[b] = extra - 1
+            for b in self._drop_references(blocks):
+                self._queue([b])  # (one by one: a block freed twice takes its last place)
         if self.num_free > self.num_blocks:
             raise KVIntegrityError(
                 f"double free: {self.num_free} blocks free in a pool of "

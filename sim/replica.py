@@ -175,7 +175,8 @@ class Replica:
         jump has planned its steps ahead, and a decode run holds its members' counters."""
         if self.builder.run is not None:
             raise ValueError(f"replica {self.replica_id}: aborting requests needs "
-                             f"step_mode=exact (a decode jump plans its steps ahead)")
+                             f"step_mode=exact (a decode run holds its requests' counters, "
+                             f"and a decode jump plans its steps ahead)")
         if req.replica_id != self.replica_id:
             raise ValueError(f"request {req.request_id} is not on replica {self.replica_id}")
         if not req.is_finished:
@@ -584,7 +585,7 @@ class Replica:
         caching = self.kv.enable_prefix_caching
         for part in plan.parts:
             if isinstance(part, DecodeBlock):
-                self._apply_block(part, now, block_run)
+                self._apply_block(now, block_run)
                 i += len(part)
                 continue
             req = requests[i]
@@ -610,8 +611,7 @@ class Replica:
         for req in joining:  # after the run's own step: they decode from the next one
             run.join(req, self.kv.block_tables[req.request_id])  # type: ignore[union-attr]
 
-    def _apply_block(self, block: DecodeBlock, now: float,
-                     block_run: tuple[DecodeRun, int] | None = None) -> None:
+    def _apply_block(self, now: float, block_run: tuple[DecodeRun, int] | None = None) -> None:
         """The decode run took one step (the block is the whole run): the builder's, or
         ``block_run``'s (see ``_apply``)."""
         if block_run is None:

@@ -140,25 +140,15 @@ class PipelinedReplica(Replica):
         return False
 
     # ---- what ends the policy's repeats -------------------------------------------------
-    def add_request(self, req: Request) -> None:
+    def notify(self) -> None:
+        """Something came from outside (an arrival, a transfer, blocks freed by one that
+        left or was dropped, an abort): the policy plans again."""
         self._steady.clear()
-        super().add_request(req)
-
-    def accept_transferred(self, req: Request) -> None:
-        self._steady.clear()
-        super().accept_transferred(req)
+        super().notify()
 
     def reserve_transfer(self, req: Request) -> bool:
-        self._steady.clear()
+        self._steady.clear()  # (blocks taken for a transfer: wakes nobody)
         return super().reserve_transfer(req)
-
-    def release_handoff(self, req: Request) -> None:
-        self._steady.clear()
-        super().release_handoff(req)
-
-    def drop_transfer(self, req: Request) -> None:
-        self._steady.clear()
-        super().drop_transfer(req)
 
     # ---- the loop -----------------------------------------------------------------------
     def _run(self):
@@ -280,7 +270,7 @@ class PipelinedReplica(Replica):
                     and entry.first_end > b.run_step + 1):  # nobody finishes
                 run.take_steps((self.env.now,))  # type: ignore[union-attr]
             else:
-                self._apply_block(None, self.env.now, (run, b.run_step))  # type: ignore[arg-type]
+                self._apply_block(self.env.now, (run, b.run_step))  # type: ignore[arg-type]
         else:
             busy.difference_update(map(_request_id, b.requests))  # type: ignore[arg-type]
             self._apply(b.plan, b.requests, b.result,  # type: ignore[arg-type]
