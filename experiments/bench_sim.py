@@ -65,6 +65,8 @@ CASES: dict[str, tuple[list[str], float]] = {
     "fcfs_pp2": ([*_FCFS, "cluster.pipeline_parallel_size=2"], 6),
     # Four replicas behind a router at four times the rate.
     "replicas4": ([*_FCFS, "cluster.num_replicas=4", "cluster.router=least_outstanding"], 24),
+    # The same behind the router that reads each replica's KV usage at every arrival.
+    "replicas4_kv": ([*_FCFS, "cluster.num_replicas=4", "cluster.router=least_kv"], 24),
     # Two prefill and two decode replicas at twice the rate.
     "disagg2x2": ([*_FCFS, "cluster=disaggregated", "cluster.num_prefill_replicas=2",
                    "cluster.num_decode_replicas=2"], 12),

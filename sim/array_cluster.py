@@ -1,6 +1,6 @@
 """Co-located replicas behind a router on the array core: step_mode=fast for
-``cluster.num_replicas`` > 1 where the router reads only outstanding counts
-(``Router.reads_only_counts``).
+``cluster.num_replicas`` > 1 where the router reads only outstanding counts and KV usage
+(``Router.reads_only_load``).
 
 Each replica is the array core's loop (sim/array_core.py) on a ``Lane``: it takes the requests
 routed to it and never plans at or past the next request not yet routed, where it pauses.
@@ -10,7 +10,12 @@ outstanding count at T (routed there, less finished before T: a step ending afte
 its requests after the arrival) is what the replica loop's router would read. A replica's
 decode stretch therefore pauses at the step in progress at every arrival (no member
 finishes inside a stretch, so its count there is known) and goes on if the request went
-elsewhere, or ends with that step if it came here.
+elsewhere, or ends with that step if it came here. Its KV usage at T, for a router that reads
+it, is that of the step in progress at T: the blocks the step's plan holds (its prompts',
+its members' with their new tokens', those finishing at its end included), or none for a
+replica idle at T (nothing else holds GPU blocks on the core, which runs no prefix cache). A
+replica the router just woke at T plans only after every request arriving at T is routed,
+as in the replica loop.
 
 Where a step ends exactly when a request arrives, the replica loop's outcome depends on the
 order simpy gives the two events (which the router may see first); the run then stops with
@@ -28,7 +33,7 @@ from sim.array_core import ArrayCore, ExactTie, Lane
 from sim.array_inputs import ArrayCoreHost, WorkloadArrays
 from sim.cluster.outputs import CLUSTER_REQUEST_COLUMNS, cluster_summary
 from sim.cluster.pool import replica_seed
-from sim.cluster.router import make_router
+from sim.cluster.router import ROUTERS, make_router
 from sim.metrics import MetricsCollector
 from sim.outputs import FINISHED_REQUEST_LINE, REQUEST_COLUMNS, CsvSink
 from sim.progress import PassProgress, Progress
@@ -39,12 +44,14 @@ INF = float("inf")
 
 
 class CountTarget:
-    """What a router reads of a replica: its outstanding requests at the arrival."""
+    """What a router reads of a replica: its outstanding requests at the arrival, and its
+    KV usage then (kept only where the router reads it: ``Lane.reads_kv``)."""
 
-    __slots__ = ("num_outstanding",)
+    __slots__ = ("kv_usage", "num_outstanding")
 
     def __init__(self) -> None:
         self.num_outstanding = 0
+        self.kv_usage = 0.0
 
 
 @dataclass
@@ -110,9 +117,10 @@ class ArrayCluster:
         lines: list[str] = []  # requests.csv's lines not yet written, every replica's
         # Every replica gets a policy of its own (replica 0 with the run's seed), as the
         # replica loop's pool builds them; the run's own instance stays untouched.
+        reads_kv = not ROUTERS.get(str(sim.cluster.router)).reads_only_counts
         self.lanes = [Lane(r, pool.make_policy(replica_seed(sim.seed, r)), self.gate,
                            lines, f"{FINISHED_REQUEST_LINE[:-2]},{r},{r},,,\r\n",
-                           (r, r, "", "", ""))
+                           (r, r, "", "", ""), reads_kv=reads_kv)
                       for r in range(pool.count)]
         self.routed = [0] * len(self.lanes)  # requests routed to each replica (so far)
         # Each replica's loop's result: end, steps, stretches, peak blocks, time in steps.
@@ -128,7 +136,8 @@ class ArrayCluster:
         loops = [self.core._loop(metrics, req_sink, step_sink, quiet, lane)
                  for lane in self.lanes]
         choose = make_router(self.sim.cluster.router, self.sim.seed).choose
-        states = route(self.w, self.lanes, loops, choose, self.routed, progress)
+        states = route(self.w, self.lanes, loops, choose, self.routed, progress,
+                       self.core.num_gpu_blocks)
         self.results = r = drain(loops, states, self.gate, progress)
         return (max(x[0] for x in r), sum(x[1] for x in r), sum(x[2] for x in r),
                 max(x[3] for x in r) / self.core.num_gpu_blocks)
@@ -143,10 +152,11 @@ class ArrayCluster:
 
 def route(w: WorkloadArrays, lanes: list[Lane], loops: list[Generator[Any, None, Any]],
           choose: Callable[[Request, list[Any]], int], routed: list[int],
-          progress: Progress | PassProgress) -> list[tuple[float, float, int, int]]:
+          progress: Progress | PassProgress,
+          num_blocks: int = 0) -> list[tuple[float, float, int, int]]:
     """Route every request of ``w`` to one of ``lanes`` (whose ``loops`` go on meanwhile),
     in arrival order, with the router's ``choose``; count them in ``routed``. Each lane's
-    last pause."""
+    last pause. ``num_blocks``: each lane's GPU KV blocks (read where a lane ``reads_kv``)."""
     gate = lanes[0].gate
     ARR, PL, OL, RID, PRI = (w.arrivals, w.prompt_lens, w.output_lens, w.request_ids,
                              w.priorities)
@@ -155,7 +165,8 @@ def route(w: WorkloadArrays, lanes: list[Lane], loops: list[Generator[Any, None,
     states = [next(loop) for loop in loops]
     for a in range(len(ARR)):
         now = gate[0] = ARR[a]
-        count_at(now, lanes, loops, states, targets, routed, 0, f"request {RID[a]} arrives")
+        count_at(now, lanes, loops, states, targets, routed, 0, f"request {RID[a]} arrives",
+                 num_blocks)
         req = Request(RID[a], now, PL[a], OL[a], PRI[a])
         r = choose(req, targets)
         routed[r] += 1
@@ -170,13 +181,16 @@ def route(w: WorkloadArrays, lanes: list[Lane], loops: list[Generator[Any, None,
 
 def count_at(now: float, lanes: list[Lane], loops: list[Generator[Any, None, Any]],
              states: list[tuple[float, float, int, int]], targets: list[CountTarget],
-             routed: list[int], first: int, what: str) -> None:
+             routed: list[int], first: int, what: str, num_blocks: int = 0) -> None:
     """Run every lane until it plans at or after ``now``, and set each one's target to its
     outstanding requests at that instant: those sent to it (``routed[first + r]``) less those
     finished before ``now`` (a step ending after it finishes its requests after it).
     ``states``: each lane's last pause (when it plans next, inf while idle with nothing
     routed to it; when its last step ended; its finished requests; those finished before
-    that step). A step ending exactly at ``now``: ``ExactTie`` (``what`` happens then)."""
+    that step). A step ending exactly at ``now``: ``ExactTie`` (``what`` happens then).
+    A lane that ``reads_kv`` also gets its KV usage then, of ``num_blocks`` (its pool's):
+    its last step's blocks if that step is in progress, else none (a lane with work plans at
+    the end of its last step, so one whose last step ended before ``now`` is idle)."""
     for r, loop in enumerate(loops):
         state = states[r]
         while state[0] < now:
@@ -185,7 +199,15 @@ def count_at(now: float, lanes: list[Lane], loops: list[Generator[Any, None, Any
         _, last_end, done, before = state
         if last_end == now:
             raise ExactTie(f"{what} exactly as a step of replica {lanes[r].replica_id} ends")
-        targets[r].num_outstanding = routed[first + r] - (before if last_end > now else done)
+        lane = lanes[r]
+        if last_end > now:
+            targets[r].num_outstanding = routed[first + r] - before
+            if lane.reads_kv:  # (divided as the block manager's usage is)
+                targets[r].kv_usage = lane.step_blocks / num_blocks
+        else:
+            targets[r].num_outstanding = routed[first + r] - done
+            if lane.reads_kv:
+                targets[r].kv_usage = 0.0
 
 
 def drain(loops: list[Generator[Any, None, Any]], states: list[tuple], gate: list[float],

@@ -214,6 +214,11 @@ class Lane:
     held_full: int = 0
     freed_at: float = -1.0
     freed: int = 0
+    # co-located, behind a router that reads KV usage: the blocks in use during the last
+    # step (the one ending at the loop's last yield's step end, or in progress at a stretch's
+    # pause), kept only where ``reads_kv``.
+    reads_kv: bool = False
+    step_blocks: int = 0
 
 
 # Runs the loops of a run: (metrics, requests sink, steps sink, progress) -> the simulated
@@ -398,6 +403,7 @@ class ArrayCore:
         # in as members when their KV arrives (``joins``), blocks reserved for them until then.
         hands_off = lane is not None and lane.role == "prefill"
         takes_in = lane is not None and lane.role == "decode"
+        reads_kv = lane is not None and lane.reads_kv
         handoffs = lane.handoffs if hands_off else None
         joins = lane.joins if takes_in else {}
         extras = lane.extras if takes_in else None
@@ -847,6 +853,8 @@ class ArrayCore:
                     used = blocks_at(S)
                     if used + gone > peak:
                         peak = used + gone
+                    if reads_kv:  # its prompts' blocks, those done with it included
+                        lane.step_blocks = used + gone  # type: ignore[union-attr]
                     if hands_off:  # the deployment adds the blocks held for transfers
                         lane.prompt_steps.append((start, t, gone, 0))  # type: ignore[union-attr]
                     if record:
@@ -955,6 +963,8 @@ class ArrayCore:
                     used = blocks_at(S) + prefill_blocks
                     if used > peak:
                         peak = used
+                    if reads_kv:
+                        lane.step_blocks = used  # type: ignore[union-attr]
                     at_plan = prefill_blocks
                     for i in new:
                         scheduled_at[i] = start
@@ -1074,6 +1084,8 @@ class ArrayCore:
                     used = blocks_at(S)
                     if used > peak:
                         peak = used
+                    if reads_kv:
+                        lane.step_blocks = used  # type: ignore[union-attr]
                     if ends_heap and ends_heap[0] >> shift == S:
                         done += len(leave(t, None, resumed))
                         if done >= next_tick:
@@ -1155,6 +1167,9 @@ class ArrayCore:
                             if takes_in:
                                 lane.in_step = blocks_at(cur + j)  # type: ignore[union-attr]
                                 reserved = lane.reserved  # type: ignore[union-attr]
+                            elif reads_kv:
+                                lane.step_blocks = (  # type: ignore[union-attr]
+                                    blocks_at(cur + j) + prefill_blocks)
                             yield tt, tt, done, done
                             if len(QA) != nq or (takes_in and lane.reserved != reserved):
                                 nq = len(QA)  # requests routed here meanwhile
@@ -1205,6 +1220,8 @@ class ArrayCore:
                     peak = used
                 if takes_in:  # (the deployment reads them where a hand-off meets this step)
                     lane.in_step = used - prefill_blocks  # type: ignore[union-attr]
+                elif reads_kv:
+                    lane.step_blocks = used  # type: ignore[union-attr]
                 if cur == last:
                     done += len(leave(t))
                     if done >= next_tick:

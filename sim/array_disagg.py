@@ -1,6 +1,6 @@
 """A disaggregated deployment on the array core: step_mode=fast for ``cluster=disaggregated``
-behind routers that read only outstanding counts (``array_core_blocker`` names what else it
-needs).
+behind a prefill router that reads only outstanding counts and a decode router that reads
+only those and KV usage (``array_core_blocker`` names what else it needs).
 
 Every replica is the array core's loop (sim/array_core.py) on a ``Lane``, in two passes:
 
@@ -10,8 +10,9 @@ Every replica is the array core's loop (sim/array_core.py) on a ``Lane``, in two
    ``Replica._handoff`` does; its blocks stay until its transfer ends.
 2. The hand-offs, in time order: before each, every decode replica runs until it plans at or
    after it, so the decode router reads the counts it would read then (requests routed
-   there, less those finished before that instant); the decode replica reserves the prompt's
-   blocks, and the KV moves over the run's own ``Link`` (a simpy environment of its ports
+   there, less those finished before that instant) and the KV usage (the blocks of the step
+   in progress then, or of the last one if none is, and those reserved for transfers not
+   yet arrived); the decode replica reserves the prompt's blocks, and the KV moves over the run's own ``Link`` (a simpy environment of its ports
    only), whose arrivals become the decode replica's requests, members from the step after.
 
 Transfers never wait for blocks here: a run is given up (``PoolMayBind``, and the replica
@@ -167,8 +168,10 @@ class ArrayDisaggregated:
         link_lanes = min(prefill_pool.tensor_parallel, decode_pool.tensor_parallel)
         link = self.link
         env = link.env
-        choose = make_router(sim.cluster.decode_router, sim.seed, 1,
-                             "cluster.decode_router").choose
+        router = make_router(sim.cluster.decode_router, sim.seed, 1, "cluster.decode_router")
+        choose = router.choose
+        reads_kv = not router.reads_only_counts
+        num_blocks = self.decode_core.num_gpu_blocks
         targets = [CountTarget() for _ in lanes]
         peaks = [0] * len(lanes)  # blocks in use where a reservation meets a step
         # Arrivals announced by the link (its last event scheduled), per decode replica:
@@ -219,6 +222,11 @@ class ArrayDisaggregated:
                 release(t)
                 count_at(t, lanes, loops, states, targets, routed, num_prefill,
                          f"request {RID[i]} is handed off")
+                if reads_kv:  # (divided as the block manager's usage is)
+                    for j, lane in enumerate(lanes):
+                        used = ((lane.in_step if states[j][1] > t else lane.now_blocks)
+                                + lane.reserved)
+                        targets[j].kv_usage = used / num_blocks
                 last_t = t
             elif p != last_p:
                 raise ExactTie(f"request {RID[i]} is handed off by two prefill replicas at "
@@ -237,6 +245,7 @@ class ArrayDisaggregated:
             used = (lane.in_step if states[j][1] > t else lane.now_blocks) + lane.reserved
             peaks[j] = max(peaks[j], used)
             targets[j].num_outstanding += 1
+            targets[j].kv_usage = used / num_blocks  # (what the next hand-off then reads)
             routed[num_prefill + j] += 1
             lane.joins[i] = (t, sched)
             blocks = blocks_for(PL[i], bs_p)

@@ -104,23 +104,27 @@ def array_core_blocker(sim: ArrayCoreHost) -> str | None:
 
 def _cluster_blocker(sim: ArrayCoreHost) -> str | None:
     """Why this cluster cannot run on the array core, or None: co-located replicas
-    (sim/array_cluster.py) or a disaggregated deployment (sim/array_disagg.py) without
-    pipeline stages, behind routers that read only outstanding counts; disaggregated, also
-    without prefix caching."""
+    (sim/array_cluster.py) behind a router that reads only outstanding counts and KV usage,
+    or a disaggregated deployment (sim/array_disagg.py) behind a prefill router that reads
+    only outstanding counts and a decode router that reads only those and KV usage, without
+    prefix caching; neither with pipeline stages."""
     cluster = sim.cluster
     if isinstance(cluster, ClusterConfig):
         if cluster.pipeline_parallel_size > 1:
             return "pipeline stages (cluster.pipeline_parallel_size > 1)"
-        if not ROUTERS.get(str(cluster.router)).reads_only_counts:
-            return f"router {cluster.router!r} reads more than outstanding request counts"
+        if not ROUTERS.get(str(cluster.router)).reads_only_load:
+            return (f"router {cluster.router!r} reads more than outstanding request counts "
+                    "and KV usage")
         return None
     if cluster.pp("prefill") > 1 or cluster.pp("decode") > 1:
         return "pipeline stages in a disaggregated deployment"
-    for field_name in ("router", "decode_router"):
-        name = getattr(cluster, field_name)
-        if not ROUTERS.get(str(name)).reads_only_counts:
-            return (f"cluster.{field_name} {name!r} reads more than outstanding request "
-                    "counts")
+    if not ROUTERS.get(str(cluster.router)).reads_only_counts:
+        # (A prefill replica's blocks held for transfers are known only after the decode
+        # replicas have run.)
+        return f"cluster.router {cluster.router!r} reads more than outstanding request counts"
+    if not ROUTERS.get(str(cluster.decode_router)).reads_only_load:
+        return (f"cluster.decode_router {cluster.decode_router!r} reads more than outstanding "
+                "request counts and KV usage")
     if sim.prefix_caching:
         return "prefix caching in a disaggregated deployment"
     decode = sim.pools[1].first_policy

@@ -1,7 +1,8 @@
 """Co-located replicas on the array core (sim/array_cluster.py): routing on outstanding
-counts at each arrival, replicas that pause at every arrival not yet routed, and the runs
-it leaves to the replica loop. Fast equals exact on random workloads, every count-reading
-router, every policy the core runs, pools that bind (recompute and swap)."""
+counts and KV usage at each arrival, replicas that pause at every arrival not yet routed,
+and the runs it leaves to the replica loop. Fast equals exact on random workloads, every
+router that reads only those, every policy the core runs, pools that bind (recompute and
+swap)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from tests.test_cluster_fast_exact import assert_fast_equals_exact
 # step (`python -m pytest -m equivalence` runs them all).
 pytestmark = pytest.mark.equivalence
 
-COUNT_ROUTERS = ["round_robin", "random", "least_outstanding", "power_of_two"]
+LOAD_ROUTERS = ["round_robin", "random", "least_outstanding", "power_of_two", "least_kv"]
 POLICY_EXTRA = {"fcfs": [], "sjf": ["policy.predictor=noisy"], "priority": [],
                 "chunked_prefill": ["policy.max_num_batched_tokens=256"]}
 
@@ -38,7 +39,7 @@ def _run(*overrides: str) -> tuple[Simulation, pd.DataFrame, dict]:
     return sim, reqs.sort_values("request_id").reset_index(drop=True), res.summary
 
 
-@pytest.mark.parametrize("router", COUNT_ROUTERS)
+@pytest.mark.parametrize("router", LOAD_ROUTERS)
 def test_default_workload_on_four_replicas_runs_on_the_core(router):
     s = assert_fast_equals_exact(["cluster.num_replicas=4", f"cluster.router={router}",
                                   "workload.num_requests=300", "workload.qps=30"])
@@ -49,7 +50,7 @@ def test_default_workload_on_four_replicas_runs_on_the_core(router):
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 10_000), qps=st.floats(2.0, 80.0), replicas=st.integers(2, 4),
-       router=st.sampled_from(COUNT_ROUTERS), policy=st.sampled_from(sorted(POLICY_EXTRA)),
+       router=st.sampled_from(LOAD_ROUTERS), policy=st.sampled_from(sorted(POLICY_EXTRA)),
        blocks=st.sampled_from([None, 60, 120, 400]), swap=st.booleans(),
        block_size=st.sampled_from([1, 4, 16]))
 def test_random_clusters_fast_equal_exact(seed, qps, replicas, router, policy, blocks, swap,
@@ -71,7 +72,7 @@ def test_random_clusters_fast_equal_exact(seed, qps, replicas, router, policy, b
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(rows=st.lists(st.tuples(st.integers(0, 40), st.integers(1, 120), st.integers(1, 60)),
                      min_size=1, max_size=40),
-       replicas=st.integers(2, 3), router=st.sampled_from(COUNT_ROUTERS),
+       replicas=st.integers(2, 3), router=st.sampled_from(LOAD_ROUTERS),
        policy=st.sampled_from(sorted(POLICY_EXTRA)))
 def test_bursts_of_equal_arrival_times_fast_equal_exact(tmp_path_factory, rows, replicas,
                                                         router, policy):
@@ -102,6 +103,25 @@ def test_outstanding_counts_at_the_arrival_decide(tmp_path):
         assert reqs["replica_id"].tolist() == [0, 1, replica]
         assert reqs["prefill_replica_id"].tolist() == [0, 1, replica]
         assert [r["routed"] for r in s["replicas"]] == ([2, 1, 0] if replica == 0 else [1, 1, 1])
+
+
+def test_kv_usage_of_the_step_in_progress_decides(tmp_path):
+    """Two replicas behind least_kv: request 2 goes where fewer blocks are in use as it
+    arrives. During request 0's one step (its prompt's 7 blocks, held until the step ends,
+    where it finishes) that is replica 1, decoding a 50-token prompt (4 blocks); just after
+    it, idle replica 0. Request 1 arrives with request 0 and goes to replica 1: replica 0 has
+    not planned yet, so both are empty and the outstanding counts decide."""
+    one_step = Simulation(compose_cfg("model=tiny", "workload=trace", _trace(
+        tmp_path / "one.csv", [(0.0, 100, 1)]))).run()
+    end = float(one_step.requests_sink.rows[0][11])  # request 0's finish_time
+    layout = ["model=tiny", "workload=trace", "cluster.num_replicas=2",
+              "cluster.router=least_kv"]
+    for arrival, replica in ((end * 0.999, 1), (end * 1.001, 0)):
+        trace = _trace(tmp_path / "t.csv", [(0.0, 100, 1), (0.0, 50, 400), (arrival, 50, 5)])
+        sim, reqs, s = _run(*layout, trace)
+        assert s["step_engine"] == "array_core", sim.array_core_skipped
+        assert reqs["replica_id"].tolist() == [0, 1, replica]
+        assert assert_fast_equals_exact([*layout, trace])["step_engine"] == "array_core"
 
 
 def test_an_arrival_exactly_at_a_step_end_takes_the_replica_loop(tmp_path):
@@ -137,8 +157,8 @@ def test_the_fallback_rewrites_the_files(tmp_path):
 
 
 @pytest.mark.parametrize("overrides, reason", [
-    (["cluster.router=least_kv"], "router 'least_kv' reads more than outstanding"),
-    (["cluster.router=prefix_aware"], "router 'prefix_aware' reads more than outstanding"),
+    (["cluster.router=prefix_aware"],
+     "router 'prefix_aware' reads more than outstanding request counts and KV usage"),
     (["cluster.pipeline_parallel_size=2"], "pipeline stages"),
 ])
 def test_clusters_the_core_leaves_to_the_replica_loop(overrides, reason):

@@ -25,6 +25,7 @@ from tests.test_cluster_fast_exact import assert_fast_equals_exact
 pytestmark = pytest.mark.equivalence
 
 COUNT_ROUTERS = ["round_robin", "random", "least_outstanding", "power_of_two"]
+DECODE_ROUTERS = [*COUNT_ROUTERS, "least_kv"]  # the decode router may read KV usage too
 DISAGG = ["cluster=disaggregated"]
 # The prefill pool's policy, over the run's fcfs (vLLM v1's prefix caching off: the core runs a
 # disaggregated deployment without it).
@@ -67,7 +68,7 @@ def _run(*overrides: str, out: Path | None = None) -> tuple[Simulation, pd.DataF
     return sim, reqs.sort_values("request_id").reset_index(drop=True), res.summary
 
 
-@pytest.mark.parametrize("decode_router", COUNT_ROUTERS)
+@pytest.mark.parametrize("decode_router", DECODE_ROUTERS)
 def test_default_workload_on_two_by_two_runs_on_the_core(decode_router):
     s = assert_fast_equals_exact([*DISAGG, "cluster.num_prefill_replicas=2",
                                   "cluster.num_decode_replicas=2",
@@ -82,7 +83,7 @@ def test_default_workload_on_two_by_two_runs_on_the_core(decode_router):
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 10_000), qps=st.floats(2.0, 120.0), prefill=st.integers(1, 3),
        decode=st.integers(1, 3), router=st.sampled_from(COUNT_ROUTERS),
-       decode_router=st.sampled_from(COUNT_ROUTERS),
+       decode_router=st.sampled_from(DECODE_ROUTERS),
        link=st.sampled_from(["nvlink", "infiniband", "pcie", "ethernet"]),
        scope=st.sampled_from(["replica", "cluster"]), latency=st.sampled_from([None, 0.0]),
        prefill_policy=st.sampled_from(sorted(PREFILL)),
@@ -256,8 +257,9 @@ def test_a_transfer_arriving_exactly_at_a_decode_step_end(tmp_path, preset, late
 
 
 @pytest.mark.parametrize("overrides, reason", [
-    (["cluster.decode_router=least_kv"], "cluster.decode_router 'least_kv' reads more"),
-    (["cluster.router=prefix_aware"], "cluster.router 'prefix_aware' reads more"),
+    (["cluster.router=least_kv"], "cluster.router 'least_kv' reads more than outstanding"),
+    (["cluster.decode_router=prefix_aware"],
+     "cluster.decode_router 'prefix_aware' reads more than outstanding request counts and KV"),
     (["cluster.prefill.pipeline_parallel_size=2"], "pipeline stages"),
     (["kv.enable_prefix_caching=true"], "prefix caching"),
     (["kv.enable_prefix_caching=false",

@@ -109,13 +109,14 @@ def preemption(policy: str, swap: bool) -> str:
        replicas=st.integers(2, 3),
        router=st.sampled_from(["round_robin", "random", "least_outstanding", "least_kv",
                                "power_of_two", "prefix_aware", "prefix_aware_approx"]),
-       policy=st.sampled_from(POLICIES), swap=st.booleans())
+       policy=st.sampled_from(POLICIES), swap=st.booleans(), array_core=st.booleans())
 def test_colocated_replicas_fast_equals_exact(seed, qps, blocks, replicas, router, policy,
-                                              swap):
+                                              swap, array_core):
+    # (array_core=false: the replica loop's fast path, where the array core would run it.)
     assert_fast_equals_exact([
         *_workload(seed, qps, 60), f"policy={policy}", *POLICY_EXTRA.get(policy, []),
         "policy.max_num_seqs=16", f"kv.num_gpu_blocks_override={blocks}",
-        preemption(policy, swap),
+        preemption(policy, swap), f"array_core={str(array_core).lower()}",
         f"cluster.num_replicas={replicas}", f"cluster.router={router}"])
 
 

@@ -2,10 +2,10 @@
 
 A router sees only what a real front-end could know at that instant: each replica's count of
 outstanding (accepted, unfinished) requests, which the router itself tracks, the KV usage
-the replica last reported (its block manager's usage after its most recent step), and, for a
-prefix-aware router, how much of the request's prompt each replica's prefix cache holds (as
-llm-d's precise prefix-cache scorer reads KV events) or, for its approximate variant, what it
-routed where (as SGLang's router remembers). It never looks at queue contents or the future.
+the replica reports (its block manager's usage then: the blocks its step in progress
+holds), and, for a prefix-aware router, how much of the request's prompt each replica's
+prefix cache holds (as llm-d's precise prefix-cache scorer reads KV events) or, for its
+approximate variant, what it routed where (as SGLang's router remembers). It never looks at queue contents or the future.
 
 Register a new one with ``@ROUTERS.register("name")``; the class gets the run's seeded
 ``numpy.random.Generator``.
@@ -49,11 +49,18 @@ class Router(ABC):
     #: (sim/fast_forward.py, lazy horizons and lazy decode). A subclass states it itself: what
     #: its parent stated, a subclass's own reads may break.
     reads_only_counts: ClassVar[bool] = False
+    #: True if ``choose`` reads nothing of the targets but ``num_outstanding`` and
+    #: ``kv_usage`` (and its own state and generator): co-located replicas behind it run on
+    #: the array core (sim/array_cluster.py), which knows both at every arrival. Stated the
+    #: same way; ``reads_only_counts`` implies it.
+    reads_only_load: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         if "reads_only_counts" not in cls.__dict__:
             cls.reads_only_counts = False
+        if "reads_only_load" not in cls.__dict__:
+            cls.reads_only_load = cls.reads_only_counts
 
     def __init__(self, rng: np.random.Generator) -> None:
         self.rng = rng
@@ -100,6 +107,8 @@ class LeastKV(Router):
     """Lowest reported KV usage; ties (e.g. several idle replicas) go to fewer outstanding
     requests, then the lowest index. Queued requests hold no KV yet, so this router cannot
     see a backlog that has not been admitted: see docs/cluster.md."""
+
+    reads_only_load = True
 
     def choose(self, req: Request, targets: Sequence[RouteTarget]) -> int:
         return min(range(len(targets)),
