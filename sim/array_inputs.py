@@ -106,8 +106,10 @@ def _cluster_blocker(sim: ArrayCoreHost) -> str | None:
     """Why this cluster cannot run on the array core, or None: co-located replicas
     (sim/array_cluster.py) behind a router that reads only outstanding counts and KV usage,
     or a disaggregated deployment (sim/array_disagg.py) behind a prefill router that reads
-    only outstanding counts and a decode router that reads only those and KV usage, without
-    prefix caching; neither with pipeline stages."""
+    only outstanding counts and a decode router that reads only those and KV usage; neither
+    with pipeline stages. (Prefix caching is for ``WorkloadArrays.collect`` to refuse: with
+    no prompt sharing a prefix and pools that never run short, it changes nothing the core
+    counts.)"""
     cluster = sim.cluster
     if isinstance(cluster, ClusterConfig):
         if cluster.pipeline_parallel_size > 1:
@@ -125,8 +127,6 @@ def _cluster_blocker(sim: ArrayCoreHost) -> str | None:
     if not ROUTERS.get(str(cluster.decode_router)).reads_only_load:
         return (f"cluster.decode_router {cluster.decode_router!r} reads more than outstanding "
                 "request counts and KV usage")
-    if sim.prefix_caching:
-        return "prefix caching in a disaggregated deployment"
     decode = sim.pools[1].first_policy
     if not decode.array_core:
         return f"decode pool policy {decode.config.name!r} does not decide on arrays"

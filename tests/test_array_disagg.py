@@ -27,8 +27,8 @@ pytestmark = pytest.mark.equivalence
 COUNT_ROUTERS = ["round_robin", "random", "least_outstanding", "power_of_two"]
 DECODE_ROUTERS = [*COUNT_ROUTERS, "least_kv"]  # the decode router may read KV usage too
 DISAGG = ["cluster=disaggregated"]
-# The prefill pool's policy, over the run's fcfs (vLLM v1's prefix caching off: the core runs a
-# disaggregated deployment without it).
+# The prefill pool's policy, over the run's fcfs (vLLM v1's prefix caching off: the random test
+# draws it on for any pair).
 PREFILL = {"fcfs": [], "sjf": ["+cluster.prefill.policy={name: sjf, predictor: noisy}"],
            "priority": ["+cluster.prefill.policy.name=priority", "workload.priorities=[1,1,2]"],
            "chunked_prefill": [("+cluster.prefill.policy={name: chunked_prefill, "
@@ -89,11 +89,15 @@ def test_default_workload_on_two_by_two_runs_on_the_core(decode_router):
        prefill_policy=st.sampled_from(sorted(PREFILL)),
        decode_policy=st.sampled_from(sorted(DECODE)),
        blocks=st.sampled_from([None, 40, 120, 400]), block_size=st.sampled_from([1, 4, 16]),
-       sides=st.sampled_from(SIDES))
+       sides=st.sampled_from(SIDES), caching=st.booleans())
 def test_random_deployments_fast_equal_exact(seed, qps, prefill, decode, router, decode_router,
                                              link, scope, latency, prefill_policy,
-                                             decode_policy, blocks, block_size, sides):
+                                             decode_policy, blocks, block_size, sides, caching):
     pool = [] if blocks is None else [f"kv.num_gpu_blocks_override={blocks * 16 // block_size}"]
+    policies = [*PREFILL[prefill_policy], *DECODE[decode_policy]]
+    if caching:  # (prefix caching on, with no prompt sharing a prefix)
+        policies = [*(p for p in policies if "enable_prefix_caching" not in p),
+                    "kv.enable_prefix_caching=true"]
     s = assert_fast_equals_exact([
         "model=tiny", f"seed={seed}", f"workload.qps={qps}", "workload.num_requests=60",
         "workload.prompt_len.max=300", "workload.output_len.max=200", "policy.max_num_seqs=16",
@@ -103,7 +107,7 @@ def test_random_deployments_fast_equal_exact(seed, qps, prefill, decode, router,
         f"cluster.link.scope={scope}",
         *([] if latency is None else [f"cluster.link.latency_us={latency}"]),
         f"kv.block_size={block_size}", *pool,
-        *dict.fromkeys([*PREFILL[prefill_policy], *DECODE[decode_policy]]), *sides])
+        *dict.fromkeys(policies), *sides])
     # The core runs these unless a pool might bind (a small one), or two events the replica
     # loop orders by simpy's event order meet exactly.
     reason = s["array_core_skipped"]
@@ -122,6 +126,21 @@ def test_each_prefill_policy_runs_on_the_core(prefill_policy):
         *PREFILL[prefill_policy]])
     assert s["step_engine"] == "array_core", s["array_core_skipped"]
     assert s["num_kv_transfers"] > 0
+
+
+def test_vllm_v1_with_its_prefix_cache_runs_on_the_core():
+    """vLLM v1's defaults (prefix caching on) on both pools: with no prompt sharing a
+    prefix, the cache changes nothing but the tokens looked up (every prompt once, on its
+    prefill replica), and those figures are the replica loop's."""
+    layout = ["model=tiny", "seed=5", "workload.qps=40", "workload.num_requests=120",
+              "workload.prompt_len.max=300", "workload.output_len.max=100", "policy=vllm_v1",
+              *DISAGG, "cluster.num_prefill_replicas=2", "cluster.num_decode_replicas=2"]
+    s = assert_fast_equals_exact(layout)
+    assert s["step_engine"] == "array_core", s["array_core_skipped"]
+    assert s["enable_prefix_caching"] and s["prefix_cache_queries"] > 0
+    _, _, loop = _run(*layout, "array_core=false")
+    keys = ("prefix_cache_queries", "prefix_cache_hits", "kv_evictions")
+    assert {k: s[k] for k in keys} == {k: loop[k] for k in keys}
 
 
 @pytest.mark.parametrize("decode_policy", sorted(DECODE))
@@ -261,7 +280,8 @@ def test_a_transfer_arriving_exactly_at_a_decode_step_end(tmp_path, preset, late
     (["cluster.decode_router=prefix_aware"],
      "cluster.decode_router 'prefix_aware' reads more than outstanding request counts and KV"),
     (["cluster.prefill.pipeline_parallel_size=2"], "pipeline stages"),
-    (["kv.enable_prefix_caching=true"], "prefix caching"),
+    (["kv.enable_prefix_caching=true", "workload.shared_prefix_len=64"],
+     "a shared prompt prefix with prefix caching on"),
     (["kv.enable_prefix_caching=false",
       "+cluster.decode.policy={name: vllm_v1, scheduling_policy: priority, "
       "enable_chunked_prefill: true, kv_watermark: 0.0}"],
