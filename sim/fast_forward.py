@@ -61,6 +61,10 @@ not, and ends with the step in progress if the reservation fails (its finishes m
 reserve for the transfers that wait). An arriving transfer ends
 the jump with the step in progress. The jump is priced as far as the replica's next transfer
 arrival or a few arrivals ahead (``Disaggregated.lazy_decode_horizon``): any end is exact.
+Co-located replicas in a closed loop sleep through their jumps the same way (behind any
+router): a finish elsewhere may bring a turn in the middle of a jump, which ends it with the
+step in progress where it is routed, and a router that reads a replica's KV use or cache first
+has it take the blocks of the steps begun.
 """
 
 from __future__ import annotations

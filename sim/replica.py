@@ -86,7 +86,8 @@ class Replica:
                 and getattr(policy, "supports_decode_jumps", False))
         self.fast_forward = fast and fast_forward and horizon is not None
         # ``decode_runs``: the decoding requests as one block even where the replica takes no
-        # jumps (step_mode=fast in a closed loop's cluster: one step at a time, each cheaper).
+        # jumps (step_mode=fast in a closed loop's disaggregated deployment: one step at a
+        # time, each cheaper).
         runs = self.fast_forward or (fast and decode_runs)
         self.num_jumps = 0
         self.num_jump_stops = 0  # finishes inside jumps past finishes
@@ -161,6 +162,8 @@ class Replica:
             return
         if self._jump_wait is not None:
             self._cut_jump()
+        elif self._chain is not None:  # a lazy jump ends with the step in progress
+            self._cut_lazy_jump(self._chain.passed + 1)
         self.executor.add_request(req.request_id, req.prompt_token_ids)
         self.queues.waiting.append(req)
         self.policy.on_arrival(req)
@@ -222,12 +225,18 @@ class Replica:
 
     @property
     def kv_usage(self) -> float:
-        """Fraction of GPU KV blocks in use (what the replica reports to a router)."""
+        """Fraction of GPU KV blocks in use (what the replica reports to a router): inside a
+        lazy jump, once the steps begun have taken their blocks."""
+        if self._chain is not None:
+            self._take_blocks_through(self._chain.passed + 1)
         return self.kv.usage
 
     def cached_prefix_tokens(self, req: Request) -> int:
         """Prompt tokens of ``req`` this replica's prefix cache holds now, in whole blocks
-        from the first (what a prefix-aware router may ask; 0 with caching off)."""
+        from the first (what a prefix-aware router may ask; 0 with caching off): inside a
+        lazy jump, once the steps begun have taken their blocks (which may evict some)."""
+        if self._chain is not None:
+            self._take_blocks_through(self._chain.passed + 1)
         kv = self.kv
         if not kv.enable_prefix_caching or req.prefix is None:
             return 0
@@ -251,12 +260,16 @@ class Replica:
             self.lazy_span = max(1, span)
 
     def enable_lazy_decode(self) -> bool:
-        """A disaggregated decode replica behind a decode router that reads only request
-        counts, without prefix caching and with no closed loop: sleep through the steps of a
-        jump (``ChainEnvironment``) instead of stopping where another replica's step ends;
-        a transfer reserved here takes the blocks of the steps that have started first
+        """Sleep through the steps of a jump (``ChainEnvironment``) instead of stopping where
+        another replica's step ends. A disaggregated decode replica behind a decode router
+        that reads only request counts, without prefix caching and with no closed loop: a
+        transfer reserved here takes the blocks of the steps that have started first
         (``reserve_transfer``), and one arriving here ends the jump with the step in progress
-        (``accept_transferred``). False where the replica takes no jumps."""
+        (``accept_transferred``). A co-located replica in a closed loop (its jumps end at its
+        first finish and before the next arrival known when they start): a request routed
+        here ends the jump with the step in progress (``add_request``), and a router reading
+        its KV use or cache first has the steps begun take their blocks (``kv_usage``,
+        ``cached_prefix_tokens``). False where the replica takes no jumps."""
         self.lazy_decode = self.fast_forward and isinstance(self.env, ChainEnvironment)
         return self.lazy_decode
 

@@ -368,8 +368,9 @@ class Simulation:
                 self.array_core_skipped = str(e)
         wall0 = time.perf_counter()
         # Lazy decode replicas sleep through their jumps' steps (ChainEnvironment).
-        env = (ChainEnvironment() if isinstance(self.cluster, DisaggregatedConfig) and self._jumps
-               else simpy.Environment())
+        lazy = ((isinstance(self.cluster, DisaggregatedConfig) and self._jumps)
+                or self._lazy_closed_loop)
+        env = ChainEnvironment() if lazy else simpy.Environment()
         columns = REQUEST_COLUMNS + (CLUSTER_REQUEST_COLUMNS if self.is_cluster else ())
         req_sink, step_sink, metrics, progress = self.open_outputs(columns,
                                                                    self.workload.num_requests)
@@ -478,8 +479,21 @@ class Simulation:
     def _jumps(self) -> bool:
         """Whether replicas take decode jumps: in fast mode, except where a finish on one
         replica may bring an arrival that another replica's jump would run past (a closed
-        loop in a cluster; a single replica's jumps stop at its own finishes)."""
-        return self.step_mode == "fast" and not (self.workload.closed_loop and self.is_cluster)
+        loop in a disaggregated deployment; a single replica's jumps stop at its own
+        finishes, and co-located replicas sleep through theirs: ``_lazy_closed_loop``)."""
+        return self.step_mode == "fast" and (not (self.workload.closed_loop and self.is_cluster)
+                                             or self._lazy_closed_loop)
+
+    @property
+    def _lazy_closed_loop(self) -> bool:
+        """Co-located replicas in a closed loop, in fast mode: each takes its jumps as a
+        chain of step ends (``Replica.enable_lazy_decode``), which a request routed to it
+        cuts at the step in progress, and a router reading it first takes the blocks of the
+        steps begun; its jumps end at its own first finish and before the next arrival known
+        when they start. So a follow-up that another replica's finish brings during a jump
+        finds the replica, and the router finds it, as stepping would."""
+        return (self.step_mode == "fast" and self.workload.closed_loop
+                and isinstance(self.cluster, ClusterConfig) and self.is_cluster)
 
     def build_deployment(self, env: simpy.Environment, metrics: MetricsCollector,
                          req_sink: CsvSink, step_sink: CsvSink, on_done,
@@ -500,6 +514,9 @@ class Simulation:
                                            fast_steps=self.step_mode == "fast", **common)
             router = make_router(c.router, self.seed)
             deployment = Colocated(replicas, router)
+            if self._lazy_closed_loop:
+                for r in replicas:
+                    r.enable_lazy_decode()
             # A router that reads only request counts lets each replica jump past arrivals
             # routed elsewhere (lazy horizons, sim/fast_forward.py).
             if (upcoming is not None and len(replicas) > 1 and router.reads_only_counts
