@@ -211,9 +211,12 @@ def schedule_running(step: StepBuilder, budget: Budget,
     """
     preempted: list[Request] = []
     order = step.running if order is None else order
-    # The common case in one go: the whole decode run, one token each (sim/decode_run.py).
+    # The common case in one go: the whole decode run, one token each (sim/decode_run.py),
+    # then any running request after it (a prompt mid-prefill, admitted last).
     if step.schedule_decode_run(order, budget.remaining_tokens):
-        return preempted
+        order = step.after_decode_run(order)
+        if not order:
+            return preempted
     for req in list(order):
         if req.status is not RequestStatus.RUNNING or step.is_scheduled(req):
             continue  # preempted earlier in this loop, or already granted

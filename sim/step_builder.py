@@ -527,7 +527,9 @@ class StepBuilder:
         request in the run's order), nothing of it is scheduled yet, ``max_tokens`` holds them
         and the pool holds their new blocks. Exactly what ``schedule(req, 1)`` in order would
         do then (the same blocks, in the same order). False (nothing changes) otherwise: the
-        caller goes row by row."""
+        caller goes row by row. ``running`` whose requests after the run's members are not
+        members (a prompt mid-prefill, admitted last) gets the block for its members: the
+        caller goes on with the rest (``after_decode_run``)."""
         run = self.run
         if run is None:
             return False
@@ -568,7 +570,9 @@ class StepBuilder:
                         or not run.reorder(order)):
                     return False
         elif order is self.running and n != len(self._q.running):
-            return False
+            running = self._q.running
+            if n > len(running) or any(r._run is not None for r in running[n:]):
+                return False
         if n == 0:
             return True
         if n > max_tokens or run.scheduled_at == self._step_index:
@@ -588,6 +592,14 @@ class StepBuilder:
         run.scheduled_at = self._step_index  # its members count as granted one token each
         self.num_scheduled_tokens += n
         return True
+
+    def after_decode_run(self, order: Sequence[Request]) -> Sequence[Request]:
+        """The requests of ``order`` that a granted ``schedule_decode_run`` left to the
+        caller, in order: those of ``running`` after the run's members (none for any other
+        ``order``)."""
+        if order is not self.running or self._in_flight:
+            return ()
+        return self._q.running[len(self.run):]  # type: ignore[arg-type]
 
     def _not_in_flight(self) -> Sequence[Request]:
         """The running requests not in a micro-batch still in the pipeline."""

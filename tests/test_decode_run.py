@@ -77,6 +77,65 @@ def test_bulk_decode_scheduling_equals_row_by_row(contexts, bs, spare):
     assert states[0] == states[1]
 
 
+def _with_prefill_tail(builder: StepBuilder, prompt: int, computed: int) -> Request:
+    """A request mid-prefill (``computed`` of its ``prompt`` tokens in blocks) running after
+    the decoding ones: vLLM v1's prompt admitted last with part of its prompt."""
+    kv, queues = builder._kv, builder._q
+    r = Request(len(queues.running), 100.0, prompt, 20)
+    r.transition(RequestStatus.RUNNING)
+    r.num_computed_tokens = computed
+    if computed:
+        assert kv.allocate_slots(r.request_id, computed) is not None
+    queues.add_running(r)
+    return r
+
+
+@settings(max_examples=60, deadline=None)
+@given(contexts=st.lists(st.integers(1, 70), min_size=1, max_size=10),
+       bs=st.sampled_from([1, 4, 16]), spare=st.integers(0, 12),
+       prompt=st.integers(3, 200), done=st.floats(0.0, 1.0), budget=st.integers(12, 300))
+def test_bulk_decodes_then_a_prompt_mid_prefill_equal_row_by_row(contexts, bs, spare, prompt,
+                                                                  done, budget):
+    """``running`` with a prompt mid-prefill after the decode run's members: the run's block,
+    then the prompt's chunk row by row (budget, blocks and preemptions), is exactly the rows
+    in order."""
+    outputs = [min(c, 1 + c % 3) for c in contexts]
+    computed = 1 + int((prompt - 3) * done)  # at least one chunk done, two tokens left
+    held = sum(-(-c // bs) for c in contexts) + -(-computed // bs)
+    states = []
+    for with_run in (True, False):
+        builder, _ = _decoding_replica(contexts, outputs, held + spare, bs, with_run)
+        _with_prefill_tail(builder, prompt, computed)
+        builder.reset(0.0)
+        preempted = schedule_running(builder, Budget(builder, budget, 256))
+        plan = builder.build()
+        if with_run:  # the bulk path runs exactly when every new block fits
+            fits = sum(c % bs == 0 for c in contexts) <= spare
+            assert (plan.num_blocks == 1) == fits
+        states.append(_state(builder, plan, preempted))
+    assert states[0] == states[1]
+
+
+def test_a_prompt_mid_prefill_between_members_takes_the_rows():
+    """The block stands for the first rows in order only: with a request that is not a
+    member before a member, ``running`` is scheduled row by row."""
+    builder, _ = _decoding_replica([15, 16], [1, 1], 12, 16, True)
+    _with_prefill_tail(builder, 40, 8)
+    late = Request(3, 101.0, 10, 5)  # decoding, a member, after the prompt mid-prefill
+    late.transition(RequestStatus.RUNNING)
+    late.num_computed_tokens, late.num_output_tokens = 10, 1
+    assert builder._kv.allocate_slots(3, 10) is not None
+    builder._q.add_running(late)
+    builder.run.rebuild(builder._q.running, builder._kv.block_tables)
+    builder.reset(0.0)
+    assert not builder.schedule_decode_run(builder.running, 100)
+    builder, _ = _decoding_replica([15, 16], [1, 1], 12, 16, True)
+    tail = _with_prefill_tail(builder, 40, 8)
+    builder.reset(0.0)
+    assert builder.schedule_decode_run(builder.running, 100)
+    assert list(builder.after_decode_run(builder.running)) == [tail]
+
+
 @settings(max_examples=40, deadline=None)
 @given(contexts=st.lists(st.integers(1, 70), min_size=1, max_size=12),
        bs=st.sampled_from([1, 4, 16]), steps=st.integers(0, 3))
