@@ -43,11 +43,12 @@ before the arrival (``Jump.truncate``); the others jump on. A jump never has a s
 the very instant of an arrival (it ends before that step instead): whether such a step's end
 or the arrival comes first depends on when each was scheduled, which only stepping shows.
 
-**Lazy decode.** A disaggregated decode replica behind a decode router that reads only request
-counts (without prefix caching, with no closed loop) need not stop where a prefill step ends
+**Lazy decode.** A disaggregated decode replica need not stop where a prefill step ends
 either: only a transfer touches it, reserved on it at a handoff (``Replica.reserve_transfer``)
-or arriving at it (``Replica.accept_transferred``), and its count changes only at its own
-finishes and those arrivals. It sleeps through its jump as a chain of step ends
+or arriving at it (``Replica.accept_transferred``), its count changes only at its own
+finishes and those arrivals, and a decode router that reads its KV use or cache first has the
+steps begun take their blocks (``Replica.kv_usage``, ``Replica.cached_prefix_tokens``). In a
+closed loop its jumps end at its first finish (which brings a turn). It sleeps through its jump as a chain of step ends
 (``sim/clock.py``: ``ChainEnvironment``, ``StepChain``): each step end takes its event id when
 the step before it ends and comes before any event at that instant with a later id, as the
 step's timeout would, so at every instant the replica's steps that have ended are those
@@ -61,8 +62,9 @@ not, and ends with the step in progress if the reservation fails (its finishes m
 reserve for the transfers that wait). An arriving transfer ends
 the jump with the step in progress. The jump is priced as far as the replica's next transfer
 arrival or a few arrivals ahead (``Disaggregated.lazy_decode_horizon``): any end is exact.
-Co-located replicas in a closed loop sleep through their jumps the same way (behind any
-router): a finish elsewhere may bring a turn in the middle of a jump, which ends it with the
+(Pipelined decode replicas repeat micro-batches instead, as far as
+``Disaggregated.decode_horizon``.) Co-located replicas in a closed loop sleep through their
+jumps the same way (behind any router): a finish elsewhere may bring a turn in the middle of a jump, which ends it with the
 step in progress where it is routed, and a router that reads a replica's KV use or cache first
 has it take the blocks of the steps begun.
 """

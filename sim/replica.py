@@ -261,15 +261,14 @@ class Replica:
 
     def enable_lazy_decode(self) -> bool:
         """Sleep through the steps of a jump (``ChainEnvironment``) instead of stopping where
-        another replica's step ends. A disaggregated decode replica behind a decode router
-        that reads only request counts, without prefix caching and with no closed loop: a
-        transfer reserved here takes the blocks of the steps that have started first
+        another replica's step ends; a router reading this replica's KV use or cache first has
+        the steps begun take their blocks (``kv_usage``, ``cached_prefix_tokens``). A
+        disaggregated decode replica: a transfer reserved here takes those blocks first too
         (``reserve_transfer``), and one arriving here ends the jump with the step in progress
         (``accept_transferred``). A co-located replica in a closed loop (its jumps end at its
         first finish and before the next arrival known when they start): a request routed
-        here ends the jump with the step in progress (``add_request``), and a router reading
-        its KV use or cache first has the steps begun take their blocks (``kv_usage``,
-        ``cached_prefix_tokens``). False where the replica takes no jumps."""
+        here ends the jump with the step in progress (``add_request``). False where the
+        replica takes no jumps."""
         self.lazy_decode = self.fast_forward and isinstance(self.env, ChainEnvironment)
         return self.lazy_decode
 

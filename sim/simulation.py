@@ -477,12 +477,10 @@ class Simulation:
 
     @property
     def _jumps(self) -> bool:
-        """Whether replicas take decode jumps: in fast mode, except where a finish on one
-        replica may bring an arrival that another replica's jump would run past (a closed
-        loop in a disaggregated deployment; a single replica's jumps stop at its own
-        finishes, and co-located replicas sleep through theirs: ``_lazy_closed_loop``)."""
-        return self.step_mode == "fast" and (not (self.workload.closed_loop and self.is_cluster)
-                                             or self._lazy_closed_loop)
+        """Whether replicas take decode jumps: in fast mode. (A single replica's jumps stop
+        at its own finishes in a closed loop; a cluster's replicas sleep through theirs, cut
+        by what reaches them: ``_lazy_closed_loop``, ``Disaggregated.enable_lazy_decode``.)"""
+        return self.step_mode == "fast"
 
     @property
     def _lazy_closed_loop(self) -> bool:
@@ -536,8 +534,8 @@ class Simulation:
             prefill = prefill_pool.build(env, 0, metrics, rows, step_sink, on_finished=on_done,
                                          handoff=lambda req, rep: holder[0].handoff(req, rep),
                                          **common)
-            # Decode replicas jump up to a lower bound on their next outside event
-            # (Disaggregated.decode_horizon, set below); prefill replicas hand every request
+            # Decode replicas sleep through their jumps (lazy decode, set below; pipelined ones
+            # repeat up to Disaggregated.decode_horizon); prefill replicas hand every request
             # off after its prompt step, so they step one at a time.
             decode = decode_pool.build(env, prefill_pool.count, metrics, rows, step_sink,
                                        on_finished=decode_done, horizon=horizon,
@@ -554,11 +552,9 @@ class Simulation:
             holder.append(deployment)
             if horizon is not None:  # (online mode has none: one step at a time)
                 deployment.enable_decode_jumps(horizon)
-            # A decode router that reads only request counts lets each decode replica sleep
-            # through its jumps past the other replicas' steps (Replica.enable_lazy_decode).
-            if (upcoming is not None and deployment.decode_router.reads_only_counts
-                    and self._jumps and not self.workload.closed_loop
-                    and not any(r.kv.enable_prefix_caching for r in decode)):
+            # Each decode replica sleeps through its jumps past the other replicas' steps
+            # (Replica.enable_lazy_decode).
+            if upcoming is not None and self._jumps:
                 deployment.enable_lazy_decode(upcoming, decode_pool.count)
         if isinstance(rows, ClusterRequestSink):
             rows.extra = deployment.extra_columns

@@ -1,7 +1,7 @@
-"""Lazy decode (sim/fast_forward.py): disaggregated decode replicas behind a decode router that
-reads only request counts sleep through their jumps (``ChainEnvironment``) past every other
-replica's steps; a transfer reserved on one takes the blocks of the steps that have started
-first, one arriving ends the jump with the step in progress. step_mode=fast still reproduces
+"""Lazy decode (sim/fast_forward.py): disaggregated decode replicas sleep through their jumps
+(``ChainEnvironment``) past every other replica's steps; a transfer reserved on one, or a
+decode router reading its KV use or cache, takes the blocks of the steps that have started
+first, and a transfer arriving ends the jump with the step in progress. step_mode=fast still reproduces
 step_mode=exact: the same steps on every replica, the same request rows, the same free block
 queues at the end (so the same block ids)."""
 
@@ -134,8 +134,9 @@ def _disaggregated(seed: int, qps: float, n: int, blocks: int, decode: int,
 @pytest.mark.parametrize(("decode_router", "extra", "lazy"), [
     ("least_outstanding", [], True),
     ("round_robin", [], True),
-    ("least_kv", [], False),  # reads KV use
-    ("least_outstanding", ["kv.enable_prefix_caching=true"], False),
+    ("least_kv", [], True),  # reads KV use: the steps begun take their blocks first
+    ("prefix_aware", ["kv.enable_prefix_caching=true"], True),
+    ("least_outstanding", ["cluster.decode.pipeline_parallel_size=2"], False),  # repeats
 ])
 def test_lazy_decode_only_where_it_applies(decode_router, extra, lazy):
     res = EngineSimulation(compose_cfg("step_mode=fast", *_disaggregated(
@@ -143,6 +144,23 @@ def test_lazy_decode_only_where_it_applies(decode_router, extra, lazy):
     prefill, *decode = res.replicas
     assert not prefill.lazy_decode
     assert all(r.lazy_decode == lazy for r in decode)
+
+
+def test_closed_loop_decode_replicas_sleep_through_their_jumps():
+    """Multi-turn sessions on a disaggregated deployment: a decode replica's jump ends at its
+    first finish (which brings the next turn), and a hand-off meanwhile finds it, and
+    ``least_kv`` reads it, as stepping would (it fails if the router reads the KV use
+    before the steps begun take their blocks)."""
+    setup = ["model=tiny", "seed=739", "workload=multi_turn", "workload.num_sessions=20",
+             "workload.qps=5", "workload.think_time_s=0.0", "workload.system_prompt_len=32",
+             "workload.max_prompt_len=900", "workload.user_len.max=60",
+             "workload.output_len.median=100", "workload.output_len.max=400", "policy=vllm_v1",
+             "kv.num_gpu_blocks_override=100", "cluster=disaggregated",
+             "cluster.num_decode_replicas=2", "cluster.decode_router=least_kv"]
+    assert assert_fast_equals_exact(setup)["num_decode_jumps"] > 0
+    res = EngineSimulation(compose_cfg("step_mode=fast", *setup), components=BUILT_IN).run()
+    _, *decode = res.replicas
+    assert all(r.lazy_decode and r.num_jumps for r in decode)
 
 
 @pytest.fixture

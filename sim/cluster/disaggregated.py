@@ -136,13 +136,13 @@ class Disaggregated:
 
     def enable_lazy_decode(self, upcoming: UpcomingArrivals, span: int) -> None:
         """Let decode replicas sleep through their jumps past every other replica's steps
-        (``Replica.enable_lazy_decode``, ``lazy_decode_horizon``). Only behind a decode router
-        that reads only request counts (``Router.reads_only_counts``), without prefix caching
-        and with no closed loop: a replica's count changes only at its own finishes (each at
-        its exact time) and at the transfers that reach it, and nothing else reads its state
-        but the transfers reserved on it and arriving at it, which cut into its jump.
-        ``upcoming``, ``span``: the upcoming arrivals, and how many of them a jump is priced
-        past."""
+        (``Replica.enable_lazy_decode``, ``lazy_decode_horizon``): a replica's count changes
+        only at its own finishes (each at its exact time; in a closed loop a jump ends at the
+        first) and at the transfers that reach it, which cut into its jump, and the decode
+        router reads its KV use and cache as stepping shows them (the steps begun take their
+        blocks first). ``upcoming``, ``span``: the upcoming arrivals, and how many of them a
+        jump is priced past (a closed loop's turns are not among them: a jump may end
+        anywhere)."""
         self._upcoming = upcoming
         self._lazy_span = max(1, span)
         for j, rep in enumerate(self.decode):
@@ -175,9 +175,9 @@ class Disaggregated:
         arrival frees prefill blocks: no later than now plus the quickest of those transfers.
 
         A jump up to this bound stops at every prefill step end, whichever decode replica that
-        step hands off to. Behind a decode router that reads only counts (and without prefix
-        caching) decode replicas sleep through their jumps instead, cut only by what reaches
-        them (``enable_lazy_decode``); this bound serves the other runs."""
+        step hands off to. Plain decode replicas sleep through their jumps instead, cut only by
+        what reaches them (``enable_lazy_decode``); this bound serves pipelined ones, whose
+        repeats stop there."""
         if self._pending[j]:
             return -float("inf")
         now = self.env.now
