@@ -7,9 +7,11 @@ simulator rarely has token ids, so a request names its content by spans instead
 prompt other requests may share (a system prompt, a Mooncake hash id's 512 tokens, an earlier
 turn of a conversation). Everything after the shared spans is the request's own.
 
-* A block wholly inside the shared spans gets a chained hash: ``hash((parent, pieces))``
-  over the (content key, first offset, end offset) pieces of the spans it overlaps. Python's
-  hash of a tuple of ints is the same in every process (no string hashing is involved).
+* A block wholly inside the shared spans gets a chained hash: ``hash((parent, key,
+  offset))`` for a block inside one span (its content key, the block's first offset in it),
+  ``hash((parent, pieces))`` over the (content key, first offset, end offset) pieces of the
+  spans a block overlaps when there are several. Python's hash of a tuple of ints is the
+  same in every process (no string hashing is involved).
 * A block holding any of the request's own tokens can only ever be hit by the request itself
   (after a preemption by recompute): its key is ``(request id, block index)``.
 """
@@ -68,18 +70,26 @@ class _Chains:
                 return list(state[0])
             out = list(state[0])
             parent, pieces, filled = state[1], list(state[2]), state[3]
+        append = out.append
         for key, length in spans[i:]:
             offset = 0
-            while offset < length:
-                take = min(length - offset, block_size - filled)
-                pieces.append((key, offset, offset + take))
-                offset += take
-                filled += take
-                if filled == block_size:
-                    parent = hash((parent, tuple(pieces)))
-                    out.append(parent)
-                    pieces = []
-                    filled = 0
+            if filled:  # the block the spans before began
+                offset = min(length, block_size - filled)
+                pieces.append((key, 0, offset))
+                filled += offset
+                if filled < block_size:
+                    continue
+                parent = hash((parent, tuple(pieces)))
+                append(parent)
+                pieces = []
+                filled = 0
+            end = offset + (length - offset) // block_size * block_size
+            for off in range(offset, end, block_size):  # the blocks inside this span
+                parent = hash((parent, key, off))
+                append(parent)
+            if end < length:  # a block the spans after it go on
+                pieces = [(key, end, length)]
+                filled = length - end
         cost = len(out) + n + 1
         if cost <= self.max_items:
             replaced = states.pop((block_size, spans), None)  # (the empty list is probed never)
