@@ -52,12 +52,21 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
 
 def _leading(blocks: dict[Hashable, int], keys: Sequence[Hashable]) -> list[int]:
     """The blocks ``blocks`` maps ``keys`` to, from the first key up to the first it lacks
-    (every key looked up in C: a prompt of one-token blocks has hundreds)."""
-    found = list(map(blocks.get, keys))
-    try:
-        return found[:found.index(None)]
-    except ValueError:  # every key is there
-        return found
+    (keys looked up in C, in runs that double from 8: a prompt of one-token blocks has
+    hundreds, and a short hit looks up few more than it finds)."""
+    get = blocks.get
+    found: list[int] = []
+    start, n, run = 0, len(keys), 8
+    while start < n:
+        part = list(map(get, keys[start:start + run]))
+        try:
+            found += part[:part.index(None)]
+            return found
+        except ValueError:  # every key of the run is there
+            found += part
+        start += run
+        run += run
+    return found
 
 
 class _Pool:

@@ -9,7 +9,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sim.kv_manager import _BULK, KVBlockManager, KVIntegrityError, _CachingPool, blocks_for
+from sim.kv_manager import (
+    _BULK,
+    KVBlockManager,
+    KVIntegrityError,
+    _CachingPool,
+    _leading,
+    blocks_for,
+)
 
 
 def test_allocate_hands_out_ids_in_order_and_returns_new_blocks():
@@ -472,3 +479,16 @@ def test_a_pool_of_ten_million_blocks_costs_nothing_until_used():
     assert kv.num_free_blocks == 10_000_000
     assert kv._gpu.take(9_999_999)[-2:] == [2, 1]
     assert kv._gpu.free_blocks() == [0]
+
+
+@settings(max_examples=80, deadline=None)
+@given(n=st.integers(0, 300), hit=st.integers(0, 300), later=st.sets(st.integers(0, 300)))
+def test_a_match_is_the_cached_run_up_to_the_first_miss(n, hit, later):
+    """``_leading`` looks keys up in runs that double: the blocks of the keys up to the
+    first one missing, whatever the run boundaries, with keys after that miss cached or
+    not."""
+    hit = min(hit, n)
+    blocks = {k: 1000 + k for k in range(hit)}
+    blocks.update((k, 1000 + k) for k in later if k > hit)
+    assert _leading(blocks, list(range(n))) == [1000 + k for k in range(hit)]
+
