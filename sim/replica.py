@@ -336,8 +336,12 @@ class Replica:
     def accept_transferred(self, req: Request) -> None:
         """Decode side: ``req``'s KV arrived in blocks reserved with ``reserve_transfer``;
         it decodes here from the next step (a lazy jump ends with the step in progress)."""
-        if self._chain is not None:
-            self._cut_lazy_jump(self._chain.passed + 1)
+        chain = self._chain
+        if chain is not None:
+            # The steps begun take their blocks first (which may evict cached ones): the
+            # transferred prefix is registered where its content is not cached then.
+            self._take_blocks_through(chain.passed + 1)
+            self._cut_lazy_jump(chain.passed + 1)
         req.replica_id = self.replica_id
         self.executor.add_request(req.request_id, req.prompt_token_ids)
         self.builder.accept_transferred(req)

@@ -163,6 +163,19 @@ def test_closed_loop_decode_replicas_sleep_through_their_jumps():
     assert all(r.lazy_decode and r.num_jumps for r in decode)
 
 
+def test_a_transfer_arriving_in_a_jump_finds_the_cache_the_steps_begun_left():
+    """Prefix caching on a decode pool that binds: a transfer arriving in the middle of a
+    jump registers its prefix's blocks where their content is not cached, after the steps
+    begun have taken their blocks (evicting cached ones) as stepping would have; a
+    recomputed request's cache hits later depend on which blocks hold which content."""
+    assert_fast_equals_exact([
+        "model=llama2_7b", "hardware=a100_40gb", "seed=60568", "workload.qps=10",
+        "workload.num_requests=120", "workload.prompt_len.max=300",
+        "workload.prompt_len.median=200", "workload.output_len.max=50",
+        "workload.shared_prefix_len=256", "policy=vllm_v1", "policy.max_num_batched_tokens=32",
+        "policy.max_num_seqs=4", "kv.num_gpu_blocks_override=96", "cluster=disaggregated"])
+
+
 @pytest.fixture
 def outcomes(monkeypatch):
     """What transfers did to lazy jumps: reservations that let the jump go on, that ended it
