@@ -46,9 +46,12 @@ def _arrival_key(r: Request) -> tuple[float, int]:
 
 
 def is_decoding(req: Request) -> bool:
-    """RUNNING with exactly one pending token over a non-empty cache (a decode row)."""
+    """RUNNING with exactly one pending token over a non-empty cache, and a token sampled
+    already: a decode row whose step computes no prompt token. (A prompt one token from done
+    is a row of its own: the step that computes its last token may complete a block of its
+    shared prefix, which the prefix cache then names, ``StepBuilder.register_computed``.)"""
     return (req.status is RequestStatus.RUNNING and req.num_computed_tokens > 0
-            and req.num_pending_tokens == 1)
+            and req.num_pending_tokens == 1 and req.num_output_tokens > 0)
 
 
 class DecodeRun:

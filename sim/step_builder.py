@@ -476,7 +476,8 @@ class StepBuilder:
             if len(run) == len(running):
                 return self._run_view, []  # type: ignore[return-value]
             others = [r for r in running if r._run is None]
-            # A non-member with one pending token has an empty cache (a 1-token prompt).
+            # A non-member with one pending token is a prompt (of one token, or one token
+            # from done): the decodes are then not the run alone.
             if all(r.num_pending_tokens > 1 for r in others):
                 return self._run_view, others  # type: ignore[return-value]
         return ([r for r in running if r.num_pending_tokens == 1],

@@ -268,6 +268,23 @@ def test_fast_equals_exact_with_caching_on(extra):
                               "kv.num_gpu_blocks_override=90", "kv.enable_prefix_caching=true", *extra])
 
 
+@pytest.mark.equivalence
+def test_a_prompts_last_token_completes_a_block_of_its_shared_prefix():
+    """Chunks of 48 tokens leave prompts one token from done, and some prompts are wholly
+    shared (48 tokens in 4-token blocks): the step that computes such a last token completes
+    the prefix's last block, which the cache names then, in fast mode as step by step (a
+    waiting request of the same prefix hits it). Fails if that step is a decode run's."""
+    assert_fast_equals_exact([
+        "model=mistral_7b", "hardware=h100_sxm", "seed=52157", "workload.qps=10",
+        "workload.num_requests=120", "workload.prompt_len.max=300",
+        "workload.prompt_len.median=50", "workload.output_len.max=300",
+        "workload.shared_prefix_len=48", "workload.num_prefix_groups=4",
+        "workload.priorities=[1,1,2]", "policy=vllm_v1", "policy.max_num_batched_tokens=48",
+        "policy.max_num_seqs=4", "kv.block_size=4", "kv.enable_prefix_caching=true",
+        "policy.scheduling_policy=priority", "cluster.num_replicas=2",
+        "cluster.router=round_robin"])
+
+
 @pytest.mark.skipif(not MOONCAKE.exists(), reason="needs ../shared/traces")
 def test_unbounded_cache_hit_rate_on_mooncake_equals_a_count_from_its_hash_ids(tmp_path):
     """Each request arrives after the one before has finished, with a cache that never
