@@ -34,39 +34,31 @@ wherever the executor has a plain-float price for the batch (``Executor.decode_s
 otherwise, and for a plan of single rows, in one array call (``Executor.decode_durations``,
 sized on a first estimate).
 
-**Lazy horizons.** Co-located replicas behind a router that reads only request counts
-(``Router.reads_only_counts``) need not stop at every arrival in the cluster: a replica's count
-changes only at its own arrivals and finishes, and finishes inside a jump happen at their exact
-times (the stops). Such a replica jumps up to a later, soft horizon (``UpcomingArrivals``), and
-the one that receives an arrival in the middle of a jump cuts it to the steps that started
-before the arrival (``Jump.truncate``); the others jump on. A jump never has a step that ends at
-the very instant of an arrival (it ends before that step instead): whether such a step's end
-or the arrival comes first depends on when each was scheduled, which only stepping shows.
-
-**Lazy decode.** A disaggregated decode replica need not stop where a prefill step ends
-either: only a transfer touches it, reserved on it at a handoff (``Replica.reserve_transfer``)
-or arriving at it (``Replica.accept_transferred``), its count changes only at its own
-finishes and those arrivals, and a decode router that reads its KV use or cache first has the
-steps begun take their blocks (``Replica.kv_usage``, ``Replica.cached_prefix_tokens``). In a
-closed loop its jumps end at its first finish (which brings a turn). It sleeps through its jump as a chain of step ends
-(``sim/clock.py``: ``ChainEnvironment``, ``StepChain``): each step end takes its event id when
-the step before it ends and comes before any event at that instant with a later id, as the
-step's timeout would, so at every instant the replica's steps that have ended are those
-stepping shows (ties to the last bit included), and its stops and end wake it in stepping's
-order. A reservation first takes the new blocks of the steps that have started (each took them
-as it started), then reserves: it gets the block ids, and sees the free count, of stepping.
-The jump goes on while its later steps' blocks fit what is left free (the batch is the same,
-and free blocks only shrink, as they do in any jump: the policy plans the same step while its
-blocks fit, ``Policy.supports_decode_jumps``), ends before the first step whose blocks do
-not, and ends with the step in progress if the reservation fails (its finishes must then
-reserve for the transfers that wait). An arriving transfer ends
-the jump with the step in progress. The jump is priced as far as the replica's next transfer
-arrival or a few arrivals ahead (``Disaggregated.lazy_decode_horizon``): any end is exact.
-(Pipelined decode replicas repeat micro-batches instead, as far as
-``Disaggregated.decode_horizon``.) Co-located replicas in a closed loop sleep through their
-jumps the same way (behind any router): a finish elsewhere may bring a turn in the middle of a jump, which ends it with the
-step in progress where it is routed, and a router that reads a replica's KV use or cache first
-has it take the blocks of the steps begun.
+**Lazy decode.** A replica in a cluster need not stop where another replica's step ends or
+where a request arrives that the router sends elsewhere: only what reaches it can change its
+plan. A co-located replica is reached by the requests routed to it; a disaggregated decode
+replica by the transfers reserved on it at a handoff (``Replica.reserve_transfer``) and
+arriving at it (``Replica.accept_transferred``). Its count changes only at its own finishes
+and those arrivals, and a router that reads its KV use or cache first has the steps begun take
+their blocks (``Replica.kv_usage``, ``Replica.cached_prefix_tokens``). In a closed loop its
+jumps end at its first finish (which brings a turn), and a co-located replica's before the
+next arrival known when they start. It sleeps through its jump as a chain of
+step ends (``sim/clock.py``: ``ChainEnvironment``, ``StepChain``): each step end takes its
+event id when the step before it ends and comes before any event at that instant with a later
+id, as the step's timeout would, so at every instant the replica's steps that have ended are
+those stepping shows (ties to the last bit included), and its stops and end wake it in
+stepping's order. A request routed to it ends the jump with the step in progress, as does an
+arriving transfer. A reservation first takes the new blocks of the steps that have started
+(each took them as it started), then reserves: it gets the block ids, and sees the free count,
+of stepping. The jump goes on while its later steps' blocks fit what is left free (the batch
+is the same, and free blocks only shrink, as they do in any jump: the policy plans the same
+step while its blocks fit, ``Policy.supports_decode_jumps``), ends before the first step whose
+blocks do not, and ends with the step in progress if the reservation fails (its finishes must
+then reserve for the transfers that wait). The jump is priced as far as the N-th next arrival
+for N co-located replicas (``UpcomingArrivals``), or a decode replica's next transfer arrival
+or a few arrivals ahead (``Disaggregated.lazy_decode_horizon``): any end is exact.
+(Pipelined replicas repeat micro-batches instead, up to every arrival and, on the decode side,
+``Disaggregated.decode_horizon``.)
 """
 
 from __future__ import annotations
@@ -198,7 +190,7 @@ class Jump:
 
 class UpcomingArrivals:
     """The workload's requests in arrival order, read a few ahead of the arrival process, so
-    that lazy horizons (module docstring) can see the times of the next arrivals. The
+    that lazy replicas (module docstring) can price their jumps a few arrivals ahead. The
     workload is a lazy, seeded stream: reading a request early changes nothing else."""
 
     def __init__(self, requests: Iterable[Request]) -> None:
@@ -224,21 +216,6 @@ class UpcomingArrivals:
                 return math.inf
             ahead.append(req)
         return ahead[i - 1].arrival_time
-
-    def first_tie(self, ends: np.ndarray) -> int:
-        """The index of the first of ``ends`` (ascending) that is an upcoming arrival's time,
-        to the last bit, or ``len(ends)`` if none is."""
-        last = float(ends[-1])
-        best = len(ends)
-        i = 0
-        while True:
-            t = self.time(i)
-            if t > last:
-                return best
-            j = int(ends.searchsorted(t))
-            if j < best and ends[j] == t:
-                best = j
-            i += 1
 
 
 def _price_until(price, start: float, length: int, horizon: float,

@@ -25,7 +25,6 @@ from sim.executor import Executor
 from sim.fast_forward import (
     MAX_JUMP_STEPS,
     Jump,
-    UpcomingArrivals,
     is_steady_decode,
     plan_jump,
     plan_run_jump,
@@ -94,12 +93,6 @@ class Replica:
         # Steps taken since the last plan by repeating it (a jump's after its first): the
         # next plan's ``StepBuilder.repeated_steps``.
         self._repeated = 0
-        # Lazy horizons (sim/fast_forward.py; ``enable_lazy_horizon``): the upcoming arrivals,
-        # how many of them a jump may run past, and, while the loop waits inside a jump, that
-        # jump, its steps taken and the time waited for (an arrival here cuts the jump).
-        self.upcoming: UpcomingArrivals | None = None
-        self.lazy_span = 0
-        self._jump_wait: tuple[Jump, int, float] | None = None
         # Lazy decode (``enable_lazy_decode``): while the loop sleeps inside a jump, the
         # jump's chain of step ends, the jump (its plan, rows and itself), the steps whose new
         # KV blocks are taken, and the blocks reserved for transfers during it (step, count).
@@ -160,9 +153,7 @@ class Replica:
             self.metrics.on_rejected(req)
             self.requests_sink.write(request_row(req))
             return
-        if self._jump_wait is not None:
-            self._cut_jump()
-        elif self._chain is not None:  # a lazy jump ends with the step in progress
+        if self._chain is not None:  # a lazy jump ends with the step in progress
             self._cut_lazy_jump(self._chain.passed + 1)
         self.executor.add_request(req.request_id, req.prompt_token_ids)
         self.queues.waiting.append(req)
@@ -249,16 +240,6 @@ class Replica:
         this very moment (a disaggregated decode replica's horizon reads it)."""
         return self._wakeup is not None and self._wakeup.triggered
 
-    def enable_lazy_horizon(self, upcoming: UpcomingArrivals, span: int) -> None:
-        """Jump as far as upcoming arrival ``span`` (or the policy's next deadline), and cut a
-        jump when a request arrives here. Only for a co-located replica behind a router that
-        reads only request counts (``Router.reads_only_counts``), without prefix caching and
-        with no closed loop: no one else reads this replica's state during a jump, and its KV
-        blocks are taken when the steps that need them have run."""
-        if self.fast_forward:
-            self.upcoming = upcoming
-            self.lazy_span = max(1, span)
-
     def enable_lazy_decode(self) -> bool:
         """Sleep through the steps of a jump (``ChainEnvironment``) instead of stopping where
         another replica's step ends; a router reading this replica's KV use or cache first has
@@ -271,23 +252,6 @@ class Replica:
         replica takes no jumps."""
         self.lazy_decode = self.fast_forward and isinstance(self.env, ChainEnvironment)
         return self.lazy_decode
-
-    def _cut_jump(self) -> None:
-        """A request arrives here while the loop waits inside a lazy jump: the jump ends with
-        the step in progress, as if planned with this instant as its horizon. Steps that
-        start before now belong, and so does the step that starts now if the loop resumed now
-        (it planned that step before the arrival, as step by step does)."""
-        jump, done, t = self._jump_wait  # type: ignore[misc]
-        now = self.env.now
-        ends = jump.ends
-        n = jump.num_steps
-        k = max(done + 1, min(n, 1 + int(ends[:n - 1].searchsorted(now))))
-        if k >= n:
-            return
-        jump.truncate(k)
-        if float(ends[k - 1]) < t:  # the loop waits past the new end: wake it there
-            self._jump_wait = None
-            self.process.interrupt()
 
     def notify(self) -> None:
         """Wake the loop if it sleeps waiting for work or for free blocks."""
@@ -422,38 +386,22 @@ class Replica:
                         yield from self._lazy_decode_jump(plan, requests, jump, start, seen,
                                                           used0)
                         continue
-                    lazy = self.upcoming is not None
                     done = g = 0  # steps taken, stops passed
                     while True:
                         groups = jump.groups  # members finish at the end of these stops
                         stop = groups[g][0] if g < len(groups) else jump.num_steps
-                        if not lazy:
-                            # A stretch's new blocks are in use while it runs (a router
-                            # reading KV use during the last step sees them, as step by step).
-                            self._take_jump_blocks(plan, requests, jump, done, stop)
+                        # A stretch's new blocks are in use while it runs (a router reading
+                        # KV use during the last step sees them, as step by step).
+                        self._take_jump_blocks(plan, requests, jump, done, stop)
                         t = float(jump.ends[stop - 1])
                         if not advance(env, t):
-                            if lazy:
-                                self._jump_wait = (jump, done, t)
-                                try:
-                                    yield timeout_at(env, t)
-                                except simpy.Interrupt:  # cut by an arrival: a new end
-                                    continue
-                                self._jump_wait = None
-                            else:
-                                yield timeout_at(env, t)
-                        if lazy:
-                            # No router reads KV use: the stretch's blocks once it has run
-                            # (a cut may have shortened it).
-                            self._take_jump_blocks(plan, requests, jump, done, stop)
+                            yield timeout_at(env, t)
                         if stop == jump.num_steps:
                             break
                         self._finish_jump_members(builder.run, jump, done, stop, groups[g][1])
                         self.num_jump_stops += 1
                         done = stop
                         g += 1
-                    if lazy and block is not None:
-                        self._grant_run_blocks(jump)
                     self._apply_jump(plan, requests, jump, start, seen, used0, done)
                     continue
             result = executor.execute(plan)
@@ -534,26 +482,12 @@ class Replica:
     def _plan_jump(self, plan: StepPlan, requests: list[Request], start: float) -> Jump | None:
         """The decode jump that starts with steady decode ``plan`` at ``start``, or None (one
         step at a time)."""
-        # The next arrival, or the policy's own next deadline if that comes first; with a
-        # lazy horizon, a later arrival (an arrival here cuts the jump).
-        up = self.upcoming
-        if up is None:
-            horizon = min(self.horizon(), self.policy.next_decision_time(start))
-        elif up.next_time <= start:  # an arrival now, yet to be routed: one step
-            return None
-        else:
-            horizon = min(up.time(self.lazy_span - 1), self.policy.next_decision_time(start))
+        # The next arrival, or the policy's own next deadline if that comes first (a lazy
+        # replica's horizon is a few arrivals ahead: what reaches it cuts the jump).
+        horizon = min(self.horizon(), self.policy.next_decision_time(start))
         if horizon <= start:  # the next step may see the event: one step at a time
             return None
-        jump = self._size_jump(plan, requests, start, horizon)
-        if jump is not None and up is not None:
-            # End before a step that ends at an arrival's instant (sim/fast_forward.py).
-            j = up.first_tie(jump.ends)
-            if j < jump.num_steps:
-                if j < 2:
-                    return None
-                jump.truncate(j)
-        return jump
+        return self._size_jump(plan, requests, start, horizon)
 
     def _size_jump(self, plan: StepPlan, requests: list[Request], start: float,
                    horizon: float) -> Jump | None:
@@ -650,8 +584,8 @@ class Replica:
             return
         if done == 0:
             # The owners of all the jump's new blocks, in allocation order, once.
-            if plan.decode_block is not None and self.upcoming is None:
-                self._grant_run_blocks(jump)  # lazy: when the jump ends (it may be cut)
+            if plan.decode_block is not None:
+                self._grant_run_blocks(jump)
             self._set_block_owners(plan, requests, jump)
         owners = jump.block_owners
         if jump.stops:  # this stretch's share

@@ -15,6 +15,7 @@ import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -369,7 +370,7 @@ class Simulation:
         wall0 = time.perf_counter()
         # Lazy decode replicas sleep through their jumps' steps (ChainEnvironment).
         lazy = ((isinstance(self.cluster, DisaggregatedConfig) and self._jumps)
-                or self._lazy_closed_loop)
+                or self._lazy_colocated)
         env = ChainEnvironment() if lazy else simpy.Environment()
         columns = REQUEST_COLUMNS + (CLUSTER_REQUEST_COLUMNS if self.is_cluster else ())
         req_sink, step_sink, metrics, progress = self.open_outputs(columns,
@@ -483,15 +484,16 @@ class Simulation:
         return self.step_mode == "fast"
 
     @property
-    def _lazy_closed_loop(self) -> bool:
-        """Co-located replicas in a closed loop, in fast mode: each takes its jumps as a
-        chain of step ends (``Replica.enable_lazy_decode``), which a request routed to it
-        cuts at the step in progress, and a router reading it first takes the blocks of the
-        steps begun; its jumps end at its own first finish and before the next arrival known
-        when they start. So a follow-up that another replica's finish brings during a jump
-        finds the replica, and the router finds it, as stepping would."""
-        return (self.step_mode == "fast" and self.workload.closed_loop
-                and isinstance(self.cluster, ClusterConfig) and self.is_cluster)
+    def _lazy_colocated(self) -> bool:
+        """Co-located replicas (two or more), in fast mode: each takes its jumps as a chain
+        of step ends (``Replica.enable_lazy_decode``), past the arrivals routed elsewhere. A
+        request routed to one cuts its jump at the step in progress, and a router reading one
+        first has the steps begun take their blocks, so each sees what stepping shows. In a
+        closed loop a finish brings a turn no jump can see coming: jumps end at their own
+        first finish and before the next arrival known when they start."""
+        c = self.cluster
+        return (self.step_mode == "fast" and isinstance(c, ClusterConfig)
+                and c.num_replicas > 1)
 
     def build_deployment(self, env: simpy.Environment, metrics: MetricsCollector,
                          req_sink: CsvSink, step_sink: CsvSink, on_done,
@@ -512,16 +514,13 @@ class Simulation:
                                            fast_steps=self.step_mode == "fast", **common)
             router = make_router(c.router, self.seed)
             deployment = Colocated(replicas, router)
-            if self._lazy_closed_loop:
+            if self._lazy_colocated:
+                soft = upcoming is not None and not self.workload.closed_loop
                 for r in replicas:
-                    r.enable_lazy_decode()
-            # A router that reads only request counts lets each replica jump past arrivals
-            # routed elsewhere (lazy horizons, sim/fast_forward.py).
-            if (upcoming is not None and len(replicas) > 1 and router.reads_only_counts
-                    and self._jumps and not self.workload.closed_loop
-                    and not any(r.kv.enable_prefix_caching for r in replicas)):
-                for r in replicas:
-                    r.enable_lazy_horizon(upcoming, len(replicas))
+                    if r.enable_lazy_decode() and soft:
+                        # Priced as far as the N-th next arrival for N replicas: any end is
+                        # exact (what reaches the replica cuts its jump).
+                        r.horizon = partial(upcoming.time, len(replicas) - 1)
         else:
             prefill_pool, decode_pool = self.pools
             holder: list[Disaggregated] = []

@@ -28,7 +28,7 @@ from tests.test_cluster_fast_exact import (
     assert_fast_equals_exact,
     preemption,
 )
-from tests.test_lazy_horizon import COUNT_ROUTERS
+from tests.test_lazy_colocated import COUNT_ROUTERS
 
 # Every test here holds a fast engine to step-by-step simulation, or to its own
 # step (`python -m pytest -m equivalence` runs them all).

@@ -56,7 +56,7 @@ import numpy as np
 from sim import stop as run_stop
 from sim.clock import advance
 from sim.decode_run import DecodeRun
-from sim.fast_forward import UpcomingArrivals, is_steady_decode
+from sim.fast_forward import is_steady_decode
 from sim.plan import DecodeBlock, StepPlan, StepResult
 from sim.policy import Policy
 from sim.replica import Replica, SimulationStalled
@@ -132,10 +132,7 @@ class PipelinedReplica(Replica):
                              is not Policy.decode_order_steps)
 
     # Repeats stop at every arrival and transfer here (they clear ``_steady``): no lazy
-    # horizon or lazy decode.
-    def enable_lazy_horizon(self, upcoming: UpcomingArrivals, span: int) -> None:
-        return None
-
+    # decode.
     def enable_lazy_decode(self) -> bool:
         return False
 

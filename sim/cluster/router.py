@@ -44,10 +44,9 @@ ROUTERS: Registry[type[Router]] = Registry("router")
 class Router(ABC):
     #: True if ``choose`` reads nothing of the targets but ``num_outstanding`` (and its own
     #: state and generator). A replica's count changes only at its own arrivals and finishes,
-    #: so co-located replicas behind such a router may jump past arrivals routed elsewhere,
-    #: and decode replicas behind such a decode router past other replicas' steps
-    #: (sim/fast_forward.py, lazy horizons and lazy decode). A subclass states it itself: what
-    #: its parent stated, a subclass's own reads may break.
+    #: so the array core can route on counts alone (a disaggregated deployment's prefill
+    #: router, sim/array_disagg.py, and with ``reads_only_load`` below). A subclass states it
+    #: itself: what its parent stated, a subclass's own reads may break.
     reads_only_counts: ClassVar[bool] = False
     #: True if ``choose`` reads nothing of the targets but ``num_outstanding`` and
     #: ``kv_usage`` (and its own state and generator): co-located replicas behind it run on
