@@ -480,7 +480,7 @@ class Simulation:
     def _jumps(self) -> bool:
         """Whether replicas take decode jumps: in fast mode. (A single replica's jumps stop
         at its own finishes in a closed loop; a cluster's replicas sleep through theirs, cut
-        by what reaches them: ``_lazy_closed_loop``, ``Disaggregated.enable_lazy_decode``.)"""
+        by what reaches them: ``_lazy_colocated``, ``Disaggregated.enable_lazy_decode``.)"""
         return self.step_mode == "fast"
 
     @property
