@@ -60,7 +60,6 @@ class Replica:
         horizon: Callable[[], float] | None = None,
         fast_forward: bool = False,
         handoff: Callable[[Request, Replica], None] | None = None,
-        decode_runs: bool = False,
     ) -> None:
         self.env = env
         self.replica_id = replica_id
@@ -84,10 +83,6 @@ class Replica:
         fast = (handoff is None and executor.closed_form_decode
                 and getattr(policy, "supports_decode_jumps", False))
         self.fast_forward = fast and fast_forward and horizon is not None
-        # ``decode_runs``: the decoding requests as one block even where the replica takes no
-        # jumps (step_mode=fast in a closed loop's disaggregated deployment: one step at a
-        # time, each cheaper).
-        runs = self.fast_forward or (fast and decode_runs)
         self.num_jumps = 0
         self.num_jump_stops = 0  # finishes inside jumps past finishes
         # Steps taken since the last plan by repeating it (a jump's after its first): the
@@ -108,7 +103,7 @@ class Replica:
         self.queues = ReplicaQueues()
         self.builder = StepBuilder(self.queues, kv, cfg.preemption_mode, cfg.kv_watermark,
                                    hands_off=handoff is not None)
-        if runs:
+        if self.fast_forward:
             # Decoding requests as one persistent block (sim/decode_run.py).
             self.builder.enable_decode_run(policy.decode_run_key())
         self.num_steps = 0
@@ -482,6 +477,10 @@ class Replica:
     def _plan_jump(self, plan: StepPlan, requests: list[Request], start: float) -> Jump | None:
         """The decode jump that starts with steady decode ``plan`` at ``start``, or None (one
         step at a time)."""
+        if plan.decode_block is None and any(r.num_output_tokens == 0 for r in requests):
+            # A prompt's last token (its step may complete a block of its shared prefix,
+            # which the cache names then): one step.
+            return None
         # The next arrival, or the policy's own next deadline if that comes first (a lazy
         # replica's horizon is a few arrivals ahead: what reaches it cuts the jump).
         horizon = min(self.horizon(), self.policy.next_decision_time(start))

@@ -285,6 +285,22 @@ def test_a_prompts_last_token_completes_a_block_of_its_shared_prefix():
         "cluster.router=round_robin"])
 
 
+@pytest.mark.equivalence
+def test_a_prompts_last_token_in_a_plan_of_rows_takes_one_step():
+    """The same in a plan of single rows (the decode run broken up by preemptions under
+    priority scheduling): a row that computes a prompt's last token is not repeated in a
+    jump, whose steps would leave the block it completes unnamed. Fails if it is."""
+    assert_fast_equals_exact([
+        "model=tiny", "hardware=a100_80gb", "seed=64322", "workload.qps=2",
+        "workload.num_requests=120", "workload.prompt_len.max=300",
+        "workload.prompt_len.median=50", "workload.output_len.max=50",
+        "workload.shared_prefix_len=48", "workload.num_prefix_groups=4",
+        "workload.priorities=[1,1,1,1]", "policy=vllm_v1", "policy.max_num_batched_tokens=24",
+        "policy.max_num_seqs=2", "policy.scheduling_policy=priority", "kv.block_size=1",
+        "kv.enable_prefix_caching=true", "kv.num_gpu_blocks_override=1126",
+        "cluster.num_replicas=3", "cluster.router=random"])
+
+
 @pytest.mark.skipif(not MOONCAKE.exists(), reason="needs ../shared/traces")
 def test_unbounded_cache_hit_rate_on_mooncake_equals_a_count_from_its_hash_ids(tmp_path):
     """Each request arrives after the one before has finished, with a cache that never

@@ -61,10 +61,11 @@ class Pool:
               handoff: Callable[[Request, Replica], None] | None = None,
               horizon: Callable[[], float] | None = None,
               fast_forward: bool = False, fast_steps: bool = False) -> list[Replica]:
-        """The pool's replicas, ids from ``first_id``. ``fast_forward``: decode jumps on
-        plain replicas; ``fast_steps`` (step_mode=fast): decode runs on every replica, and
-        repeated micro-batches on pipelined ones, which never pass another process's event
-        (sim/cluster/pipeline.py), so a closed loop's follow-ups cannot be run past."""
+        """The pool's replicas, ids from ``first_id``. ``fast_forward``: decode jumps (with
+        the decoding requests as one block) on plain replicas; ``fast_steps``
+        (step_mode=fast): decode runs and repeated micro-batches on pipelined ones, which
+        never pass another process's event (sim/cluster/pipeline.py), so a closed loop's
+        follow-ups cannot be run past."""
         out = []
         for i in range(self.count):
             rid = first_id + i
@@ -91,7 +92,6 @@ class Pool:
                 kwargs["fast_forward"] = fast_steps
             else:
                 cls = Replica
-                kwargs["decode_runs"] = fast_steps
             out.append(cls(env, rid, policy, executor, kv, metrics, requests_sink,
                            steps_sink, **kwargs))
         return out
