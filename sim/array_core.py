@@ -1,8 +1,8 @@
 """The array core: step_mode=fast for one replica (or for each of several behind a router
-that reads only outstanding counts: sim/array_cluster.py runs this loop per replica on a
-``Lane``), with no simpy event and no block id in the loop, and no per-request object for
-FCFS and chunked prefill (a policy with its own waiting order gets each request as a
-``Request``, which lives until the request leaves).
+that reads only outstanding counts and KV usage: sim/array_cluster.py runs this loop per
+replica on a ``Lane``), with no simpy event and no block id in the loop, and no per-request
+object for FCFS and chunked prefill (a policy with its own waiting order gets each request
+as a ``Request``, which lives until the request leaves).
 
 Where every request a policy may run at once fits the pool together (the ``max_num_seqs``
 longest requests' blocks, above the watermark), nothing is ever preempted, swapped or refused
