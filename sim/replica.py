@@ -39,7 +39,9 @@ from sim.step_builder import ReplicaQueues, StepBuilder
 
 
 class SimulationStalled(RuntimeError):
-    """The policy keeps producing empty plans while requests wait: a policy bug."""
+    """The run cannot go on: the policy keeps producing empty plans while requests wait (a
+    policy bug), or a pipelined replica's requests keep restarting their prefills with no
+    token sampled (a pool too small for them)."""
 
 
 class Replica:

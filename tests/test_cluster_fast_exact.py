@@ -14,6 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from experiments.simulation import BUILT_IN, Simulation
+from sim.replica import SimulationStalled
 from sim.simulation import Components
 from sim.simulation import Simulation as EngineSimulation
 from tests.helpers import assert_approx, compose_cfg, free_queues
@@ -190,6 +191,28 @@ def test_closed_loop_clusters_sleep_through_their_jumps(router, seed, sessions, 
     assert summary["num_decode_jumps"] > 0
     res = EngineSimulation(compose_cfg("step_mode=fast", *setup), components=BUILT_IN).run()
     assert all(r.lazy_decode and r.num_jumps for r in res.replicas)
+
+
+@pytest.mark.parametrize("mode", ["exact", "fast"])
+def test_pipelined_requests_that_restart_for_ever_stop_the_run(mode):
+    """Two requests on a pipelined decode replica of 39 blocks cannot hold their blocks
+    together; the one in flight cannot be preempted, so the other preempts itself and
+    restarts its prefill, in turn, for ever: the run stops with an error that says so."""
+    setup = ["model=llama3_8b", "hardware=a100_80gb", "seed=25951", "workload=multi_turn",
+             "workload.num_sessions=16", "workload.qps=0.5", "workload.think_time_s=0.0",
+             "workload.system_prompt_len=256", "workload.num_system_prompts=1",
+             "workload.max_prompt_len=600", "workload.user_len.max=40",
+             "workload.user_len.median=100", "workload.output_len.median=150",
+             "workload.output_len.max=400", "workload.turns.max=2", "policy=vllm_v1",
+             "policy.max_num_batched_tokens=128", "policy.max_num_seqs=32",
+             "kv.enable_prefix_caching=false", "kv.num_gpu_blocks_override=39",
+             "kv.num_cpu_blocks=8", "cluster=disaggregated", "cluster.router=power_of_two",
+             "cluster.num_decode_replicas=2", "cluster.decode_router=round_robin",
+             "cluster.link.preset=infiniband", "cluster.decode.pipeline_parallel_size=2",
+             f"step_mode={mode}"]
+    with pytest.raises(SimulationStalled, match="preempted by recompute in a row with no "
+                                                "token sampled"):
+        EngineSimulation(compose_cfg(*setup), components=BUILT_IN).run()
 
 
 def test_pipelined_sjf_repeats_only_while_its_order_holds():

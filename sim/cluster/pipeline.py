@@ -111,6 +111,9 @@ class _Steady:
 # Blocks priced ahead at a time (``Executor.decode_run_durations``): a repeated run's next
 # ones, up to its first finish.
 _PRICED_AHEAD = 32
+# Requests preempted by recompute in a row while no micro-batch samples a token: past this, a
+# replica is taken to churn for ever (``PipelinedReplica._churn``).
+_CHURN_LIMIT = 10_000
 
 
 class PipelinedReplica(Replica):
@@ -123,6 +126,11 @@ class PipelinedReplica(Replica):
         self._steady: dict[int, _Steady] = {}
         self.num_repeats = 0  # micro-batches (and empty instants) taken without the policy
         self._deadline = float("inf")  # the policy's next_decision_time at its last plan
+        # Requests recomputed since a micro-batch last sampled a token. A request in flight
+        # cannot be preempted, so two that cannot both hold their blocks may preempt
+        # themselves in turn and restart their prefills for ever (every micro-batch holds a
+        # chunk, so no plan is empty): past ``_CHURN_LIMIT`` the run stops and says so.
+        self._churn = 0
         super().__init__(*args, **kwargs)
         policy = self.policy
         self._repeats = self.fast_forward and not self.check_integrity
@@ -135,6 +143,17 @@ class PipelinedReplica(Replica):
     # decode.
     def enable_lazy_decode(self) -> bool:
         return False
+
+    def _churn_message(self, plan: StepPlan) -> str:
+        q = self.queues
+        return (f"replica {self.replica_id}: {self._churn} requests preempted by recompute in a "
+                f"row with no token sampled (the last: {plan.recomputed}); with "
+                f"{self.stages} pipeline stages a request in flight cannot be preempted, so "
+                f"requests that cannot hold their KV blocks together restart their prefills "
+                f"for ever ({len(q.running)} running, {len(q.waiting)} waiting, "
+                f"{self.kv.num_gpu_blocks} GPU blocks). Give the pool more blocks "
+                f"(kv.num_gpu_blocks_override, kv.gpu_memory_utilization) or run fewer "
+                f"requests at once (policy.max_num_seqs)")
 
     # ---- what ends the policy's repeats -------------------------------------------------
     def notify(self) -> None:
@@ -183,6 +202,10 @@ class PipelinedReplica(Replica):
                     # Its own next deadline as of this plan (SJF's aging): repeats stop there
                     # even once the clock has passed it (the policy may not name it again).
                     self._deadline = policy.next_decision_time(now)
+                    if plan.recomputed:
+                        self._churn += len(plan.recomputed)
+                        if self._churn > _CHURN_LIMIT:
+                            raise SimulationStalled(self._churn_message(plan))
                     if not plan.is_empty:
                         empty_plans = 0
                         self._issue(plan, in_flight, stage_free, busy, now)
@@ -260,6 +283,9 @@ class PipelinedReplica(Replica):
         unless it was a steady block whose members all go on, rejoining nobody."""
         run, builder = b.run, self.builder
         unfinished = self.num_unfinished
+        if self._churn and (b.plan is None or b.plan.num_blocks
+                            or any(s.sample for s in b.plan.scheduled)):
+            self._churn = 0  # a token sampled
         if b.plan is None:  # repeated: the block of ``run``
             busy.difference_update(run.ids)  # type: ignore[union-attr]
             entry = self._steady.get(id(run))
