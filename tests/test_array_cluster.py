@@ -87,20 +87,29 @@ def test_bursts_of_equal_arrival_times_fast_equal_exact(tmp_path_factory, rows, 
     assert s["array_core_skipped"] is None or "exactly" in s["array_core_skipped"]
 
 
-def test_outstanding_counts_at_the_arrival_decide(tmp_path):
-    """Three replicas behind least_outstanding: request 2 goes to the idlest replica with
-    the lowest index, counting request 0 as finished only if its one step ended before
-    request 2 arrived."""
+def _around_one_step(tmp_path: Path, layout: list[str], replicas: tuple[int, int]):
+    """Request 0 (one 100-token step, its only one) and request 1 (a 50-token prompt, a
+    long answer) arrive together; request 2 just before request 0's step ends, then just
+    after: for each, the run on the core, whose request 2 went to ``replicas[0]``, then
+    ``replicas[1]``. Yields (trace override, requests, summary, that replica)."""
     one_step = Simulation(compose_cfg("model=tiny", "workload=trace", _trace(
         tmp_path / "one.csv", [(0.0, 100, 1)]))).run()
     end = float(one_step.requests_sink.rows[0][11])  # request 0's finish_time
-    layout = ["model=tiny", "workload=trace", "cluster.num_replicas=3",
-              "cluster.router=least_outstanding"]
-    for arrival, replica in ((end * 0.999, 2), (end * 1.001, 0)):
+    for arrival, replica in zip((end * 0.999, end * 1.001), replicas):
         trace = _trace(tmp_path / "t.csv", [(0.0, 100, 1), (0.0, 50, 400), (arrival, 50, 5)])
         sim, reqs, s = _run(*layout, trace)
         assert s["step_engine"] == "array_core", sim.array_core_skipped
         assert reqs["replica_id"].tolist() == [0, 1, replica]
+        yield trace, reqs, s, replica
+
+
+def test_outstanding_counts_at_the_arrival_decide(tmp_path):
+    """Three replicas behind least_outstanding: request 2 goes to the idlest replica with
+    the lowest index, counting request 0 as finished only if its one step ended before
+    request 2 arrived."""
+    layout = ["model=tiny", "workload=trace", "cluster.num_replicas=3",
+              "cluster.router=least_outstanding"]
+    for _, reqs, s, replica in _around_one_step(tmp_path, layout, (2, 0)):
         assert reqs["prefill_replica_id"].tolist() == [0, 1, replica]
         assert [r["routed"] for r in s["replicas"]] == ([2, 1, 0] if replica == 0 else [1, 1, 1])
 
@@ -111,16 +120,9 @@ def test_kv_usage_of_the_step_in_progress_decides(tmp_path):
     where it finishes) that is replica 1, decoding a 50-token prompt (4 blocks); just after
     it, idle replica 0. Request 1 arrives with request 0 and goes to replica 1: replica 0 has
     not planned yet, so both are empty and the outstanding counts decide."""
-    one_step = Simulation(compose_cfg("model=tiny", "workload=trace", _trace(
-        tmp_path / "one.csv", [(0.0, 100, 1)]))).run()
-    end = float(one_step.requests_sink.rows[0][11])  # request 0's finish_time
     layout = ["model=tiny", "workload=trace", "cluster.num_replicas=2",
               "cluster.router=least_kv"]
-    for arrival, replica in ((end * 0.999, 1), (end * 1.001, 0)):
-        trace = _trace(tmp_path / "t.csv", [(0.0, 100, 1), (0.0, 50, 400), (arrival, 50, 5)])
-        sim, reqs, s = _run(*layout, trace)
-        assert s["step_engine"] == "array_core", sim.array_core_skipped
-        assert reqs["replica_id"].tolist() == [0, 1, replica]
+    for trace, _, _, _ in _around_one_step(tmp_path, layout, (1, 0)):
         assert assert_fast_equals_exact([*layout, trace])["step_engine"] == "array_core"
 
 
