@@ -180,6 +180,12 @@ class ArrayDisaggregated:
         transfers: list[list[tuple[float, float, int]]] = [[] for _ in self.prefill_lanes]
         hand = sorted((h[0], p, k, h[1], h[2]) for p, lane in enumerate(self.prefill_lanes)
                       for k, h in enumerate(lane.handoffs))
+
+        def in_use(j: int, t: float) -> int:
+            """Decode replica ``j``'s blocks at hand-off time ``t``: its members' in the step
+            in progress (or after its last step, if none is) and those reserved."""
+            lane = lanes[j]
+            return (lane.in_step if states[j][1] > t else lane.now_blocks) + lane.reserved
         seq = 0
 
         def on_last(arrival: float, j: int, i: int, p: int, start: float, nbytes: float,
@@ -223,10 +229,8 @@ class ArrayDisaggregated:
                 count_at(t, lanes, loops, states, targets, routed, num_prefill,
                          f"request {RID[i]} is handed off")
                 if reads_kv:  # (divided as the block manager's usage is)
-                    for j, lane in enumerate(lanes):
-                        used = ((lane.in_step if states[j][1] > t else lane.now_blocks)
-                                + lane.reserved)
-                        targets[j].kv_usage = used / num_blocks
+                    for j in range(len(lanes)):
+                        targets[j].kv_usage = in_use(j, t) / num_blocks
                 last_t = t
             elif p != last_p:
                 raise ExactTie(f"request {RID[i]} is handed off by two prefill replicas at "
@@ -242,7 +246,7 @@ class ArrayDisaggregated:
                     f"blocks or of its step's token budget")
             lane.held_full += full
             lane.reserved += blocks_for(PL[i], bs_d)
-            used = (lane.in_step if states[j][1] > t else lane.now_blocks) + lane.reserved
+            used = in_use(j, t)
             peaks[j] = max(peaks[j], used)
             targets[j].num_outstanding += 1
             targets[j].kv_usage = used / num_blocks  # (what the next hand-off then reads)

@@ -82,9 +82,9 @@ class Replica:
         self.horizon = horizon
         # A prefill replica hands requests off after their first token (disaggregation): every
         # step's membership changes, and the handoff happens in _apply, so no jumps there.
-        fast = (handoff is None and executor.closed_form_decode
-                and getattr(policy, "supports_decode_jumps", False))
-        self.fast_forward = fast and fast_forward and horizon is not None
+        self.fast_forward = (fast_forward and horizon is not None and handoff is None
+                             and executor.closed_form_decode
+                             and getattr(policy, "supports_decode_jumps", False))
         self.num_jumps = 0
         self.num_jump_stops = 0  # finishes inside jumps past finishes
         # Steps taken since the last plan by repeating it (a jump's after its first): the

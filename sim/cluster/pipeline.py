@@ -48,6 +48,7 @@ The plans, block ids and times are those of step_mode=exact (one plan per micro-
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass
 from operator import attrgetter
 from typing import Any
 
@@ -70,25 +71,20 @@ _NO_PLAN = StepPlan()  # what a repeated micro-batch's row reads besides its dec
 _LOOP, _SLEEP = "loop", "sleep"
 
 
+@dataclass(slots=True)
 class _Batch:
     """A micro-batch in the pipeline. A repeated one (``_repeat``) has no plan: it is the
     block of ``run`` at run step ``run_step``, ``rows`` requests."""
 
-    __slots__ = ("leave", "plan", "requests", "result", "rows", "run", "run_step", "start",
-                 "steady")
-
-    def __init__(self, leave: float, start: float, plan: StepPlan | None,
-                 requests: list[Request] | None, result: StepResult | None,
-                 run: DecodeRun | None, run_step: int, rows: int, steady: bool) -> None:
-        self.leave = leave
-        self.start = start
-        self.plan = plan
-        self.requests = requests
-        self.result = result
-        self.run = run
-        self.run_step = run_step
-        self.rows = rows
-        self.steady = steady  # one block of every request not in flight when planned
+    leave: float
+    start: float
+    plan: StepPlan | None
+    requests: list[Request] | None
+    result: StepResult | None
+    run: DecodeRun | None
+    run_step: int
+    rows: int
+    steady: bool  # one block of every request not in flight when planned
 
 
 class _Steady:
