@@ -188,15 +188,23 @@ class _CachingPool(_Pool):
     The queue and the positions are C arrays, read and written in bulk through numpy views
     where a call moves many blocks (``_BULK``): a pool of one-token blocks (SGLang's page
     size) returns a thousand blocks per request and hands them out again a run at a time.
-    ``pos`` covers the blocks handed out so far (``fresh``), so an unused pool holds none."""
+    ``pos`` covers the blocks handed out so far (``fresh``), so an unused pool holds none.
 
-    __slots__ = ("base", "pos")
+    ``front_without`` remembers how far it has read: the entries from the front up to
+    ``clean_end`` (absolute) hold ``clean_live`` live blocks, none with content. A free block
+    gains no content (only held blocks are registered) and such a block leaves only from the
+    front, so the next call reads on from there: a pool that runs without evicting for a
+    long while reads each returned block about once, not the whole queue at every call."""
+
+    __slots__ = ("base", "pos", "clean_end", "clean_live")
 
     def __init__(self, num_blocks: int) -> None:
         super().__init__(num_blocks)
         self.free_queue: array = array("q")  # type: ignore[assignment]
         self.base = 0
         self.pos = array("q")  # block -> its live queue entry (absolute), or -1
+        self.clean_end = 0
+        self.clean_live = 0
 
     def take(self, n: int) -> list[int]:
         grown = min(self.fresh + n, self.num_blocks) - len(self.pos)
@@ -225,23 +233,42 @@ class _CachingPool(_Pool):
 
     def front_without(self, keyed: Mapping[int, Any]) -> int:
         """How many blocks the free queue's front holds before the first one in ``keyed``
-        (a block with cached content): those can be handed out without evicting anything."""
-        n = self.num_blocks - self.fresh  # never handed out: no content
-        q, pos, h = self.free_queue, self.pos, self.head
-        at = self.base + h
-        for i in range(h, len(q)):
+        (the owner's blocks with cached content, always the same mapping): those can be
+        handed out without evicting anything. Reads on from where the last call stopped
+        (class docstring)."""
+        q, pos = self.free_queue, self.pos
+        at = self.clean_end
+        live = self.clean_live
+        for i in range(at - self.base, len(q)):
             b = q[i]
             if pos[b] == at:  # a live entry
                 if b in keyed:
-                    return n
-                n += 1
+                    break
+                live += 1
             at += 1
-        return n
+        self.clean_end, self.clean_live = at, live
+        return self.num_blocks - self.fresh + live  # never handed out: no content either
+
+    def check_clean(self, keyed: Mapping[int, Any]) -> None:
+        """Raise ``KVIntegrityError`` unless the front ``front_without`` read clean holds
+        ``clean_live`` live blocks, none in ``keyed``."""
+        q, pos = self.free_queue, self.pos
+        start = self.base + self.head
+        if self.clean_end < start:
+            raise KVIntegrityError(f"the free queue read clean up to {self.clean_end}, "
+                                   f"behind its front at {start}")
+        live = [q[i - self.base] for i in range(start, self.clean_end)
+                if pos[q[i - self.base]] == i]
+        if len(live) != self.clean_live or any(b in keyed for b in live):
+            raise KVIntegrityError(f"the free queue's front read clean holds {len(live)} "
+                                   f"live blocks, counted {self.clean_live}, or cached ones")
 
     def revive(self, block: int) -> None:
         """Take the free ``block`` out of the queue, wherever it is (one reference now)."""
         if not self.is_free(block):
             raise KVIntegrityError(f"block {block} revived but not free")
+        if self.pos[block] < self.clean_end:  # (a block with content never is)
+            self.clean_live -= 1
         self.pos[block] = -1
         self.num_free -= 1
 
@@ -268,6 +295,10 @@ class _CachingPool(_Pool):
                     out.append(b)
                 h += 1
                 at += 1
+        if n <= self.clean_live:  # the front read clean by ``front_without``
+            self.clean_live -= n
+        else:
+            self.clean_end, self.clean_live = self.base + h, 0
         if h > 1024 and 2 * h > len(q):
             del q[:h]
             self.base += h
@@ -330,6 +361,8 @@ class _CachingPool(_Pool):
             positions = np.frombuffer(pos, np.int64)
             ids = np.array(blocks, np.int64)
             free = positions[ids] >= 0
+            # (A block with content is never in the front ``front_without`` read clean.)
+            self.clean_live -= int(np.count_nonzero(positions[ids[free]] < self.clean_end))
             positions[ids[free]] = -1
             self.num_free -= int(np.count_nonzero(free))
             held = ids[~free].tolist()
@@ -338,6 +371,8 @@ class _CachingPool(_Pool):
         held = []
         for b in blocks:
             if pos[b] >= 0:
+                if pos[b] < self.clean_end:
+                    self.clean_live -= 1
                 pos[b] = -1
                 self.num_free -= 1
             else:
@@ -709,6 +744,8 @@ class KVBlockManager:
             # only where it fails.
             if not _books_agree(pool, tables, returned):
                 _name_the_fault(name, pool, tables, pool.free_blocks())
+        if isinstance(self._gpu, _CachingPool):
+            self._gpu.check_clean(self.block_key)
         if len(self.cached) != len(self.block_key):
             raise KVIntegrityError(f"{len(self.cached)} cached keys name "
                                    f"{len(self.block_key)} blocks")

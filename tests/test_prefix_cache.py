@@ -115,6 +115,46 @@ def test_free_blocks_before_an_eviction_count_the_queue_front_without_content():
     assert kv.free_without_eviction() == 3 and kv.num_free_blocks == 4
 
 
+def _front_without_content(kv: KVBlockManager) -> int:
+    """The free queue's front before its first block with cached content, counted afresh."""
+    n = 0
+    for b in kv._gpu.free_blocks():
+        if b in kv.block_key:
+            break
+        n += 1
+    return n
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.tuples(st.sampled_from(["alloc", "register", "free", "hit", "count"]),
+                          st.integers(0, 5), st.integers(1, 12)), min_size=20, max_size=80))
+def test_the_front_without_content_read_on_from_the_last_call_matches_a_fresh_count(ops):
+    """``free_without_eviction`` reads the queue on from where it stopped (blocks gain content
+    only while held): after any mix of allocations, registrations, frees and cache hits it
+    counts what a scan of the whole queue counts."""
+    kv = KVBlockManager(10, 2, 0, enable_prefix_caching=True)
+    key_of = {}  # request -> the keys it registered, in table order
+    for op, r, n in ops:
+        rid = f"r{r}"
+        if op == "alloc":  # (nothing changes where the pool is too small)
+            held = len(kv.block_table(rid)) if kv.has_blocks(rid) else 0
+            kv.allocate_slots(rid, held * kv.block_size + n)
+        elif op == "register" and kv.has_blocks(rid):
+            table = kv.block_table(rid)
+            keys = [(rid, n, i) for i in range(len(table))]
+            kv.register(rid, keys, len(table))
+            key_of[rid] = keys
+        elif op == "free" and kv.has_blocks(rid):
+            kv.free(rid)
+        elif op == "hit" and not kv.has_blocks(rid):
+            donor = key_of.get(f"r{n % 6}")
+            blocks = kv.match(donor) if donor else []
+            if blocks:
+                kv.attach(rid, blocks)
+        assert kv.free_without_eviction() == _front_without_content(kv)
+        kv.check_integrity()
+
+
 def test_register_keeps_the_first_block_of_a_key():
     kv = KVBlockManager(8, 2, 0, enable_prefix_caching=True)
     kv.allocate_slots("a", 4)
