@@ -34,7 +34,9 @@ Decode jumps (``step_mode=fast``) repeat a decode batch only while nothing waits
 is mid-chunk: then no admission is tried, and each repeated batch only lowers
 ``new_token_ratio`` as a planned one does (``StepBuilder.repeated_steps``). While requests wait,
 the falling ratio may admit one at any step, so every step is planned
-(``next_decision_time``).
+(``next_decision_time``). On the array core (``fcfs`` on a pool that cannot run short) the
+prefill batch is ``prefill_rule`` on plain numbers (``prefill_plan``), the rule ``schedule``
+applies.
 
 Prefix caching is on by default (SGLang's radix cache). SGLang matches prefixes token by
 token (page size 1); here hits are whole ``kv.block_size`` blocks (``kv.block_size=1`` is
@@ -47,7 +49,7 @@ stands for ``max_running_requests``, which SGLang derives from its pools. Not mo
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -55,6 +57,7 @@ import numpy as np
 
 from policies.base import POLICIES, Policy, PolicyConfig
 from sim.errors import require
+from sim.kv_manager import blocks_for
 from sim.plan import StepPlan
 from sim.request import Request
 from sim.step_builder import StepBuilder
@@ -118,6 +121,11 @@ class SGLangPolicy(Policy):
     prefix_caching_default = True
     # The overlap scheduler: the next batch is prepared while this one runs.
     host_overlap_default = True
+    # A prompt takes blocks chunk by chunk (``step.schedule`` of each chunk).
+    holds_whole_prompt = False
+    # ``prefill_plan`` below, with the fcfs schedule policy on a pool that cannot bind
+    # (sim/array_inputs.py sends the rest to the replica loop).
+    array_core = True
 
     config_class = SGLangConfig
     config: SGLangConfig
@@ -138,6 +146,11 @@ class SGLangPolicy(Policy):
         # The last plan found requests waiting or a prompt mid-chunk: the next step may
         # admit or continue one as the ratio falls, so it must be planned.
         self._admission_pending = False
+
+    def array_core_refusal(self) -> str | None:
+        if self.config.schedule_policy != "fcfs":
+            return "policy.schedule_policy=lpm (its order reads cache hits)"
+        return None
 
     def next_decision_time(self, now: float) -> float:
         """Now while requests wait or a prompt is mid-chunk (every step is planned), else
@@ -171,7 +184,6 @@ class SGLangPolicy(Policy):
     def _prefill_batch(self, step: StepBuilder, decodes: Sequence[Request],
                        prefills: Sequence[Request]) -> bool:
         """Build a prefill batch; False if it would be empty (then the step decodes)."""
-        cfg = self.config
         # Nothing is scheduled yet but micro-batches still in the pipeline, whose requests
         # wait for them.
         chunking = [r for r in prefills if not step.is_scheduled(r)]
@@ -181,58 +193,130 @@ class SGLangPolicy(Policy):
         kv, size = step.kv, step.kv.block_size
         # ``_estimate`` of every decoding request (at every planned step while requests
         # wait: in one array operation).
-        remaining = np.minimum(step.remaining_outputs(decodes), CLIP_MAX_NEW_TOKENS)
-        reserved = int(remaining.sum()) * self.new_token_ratio
+        remaining = int(np.minimum(step.remaining_outputs(decodes), CLIP_MAX_NEW_TOKENS).sum())
+        order: list[Request] = []
+
+        def waiting() -> Iterator[tuple[int, int]]:
+            order.extend(self.waiting_order(step))
+            return ((step.pending_tokens(r), _estimate(r)) for r in order)
+
+        chunks, grants = self.prefill_rule(
+            [r.num_pending_tokens for r in chunking],
+            # The slots left in the blocks each holds: its chunk fills them before it takes
+            # free ones.
+            [len(kv.block_table(r.request_id)) * size - r.num_computed_tokens
+             for r in chunking],
+            waiting, len(step.running), remaining,
+            # Live, as SGLang's: the free pool (cached blocks included) after what this
+            # batch took (its chunks' blocks and the cached blocks its hits took off it).
+            lambda: kv.num_free_blocks * size,
+            lambda j, n: step.schedule(chunking[j], n),
+            lambda j, n: step.schedule(order[j], n),
+            # SGLang keeps one prompt mid-chunk (its ``chunked_req``): while a prompt with
+            # tokens left to prefill is in a micro-batch still in the pipeline (it may come
+            # back mid-chunk), a new prompt is admitted only whole (two prompts mid-chunk
+            # could hold every block between them, neither able to go on).
+            chunk_in_flight=len(prefills) > len(chunking))
+        return bool(chunks or grants)
+
+    def prefill_rule(self, partials: Sequence[int], slack: Sequence[int],
+                     waiting: Callable[[], Iterable[tuple[int, int]]], running: int,
+                     remaining: int, free_tokens: Callable[[], int],
+                     place_partial: Callable[[int, int], bool],
+                     place_new: Callable[[int, int], bool], chunk_in_flight: bool = False,
+                     ) -> tuple[list[int], list[int]]:
+        """``PrefillAdder`` on plain numbers, for the replica's plan and the array core's
+        (sim/array_core.py) alike. ``partials``: the pending tokens of the prompts mid-chunk
+        (``slack``: the slots left in the blocks each holds); ``waiting()``: the waiting
+        requests' (pending tokens after their cache hit, output estimate) in the schedule
+        order, read only once admission starts and only as far as it goes; ``running``:
+        requests running; ``remaining``: the decoding requests' output estimates summed;
+        ``free_tokens()``: the free pool in tokens, live; ``place_partial(j, n)`` and
+        ``place_new(j, n)`` grant ``n`` tokens to the ``j``-th of each (False if the pool
+        cannot hold them: the batch ends). Returns the partials' chunks and the admitted
+        requests' grants, in order (both empty: the step decodes)."""
+        cfg = self.config
+        reserved = remaining * self.new_token_ratio
         committed = 0  # output estimates of the requests this batch admitted whole
 
         def rem_total() -> float:
-            # Live, as SGLang's: the free pool (cached blocks included) after what this batch
-            # took (its chunks' blocks and the cached blocks its hits took off the pool),
-            # less the running requests' expected outputs and the admitted ones' estimates.
-            return kv.num_free_blocks * size - reserved - committed
+            return free_tokens() - reserved - committed
 
         rem_input = cfg.max_num_batched_tokens
         rem_chunk = cfg.chunked_prefill_size
-        # SGLang keeps one prompt mid-chunk (its ``chunked_req``): while a prompt with tokens
-        # left to prefill is in a micro-batch still in the pipeline (it may come back
-        # mid-chunk), a new prompt is admitted only whole (two prompts mid-chunk could hold
-        # every block between them, neither able to go on).
-        chunk_in_flight = len(prefills) > len(chunking)
-        for req in chunking:  # the prompt mid-chunk goes on first
-            # Its chunk fills the slots left in the blocks it holds before it takes free
-            # ones (without them, a prompt whose last block the free pool cannot follow
-            # would never finish).
-            own = len(kv.block_table(req.request_id)) * size - req.num_computed_tokens
-            n = min(req.num_pending_tokens, rem_chunk, max(int(rem_total()) + own, 0))
-            if n <= 0 or not step.schedule(req, n):
-                return step.num_scheduled > 0
+        chunks: list[int] = []
+        grants: list[int] = []
+        for j, pending in enumerate(partials):  # the prompt mid-chunk goes on first
+            # Its chunk fills its own blocks' slots before it takes free ones (without
+            # them, a prompt whose last block the free pool cannot follow would never end).
+            n = min(pending, rem_chunk, max(int(rem_total()) + slack[j], 0))
+            if n <= 0 or not place_partial(j, n):
+                return chunks, grants
+            chunks.append(n)
             rem_input -= n
             rem_chunk -= n
-            if n < req.num_pending_tokens:
-                return True  # still chunked: the batch ends
-        running = len(step.running)
-        for req in self.waiting_order(step):
-            if running >= cfg.max_num_seqs:
+            if n < pending:
+                return chunks, grants  # still chunked: the batch ends
+        queue = iter(waiting())
+        while running < cfg.max_num_seqs:
+            head = next(queue, None)
+            if head is None:
                 break
-            n = step.pending_tokens(req)
+            n, estimate = head
             # SGLang's NO_TOKEN stops admission. With nothing running, a prompt that fits is
             # admitted whatever its output estimate, or it would wait forever in a small pool.
             room = rem_total()
-            if (n + _estimate(req) >= room) if running else n > room:
+            if (n + estimate >= room) if running else n > room:
                 break
-            if n >= rem_input and step.num_scheduled:
+            if n >= rem_input and (chunks or grants):
                 break
             grant = min(n, rem_chunk)
-            if grant <= 0 or (grant < n and chunk_in_flight) or not step.schedule(req, grant):
+            if grant <= 0 or (grant < n and chunk_in_flight) or not place_new(len(grants),
+                                                                              grant):
                 break
+            grants.append(grant)
             running += 1
             if grant == n:
-                committed += _estimate(req)
+                committed += estimate
             rem_input -= grant
             rem_chunk -= grant
             if grant < n:
                 break  # the new chunked prompt ends the batch
-        return step.num_scheduled > 0
+        return chunks, grants
+
+    def prefill_plan(self, decode_batches: int, remaining: Callable[[int], int],
+                     partials: Sequence[int], computed: Sequence[int],
+                     waiting: Iterable[tuple[int, int]], running: int, free_blocks: int,
+                     block_size: int) -> tuple[list[int], list[int]]:
+        """The array core's prefill batch (sim/array_core.py) on a pool that cannot bind:
+        ``prefill_rule`` on plain numbers. ``decode_batches``: the decode batches taken since
+        the last call (each lowers the ratio first, as in ``schedule``); ``remaining(cap)``:
+        the decoding requests' outputs still to come, each at most ``cap``, summed;
+        ``partials`` and ``computed``: the pending and computed tokens of the prompts
+        mid-chunk; ``waiting``: (prompt, maximum output) of the waiting requests in arrival
+        order (never run: nothing computed, nothing cached); ``running``: requests running;
+        ``free_blocks``: the free pool. Returns the partials' chunks and the admitted
+        requests' grants (both empty: the step decodes). tests/test_array_core.py checks it
+        against ``schedule``."""
+        self._lower_ratio(decode_batches)
+        free = free_blocks
+
+        def place_partial(j: int, n: int) -> bool:
+            nonlocal free
+            c = computed[j]
+            free -= blocks_for(c + n, block_size) - blocks_for(c, block_size)
+            return True
+
+        def place_new(j: int, n: int) -> bool:
+            nonlocal free
+            free -= blocks_for(n, block_size)
+            return True
+
+        return self.prefill_rule(
+            partials, [blocks_for(c, block_size) * block_size - c for c in computed],
+            lambda: ((n, min(o, CLIP_MAX_NEW_TOKENS)) for n, o in waiting), running,
+            remaining(CLIP_MAX_NEW_TOKENS), lambda: free * block_size, place_partial,
+            place_new)
 
     # ---- decode ----------------------------------------------------------------------------
     def _decode_batch(self, step: StepBuilder, decodes: Sequence[Request]) -> None:

@@ -408,10 +408,15 @@ class ArrayCore:
         joins = lane.joins if takes_in else {}
         extras = lane.extras if takes_in else None
         seats_total = lane.seats if takes_in else policy.config.max_num_seqs
-        # The policy's step structure: whole prompts in prefill-only steps (head_admissions)
-        # or decodes first, then prompt chunks in the same step (chunk_plan).
+        # The policy's step structure: whole prompts in prefill-only steps (head_admissions),
+        # decodes first, then prompt chunks in the same step (chunk_plan), or prefill batches
+        # of prompt chunks apart from decode batches (prefill_plan: SGLang).
         chunked = policy.implements_chunked_prefill
-        chunk_plan = policy.chunk_plan if chunked else None  # type: ignore[attr-defined]
+        prefill_plan = getattr(policy, "prefill_plan", None) if chunked else None
+        chunk_plan = (policy.chunk_plan  # type: ignore[attr-defined]
+                      if chunked and prefill_plan is None else None)
+        planned_at = 0  # S when prefill_plan last planned (decode batches since then)
+        OLMAX = max(OL)
         # A prompt mid-prefill holds its whole prompt's blocks from admission on, or those
         # of the tokens computed so far, or its whole length's (prefill_blocks counts them).
         reserves_full = policy.reserves_full_length
@@ -521,6 +526,7 @@ class ArrayCore:
         slot_mask = (1 << _SLOT_BITS) - 1
         members = 0
         ctx_sum = 0
+        last_sum = 0  # the members' last decode steps, summed
         # The longest member context (as stored in slot_ctx) while known: a join can only
         # raise it, and only the member holding it leaving makes it unknown (the heap then).
         longest_c: int | None = None
@@ -593,7 +599,7 @@ class ArrayCore:
             ``prior``: a request preempted before, its token times after its first (the one
             a recompute just sampled included), preemptions and swaps. A request swapped
             back in joins before the step it decodes in, its context PEND."""
-            nonlocal members, ctx_sum, longest_c
+            nonlocal members, ctx_sum, longest_c, last_sum
             c = PEND[i] - S
             slot = free_slots.pop()
             slot_ctx[slot] = c
@@ -607,6 +613,7 @@ class ArrayCore:
                 slot_prior[slot] = prior
             else:
                 out0 = 1
+            last_sum += S + OL[i] - out0
             heappush(ends_heap, (S + OL[i] - out0) << shift | i << _SLOT_BITS | slot)
             heappush(max_heap, -((c + _CTX_OFFSET) << _INDEX_BITS | i))
             if longest_c is not None and c > longest_c:
@@ -630,9 +637,10 @@ class ArrayCore:
             """Take the member in ``slot`` out of the batch: its request, its context as
             stored, its token times after the first (those from before a preemption
             included) and what it kept from before (``slot_prior``)."""
-            nonlocal members, ctx_sum, longest_c
+            nonlocal members, ctx_sum, longest_c, last_sum
             i = slot_index[slot]
             c = slot_ctx[slot]
+            last_sum -= slot_start[slot] + OL[i] - slot_out0[slot]
             if c == longest_c:
                 longest_c = None
             ctx_sum -= c
@@ -763,6 +771,18 @@ class ArrayCore:
                 raise ExactTie(f"a transfer reaches replica {replica} exactly as its step ends")
             return hi
 
+        def decode_remaining(ones: list[int]) -> Callable[[int], int]:
+            """``prefill_plan``'s view of the decoding requests (the members and the prompts
+            one token from done): the output tokens each may still sample, each at most a
+            cap, summed."""
+            def total(cap: int) -> int:
+                if cap >= OLMAX:  # none over the cap: the members' last steps say it
+                    return last_sum - members * S + sum([OL[i] for i in ones])
+                return (sum([min(slot_start[m] + OL[i] - slot_out0[m] - S, cap)
+                             for m, i in enumerate(slot_index) if i >= 0])
+                        + sum([min(OL[i], cap) for i in ones]))
+            return total
+
         def longest_ctx() -> int:
             nonlocal max_heap, longest_c
             if longest_c is not None:
@@ -866,9 +886,11 @@ class ArrayCore:
                                members, 0, used, round(used / self.num_gpu_blocks, 6), 0, 0, 0, 0)
                         write_prompt_row(row)
                     continue
-            elif chunk_plan is not None and (waiting or prefilling):
-                # Decodes first (members, and prompts one token from done), then chunks.
+            elif chunked and (waiting or prefilling):
+                # Decodes first (members, and prompts one token from done), then chunks; or a
+                # prefill batch of chunks alone (prefill_plan), else a decode batch.
                 recomputed = 0
+                apart = False  # a prefill batch, apart from the decodes
                 if binding and blocks_at(S + 1) + prefill_blocks > num_blocks:
                     # The decodes' new blocks do not fit: the latest arrivals among every
                     # running request (decoding or mid-prefill) are recomputed (the policy's
@@ -910,6 +932,18 @@ class ArrayCore:
                         # empty and it plans again at once, with no step.
                         continue
                     multi = chunks = admitted = []
+                elif prefill_plan is not None:
+                    ones, multi = [], []
+                    for i in prefilling:
+                        left = PEND[i] - computed[i]
+                        (ones if left == 1 else multi).append(i)
+                    chunks, admitted = prefill_plan(
+                        S - planned_at, decode_remaining(ones),
+                        [PEND[i] - computed[i] for i in multi], [computed[i] for i in multi],
+                        ((PEND[i], OL[i]) for i in waiting), members + len(prefilling),
+                        num_blocks - blocks_at(S) - prefill_blocks, bs)
+                    planned_at = S
+                    apart = bool(chunks or admitted)
                 else:
                     ones, multi = [], []
                     for i in prefilling:
@@ -931,7 +965,7 @@ class ArrayCore:
                         prefilling.append(i)
                         if whole_prompt:
                             prefill_blocks += held_mid_prefill(i)
-                    grants = [(i, 1) for i in ones]
+                    grants = [] if apart else [(i, 1) for i in ones]
                     grants += zip(multi, chunks)
                     grants += zip(new, admitted)
                     if not whole_prompt:  # this step's chunks take their blocks
@@ -941,14 +975,14 @@ class ArrayCore:
                     plan = StepPlan([ScheduledRequest(i, computed[i], n, [],
                                                       computed[i] + n == PEND[i])
                                      for i, n in grants])
-                    nd = members
                     if record:
                         # Rows of one token over a non-empty cache are decode rows
                         # (step_shape).
                         one_token = sum(1 for i, n in grants if n == 1 and computed[i])
                         prompt_tokens = sum(n for i, n in grants if n > 1 or not computed[i])
                     completed = [i for i, n in grants if computed[i] + n == PEND[i]]
-                    if members:
+                    nd = 0 if apart else members
+                    if nd:
                         top = longest_ctx()
                         # Start positions: each member's context before its new token.
                         plan.add_block(DecodeBlock.for_pricing(members, ctx_sum + members * S,
@@ -958,8 +992,9 @@ class ArrayCore:
                     t += d
                     done_before = done
                     num_steps += 1
-                    S += 1  # every member decoded
-                    times.append(t)
+                    if not apart:
+                        S += 1  # every member decoded
+                        times.append(t)
                     used = blocks_at(S) + prefill_blocks
                     if used > peak:
                         peak = used
@@ -976,8 +1011,9 @@ class ArrayCore:
                         prefill_blocks -= held_mid_prefill(i)
                     # Sampled in row order: the decode rows in arrival order (members and
                     # prompts one token from done), then the chunks in grant order.
-                    also = [i for i in ones if PEND[i] - PL[i] + 1 == OL[i]] if ones else None
-                    if also or (ends_heap and ends_heap[0] >> shift == S):
+                    also = ([i for i in ones if PEND[i] - PL[i] + 1 == OL[i]]
+                            if ones and not apart else None)
+                    if not apart and (also or (ends_heap and ends_heap[0] >> shift == S)):
                         done += len(leave(t, also))
                     for i in completed:
                         if i in scheduled_at:  # not finished among the decode rows
@@ -1117,6 +1153,10 @@ class ArrayCore:
                 # policy's (SJF's aging) may reorder the queue, as an arrival may.
                 decision = policy.next_decision_time(t)
                 horizon = min(horizon, decision)
+            elif prefill_plan is not None and (waiting or prefilling):
+                # A prefill batch is tried after every decode batch (its rule may admit at
+                # any: SGLang's new_token_ratio falls with each).
+                decision = horizon = t
             # (A lane, up to the next request not yet routed: a step past it waits there for
             # the router, and the stretch goes on if nothing was sent here.)
             routing = lane is not None and nxt >= nq and horizon == gate[0]

@@ -134,6 +134,11 @@ def _cluster_blocker(sim: ArrayCoreHost) -> str | None:
     if why is not None:
         return f"decode pool policy {decode.config.name!r}: {why}"
     for side, policy in (("prefill", sim.policy), ("decode", decode)):
+        if callable(getattr(policy, "prefill_plan", None)):
+            # (Its admission reads the free pool, which the blocks a prefill replica holds
+            # for transfers are known only after the decode pass.)
+            return (f"the {side} pool's policy {policy.config.name!r} admits on the free "
+                    "pool (in a disaggregated deployment)")
         if policy.reserves_full_length:
             return (f"the {side} pool's policy {policy.config.name!r} reserves whole lengths "
                     "(in a disaggregated deployment)")

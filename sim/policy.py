@@ -128,7 +128,8 @@ class Policy(ABC):
     holds_whole_prompt: ClassVar[bool] = True
     #: True if the policy also decides without a StepBuilder, so that a fast run whose KV
     #: pool can never bind may use the array core (sim/array_core.py) instead of the replica
-    #: loop: chunked prefill's ``chunk_plan`` and FCFS's ``head_admissions`` on plain numbers
+    #: loop: chunked prefill's ``chunk_plan`` (or ``prefill_plan`` for prefill batches apart
+    #: from decode batches, SGLang's) and FCFS's ``head_admissions`` on plain numbers
     #: (the core keeps the queue in arrival order), or ``indexed_admissions`` for a policy
     #: that keeps its own waiting order (the core hands it each arrival as a ``Request``
     #: through ``on_arrival``, and finishes the requests that leave in the same step in
@@ -145,7 +146,7 @@ class Policy(ABC):
             if flag not in cls.__dict__:  # what the parent certified, its hooks may break
                 setattr(cls, flag, False)
         # The array core asks the policy without a StepBuilder, by its step structure.
-        rules = (("chunk_plan",) if cls.implements_chunked_prefill
+        rules = (("chunk_plan", "prefill_plan") if cls.implements_chunked_prefill
                  else ("head_admissions", "indexed_admissions"))
         if cls.array_core and not any(callable(getattr(cls, r, None)) for r in rules):
             raise TypeError(f"{cls.__name__}: array_core = True needs a "

@@ -23,7 +23,9 @@ pytestmark = pytest.mark.equivalence
 
 LOAD_ROUTERS = ["round_robin", "random", "least_outstanding", "power_of_two", "least_kv"]
 POLICY_EXTRA = {"fcfs": [], "sjf": ["policy.predictor=noisy"], "priority": [],
-                "chunked_prefill": ["policy.max_num_batched_tokens=256"]}
+                "chunked_prefill": ["policy.max_num_batched_tokens=256"],
+                "sglang": ["policy.max_num_batched_tokens=256", "policy.chunked_prefill_size=100",
+                           "policy.max_num_seqs=64"]}
 
 
 def _trace(path: Path, rows: list[tuple[float, int, int]]) -> str:
@@ -61,7 +63,7 @@ def test_random_clusters_fast_equal_exact(seed, qps, replicas, router, policy, b
         "workload.prompt_len.max=300", "workload.output_len.max=200",
         f"cluster.num_replicas={replicas}", f"cluster.router={router}", f"policy={policy}",
         f"kv.block_size={block_size}", *pool, *POLICY_EXTRA[policy],
-        f"policy.preemption_mode={'swap' if swap else 'recompute'}"])
+        f"policy.preemption_mode={'swap' if swap and policy != 'sglang' else 'recompute'}"])
     # The core runs these unless a pool binds where it cannot preempt as the policy does
     # (swap under chunked prefill), or a request arrives exactly at a step's end.
     reason = s["array_core_skipped"]

@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
 from executors.recording import RecordingExecutor
@@ -292,6 +292,10 @@ def test_same_seed_same_bytes(tmp_path):
     (("kv.num_gpu_blocks_override=300", "policy=trtllm", "kv.enable_prefix_caching=true"),
      "the KV pool can bind, with prefix caching"),
     (("kv.num_gpu_blocks_override=18", "policy=trtllm"), "alone fills the pool"),
+    (("policy=sglang", "policy.schedule_policy=lpm"), "schedule_policy=lpm"),
+    (("policy=sglang", "policy.chunked_prefill_size=256", "kv.num_gpu_blocks_override=300"),
+     "the KV pool can bind, with policy 'sglang' preempts on the replica loop only"),
+    (("policy=sglang", "cluster=disaggregated"), "admits on the free pool"),
 ])
 def test_runs_it_cannot_take_go_to_the_replica_loop(overrides, reason):
     sim = Simulation(compose_cfg(*TINY, "workload.num_requests=30", *overrides))
@@ -591,6 +595,125 @@ def test_trtllm_core_equals_exact_on_random_small_workloads(seed, qps, seqs, bud
         pauses and "whose recompute" in sim.array_core_skipped), sim.array_core_skipped
 
 
+@pytest.mark.slow
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10_000), qps=st.floats(1.0, 1000.0), seqs=st.integers(1, 40),
+       budget=st.integers(40, 600), chunk=st.floats(0.0, 1.0), out_min=st.integers(1, 3),
+       prompt_min=st.sampled_from([1, 2, 50]), block=st.sampled_from([1, 16]),
+       conservativeness=st.sampled_from([0.3, 1.0, 3.0]), clip=st.sampled_from([None, 3, 40]),
+       tight=st.one_of(st.none(), st.tuples(st.integers(10, 200), st.integers(5, 100),
+                                            st.integers(0, 1))))
+# The estimates stop admission with seats free: a prefill batch is tried after every decode
+# batch (the ratio falls with each), and a prompt cut to one token from done is counted.
+@example(seed=8151, qps=1000.0, seqs=3, budget=526, chunk=0.89, out_min=1, prompt_min=1,
+         block=16, conservativeness=3.0, clip=None, tight=(147, 45, 0))
+@example(seed=16, qps=1000.0, seqs=4, budget=316, chunk=3 / 316, out_min=1, prompt_min=1,
+         block=16, conservativeness=3.0, clip=None, tight=(133, 41, 1))
+def test_sglang_core_equals_exact_on_random_small_workloads(seed, qps, seqs, budget, chunk,
+                                                            out_min, prompt_min, block,
+                                                            conservativeness, clip, tight):
+    """SGLang's prefill batches apart from its decode batches: prompts cut to the chunk size
+    and continued first in the next prefill batch, chunks of one token and prompts left one
+    token from done (decoded in the next decode batch), admission by the output estimate
+    and a ratio that falls with every decode batch (``conservativeness`` raises it), the
+    estimates capped (``clip``: SGLang's 4,096 made small enough to bind). ``tight``:
+    (prompt, output, extra blocks) of near-constant lengths on a pool just large enough
+    never to run short, where the output estimates stop admission while seats are free."""
+    over = [*TINY, *UNIFORM, "policy=sglang", f"seed={seed}", f"workload.qps={qps}",
+            "workload.num_requests=60", f"policy.max_num_batched_tokens={budget}",
+            f"policy.chunked_prefill_size={max(1, round(chunk * budget))}",
+            f"policy.schedule_conservativeness={conservativeness}", f"kv.block_size={block}",
+            f"workload.prompt_len.min={prompt_min}", f"workload.output_len.min={out_min}"]
+    if tight is None:
+        over.append(f"policy.max_num_seqs={min(seqs, budget)}")
+    else:
+        p, o, extra = tight
+        seqs = min(seqs, 8)
+        over += [f"policy.max_num_seqs={seqs}", f"workload.prompt_len.min={p}",
+                 f"workload.prompt_len.max={p}", f"workload.output_len.min={max(1, o - 5)}",
+                 f"workload.output_len.max={o}",
+                 f"kv.num_gpu_blocks_override={seqs * -(-(p + o - 1) // block) + extra}"]
+    with pytest.MonkeyPatch.context() as mp:
+        if clip is not None:
+            mp.setattr("policies.sglang.CLIP_MAX_NEW_TOKENS", clip)
+        s = _assert_same(over)
+    assert s["step_engine"] == "array_core"
+
+
+@settings(max_examples=300, deadline=None)
+@given(decoding=st.lists(st.tuples(st.integers(1, 300), st.integers(2, 6000),
+                                   st.integers(1, 200)), max_size=6),
+       partial=st.tuples(st.integers(2, 400), st.integers(0, 399)),
+       partial_state=st.sampled_from(["none", "mid", "one_left"]),
+       queue=st.lists(st.tuples(st.integers(1, 400), st.integers(1, 8000)), min_size=1,
+                      max_size=8),
+       seqs=st.integers(1, 16), budget=st.integers(16, 2000), chunk=st.floats(0.0, 1.0),
+       spare=st.one_of(st.integers(0, 700), st.integers(700, 20_000)),
+       block=st.sampled_from([1, 16]),
+       decode_batches=st.integers(0, 800), conservativeness=st.sampled_from([0.3, 1.0, 3.0]))
+# The second admission's room, one token short if the first took a block too many.
+@example(decoding=[], partial=(2, 0), partial_state="none", queue=[(10, 5), (10, 5)], seqs=16,
+         budget=600, chunk=1.0, spare=31, block=1, decode_batches=0, conservativeness=1.0)
+# A pool with no free block: the prompt mid-chunk fills the six slots left in its own block.
+@example(decoding=[], partial=(100, 10), partial_state="mid", queue=[(5, 5)], seqs=16,
+         budget=600, chunk=1.0, spare=0, block=16, decode_batches=0, conservativeness=1.0)
+def test_sglang_prefill_plan_is_schedules_step(decoding, partial, partial_state, queue, seqs,
+                                               budget, chunk, spare, block, decode_batches,
+                                               conservativeness):
+    """SGLang's schedule with requests decoding (outputs past the 4,096 its estimates count
+    included), a prompt mid-chunk or one token from done, and a queue, at any point of the
+    ratio's fall, on pools small enough for its output estimates to stop admission: the
+    prefill batch it plans is prefill_plan's, and where it plans a decode batch
+    prefill_plan grants nothing. ``spare``: the pool's free tokens, about (the rest held)."""
+    cfg = {"name": "sglang", "max_num_seqs": seqs, "max_num_batched_tokens": budget,
+           "chunked_prefill_size": max(1, round(chunk * budget)),
+           "schedule_conservativeness": conservativeness}
+    policy, mirror = make_policy(cfg), make_policy(cfg)
+    policy._lower_ratio(decode_batches)
+    kv = KVBlockManager(1 << 15, block)
+    queues = ReplicaQueues()
+    builder = StepBuilder(queues, kv)
+    rid = 0
+    decodes = []
+    for prompt, output, sampled in decoding[:seqs - (partial_state != "none")]:
+        sampled = min(sampled, output - 1)
+        decodes.append(_running(queues, kv, rid, prompt, output, computed=prompt + sampled - 1,
+                                held=prompt + sampled - 1, sampled=sampled))
+        decodes[-1].num_computed_tokens = prompt + sampled - 1
+        rid += 1
+    mid = None
+    if partial_state != "none":
+        p = partial[0]
+        c = p - 1 if partial_state == "one_left" else min(partial[1], p - 2)
+        mid = _running(queues, kv, rid, p, 5, computed=c, held=c)
+        rid += 1
+    kv.allocate_slots("held elsewhere", (kv.num_free_blocks - spare // block) * block)
+    first_waiting = rid
+    for prompt, output in queue:
+        queues.waiting.append(Request(rid, 1.0, prompt, output))
+        rid += 1
+    free, running = kv.num_free_blocks, len(queues.running)
+    plan = policy.schedule(builder)
+    grants = {s.request_id: s.num_new_tokens for s in plan.scheduled}
+    ones = [mid] if mid is not None and mid.num_pending_tokens == 1 else []
+    multi = [mid] if mid is not None and not ones else []
+
+    def remaining(cap: int) -> int:
+        return sum(min(r.max_output_len - r.num_output_tokens, cap) for r in decodes + ones)
+
+    mirror._lower_ratio(decode_batches)
+    chunks, admitted = mirror.prefill_plan(
+        0, remaining, [r.num_pending_tokens for r in multi],
+        [r.num_computed_tokens for r in multi], queue, running, free, block)
+    expected = {r.request_id: n for r, n in zip(multi, chunks)}
+    expected.update({first_waiting + j: n for j, n in enumerate(admitted)})
+    if expected:  # a prefill batch
+        assert grants == expected
+    else:  # a decode batch (some retracted where the pool cannot hold it)
+        assert set(grants) <= {r.request_id for r in decodes + ones}
+        assert set(grants.values()) <= {1}
+
+
 @settings(max_examples=150, deadline=None)
 @given(decoding=st.integers(0, 6), partial=st.tuples(st.integers(2, 400), st.integers(0, 399)),
        has_partial=st.booleans(), prompts=st.lists(st.integers(1, 400), max_size=8),
@@ -789,9 +912,10 @@ def test_heap_rebuilds_and_dropped_step_times_change_nothing(monkeypatch):
     monkeypatch.setattr(core, "_HEAP_EXTRA", 1)
     monkeypatch.setattr(core, "_TIMES_KEPT", 3)
     for policy in ARRAY_CORE:
+        chunk = ["policy.chunked_prefill_size=256"] if policy == "sglang" else []
         s = _assert_same([*TINY, *UNIFORM, f"policy={policy}", "workload.num_requests=120",
                           "workload.qps=80", "policy.max_num_seqs=16",
-                          "policy.max_num_batched_tokens=256"])
+                          "policy.max_num_batched_tokens=256", *chunk])
         assert s["step_engine"] == "array_core"
 
 
