@@ -58,9 +58,12 @@ CASES: dict[str, tuple[list[str], float]] = {
     # with the recipe's limits.
     "trtllm": (["policy=trtllm", "policy.max_num_seqs=128",
                 "policy.max_num_batched_tokens=4096"], 6),
-    # SGLang's scheduler (radix cache on) with the recipe's limits, on the replica loop.
+    # SGLang's scheduler (radix cache on) with the recipe's limits.
     "sglang": (["policy=sglang", "policy.max_num_seqs=128", "policy.max_num_batched_tokens=4096",
                 "policy.chunked_prefill_size=4096"], 6),
+    # Static batching (batches of 128, each request holding its whole length), the baseline.
+    "static": (["policy=static", "policy.max_num_seqs=128",
+                "policy.max_num_batched_tokens=4096"], 6),
     # Two pipeline stages per replica (two micro-batches in flight).
     "fcfs_pp2": ([*_FCFS, "cluster.pipeline_parallel_size=2"], 6),
     # Four replicas behind a router at four times the rate.

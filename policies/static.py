@@ -25,12 +25,22 @@ next one is formed from those waiting, in arrival order, up to the batch size.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from itertools import islice
+from itertools import islice, repeat
+from operator import itemgetter
 
 from policies.base import POLICIES, Policy, PolicyConfig
-from policies.budget import Budget, admit, no_victim, schedule_running
+from policies.budget import (
+    Budget,
+    admission_rule,
+    admit,
+    counted_room,
+    no_victim,
+    schedule_running,
+)
 from sim.errors import require
+from sim.kv_manager import blocks_for
 from sim.plan import StepPlan
 from sim.step_builder import StepBuilder
 
@@ -56,6 +66,8 @@ class StaticBatchingPolicy(Policy):
     # until a member finishes.
     supports_decode_jumps = True
     reserves_full_length = True
+    # ``head_admissions`` below (sim/array_core.py): one replica or co-located ones.
+    array_core = True
 
     config_class = StaticConfig
     config: StaticConfig
@@ -88,6 +100,48 @@ class StaticBatchingPolicy(Policy):
         order = running if len(members) == len(running) else members
         schedule_running(step, budget, no_victim, order)
         return step.build()
+
+    def array_core_refusal(self) -> str | None:
+        if self.config.batch_size > self.config.max_num_seqs:
+            return ("policy.max_batch_size > policy.max_num_seqs (the core seats at most "
+                    "max_num_seqs)")
+        return None
+
+    def head_admissions(self, pending: Iterable[int], seats: int,
+                        room: tuple[int, int, int] | None = None,
+                        lengths: Iterable[int] | None = None) -> tuple[int, int]:
+        """The array core's admission (sim/array_core.py) on plain numbers, for a replica
+        whose requests all come from its own queue: how many requests from the head of the
+        queue the next step admits, and their tokens. ``pending``: the waiting prompts in
+        queue order; ``seats``: free places under ``max_num_seqs`` (all of them once the
+        last batch has ended); where the pool can bind, ``room`` = (free blocks, watermark,
+        block size) and ``lengths`` the waiting requests' whole lengths (prompt + maximum
+        output - 1), each admitted only if the pool holds it. None while a batch decodes;
+        ``schedule``'s rule otherwise (``admit`` with ``reserve_full``, then the batch stays
+        open if only the token budget kept the next one out). tests/test_array_core.py checks
+        it against ``schedule``."""
+        cfg = self.config
+        members = cfg.max_num_seqs - seats
+        if not members:
+            self.forming = True  # the last batch has ended
+        if not self.forming:
+            return 0, 0
+        seats = cfg.batch_size - members
+        # The candidates that can matter: the batch's free seats, and the one after them.
+        head = list(islice(zip(pending, repeat(0) if lengths is None else lengths),
+                           max(seats, 0) + 1))
+        free = None if room is None else room[0]
+        place = None
+        if room is not None:  # a whole length's blocks, the watermark aside
+            place = counted_room((free, 0, room[2]), itemgetter(1))
+        admitted = admission_rule(head, itemgetter(0), cfg.max_num_batched_tokens, seats,
+                                  cfg.max_num_batched_tokens, place=place)
+        k = len(admitted)
+        if room is not None:
+            free -= sum(blocks_for(length, room[2]) for (_, length), _ in admitted)
+        self.forming = bool(k) and k < len(head) and seats > k and (
+            room is None or blocks_for(head[k][1], room[2]) <= free)
+        return k, sum(n for _, n in admitted)
 
     @staticmethod
     def _stopped_on_tokens_only(step: StepBuilder, budget: Budget) -> bool:

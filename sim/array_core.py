@@ -454,7 +454,10 @@ class ArrayCore:
 
             def admit(now: float, seats: int) -> list[int]:
                 room = (num_blocks - blocks_at(S), watermark, bs)
-                k, _ = head_admissions(map(PEND.__getitem__, waiting), seats, room)
+                # (A policy that reserves whole lengths admits on them.)
+                lengths = ({"lengths": (PL[i] + OL[i] - 1 for i in waiting)}
+                           if reserves_full else {})
+                k, _ = head_admissions(map(PEND.__getitem__, waiting), seats, room, **lengths)
                 return [waiting.popleft() for _ in range(k)]  # type: ignore[union-attr]
         else:
             waiting = deque()

@@ -263,7 +263,7 @@ def test_same_seed_same_bytes(tmp_path):
     (("array_core=false",), "array_core=false"),
     (("policy=sjf", "policy.preemptive=true"), "may preempt a running request to admit"),
     (("policy=priority", "workload.priorities=[1,1]"), "may preempt a running request"),
-    (("policy=static",), "does not decide on arrays"),
+    (("policy=static", "cluster=disaggregated"), "reserves whole lengths"),
     (("check_integrity=true", "kv.num_gpu_blocks_override=500", "kv.num_cpu_blocks=16"), "check_integrity"),
     (("cluster.num_replicas=2", "cluster.router=prefix_aware"),
      "reads more than outstanding request counts and KV usage"),
@@ -271,7 +271,8 @@ def test_same_seed_same_bytes(tmp_path):
      "pipeline stages in a disaggregated deployment"),
     (("kv.num_gpu_blocks_override=300", "policy=chunked_prefill", "policy.preemption_mode=swap"),
      "the KV pool can bind, with policy.preemption_mode=swap under chunked prefill"),
-    (("kv.num_gpu_blocks_override=300", "policy=static"), "does not decide on arrays"),
+    (("kv.num_gpu_blocks_override=300", "policy=static", "kv.enable_prefix_caching=true"),
+     "the KV pool can bind, with prefix caching"),
     (("kv.num_gpu_blocks_override=300", "policy=sjf", "policy.preemptive=true"),
      "may preempt a running request to admit"),
     (("kv.num_gpu_blocks_override=60", "policy.preemption_mode=swap"),
@@ -640,6 +641,76 @@ def test_sglang_core_equals_exact_on_random_small_workloads(seed, qps, seqs, bud
     assert s["step_engine"] == "array_core"
 
 
+@pytest.mark.slow
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10_000), qps=st.floats(1.0, 400.0), seqs=st.integers(1, 40),
+       budget=st.integers(200, 2000), batch=st.one_of(st.none(), st.integers(1, 40)),
+       out_min=st.integers(1, 3), block=st.sampled_from([1, 16]),
+       pool=st.sampled_from([None, 25, 60, 400]), watermark=st.sampled_from([0.0, 0.05]))
+def test_static_core_equals_exact_on_random_small_workloads(seed, qps, seqs, budget, batch,
+                                                            out_min, block, pool, watermark):
+    """Static batching: a batch formed only once the last one has ended, over prefill-only
+    steps while the token budget alone keeps the next request out, each request holding its
+    whole length from admission on (``pool`` blocks of 16 tokens' worth; None: a pool that
+    never binds), ``batch`` seats at most."""
+    over = [*TINY, *UNIFORM, "policy=static", f"seed={seed}", f"workload.qps={qps}",
+            "workload.num_requests=60", f"policy.max_num_seqs={seqs}",
+            f"policy.max_num_batched_tokens={budget}", f"kv.block_size={block}",
+            f"workload.output_len.min={out_min}", f"policy.kv_watermark={watermark}",
+            f"policy.max_batch_size={'null' if batch is None else batch}"]
+    if pool is not None:
+        over.append(f"kv.num_gpu_blocks_override={pool * 16 // block}")
+    if _assert_same(over)["step_engine"] != "array_core":
+        sim = Simulation(compose_cfg(*over))
+        sim.run()
+        reason = sim.array_core_skipped
+        assert (pool is not None and "alone fills the pool" in reason) or (
+            batch is not None and batch > seqs and "max_batch_size" in reason), reason
+
+
+@settings(max_examples=200, deadline=None)
+@given(members=st.lists(st.tuples(st.integers(1, 300), st.integers(1, 200)), max_size=6),
+       forming=st.booleans(), queue=st.lists(st.tuples(st.integers(1, 300),
+                                                       st.integers(1, 200)), max_size=8),
+       seqs=st.integers(1, 16), batch=st.one_of(st.none(), st.integers(1, 16)),
+       budget=st.integers(300, 1200), spare=st.one_of(st.none(), st.integers(0, 120)),
+       block=st.sampled_from([1, 16]))
+def test_static_head_admissions_is_schedules_step(members, forming, queue, seqs, batch,
+                                                  budget, spare, block):
+    """Static batching's schedule with a batch decoding (or none: the last has ended), the
+    batch open for more or closed, and a queue: the prompts it admits are head_admissions',
+    and both leave the batch open or closed alike. ``spare``: free blocks of a pool that can
+    bind (None: one that cannot), the watermark aside."""
+    cfg = {"name": "static", "max_num_seqs": seqs, "max_batch_size": batch,
+           "max_num_batched_tokens": budget}
+    policy, mirror = make_policy(cfg), make_policy(cfg)
+    kv = KVBlockManager(1 << 14, block)
+    queues = ReplicaQueues()
+    builder = StepBuilder(queues, kv)
+    rid = 0
+    for prompt, output in members[:min(seqs, policy.config.batch_size)]:
+        r = _running(queues, kv, rid, prompt, output, computed=prompt,
+                     held=prompt + output - 1, sampled=1)
+        policy.batch.add(r.request_id)
+        rid += 1
+    policy.forming = mirror.forming = forming and bool(queues.running)
+    if spare is not None:
+        kv.allocate_slots("held elsewhere", (kv.num_free_blocks - spare) * block)
+    first_waiting = rid
+    for prompt, output in queue:
+        queues.waiting.append(Request(rid, 1.0, prompt, output))
+        rid += 1
+    room = None if spare is None else (kv.num_free_blocks, 0, block)
+    running = len(queues.running)
+    plan = policy.schedule(builder)
+    admitted = [s.num_new_tokens for s in plan.scheduled if s.request_id >= first_waiting]
+    k, tokens = mirror.head_admissions(
+        (p for p, _ in queue), seqs - running, room,
+        None if room is None else (p + o - 1 for p, o in queue))
+    assert admitted == [p for p, _ in queue[:k]] and tokens == sum(admitted)
+    assert mirror.forming == policy.forming
+
+
 @settings(max_examples=300, deadline=None)
 @given(decoding=st.lists(st.tuples(st.integers(1, 300), st.integers(2, 6000),
                                    st.integers(1, 200)), max_size=6),
@@ -884,14 +955,14 @@ def test_a_request_whose_predecessor_arrived_during_the_step_waits_a_step():
 @pytest.mark.parametrize("pool,policy,engine", [
     (44, "fcfs", "array_core"), (43, "fcfs", "array_core"),
     (44, "chunked_prefill", "array_core"), (43, "chunked_prefill", "array_core"),
-    (43, "static", "replica")])
+    (43, "static", "array_core")])
 def test_a_pool_just_large_enough_never_binds_one_block_less_can(pool, policy, engine):
     """Twelve requests of 100 + 60 tokens at once, four seats: the four hold 4 x 10 blocks
     at their last tokens (block 16). 44 blocks less the watermark's int(4.4) = 4 is exactly
     that: the pool never binds. With 43 (still 4 kept) it can: FCFS and chunked prefill
-    stay on the core, which then counts blocks at admission and preempts as they do; a
-    policy that does not decide on counts (static) goes to the replica loop. Each equals
-    step-by-step simulation."""
+    stay on the core, which then counts blocks at admission and preempts as they do, and so
+    does static batching, which admits on whole lengths. Each equals step-by-step
+    simulation."""
     over = ["model=tiny", "workload.prompt_len.dist=uniform", "workload.prompt_len.min=100",
             "workload.prompt_len.max=100", "workload.output_len.dist=uniform",
             "workload.output_len.min=60", "workload.output_len.max=60",

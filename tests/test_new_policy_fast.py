@@ -63,6 +63,7 @@ def test_it_jumps_and_is_not_fcfs():
     setup = [*_workload(1, 30.0, 60), "kv.num_gpu_blocks_override=150", "policy.max_num_seqs=16"]
     s = _check(setup)
     assert s["num_decode_jumps"] > 0 and s["policy"] == NAME
+    assert "does not decide on arrays" in s["array_core_skipped"]  # (it states no rule)
     ours = _run("fast", ["policy=fcfs", f"policy.name={NAME}", *setup], COMPONENTS)[1]
     fcfs = _run("fast", ["policy=fcfs", *setup])[1]
     assert not ours["first_scheduled_time"].equals(fcfs["first_scheduled_time"])
