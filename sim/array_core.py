@@ -416,7 +416,7 @@ class ArrayCore:
         chunk_plan = (policy.chunk_plan  # type: ignore[attr-defined]
                       if chunked and prefill_plan is None else None)
         planned_at = 0  # S when prefill_plan last planned (decode batches since then)
-        OLMAX = max(OL)
+        OLMAX = max(OL) if prefill_plan is not None else 0  # (no output estimate above it)
         # A prompt mid-prefill holds its whole prompt's blocks from admission on, or those
         # of the tokens computed so far, or its whole length's (prefill_blocks counts them).
         reserves_full = policy.reserves_full_length
