@@ -26,7 +26,7 @@ A step is either a prefill batch or a decode batch, never both:
 ``new_token_ratio`` starts at 0.7 x ``schedule_conservativeness`` and falls with every
 decode batch that retracts nobody, by (0.7 - 0.098) x ``schedule_conservativeness`` / 600,
 down to 0.098 x it (SGLang's 0.14 x the initial ratio; both at most 1); it starts over when
-the engine is idle (no batch at all).
+the engine goes idle: it holds no request at all (``StepBuilder.idled``), or none it can run.
 With nothing running, a prompt that fits the free pool is admitted whatever its output
 estimate (it would otherwise wait forever in a small pool).
 
@@ -161,6 +161,8 @@ class SGLangPolicy(Policy):
         # Decode batches the replica repeated since the last plan (a decode jump): each
         # retracted nobody and lowers the ratio, as the planned one did.
         self._lower_ratio(step.repeated_steps)
+        if step.idled:  # the engine went idle since (its loop found no batch)
+            self.new_token_ratio = self.init_ratio
         self._admission_pending = bool(step.waiting)
         # The running requests that decode and those with more to prefill (a prefill batch
         # that schedules nothing changes neither).
@@ -233,8 +235,9 @@ class SGLangPolicy(Policy):
         requests running; ``remaining``: the decoding requests' output estimates summed;
         ``free_tokens()``: the free pool in tokens, live; ``place_partial(j, n)`` and
         ``place_new(j, n)`` grant ``n`` tokens to the ``j``-th of each (False if the pool
-        cannot hold them: the batch ends). Returns the partials' chunks and the admitted
-        requests' grants, in order (both empty: the step decodes)."""
+        cannot hold them: the batch ends; so the ``j``-th admitted is the ``j``-th waiting,
+        admission stopping at the first it does not admit). Returns the partials' chunks and
+        the admitted requests' grants, in order (both empty: the step decodes)."""
         cfg = self.config
         reserved = remaining * self.new_token_ratio
         committed = 0  # output estimates of the requests this batch admitted whole
@@ -287,10 +290,11 @@ class SGLangPolicy(Policy):
     def prefill_plan(self, decode_batches: int, remaining: Callable[[int], int],
                      partials: Sequence[int], computed: Sequence[int],
                      waiting: Iterable[tuple[int, int]], running: int, free_blocks: int,
-                     block_size: int) -> tuple[list[int], list[int]]:
+                     block_size: int, idled: bool = False) -> tuple[list[int], list[int]]:
         """The array core's prefill batch (sim/array_core.py) on a pool that cannot bind:
         ``prefill_rule`` on plain numbers. ``decode_batches``: the decode batches taken since
-        the last call (each lowers the ratio first, as in ``schedule``); ``remaining(cap)``:
+        the last call (each lowers the ratio first, as in ``schedule``; ``idled``: the replica
+        held no request at all since, which starts the ratio over); ``remaining(cap)``:
         the decoding requests' outputs still to come, each at most ``cap``, summed;
         ``partials`` and ``computed``: the pending and computed tokens of the prompts
         mid-chunk; ``waiting``: (prompt, maximum output) of the waiting requests in arrival
@@ -299,17 +303,24 @@ class SGLangPolicy(Policy):
         requests' grants (both empty: the step decodes). tests/test_array_core.py checks it
         against ``schedule``."""
         self._lower_ratio(decode_batches)
+        if idled:
+            self.new_token_ratio = self.init_ratio
         free = free_blocks
 
+        # (The core runs only where the pool holds every batch: a grant always fits.)
         def place_partial(j: int, n: int) -> bool:
             nonlocal free
             c = computed[j]
             free -= blocks_for(c + n, block_size) - blocks_for(c, block_size)
+            if free < 0:
+                raise AssertionError("prefill_plan granted more blocks than the pool has free")
             return True
 
         def place_new(j: int, n: int) -> bool:
             nonlocal free
             free -= blocks_for(n, block_size)
+            if free < 0:
+                raise AssertionError("prefill_plan granted more blocks than the pool has free")
             return True
 
         return self.prefill_rule(

@@ -35,9 +35,11 @@ numbers:
 * each request's token times are the end times of the decode steps it took part in, kept
   once per step (not per member) until its last member leaves.
 
-The policy still decides: FCFS through ``FCFSPolicy.head_admissions`` and chunked prefill
-through ``ChunkedPrefillPolicy.chunk_plan`` (their rules on plain numbers, over a queue kept
-here in arrival order), and a policy with its own waiting order (SJF, priority) through
+The policy still decides: FCFS and static batching through ``head_admissions`` and chunked
+prefill (vLLM v0 and v1, TensorRT-LLM) through ``chunk_plan`` (their rules on plain
+numbers, over a queue kept here in arrival order), SGLang through ``prefill_plan`` (a
+prefill batch of chunks apart from the decodes, tried again after every decode batch while
+requests wait), and a policy with its own waiting order (SJF, priority) through
 ``indexed_admissions``: each arrival becomes a ``Request`` handed to its ``on_arrival``, as
 the replica does, and lives until the request leaves; members finishing in the same step
 leave in the policy's running order (``decode_run_key``), as the replica's rows go. These
@@ -416,6 +418,7 @@ class ArrayCore:
         chunk_plan = (policy.chunk_plan  # type: ignore[attr-defined]
                       if chunked and prefill_plan is None else None)
         planned_at = 0  # S when prefill_plan last planned (decode batches since then)
+        idled = False  # no request at all since prefill_plan last planned
         OLMAX = max(OL) if prefill_plan is not None else 0  # (no output estimate above it)
         # A prompt mid-prefill holds its whole prompt's blocks from admission on, or those
         # of the tokens computed so far, or its whole length's (prefill_blocks counts them).
@@ -854,6 +857,7 @@ class ArrayCore:
                     waiting.extend(range(nxt, hi) if QI is None else QI[nxt:hi])
                 nxt = hi
             if not waiting and not members and not prefilling and not swapped:
+                idled = True
                 idle += QA[nxt] - t
                 t = last_start = QA[nxt]  # idle: the arrivals at t wake the replica
                 continue
@@ -944,8 +948,9 @@ class ArrayCore:
                         S - planned_at, decode_remaining(ones),
                         [PEND[i] - computed[i] for i in multi], [computed[i] for i in multi],
                         ((PEND[i], OL[i]) for i in waiting), members + len(prefilling),
-                        num_blocks - blocks_at(S) - prefill_blocks, bs)
+                        num_blocks - blocks_at(S) - prefill_blocks, bs, idled)
                     planned_at = S
+                    idled = False
                     apart = bool(chunks or admitted)
                 else:
                     ones, multi = [], []

@@ -253,7 +253,7 @@ def pool_blocker(sim: ArrayCoreHost, w: WorkloadArrays) -> str | None:
         elif blocks_for(largest[0] - 1, bs) > blocks - watermark:
             why = "a request that alone fills the pool above the watermark"
     elif not callable(getattr(sim.policy, "decode_preemptions", None)):
-        why = f"policy {cfg.name!r} preempts on the replica loop only"
+        why = f"policy {cfg.name!r}, which preempts on the replica loop only"
     elif not sim.policy.holds_whole_prompt:
         why = f"policy {cfg.name!r}, whose prompts take blocks chunk by chunk"
     elif cfg.preemption_mode == "swap" and sim.policy.implements_chunked_prefill:

@@ -744,8 +744,21 @@ class KVBlockManager:
             # only where it fails.
             if not _books_agree(pool, tables, returned):
                 _name_the_fault(name, pool, tables, pool.free_blocks())
-        if isinstance(self._gpu, _CachingPool):
-            self._gpu.check_clean(self.block_key)
+        gpu = self._gpu
+        if isinstance(gpu, _CachingPool):
+            gpu.check_clean(self.block_key)  # what the counts so far left
+            # And a count now, against the whole queue (a checked run plans no decode jump,
+            # which is what asks for it otherwise).
+            front = 0
+            for b in gpu.returned_blocks():
+                if b in self.block_key:
+                    break
+                front += 1
+            counted = self.free_without_eviction()
+            if counted != gpu.num_blocks - gpu.fresh + front:
+                raise KVIntegrityError(
+                    f"{counted} free blocks counted before the first cached one; the free "
+                    f"queue holds {gpu.num_blocks - gpu.fresh + front}")
         if len(self.cached) != len(self.block_key):
             raise KVIntegrityError(f"{len(self.cached)} cached keys name "
                                    f"{len(self.block_key)} blocks")

@@ -340,18 +340,21 @@ class Replica:
         waiting, running, swapped = queues.waiting, queues.running, queues.swapped
         inf = float("inf")
         empty_plans = 0
+        idled = False  # no request at all since the last plan
         while True:
             if run_stop.requested:  # a signal asked the run to stop
                 run_stop.check()
             if self._aborts:
                 self._apply_aborts()
             if not (waiting or running or swapped):
+                idled = True
                 self._wakeup = env.event()
                 yield self._wakeup
                 self._wakeup = None
                 continue
             start = env.now
-            builder.reset(start, repeated_steps=self._repeated)
+            builder.reset(start, repeated_steps=self._repeated, idled=idled)
+            idled = False
             self._repeated = 0
             plan = policy.schedule(builder)
             if plan.is_empty:

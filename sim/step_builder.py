@@ -168,20 +168,24 @@ class StepBuilder:
         self._spare_run: DecodeRun | None = None
 
     def reset(self, now: float, in_flight: set[int] | None = None,
-              repeated_steps: int = 0) -> None:
+              repeated_steps: int = 0, idled: bool = False) -> None:
         """Start a new step at ``now``. ``in_flight``: ids of running requests that are part
         of a micro-batch still in the pipeline (pipeline parallelism); they count as already
         scheduled, so the shared loops skip them and never pick them as victims.
         ``repeated_steps``: steps the replica took since the last plan by repeating it
         without asking the policy (a decode jump's steps after its first; a pipelined
         replica's repeated micro-batches, and the instants it found every running request
-        in flight)."""
+        in flight). ``idled``: the replica held no request at all since the last plan."""
         self.now = now
         #: Decode-only steps taken since the policy's last plan by repeating that plan (a
         #: decode jump, sim/fast_forward.py, plans its first step and repeats it): 0 where
         #: every step was planned. A policy whose own state moves with every step it plans
         #: (SGLang's ``new_token_ratio``) catches up on them here.
         self.repeated_steps = repeated_steps
+        #: The replica held no request at all since the policy's last plan (it waited for
+        #: one): an engine whose loop keeps polling went idle meanwhile (SGLang starts its
+        #: ``new_token_ratio`` over then).
+        self.idled = idled
         if self.run is not None and self._transferred:
             self._join_transferred()
         self._step_index += 1

@@ -286,7 +286,7 @@ def test_same_seed_same_bytes(tmp_path):
     (("policy=vllm_v1", "policy.max_num_seqs=300", "policy.max_num_batched_tokens=256"),
      "policy.max_num_seqs > policy.max_num_batched_tokens"),
     (("kv.num_gpu_blocks_override=300", "policy=vllm_v1"),
-     "the KV pool can bind, with policy 'vllm_v1' preempts on the replica loop only"),
+     "the KV pool can bind, with policy 'vllm_v1', which preempts on the replica loop only"),
     (("policy=trtllm", "policy.capacity_scheduler_policy=max_utilization",
       "policy.enable_chunked_prefill=true"),
      "capacity_scheduler_policy=max_utilization under chunked prefill"),
@@ -295,7 +295,7 @@ def test_same_seed_same_bytes(tmp_path):
     (("kv.num_gpu_blocks_override=18", "policy=trtllm"), "alone fills the pool"),
     (("policy=sglang", "policy.schedule_policy=lpm"), "schedule_policy=lpm"),
     (("policy=sglang", "policy.chunked_prefill_size=256", "kv.num_gpu_blocks_override=300"),
-     "the KV pool can bind, with policy 'sglang' preempts on the replica loop only"),
+     "the KV pool can bind, with policy 'sglang', which preempts on the replica loop only"),
     (("policy=sglang", "cluster=disaggregated"), "admits on the free pool"),
 ])
 def test_runs_it_cannot_take_go_to_the_replica_loop(overrides, reason):
@@ -610,6 +610,9 @@ def test_trtllm_core_equals_exact_on_random_small_workloads(seed, qps, seqs, bud
          block=16, conservativeness=3.0, clip=None, tight=(147, 45, 0))
 @example(seed=16, qps=1000.0, seqs=4, budget=316, chunk=3 / 316, out_min=1, prompt_min=1,
          block=16, conservativeness=3.0, clip=None, tight=(133, 41, 1))
+# ... and the ratio starts over after the replica has idled (no request at all).
+@example(seed=8151, qps=5.0, seqs=3, budget=526, chunk=0.89, out_min=1, prompt_min=1,
+         block=16, conservativeness=3.0, clip=None, tight=(147, 45, 0))
 def test_sglang_core_equals_exact_on_random_small_workloads(seed, qps, seqs, budget, chunk,
                                                             out_min, prompt_min, block,
                                                             conservativeness, clip, tight):

@@ -70,6 +70,28 @@ def test_the_new_token_estimate_holds_a_request_back_and_decode_retracts():
         (10.0, [(0, 9, 1, True)]), (11.0, [(0, 10, 1, True)]), (12.0, [(1, 0, 9, True)])]
 
 
+def test_the_ratio_starts_over_once_the_engine_has_gone_idle():
+    """A (t=0) prefills and decodes 4 batches; C arrives during A's last one, so the engine
+    never idles before admitting it: the ratio has fallen by 4 decays. C then decodes 2
+    batches and the engine idles until B (t=100), whose admission sees the initial 0.7."""
+    seen = []
+    rule = SGLangPolicy.prefill_rule
+
+    def spy(self, *args, **kwargs):
+        seen.append(self.new_token_ratio)
+        return rule(self, *args, **kwargs)
+
+    SGLangPolicy.prefill_rule = spy
+    try:
+        run_requests(SG, [Request(0, 0.0, 2, 5), Request(2, 4.5, 2, 3),
+                          Request(1, 100.0, 2, 3)], num_gpu_blocks=40, block_size=2)
+    finally:
+        SGLangPolicy.prefill_rule = rule
+    policy = SGLangPolicy(SGLangPolicy.config_class.from_dict(SG))
+    policy._lower_ratio(4)
+    assert seen == [0.7, policy.new_token_ratio, 0.7] and policy.new_token_ratio < 0.7
+
+
 @pytest.mark.parametrize("order,first", [("fcfs", (1, 0, 9, True)), ("lpm", (2, 8, 1, True))])
 def test_lpm_takes_the_longest_cached_prefix_first(order, first):
     """A computes the shared 8-token prefix and finishes. D (no prefix) and then C (the

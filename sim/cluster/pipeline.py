@@ -171,6 +171,7 @@ class PipelinedReplica(Replica):
         busy: set[int] = set()
         steady = self._steady
         empty_plans = 0
+        idled = False  # no request at all since the last plan
         while True:
             if run_stop.requested:  # a signal asked the run to stop
                 run_stop.check()
@@ -192,7 +193,8 @@ class PipelinedReplica(Replica):
                     continue
                 now = env.now  # (asleep from where the repeats left the clock)
                 if goes_on is None:  # the policy plans
-                    builder.reset(now, busy, repeated_steps=self._repeated)
+                    builder.reset(now, busy, repeated_steps=self._repeated, idled=idled)
+                    idled = False
                     self._repeated = 0
                     plan = policy.schedule(builder)
                     # Its own next deadline as of this plan (SJF's aging): repeats stop there
@@ -229,6 +231,8 @@ class PipelinedReplica(Replica):
                 self._wakeup = env.event()
                 yield env.any_of([self._wakeup, env.timeout(min(wake_at) - now)])
             else:
+                if not self._has_work():
+                    idled = True
                 self._wakeup = env.event()
                 yield self._wakeup
             self._wakeup = None
