@@ -286,7 +286,8 @@ def test_a_transfer_arriving_exactly_at_a_decode_step_end(tmp_path, preset, late
       "+cluster.decode.policy={name: vllm_v1, scheduling_policy: priority, "
       "enable_chunked_prefill: true, kv_watermark: 0.0}"],
      "decode pool policy 'vllm_v1': policy.scheduling_policy=priority"),
-    (["+cluster.decode.policy={name: static}"], "decode pool policy 'static' does not decide"),
+    (["+cluster.decode.policy={name: static}"],
+     "the decode pool's policy 'static' reserves whole lengths"),
 ])
 def test_deployments_the_core_leaves_to_the_replica_loop(overrides, reason):
     sim, _, s = _run("model=tiny", "workload.num_requests=20", *DISAGG, *overrides)
