@@ -672,7 +672,7 @@ def test_static_core_equals_exact_on_random_small_workloads(seed, qps, seqs, bud
 
 
 @settings(max_examples=200, deadline=None)
-@given(members=st.lists(st.tuples(st.integers(1, 300), st.integers(1, 200)), max_size=6),
+@given(members=st.lists(st.tuples(st.integers(1, 300), st.integers(2, 200)), max_size=6),
        forming=st.booleans(), queue=st.lists(st.tuples(st.integers(1, 300),
                                                        st.integers(1, 200)), max_size=8),
        seqs=st.integers(1, 16), batch=st.one_of(st.none(), st.integers(1, 16)),
