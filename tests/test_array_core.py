@@ -597,7 +597,7 @@ def test_trtllm_core_equals_exact_on_random_small_workloads(seed, qps, seqs, bud
 
 
 @pytest.mark.slow
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 10_000), qps=st.floats(1.0, 1000.0), seqs=st.integers(1, 40),
        budget=st.integers(40, 600), chunk=st.floats(0.0, 1.0), out_min=st.integers(1, 3),
        prompt_min=st.sampled_from([1, 2, 50]), block=st.sampled_from([1, 16]),
@@ -645,7 +645,7 @@ def test_sglang_core_equals_exact_on_random_small_workloads(seed, qps, seqs, bud
 
 
 @pytest.mark.slow
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 10_000), qps=st.floats(1.0, 400.0), seqs=st.integers(1, 40),
        budget=st.integers(200, 2000), batch=st.one_of(st.none(), st.integers(1, 40)),
        out_min=st.integers(1, 3), block=st.sampled_from([1, 16]),
@@ -714,7 +714,7 @@ def test_static_head_admissions_is_schedules_step(members, forming, queue, seqs,
     assert mirror.forming == policy.forming
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(decoding=st.lists(st.tuples(st.integers(1, 300), st.integers(2, 6000),
                                    st.integers(1, 200)), max_size=6),
        partial=st.tuples(st.integers(2, 400), st.integers(0, 399)),
