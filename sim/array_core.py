@@ -171,8 +171,9 @@ class ExactTie(LeftToReplicaLoop):
 
 
 class PoolMayBind(LeftToReplicaLoop):
-    """A disaggregated run in which a KV pool might refuse a block (sim/array_disagg.py runs
-    a deployment only while no pool can)."""
+    """A run in which a KV pool might refuse a block: a disaggregated deployment
+    (sim/array_disagg.py runs one only while no pool can), or SGLang on a pool that can
+    bind, once it does (``ArrayCore.guard``)."""
 
 
 @dataclass(eq=False)
@@ -298,7 +299,10 @@ class ArrayCore:
         self.sim = sim
         self.w = w
         self.executor = sim.executor if pool is None else pool.first_executor
-        self.policy = sim.policy if pool is None else pool.first_policy
+        # (A fresh instance for one replica: a run the core gives up goes to the replica
+        # loop with the policy as it was, its own state unmoved.)
+        self.policy = (sim.pools[0].make_policy(sim.seed) if pool is None
+                       else pool.first_policy)
         memory = sim.memory if pool is None else pool.memory
         self.block_size = sim.kv_cfg.block_size if pool is None else pool.block_size
         self.num_gpu_blocks = memory.num_gpu_blocks
@@ -308,6 +312,12 @@ class ArrayCore:
         #: (A disaggregated deployment's pools never do: sim/array_disagg.py gives a run up
         #: where one could.)
         self.binding = pool_can_bind(sim, w) if pool is None else False
+        #: A pool that can bind under a policy whose prefill batches read the free pool
+        #: (``prefill_plan``: SGLang) runs as one that cannot, until a decode step's blocks
+        #: do not fit (SGLang would retract): there the run is given up (``PoolMayBind``).
+        self.guard = self.binding and callable(getattr(self.policy, "prefill_plan", None))
+        if self.guard:
+            self.binding = False
         self.num_swap_fallbacks = 0  # swaps the CPU pool could not hold: recomputed instead
         self._prefill_prices: dict[tuple[int, ...], float] = {}
 
@@ -475,6 +485,7 @@ class ArrayCore:
         # pending prefill); one swapped out waits in ``swapped`` (PEND: its context); both
         # keep what they had (``resume``).
         binding = self.binding
+        guard = self.guard
         num_blocks = self.num_gpu_blocks
         watermark = self.watermark
         # (None for a policy whose requests hold their whole lengths: none is preempted.)
@@ -1004,6 +1015,9 @@ class ArrayCore:
                         S += 1  # every member decoded
                         times.append(t)
                     used = blocks_at(S) + prefill_blocks
+                    if guard and used > num_blocks:
+                        raise PoolMayBind(f"replica {replica}'s step at {start!r} s does not "
+                                          "fit its KV pool")
                     if used > peak:
                         peak = used
                     if reads_kv:
@@ -1173,9 +1187,10 @@ class ArrayCore:
             while True:
                 last = ends_heap[0] >> shift
                 length = last - cur
-                if binding and blocks_at(last) + prefill_blocks > num_blocks:
+                if (binding or guard) and blocks_at(last) + prefill_blocks > num_blocks:
                     # The steps whose new blocks fit (blocks in use only grow until a
-                    # member leaves); the one after them preempts, planned on its own.
+                    # member leaves); the one after them preempts, planned on its own (or,
+                    # under the guard, retracts: the replica loop's to run).
                     lo, hi = 0, length
                     while hi - lo > 1:
                         mid = (lo + hi) >> 1
@@ -1185,6 +1200,9 @@ class ArrayCore:
                             hi = mid
                     length = lo
                     if not length:
+                        if guard:
+                            raise PoolMayBind(f"replica {replica}'s decode step at "
+                                              f"{t!r} s does not fit its KV pool")
                         break
                 nd = members
                 if nd in pricers:

@@ -252,6 +252,10 @@ def pool_blocker(sim: ArrayCoreHost, w: WorkloadArrays) -> str | None:
             why = "prefix caching (its hits would change what a request reserves)"
         elif blocks_for(largest[0] - 1, bs) > blocks - watermark:
             why = "a request that alone fills the pool above the watermark"
+    elif callable(getattr(sim.policy, "prefill_plan", None)):
+        # Runs as on a pool that cannot bind, and is given up once a decode step's blocks
+        # do not fit (ArrayCore.guard).
+        why = None
     elif not callable(getattr(sim.policy, "decode_preemptions", None)):
         why = f"policy {cfg.name!r}, which preempts on the replica loop only"
     elif not sim.policy.holds_whole_prompt:

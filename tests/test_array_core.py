@@ -294,8 +294,8 @@ def test_same_seed_same_bytes(tmp_path):
      "the KV pool can bind, with prefix caching"),
     (("kv.num_gpu_blocks_override=18", "policy=trtllm"), "alone fills the pool"),
     (("policy=sglang", "policy.schedule_policy=lpm"), "schedule_policy=lpm"),
-    (("policy=sglang", "policy.chunked_prefill_size=256", "kv.num_gpu_blocks_override=300"),
-     "the KV pool can bind, with policy 'sglang', which preempts on the replica loop only"),
+    (("policy=sglang", "policy.chunked_prefill_size=256", "kv.num_gpu_blocks_override=100",
+      "workload.qps=200"), "decode step at 0.2039826389540474 s does not fit its KV pool"),
     (("policy=sglang", "cluster=disaggregated"), "admits on the free pool"),
 ])
 def test_runs_it_cannot_take_go_to_the_replica_loop(overrides, reason):
@@ -603,7 +603,7 @@ def test_trtllm_core_equals_exact_on_random_small_workloads(seed, qps, seqs, bud
        prompt_min=st.sampled_from([1, 2, 50]), block=st.sampled_from([1, 16]),
        conservativeness=st.sampled_from([0.3, 1.0, 3.0]), clip=st.sampled_from([None, 3, 40]),
        tight=st.one_of(st.none(), st.tuples(st.integers(10, 200), st.integers(5, 100),
-                                            st.integers(0, 1))))
+                                            st.integers(-60, 1))))
 # The estimates stop admission with seats free: a prefill batch is tried after every decode
 # batch (the ratio falls with each), and a prompt cut to one token from done is counted.
 @example(seed=8151, qps=1000.0, seqs=3, budget=526, chunk=0.89, out_min=1, prompt_min=1,
@@ -622,7 +622,9 @@ def test_sglang_core_equals_exact_on_random_small_workloads(seed, qps, seqs, bud
     and a ratio that falls with every decode batch (``conservativeness`` raises it), the
     estimates capped (``clip``: SGLang's 4,096 made small enough to bind). ``tight``:
     (prompt, output, extra blocks) of near-constant lengths on a pool just large enough
-    never to run short, where the output estimates stop admission while seats are free."""
+    never to run short (extra 0 or 1), where the output estimates stop admission while seats
+    are free, or smaller: the core runs it as such a pool until a decode step's blocks do
+    not fit, and gives it up to the replica loop there."""
     over = [*TINY, *UNIFORM, "policy=sglang", f"seed={seed}", f"workload.qps={qps}",
             "workload.num_requests=60", f"policy.max_num_batched_tokens={budget}",
             f"policy.chunked_prefill_size={max(1, round(chunk * budget))}",
@@ -633,15 +635,20 @@ def test_sglang_core_equals_exact_on_random_small_workloads(seed, qps, seqs, bud
     else:
         p, o, extra = tight
         seqs = min(seqs, 8)
+        one = -(-(p + o - 1) // block)  # a request's blocks at its last token
         over += [f"policy.max_num_seqs={seqs}", f"workload.prompt_len.min={p}",
                  f"workload.prompt_len.max={p}", f"workload.output_len.min={max(1, o - 5)}",
                  f"workload.output_len.max={o}",
-                 f"kv.num_gpu_blocks_override={seqs * -(-(p + o - 1) // block) + extra}"]
+                 f"kv.num_gpu_blocks_override={max(seqs * one + extra, one + 1)}"]
     with pytest.MonkeyPatch.context() as mp:
         if clip is not None:
             mp.setattr("policies.sglang.CLIP_MAX_NEW_TOKENS", clip)
         s = _assert_same(over)
-    assert s["step_engine"] == "array_core"
+        if s["step_engine"] != "array_core":
+            sim = Simulation(compose_cfg(*over))
+            sim.run()
+            assert tight is not None and tight[2] < 0, sim.array_core_skipped
+            assert "does not fit its KV pool" in sim.array_core_skipped
 
 
 @pytest.mark.slow
