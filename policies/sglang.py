@@ -307,21 +307,20 @@ class SGLangPolicy(Policy):
             self.new_token_ratio = self.init_ratio
         free = free_blocks
 
-        # (The core runs only where the pool holds every batch: a grant always fits.)
-        def place_partial(j: int, n: int) -> bool:
+        def take(blocks: int) -> bool:
+            # (The rule's room check keeps every grant within the free pool.)
             nonlocal free
-            c = computed[j]
-            free -= blocks_for(c + n, block_size) - blocks_for(c, block_size)
+            free -= blocks
             if free < 0:
                 raise AssertionError("prefill_plan granted more blocks than the pool has free")
             return True
 
+        def place_partial(j: int, n: int) -> bool:
+            c = computed[j]
+            return take(blocks_for(c + n, block_size) - blocks_for(c, block_size))
+
         def place_new(j: int, n: int) -> bool:
-            nonlocal free
-            free -= blocks_for(n, block_size)
-            if free < 0:
-                raise AssertionError("prefill_plan granted more blocks than the pool has free")
-            return True
+            return take(blocks_for(n, block_size))
 
         return self.prefill_rule(
             partials, [blocks_for(c, block_size) * block_size - c for c in computed],

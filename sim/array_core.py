@@ -66,7 +66,14 @@ from heapq import heapify, heappop, heappush
 from itertools import accumulate, cycle, islice
 from typing import TYPE_CHECKING, Any
 
-from sim.array_inputs import INDEX_BITS, SLOT_BITS, ArrayCoreHost, WorkloadArrays, pool_can_bind
+from sim.array_inputs import (
+    INDEX_BITS,
+    SLOT_BITS,
+    ArrayCoreHost,
+    WorkloadArrays,
+    admits_on_free_pool,
+    pool_can_bind,
+)
 from sim.fast_forward import _price_until, _steps_before
 from sim.kv_manager import blocks_for
 from sim.metrics import MetricsCollector
@@ -315,7 +322,7 @@ class ArrayCore:
         #: A pool that can bind under a policy whose prefill batches read the free pool
         #: (``prefill_plan``: SGLang) runs as one that cannot, until a decode step's blocks
         #: do not fit (SGLang would retract): there the run is given up (``PoolMayBind``).
-        self.guard = self.binding and callable(getattr(self.policy, "prefill_plan", None))
+        self.guard = self.binding and admits_on_free_pool(self.policy)
         if self.guard:
             self.binding = False
         self.num_swap_fallbacks = 0  # swaps the CPU pool could not hold: recomputed instead
@@ -950,33 +957,31 @@ class ArrayCore:
                         # empty and it plans again at once, with no step.
                         continue
                     multi = chunks = admitted = []
-                elif prefill_plan is not None:
-                    ones, multi = [], []
-                    for i in prefilling:
-                        left = PEND[i] - computed[i]
-                        (ones if left == 1 else multi).append(i)
-                    chunks, admitted = prefill_plan(
-                        S - planned_at, decode_remaining(ones),
-                        [PEND[i] - computed[i] for i in multi], [computed[i] for i in multi],
-                        ((PEND[i], OL[i]) for i in waiting), members + len(prefilling),
-                        num_blocks - blocks_at(S) - prefill_blocks, bs, idled)
-                    planned_at = S
-                    idled = False
-                    apart = bool(chunks or admitted)
                 else:
                     ones, multi = [], []
                     for i in prefilling:
                         left = PEND[i] - computed[i]
                         (ones if left == 1 else multi).append(i)
-                    room = (num_blocks - blocks_at(S + 1) - prefill_blocks, watermark,
-                            bs) if binding else None
-                    # (A policy that reserves whole lengths admits on them.)
-                    lengths = ({"lengths": (PL[i] + OL[i] - 1 for i in waiting)}
-                               if reserves_full and room is not None else {})
-                    chunks, admitted = chunk_plan(
-                        members + len(ones), [PEND[i] - computed[i] for i in multi],
-                        map(PEND.__getitem__, waiting), len(waiting),
-                        seats_total - members - len(prefilling), room, **lengths)
+                    if prefill_plan is not None:
+                        chunks, admitted = prefill_plan(
+                            S - planned_at, decode_remaining(ones),
+                            [PEND[i] - computed[i] for i in multi],
+                            [computed[i] for i in multi], ((PEND[i], OL[i]) for i in waiting),
+                            members + len(prefilling), num_blocks - blocks_at(S) - prefill_blocks,
+                            bs, idled)
+                        planned_at = S
+                        idled = False
+                        apart = bool(chunks or admitted)
+                    else:
+                        room = (num_blocks - blocks_at(S + 1) - prefill_blocks, watermark,
+                                bs) if binding else None
+                        # (A policy that reserves whole lengths admits on them.)
+                        lengths = ({"lengths": (PL[i] + OL[i] - 1 for i in waiting)}
+                                   if reserves_full and room is not None else {})
+                        chunks, admitted = chunk_plan(
+                            members + len(ones), [PEND[i] - computed[i] for i in multi],
+                            map(PEND.__getitem__, waiting), len(waiting),
+                            seats_total - members - len(prefilling), room, **lengths)
                 if ones or chunks or admitted or recomputed:
                     new = [waiting.popleft() for _ in admitted]
                     for i in new:

@@ -134,7 +134,7 @@ def _cluster_blocker(sim: ArrayCoreHost) -> str | None:
     if why is not None:
         return f"decode pool policy {decode.config.name!r}: {why}"
     for side, policy in (("prefill", sim.policy), ("decode", decode)):
-        if callable(getattr(policy, "prefill_plan", None)):
+        if admits_on_free_pool(policy):
             # (Its admission reads the free pool, which the blocks a prefill replica holds
             # for transfers are known only after the decode pass.)
             return (f"the {side} pool's policy {policy.config.name!r} admits on the free "
@@ -200,6 +200,12 @@ class WorkloadArrays:
         return out
 
 
+def admits_on_free_pool(policy: Policy) -> bool:
+    """Whether ``policy``'s prefill batches read the free pool on the array core
+    (``prefill_plan``: SGLang's estimate against its free tokens)."""
+    return callable(getattr(policy, "prefill_plan", None))
+
+
 def pool_can_bind(sim: ArrayCoreHost, w: WorkloadArrays) -> bool:
     """Whether the KV pool can run short on this workload: the most a full batch can ever
     hold (its members' blocks at their last tokens, full_length: prompt + output - 1, for
@@ -252,7 +258,7 @@ def pool_blocker(sim: ArrayCoreHost, w: WorkloadArrays) -> str | None:
             why = "prefix caching (its hits would change what a request reserves)"
         elif blocks_for(largest[0] - 1, bs) > blocks - watermark:
             why = "a request that alone fills the pool above the watermark"
-    elif callable(getattr(sim.policy, "prefill_plan", None)):
+    elif admits_on_free_pool(sim.policy):
         # Runs as on a pool that cannot bind, and is given up once a decode step's blocks
         # do not fit (ArrayCore.guard).
         why = None

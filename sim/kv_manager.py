@@ -371,10 +371,7 @@ class _CachingPool(_Pool):
         held = []
         for b in blocks:
             if pos[b] >= 0:
-                if pos[b] < self.clean_end:
-                    self.clean_live -= 1
-                pos[b] = -1
-                self.num_free -= 1
+                self.revive(b)
             else:
                 held.append(b)
         return held
