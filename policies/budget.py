@@ -123,20 +123,24 @@ def admission_rule(candidates: Iterable[T], pending_of: Callable[[T], int] | Non
 
 
 def counted_room(room: tuple[int, int, int],
-                 held_tokens: Callable[[Any], int] | None = None,
-                 ) -> Callable[[Any, int, int], bool]:
+                 held_tokens: Callable[[Any], int] | None = None, *,
+                 chunk_only: bool = False) -> Callable[[Any, int, int], bool]:
     """``admit``'s KV part on counts, for ``admission_rule``'s ``place`` in the array core
     (sim/array_core.py): ``room`` = (free blocks, watermark blocks, block size). A candidate
     holding nothing is admitted if the blocks of its whole pending prefill (or of
     ``held_tokens(candidate)`` tokens: a whole length that ``admit(reserve_full=True)``
-    reserves) leave the watermark free (``KVBlockManager.can_allocate``), and takes them.
+    reserves; or, with ``chunk_only``, of this step's chunk: vLLM v1 holds nothing ahead)
+    leave the watermark free (``KVBlockManager.can_allocate``), and takes them.
     (The core runs only where every request fits the pool alone above the watermark, so
     ``admit``'s fallback for one that never could does not arise.)"""
     free, watermark, block_size = room
 
     def place(candidate: Any, n: int, pending: int) -> bool:
         nonlocal free
-        tokens = pending if held_tokens is None else held_tokens(candidate)
+        if held_tokens is not None:
+            tokens = held_tokens(candidate)
+        else:
+            tokens = n if chunk_only else pending
         need = -(-tokens // block_size)
         if free - need < watermark:
             return False

@@ -39,6 +39,7 @@ from policies.base import POLICIES, Policy, PolicyConfig
 from policies.budget import (
     Budget,
     admission_rule,
+    counted_room,
     grant_chunks,
     latest_arrival_victim,
     schedule_running,
@@ -95,9 +96,9 @@ class VLLMV1Policy(Policy):
     host_overlap_default = True
     # A prompt takes blocks chunk by chunk (``admit_waiting``'s ``place``).
     holds_whole_prompt = False
-    # ``chunk_plan`` below, with the fcfs scheduling policy on a pool that cannot bind (it
-    # states no decode preemptions on counts; sim/array_inputs.py sends the rest to the
-    # replica loop).
+    # ``chunk_plan`` below, with the fcfs scheduling policy. It states no decode preemptions
+    # on counts: on a pool that can bind, the core gives a run to the replica loop once a
+    # running request finds no block (``ArrayCore.guard``).
     array_core = True
 
     config_class = VLLMV1Config
@@ -140,16 +141,25 @@ class VLLMV1Policy(Policy):
         order while the budget and the ``seats`` last, the last one possibly with a partial
         chunk. Returns the partials' chunks (fewer entries once the budget is spent) and the
         admitted ones' (the first ``len`` of the queue). tests/test_array_core.py checks it
-        against ``schedule``."""
-        if room is not None or self.config.scheduling_policy != "fcfs":
-            raise ValueError("vllm_v1's chunk_plan is its fcfs step on a pool that cannot "
-                             "bind")
+        against ``schedule``.
+
+        Where the pool can bind, ``room`` = (free blocks, 0, block size), free once every
+        running request has the blocks of its pending tokens (admission comes only after
+        the partials got all of theirs: one cut short spends the budget): each admitted
+        request takes the blocks of its chunk only, and the first whose chunk does not fit
+        ends admission (``counted_room``). A running request that finds no block is
+        preempted, which the core does not do here: it gives the run to the replica loop
+        (``ArrayCore.guard``)."""
+        if self.config.scheduling_policy != "fcfs":
+            raise ValueError("vllm_v1's chunk_plan is its fcfs step")
         chunks, remaining = grant_chunks(partials,
                                          self.config.max_num_batched_tokens - decode_tokens)
         if not num_waiting or remaining <= 0:
             return chunks, []
         admitted = admission_rule(waiting, None, remaining, seats,
-                                  self.config.max_num_batched_tokens, chunked=True)
+                                  self.config.max_num_batched_tokens, chunked=True,
+                                  place=None if room is None
+                                  else counted_room(room, chunk_only=True))
         return chunks, [n for _, n in admitted]
 
     def admit_waiting(self, step: StepBuilder, budget: Budget) -> list[Request]:

@@ -71,8 +71,8 @@ from sim.array_inputs import (
     SLOT_BITS,
     ArrayCoreHost,
     WorkloadArrays,
-    admits_on_free_pool,
     pool_can_bind,
+    runs_guarded,
 )
 from sim.fast_forward import _price_until, _steps_before
 from sim.kv_manager import blocks_for
@@ -179,8 +179,9 @@ class ExactTie(LeftToReplicaLoop):
 
 class PoolMayBind(LeftToReplicaLoop):
     """A run in which a KV pool might refuse a block: a disaggregated deployment
-    (sim/array_disagg.py runs one only while no pool can), or SGLang on a pool that can
-    bind, once it does (``ArrayCore.guard``)."""
+    (sim/array_disagg.py runs one only while no pool can), or a policy that states no decode
+    preemptions (vLLM v1, SGLang) on a pool that can bind, once it does
+    (``ArrayCore.guard``)."""
 
 
 @dataclass(eq=False)
@@ -319,10 +320,11 @@ class ArrayCore:
         #: (A disaggregated deployment's pools never do: sim/array_disagg.py gives a run up
         #: where one could.)
         self.binding = pool_can_bind(sim, w) if pool is None else False
-        #: A pool that can bind under a policy whose prefill batches read the free pool
-        #: (``prefill_plan``: SGLang) runs as one that cannot, until a decode step's blocks
-        #: do not fit (SGLang would retract): there the run is given up (``PoolMayBind``).
-        self.guard = self.binding and admits_on_free_pool(self.policy)
+        #: A pool that can bind under a policy that states no decode preemptions on counts
+        #: (``runs_guarded``: vLLM v1, SGLang) runs as one that cannot, its admission
+        #: counting blocks, until a running request's blocks do not fit (where the policy
+        #: preempts or retracts): there the run is given up (``PoolMayBind``).
+        self.guard = self.binding and runs_guarded(self.policy)
         if self.guard:
             self.binding = False
         self.num_swap_fallbacks = 0  # swaps the CPU pool could not hold: recomputed instead
@@ -461,14 +463,14 @@ class ArrayCore:
             waiting = _IndexedWaiting(policy, w)
             held = waiting.held
             running_key = policy.decode_run_key()
-            if self.binding:
+            if self.binding or self.guard:
                 indexed_admit = waiting.admit
 
                 def admit(now: float, seats: int) -> list[int]:
                     return indexed_admit(now, seats, (num_blocks - blocks_at(S), watermark, bs))
             else:
                 admit = waiting.admit
-        elif self.binding:
+        elif self.binding or self.guard:
             waiting = deque()
             head_admissions = policy.head_admissions  # type: ignore[attr-defined]
 
@@ -973,15 +975,26 @@ class ArrayCore:
                         idled = False
                         apart = bool(chunks or admitted)
                     else:
-                        room = (num_blocks - blocks_at(S + 1) - prefill_blocks, watermark,
-                                bs) if binding else None
+                        room = None
+                        if binding or guard:
+                            free = num_blocks - blocks_at(S + 1) - prefill_blocks
+                            if not whole_prompt:  # once every partial has its tokens' blocks
+                                free -= sum([blocks_for(PEND[i], bs) - blocks_for(computed[i], bs)
+                                             for i in prefilling])
+                            room = (free, watermark, bs)
                         # (A policy that reserves whole lengths admits on them.)
                         lengths = ({"lengths": (PL[i] + OL[i] - 1 for i in waiting)}
                                    if reserves_full and room is not None else {})
+                        pendings = [PEND[i] - computed[i] for i in multi]
                         chunks, admitted = chunk_plan(
-                            members + len(ones), [PEND[i] - computed[i] for i in multi],
-                            map(PEND.__getitem__, waiting), len(waiting),
-                            seats_total - members - len(prefilling), room, **lengths)
+                            members + len(ones), pendings, map(PEND.__getitem__, waiting),
+                            len(waiting), seats_total - members - len(prefilling), room,
+                            **lengths)
+                        if (admitted and not whole_prompt and room is not None
+                                and sum(chunks) != sum(pendings)):
+                            # (The room counted every partial's whole pending prefill.)
+                            raise PoolMayBind(f"replica {replica} admits at {t!r} s while a "
+                                              "prompt mid-prefill is cut short")
                 if ones or chunks or admitted or recomputed:
                     new = [waiting.popleft() for _ in admitted]
                     for i in new:
@@ -1175,7 +1188,7 @@ class ArrayCore:
             # (A lane's: the next request not yet routed, since any may come to it.)
             horizon = QA[nxt] if nxt < nq else gate[0]
             decision = INF
-            if binding and held is not None:
+            if (binding or guard) and held is not None:
                 # Where the pool binds, the order may decide who fits: a deadline of the
                 # policy's (SJF's aging) may reorder the queue, as an arrival may.
                 decision = policy.next_decision_time(t)

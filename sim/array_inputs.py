@@ -206,6 +206,15 @@ def admits_on_free_pool(policy: Policy) -> bool:
     return callable(getattr(policy, "prefill_plan", None))
 
 
+def runs_guarded(policy: Policy) -> bool:
+    """Whether, on a pool that can bind, the array core runs ``policy`` as on one that
+    cannot, its admission counting blocks, and gives the run to the replica loop once a
+    running request finds no block (``ArrayCore.guard``): a policy that states no decode
+    preemptions on counts and does not reserve whole lengths (vLLM v1, SGLang)."""
+    return (not policy.reserves_full_length
+            and not callable(getattr(policy, "decode_preemptions", None)))
+
+
 def pool_can_bind(sim: ArrayCoreHost, w: WorkloadArrays) -> bool:
     """Whether the KV pool can run short on this workload: the most a full batch can ever
     hold (its members' blocks at their last tokens, full_length: prompt + output - 1, for
@@ -224,7 +233,9 @@ def pool_blocker(sim: ArrayCoreHost, w: WorkloadArrays) -> str | None:
     with the policy's rule on counts (``decode_preemptions``), if every request fits the
     pool alone above the watermark and, without chunked prefill, its recompute fits one step
     (so it never re-prefills in chunks); it swaps only with a watermark of at least one
-    block, and not under chunked prefill (a request swapped mid-prefill resumes in chunks)."""
+    block, and not under chunked prefill (a request swapped mid-prefill resumes in chunks).
+    A policy that states no decode preemptions (``runs_guarded``) runs with its admission
+    counting blocks until a running request finds none, and the replica loop from there."""
     n = len(w.arrivals)
     if not n:
         return "no requests"
@@ -258,12 +269,11 @@ def pool_blocker(sim: ArrayCoreHost, w: WorkloadArrays) -> str | None:
             why = "prefix caching (its hits would change what a request reserves)"
         elif blocks_for(largest[0] - 1, bs) > blocks - watermark:
             why = "a request that alone fills the pool above the watermark"
-    elif admits_on_free_pool(sim.policy):
-        # Runs as on a pool that cannot bind, and is given up once a decode step's blocks
-        # do not fit (ArrayCore.guard).
-        why = None
-    elif not callable(getattr(sim.policy, "decode_preemptions", None)):
-        why = f"policy {cfg.name!r}, which preempts on the replica loop only"
+    elif runs_guarded(sim.policy):
+        # Admission counts blocks, and the run is given up once a running request finds no
+        # block (ArrayCore.guard): one that never fits alone would be, sooner or later.
+        if blocks_for(largest[0] - 1, bs) > blocks - watermark:
+            why = "a request that alone fills the pool above the watermark"
     elif not sim.policy.holds_whole_prompt:
         why = f"policy {cfg.name!r}, whose prompts take blocks chunk by chunk"
     elif cfg.preemption_mode == "swap" and sim.policy.implements_chunked_prefill:

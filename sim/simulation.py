@@ -361,13 +361,14 @@ class Simulation:
 
     # ---- run ----------------------------------------------------------------------------
     def run(self) -> SimulationResult:
+        # (wall_time_s counts an array-core run given up, with the replica loop's after it.)
+        wall0 = time.perf_counter()
         core = self._array_core()
         if core is not None:
             try:
                 return core.run()
             except LeftToReplicaLoop as e:  # an exact tie, a pool that may bind: see e
                 self.array_core_skipped = str(e)
-        wall0 = time.perf_counter()
         # Lazy decode replicas sleep through their jumps' steps (ChainEnvironment).
         lazy = ((isinstance(self.cluster, DisaggregatedConfig) and self._jumps)
                 or self._lazy_colocated)

@@ -69,21 +69,49 @@ def test_core_equals_exact_on_random_small_workloads(seed, qps, seqs, budget, ou
 @given(seed=st.integers(0, 10_000), qps=st.floats(1.0, 400.0), seqs=st.integers(1, 40),
        budget=st.integers(40, 600), partials=st.sampled_from([1, 2, 3, None]),
        out_min=st.integers(1, 3), prompt_min=st.sampled_from([1, 2, 50]),
-       block=st.sampled_from([1, 16]))
+       block=st.sampled_from([1, 16]), pool=st.one_of(st.none(), st.integers(330, 6000)))
+# vLLM v1 on a pool that can bind: the run is given up where a running request finds no
+# block.
+@example(seed=0, qps=400.0, seqs=40, budget=600, partials=None, out_min=1, prompt_min=50,
+         block=16, pool=1000)
 def test_chunked_core_equals_exact_on_random_small_workloads(seed, qps, seqs, budget, partials,
-                                                             out_min, prompt_min, block):
+                                                             out_min, prompt_min, block, pool):
     """Prompts longer than the step, shared between partial prefills, one-token prompts
     and outputs, chunks of one token (decode rows by their shape). ``partials`` None: vLLM
     v1's step (every running request in order, a prompt's blocks taken chunk by chunk, the
-    prefix cache on)."""
+    prefix cache on). ``pool``: a pool of that many tokens, which can bind: vLLM v1 runs on
+    the core with admission counting blocks until a running request finds none, and is
+    given up to the replica loop there."""
     policy = (["policy=vllm_v1"] if partials is None else
               ["policy=chunked_prefill", f"policy.max_num_partial_prefills={partials}"])
-    s = _assert_same([*TINY, *UNIFORM, *policy, f"seed={seed}", f"workload.qps={qps}",
-                      "workload.num_requests=60", f"policy.max_num_seqs={min(seqs, budget)}",
-                      f"policy.max_num_batched_tokens={budget}", f"kv.block_size={block}",
-                      f"workload.prompt_len.min={prompt_min}",
-                      f"workload.output_len.min={out_min}"])
-    assert s["step_engine"] == "array_core"
+    over = [*TINY, *UNIFORM, *policy, f"seed={seed}", f"workload.qps={qps}",
+            "workload.num_requests=60", f"policy.max_num_seqs={min(seqs, budget)}",
+            f"policy.max_num_batched_tokens={budget}", f"kv.block_size={block}",
+            f"workload.prompt_len.min={prompt_min}", f"workload.output_len.min={out_min}"]
+    if pool is not None:
+        over.append(f"kv.num_gpu_blocks_override={-(-pool // block)}")
+    s = _assert_same(over)
+    if s["step_engine"] != "array_core":
+        sim = Simulation(compose_cfg(*over))
+        sim.run()
+        assert pool is not None and partials is None, sim.array_core_skipped
+        assert "does not fit its KV pool" in sim.array_core_skipped
+
+
+@pytest.mark.parametrize("seed,budget,blocks", [
+    (1, 600, 219),  # a chunk that does not fit, at 0.0608 s
+    (6, 100, 188),  # one that does not fit once a prompt mid-prefill has its last blocks
+])
+def test_vllm_v1_admits_by_its_chunks_blocks_on_a_pool_that_can_bind(seed, budget, blocks):
+    """vLLM v1 on a pool where a waiting request's chunk does not fit though no running
+    request ever finds no block: the core admits each chunk only where its blocks fit
+    after the running requests' (a prompt mid-prefill's included), as vLLM v1 does, and
+    runs the whole of it."""
+    s = _assert_same([*TINY, *UNIFORM, "policy=vllm_v1", f"seed={seed}", "workload.qps=400",
+                      "workload.num_requests=60", "policy.max_num_seqs=40",
+                      f"policy.max_num_batched_tokens={budget}", "workload.prompt_len.min=50",
+                      "workload.output_len.min=1", f"kv.num_gpu_blocks_override={blocks}"])
+    assert s["step_engine"] == "array_core" and s["num_preemptions"] == 0
 
 
 @pytest.mark.slow
@@ -285,8 +313,9 @@ def test_same_seed_same_bytes(tmp_path):
     (("policy=vllm_v1", "policy.scheduling_policy=priority"), "scheduling_policy=priority"),
     (("policy=vllm_v1", "policy.max_num_seqs=300", "policy.max_num_batched_tokens=256"),
      "policy.max_num_seqs > policy.max_num_batched_tokens"),
-    (("kv.num_gpu_blocks_override=300", "policy=vllm_v1"),
-     "the KV pool can bind, with policy 'vllm_v1', which preempts on the replica loop only"),
+    (("kv.num_gpu_blocks_override=100", "policy=vllm_v1", "workload.qps=200"),
+     "decode step at 0.055797638954049204 s does not fit its KV pool"),
+    (("kv.num_gpu_blocks_override=19", "policy=vllm_v1"), "alone fills the pool"),
     (("policy=trtllm", "policy.capacity_scheduler_policy=max_utilization",
       "policy.enable_chunked_prefill=true"),
      "capacity_scheduler_policy=max_utilization under chunked prefill"),
@@ -547,8 +576,8 @@ def test_chunk_plan_is_schedules_step(decoding, partial, prompts, seqs, budget, 
     for p, c in partial:  # holding its whole prompt's blocks, c tokens computed
         mids.append(_running(queues, kv, rid, p, 5, computed=c, held=p))
         rid += 1
-    for p in prompts:
-        queues.waiting.append(Request(rid, 1.0, p, 5))
+    for n in prompts:
+        queues.waiting.append(Request(rid, 1.0, n, 5))
         rid += 1
     room = None if spare is None else (kv.num_free_blocks, wm, 16)
     plan = policy.schedule(builder)
@@ -798,15 +827,23 @@ def test_sglang_prefill_plan_is_schedules_step(decoding, partial, partial_state,
 @settings(max_examples=150, deadline=None)
 @given(decoding=st.integers(0, 6), partial=st.tuples(st.integers(2, 400), st.integers(0, 399)),
        has_partial=st.booleans(), prompts=st.lists(st.integers(1, 400), max_size=8),
-       seqs=st.integers(4, 16), budget=st.integers(16, 600))
+       seqs=st.integers(4, 16), budget=st.integers(16, 600),
+       spare=st.sampled_from([None, 0, 1, 3, 8, 30]))
 def test_vllm_v1_chunk_plan_is_schedules_step(decoding, partial, has_partial, prompts, seqs,
-                                              budget):
+                                              budget, spare):
     """vLLM v1's schedule with requests decoding, at most one prompt mid-prefill (the
-    latest admitted, one token or more left) and a queue, on a pool that cannot bind: the
-    chunks it grants are chunk_plan's."""
+    latest admitted, one token or more left, holding the blocks of its computed tokens) and
+    a queue: the chunks it grants are chunk_plan's. On a pool that can bind (``spare``
+    blocks free once every running request has its pending tokens' blocks), with that
+    room: each admitted chunk takes its own blocks, and the first that does not fit ends
+    admission."""
     policy = make_policy({"name": "vllm_v1", "max_num_seqs": seqs,
                           "max_num_batched_tokens": max(budget, seqs)})
-    kv = KVBlockManager(10_000, 16)
+    p, c = partial[0], min(partial[1], partial[0] - 1)
+    # Blocks the running requests hold, and those the prompt mid-prefill still needs.
+    held = min(decoding, seqs - has_partial) + (-(-c // 16) if has_partial else 0)
+    to_come = (-(-p // 16) - -(-c // 16)) if has_partial else 0
+    kv = KVBlockManager(10_000 if spare is None else max(1, held + to_come + spare), 16)
     queues = ReplicaQueues()
     builder = StepBuilder(queues, kv)
     rid = 0
@@ -816,18 +853,19 @@ def test_vllm_v1_chunk_plan_is_schedules_step(decoding, partial, has_partial, pr
     num_decoding = rid
     mid = None
     if has_partial:  # holding the blocks of the tokens it computed
-        p, c = partial[0], min(partial[1], partial[0] - 1)
         mid = _running(queues, kv, rid, p, 5, computed=c, held=c)
         rid += 1
-    for p in prompts:
-        queues.waiting.append(Request(rid, 1.0, p, 5))
+    for n in prompts:
+        queues.waiting.append(Request(rid, 1.0, n, 5))
         rid += 1
+    room = None if spare is None else (kv.num_free_blocks - to_come, 0, 16)
     plan = policy.schedule(builder)
     grants = {s.request_id: s.num_new_tokens for s in plan.scheduled}
     left = None if mid is None else mid.prompt_len - mid.num_computed_tokens
     chunks, admitted = policy.chunk_plan(
         num_decoding + (left == 1), [left] if left is not None and left > 1 else [], prompts,
-        len(prompts), seqs - num_decoding - has_partial)
+        len(prompts), seqs - num_decoding - has_partial, room)
+    assert not plan.recomputed
     assert all(grants[i] == 1 for i in range(num_decoding))
     if left == 1:
         assert grants[mid.request_id] == 1
