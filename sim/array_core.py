@@ -248,6 +248,54 @@ def run_to_end(loop: Generator[Any, None, Any]) -> Any:
     raise RuntimeError("the array core waited for a router with no lane")
 
 
+def finisher(w: WorkloadArrays, metrics: MetricsCollector, req_sink: CsvSink, replica: int,
+             line_fmt: str, extra: tuple, lines: list[str], extras: dict[int, tuple] | None = None,
+             on_free: Callable[[int, float], None] | None = None,
+             ) -> Callable[..., None]:
+    """A loop's ``finish(i, first, sched, end, later, preemptions=0, swaps=0)``: request
+    ``i`` finished at ``end`` (first token at ``first``, first scheduled at ``sched``, its
+    later token times ``later``): its requests.csv line (``line_fmt``, with the cluster
+    columns ``extra``, or a decode replica's own in ``extras``) goes to ``lines`` (written
+    4,096 at a time) or, to a sink kept in memory, its row; the metrics count it;
+    ``on_free(i, end)`` is told (a decode lane's blocks held at full length)."""
+    ARR, PL, OL, RID, PRI = w.arrivals, w.prompt_lens, w.output_lens, w.request_ids, w.priorities
+    to_file = req_sink.to_file
+    write_text = req_sink.write_text
+    add_finished = metrics.add_finished
+
+    def finish(i: int, first: float, sched: float, end: float, later: array,
+               preemptions: int = 0, swaps: int = 0) -> None:
+        arrival = ARR[i]
+        sched = float(sched)  # the clock's int 0 for a step at the start
+        o = OL[i]
+        tpot = repr((end - first) / (o - 1)) if o > 1 else ""
+        # A decode replica's requests carry their own cluster columns.
+        ex = extra if extras is None else extras.pop(i)
+        if to_file:
+            line = line_fmt % (RID[i], replica, PRI[i], arrival, PL[i], o, o, sched,
+                               first, end, sched - arrival, first - arrival, tpot,
+                               end - arrival, preemptions, swaps, preemptions - swaps, 0, "")
+            lines.append(line if extras is None else
+                         f"{line[:-2]},{','.join(map(str, ex))}\r\n")
+            if len(lines) >= 4096:
+                write_text("".join(lines))
+                lines.clear()
+        else:  # request_row's tuple (tests keep rows in memory)
+            req_sink.write((RID[i], replica, "finished", "", PRI[i], repr(arrival), PL[i], o,
+                            o, repr(sched), repr(first), repr(end), repr(sched - arrival),
+                            repr(first - arrival), tpot, repr(end - arrival), preemptions,
+                            swaps, preemptions - swaps, 0, "", *ex))
+        if on_free is not None:
+            on_free(i, end)
+        add_finished(PL[i], arrival, first, end, later)
+        if preemptions:
+            metrics.num_preemptions += preemptions
+            metrics.num_swaps += swaps
+            metrics.num_recomputes += preemptions - swaps
+
+    return finish
+
+
 class _IndexedWaiting:
     """The waiting queue of a policy that keeps its own order (``indexed_admissions``): each
     arrival becomes a ``Request`` handed to the policy's ``on_arrival``, as the replica does;
@@ -522,12 +570,10 @@ class ArrayCore:
             lane.rows.append if hands_off else  # type: ignore[union-attr]
             lambda row: step_sink.write_formatted(row, STEP_ROW_FORMAT))
         bs = self.block_size
-        to_file = req_sink.to_file
         write_text = req_sink.write_text
         line_fmt = FINISHED_REQUEST_LINE if lane is None else lane.line_format
         extra = () if lane is None else lane.extra_columns
         lines: list[str] = [] if lane is None else lane.lines
-        add_finished = metrics.add_finished
         # What a request holds: its context's blocks, or its whole length's from admission on.
         blocks: _BlockCount | _FullLengthCount = (
             _FullLengthCount(bs, full_blocks) if reserves_full else _BlockCount(bs))
@@ -583,40 +629,18 @@ class ArrayCore:
         next_tick = 64  # the progress line's next update
         empty = array("d")
 
-        def finish(i: int, first: float, sched: float, end: float, later: array,
-                   preemptions: int = 0, swaps: int = 0) -> None:
-            arrival = ARR[i]
-            sched = float(sched)  # the clock's int 0 for a step at the start
-            o = OL[i]
-            tpot = repr((end - first) / (o - 1)) if o > 1 else ""
-            # A decode replica's requests carry their own cluster columns.
-            ex = extra if extras is None else extras.pop(i)
-            if to_file:
-                line = line_fmt % (RID[i], replica, PRI[i], arrival, PL[i], o, o, sched,
-                                   first, end, sched - arrival, first - arrival, tpot,
-                                   end - arrival, preemptions, swaps, preemptions - swaps, 0, "")
-                lines.append(line if extras is None else
-                             f"{line[:-2]},{','.join(map(str, ex))}\r\n")
-                if len(lines) >= 4096:
-                    write_text("".join(lines))
-                    lines.clear()
-            else:  # request_row's tuple (tests keep rows in memory)
-                req_sink.write((RID[i], replica, "finished", "", PRI[i], repr(arrival), PL[i], o,
-                                o, repr(sched), repr(first), repr(end), repr(sched - arrival),
-                                repr(first - arrival), tpot, repr(end - arrival), preemptions,
-                                swaps, preemptions - swaps, 0, "", *ex))
-            if takes_in:  # its blocks at full length are free again (the deployment reads it)
-                full = blocks_for(PL[i] + o - 1, bs)
-                lane.held_full -= full  # type: ignore[union-attr]
-                if lane.freed_at != end:  # type: ignore[union-attr]
-                    lane.freed_at = end  # type: ignore[union-attr]
-                    lane.freed = 0  # type: ignore[union-attr]
-                lane.freed += full  # type: ignore[union-attr]
-            add_finished(PL[i], arrival, first, end, later)
-            if preemptions:
-                metrics.num_preemptions += preemptions
-                metrics.num_swaps += swaps
-                metrics.num_recomputes += preemptions - swaps
+        def free_full(i: int, end: float) -> None:
+            """(A decode lane.) Request ``i``'s blocks at full length are free again at
+            ``end`` (the deployment reads it)."""
+            full = blocks_for(PL[i] + OL[i] - 1, bs)
+            lane.held_full -= full  # type: ignore[union-attr]
+            if lane.freed_at != end:  # type: ignore[union-attr]
+                lane.freed_at = end  # type: ignore[union-attr]
+                lane.freed = 0  # type: ignore[union-attr]
+            lane.freed += full  # type: ignore[union-attr]
+
+        finish = finisher(w, metrics, req_sink, replica, line_fmt, extra, lines, extras,
+                          free_full if takes_in else None)
 
         def join(i: int, first: float, sched: float,
                  prior: tuple[array, int, int] | None = None) -> None:

@@ -102,6 +102,22 @@ def array_core_blocker(sim: ArrayCoreHost) -> str | None:
     return None
 
 
+def _pipeline_blocker(sim: ArrayCoreHost) -> str | None:
+    """Why this replica with pipeline stages cannot run on the array core
+    (sim/array_pipeline.py), or None: one replica, under a policy of whole-prompt,
+    prefill-only steps that admits from the head of the queue in arrival order
+    (``head_admissions``: FCFS). (Its pool must never run short: ``pool_blocker``.)"""
+    cluster, policy = sim.cluster, sim.policy
+    if cluster.num_replicas > 1:
+        return "pipeline stages on several replicas"
+    if (policy.implements_chunked_prefill or policy.reserves_full_length
+            or callable(getattr(policy, "indexed_admissions", None))
+            or not callable(getattr(policy, "head_admissions", None))):
+        return (f"pipeline stages under policy {policy.config.name!r} (the core pipelines "
+                "whole-prompt, prefill-only steps admitted in arrival order: fcfs)")
+    return None
+
+
 def _cluster_blocker(sim: ArrayCoreHost) -> str | None:
     """Why this cluster cannot run on the array core, or None: co-located replicas
     (sim/array_cluster.py) behind a router that reads only outstanding counts and KV usage,
@@ -113,7 +129,7 @@ def _cluster_blocker(sim: ArrayCoreHost) -> str | None:
     cluster = sim.cluster
     if isinstance(cluster, ClusterConfig):
         if cluster.pipeline_parallel_size > 1:
-            return "pipeline stages (cluster.pipeline_parallel_size > 1)"
+            return _pipeline_blocker(sim)
         if not ROUTERS.get(str(cluster.router)).reads_only_load:
             return (f"router {cluster.router!r} reads more than outstanding request counts "
                     "and KV usage")
@@ -258,6 +274,8 @@ def pool_blocker(sim: ArrayCoreHost, w: WorkloadArrays) -> str | None:
         return _refused_by_pools(sim, w)
     if not pool_can_bind(sim, w):
         return None
+    if isinstance(sim.cluster, ClusterConfig) and sim.cluster.pipeline_parallel_size > 1:
+        return "the KV pool can bind, with pipeline stages"
     blocks = sim.memory.num_gpu_blocks
     watermark = watermark_blocks(cfg.kv_watermark, blocks)
     bs = sim.kv_cfg.block_size

@@ -1,0 +1,370 @@
+"""A replica split into pipeline stages on the array core: step_mode=fast for one replica
+with ``cluster.pipeline_parallel_size`` > 1 under a policy of whole-prompt, prefill-only
+steps (FCFS: ``head_admissions``) on a KV pool that cannot bind.
+
+The replica loop's pipelined replica (sim/cluster/pipeline.py) is the reference: up to
+``stages`` micro-batches are in flight, each built when stage 0 is free from the running
+requests not in flight; a batch of duration d takes d / stages in each stage, entering stage
+k once it has left stage k - 1 and the batch before it has left stage k (a flow shop), and
+its tokens are applied when it leaves the last one. Here that loop runs on plain numbers,
+one instant at a time (an arrival, a batch leaving, stage 0 coming free; every arrival up to
+an instant is in the queue then, as simpy orders a sleeping replica's wake-up after the
+arrivals due with it):
+
+* the policy decides as in its ``schedule``: a prefill-only micro-batch of the waiting
+  requests ``head_admissions`` admits (seats: every running request, in flight or not),
+  else one decode row for each decoding request not in flight;
+* the decoding requests not in flight form a group, and each decode micro-batch takes a
+  whole group into the pipeline. A group keeps its members as the array core keeps its
+  batch: contexts as offsets from the group's own decode count, the finishing order in a
+  heap keyed by (last step, arrival index), the longest context in a lazy max-heap, its
+  KV blocks in closed form (``_BlockCount``), and the end times of its micro-batches. A
+  group that leaves rejoins those not in flight: the smaller of two is re-based into the
+  larger, its members' token times so far kept with them;
+* blocks are counted, not handed out, at each micro-batch's planning (where the replica's
+  pool takes them: ``kv_peak_usage``), and freed as their requests finish.
+
+requests.csv (row order included), steps.csv and the summary are the replica loop's, the
+times to 1e-9 relative (decode micro-batches are priced by another path), except
+``num_decode_jumps`` (here: runs of decode micro-batches between prefill ones),
+``step_engine`` and ``wall_time_s``. tests/test_array_pipeline.py checks it against
+step-by-step simulation and the replica loop.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections import deque
+from heapq import heapify, heappop, heappush
+from typing import Any
+
+from sim import stop as run_stop
+from sim.array_cluster import _Deployment, lanes_summary, replica_figures
+from sim.array_core import ArrayCore, Lane, _BlockCount, finisher
+from sim.array_inputs import INDEX_BITS, ArrayCoreHost, WorkloadArrays
+from sim.cluster.outputs import CLUSTER_REQUEST_COLUMNS
+from sim.cluster.pool import replica_seed
+from sim.kv_manager import blocks_for
+from sim.metrics import MetricsCollector
+from sim.outputs import FINISHED_REQUEST_LINE, REQUEST_COLUMNS, STEP_ROW_FORMAT, CsvSink
+from sim.plan import DecodeBlock, StepPlan
+from sim.progress import Progress
+from sim.result import SimulationResult
+
+INF = float("inf")
+_MASK = (1 << INDEX_BITS) - 1
+_CTX_OFFSET = 1 << 62  # contexts stored as offsets may be negative: shift them positive
+_EMPTY = array("d")
+
+
+class _Group:
+    """Decoding requests that go through the pipeline together (module docstring): member
+    ``i``'s context after the group's ``S``-th decode micro-batch is ``ctx[i] + S``."""
+
+    __slots__ = ("S", "blocks", "ctx_sum", "ends", "held", "max_heap", "members", "prices",
+                 "prices_from", "times", "toff", "top")
+
+    def __init__(self, block_size: int) -> None:
+        self.S = 0  # decode micro-batches planned for it
+        self.members: set[int] = set()
+        self.ctx_sum = 0
+        self.held = 0  # KV blocks its members hold
+        # Its next micro-batches' durations from the one after ``prices_from`` on, priced
+        # ahead (they hold while its members do).
+        self.prices: list[float] = []
+        self.prices_from = 0
+        self.top: int | None = None  # the longest stored context, while known
+        self.ends: list[int] = []  # last step << INDEX_BITS | arrival index
+        self.max_heap: list[int] = []  # -((ctx + OFFSET) << INDEX_BITS | index), lazy
+        self.blocks = _BlockCount(block_size)
+        self.times = array("d")  # end of its micro-batch s + 1 at times[s - toff]
+        self.toff = 0
+
+
+class ArrayPipeline:
+    """One run of a pipelined replica on the array core (module docstring); ``run`` returns
+    what ``Simulation.run`` does."""
+
+    def __init__(self, sim: ArrayCoreHost, w: WorkloadArrays) -> None:
+        self.sim = sim
+        self.w = w
+        self.core = ArrayCore(sim, w)
+        self.stages = sim.cluster.pipeline_parallel_size
+        pool = sim.pools[0]
+        self.lane = Lane(0, pool.make_policy(replica_seed(sim.seed, 0)), [INF], [],
+                         f"{FINISHED_REQUEST_LINE[:-2]},0,0,,,\r\n", (0, 0, "", "", ""))
+        self.result: tuple[float, int, int, int, float] = (0.0, 0, 0, 0, 0.0)
+
+    def run(self) -> SimulationResult:
+        return self.core.run(REQUEST_COLUMNS + CLUSTER_REQUEST_COLUMNS, self._simulate,
+                             self._cluster_summary)
+
+    def _simulate(self, metrics: MetricsCollector, req_sink: CsvSink, step_sink: CsvSink,
+                  progress: Progress) -> tuple[float, int, int, float]:
+        self.result = r = self._loop(metrics, req_sink, step_sink, progress)
+        return r[0], r[1], r[2], r[3] / self.core.num_gpu_blocks
+
+    def _cluster_summary(self, end: float, interrupted: bool) -> dict[str, Any]:
+        figures = replica_figures([self.lane], [self.result], [self.core.num_gpu_blocks],
+                                  interrupted)
+        return lanes_summary(self.sim, _Deployment(figures, [len(self.w.arrivals)]), end,
+                             interrupted)
+
+    def _loop(self, metrics: MetricsCollector, req_sink: CsvSink, step_sink: CsvSink,
+              progress: Progress) -> tuple[float, int, int, int, float]:
+        """The run, on local names (the hot loop). Returns the simulated end, the
+        micro-batches, the runs of decode micro-batches, the peak KV blocks in use and the
+        time stage 0 was busy (each batch's share)."""
+        core, w, lane = self.core, self.w, self.lane
+        ARR, PL, OL = w.arrivals, w.prompt_lens, w.output_lens
+        N = len(ARR)
+        pp = self.stages
+        policy = lane.policy
+        seats_total = policy.config.max_num_seqs
+        head_admissions = policy.head_admissions  # type: ignore[attr-defined]
+        ex = core.executor
+        execute = ex.execute
+        step_pricer = ex.decode_step_pricer
+        run_prices = ex.decode_run_durations
+        pricers: dict[int, Any] = {}
+        prefill_seconds = core.prefill_seconds
+        bs = core.block_size
+        num_blocks = core.num_gpu_blocks
+        record = step_sink.enabled
+        write_row = step_sink.write_formatted
+        lines = lane.lines
+        write_text = req_sink.write_text
+        finish = finisher(w, metrics, req_sink, 0, lane.line_format, lane.extra_columns, lines)
+        shift = INDEX_BITS
+
+        # Each decoding request: its context offset in its group, its group, the group's
+        # decode count when it joined, its last step there, first token time, first
+        # scheduling, and its token times from groups it was re-based out of.
+        ctx = [0] * N
+        group_of: list[_Group | None] = [None] * N
+        start = [0] * N
+        last = [0] * N
+        first = [0.0] * N
+        sched = [0.0] * N
+        prior: list[array | None] = [None] * N
+
+        def join(g: _Group, i: int, c: int, left: int) -> None:
+            """Request ``i`` joins group ``g`` with context ``c``, ``left`` decodes to go."""
+            s = g.S
+            c -= s
+            ctx[i] = c
+            group_of[i] = g
+            start[i] = s
+            last[i] = s + left
+            heappush(g.ends, (s + left) << shift | i)
+            heappush(g.max_heap, -((c + _CTX_OFFSET) << shift | i))
+            g.ctx_sum += c
+            g.held += blocks_for(c + s, bs)
+            g.blocks.add(c, 1)
+            g.members.add(i)
+            g.prices = []
+            if g.top is not None and c > g.top:
+                g.top = c
+
+        def merge(a: _Group, b: _Group) -> _Group:
+            """The union of two groups not in flight: the smaller re-based into the larger
+            (each member's context, remaining decodes and token times so far kept)."""
+            if len(a.members) < len(b.members):
+                a, b = b, a
+            s, times, toff = b.S, b.times, b.toff
+            for i in b.members:
+                later = times[start[i] - toff:s - toff]
+                p = prior[i]
+                prior[i] = later if p is None else p + later
+                join(a, i, ctx[i] + s, last[i] - s)
+            return a
+
+        def longest(g: _Group) -> int:
+            """The longest member context of ``g`` (as stored)."""
+            heap = g.max_heap
+            if len(heap) > 4 * len(g.members) + 64:  # dead entries leave only from the top
+                heap[:] = [-((ctx[i] + _CTX_OFFSET) << shift | i) for i in g.members]
+                heapify(heap)
+            while True:
+                key = -heap[0]
+                i = key & _MASK
+                c = (key >> shift) - _CTX_OFFSET
+                if group_of[i] is g and ctx[i] == c:
+                    return c
+                heappop(heap)
+
+        def price_ahead(g: _Group, n: int, s: int, top: int) -> float:
+            """The duration of group ``g``'s next micro-batch (``n`` members, ``s`` before
+            it, longest context ``top``), pricing its next ones up to its first finish."""
+            ctx0, top0 = g.ctx_sum + n * (s + 1), top + s + 1
+            ahead = run_prices(n, ctx0, top0, max(1, min((g.ends[0] >> shift) - s, 32)))
+            if ahead is None:
+                plan = StepPlan()
+                plan.add_block(DecodeBlock.for_pricing(n, ctx0 - n, top0 - 1))
+                return execute(plan).duration
+            g.prices = ahead.tolist()
+            g.prices_from = s
+            return g.prices[0]
+
+        waiting: deque[int] = deque()
+        # In flight, in leave order: (leave, start, group or None, prompts admitted or
+        # None, rows, prompt tokens).
+        in_flight: deque[tuple[float, float, _Group | None, list[int] | None, int, int]] = (
+            deque())
+        stage_free = [0.0] * pp
+        free_group: _Group | None = None  # the decoding requests not in flight
+        nxt = 0
+        running = 0  # admitted and not finished (in flight or not)
+        used = 0  # KV blocks held
+        peak = 0
+        busy = 0.0
+        num_steps = 0
+        runs = 0  # runs of decode micro-batches
+        last_was_decode = False
+        done = 0
+        next_tick = 64
+        # simpy's clock starts at the int 0, where requests arriving at 0.0 find it.
+        now: float = ARR[0] if N and ARR[0] > 0 else 0
+        while True:
+            if run_stop.requested:  # stop here, with every finished request's row written
+                if lines:
+                    write_text("".join(lines))
+                    lines.clear()
+                run_stop.check()
+            while nxt < N and ARR[nxt] <= now:
+                waiting.append(nxt)
+                nxt += 1
+            # The micro-batches leaving now apply their tokens.
+            while in_flight and in_flight[0][0] <= now:
+                leave, began, g, batch, rows, tokens = in_flight.popleft()
+                if g is None:  # a prefill batch: each prompt's first token
+                    for i in batch:  # type: ignore[union-attr]
+                        if OL[i] == 1:
+                            finish(i, leave, sched[i], leave, _EMPTY)
+                            used -= blocks_for(PL[i], bs)
+                            running -= 1
+                            done += 1
+                        else:
+                            if free_group is None:
+                                free_group = _Group(bs)
+                            first[i] = leave
+                            prior[i] = None
+                            join(free_group, i, PL[i], OL[i] - 1)
+                else:  # a decode batch: every member's next token
+                    s = g.S
+                    times = g.times
+                    times.append(leave)
+                    ends = g.ends
+                    toff = g.toff
+                    while ends and ends[0] >> shift == s:
+                        i = heappop(ends) & _MASK
+                        c = ctx[i]
+                        g.ctx_sum -= c
+                        g.blocks.add(c, -1)
+                        g.members.discard(i)
+                        g.prices = []
+                        if c == g.top:
+                            g.top = None
+                        group_of[i] = None
+                        held = blocks_for(c + s, bs)
+                        g.held -= held
+                        used -= held
+                        later = times[start[i] - toff:s - toff]
+                        p = prior[i]
+                        finish(i, first[i], sched[i], leave, later if p is None else p + later)
+                        running -= 1
+                        done += 1
+                    if g.members:
+                        if len(times) > 4096:  # drop the end times no member needs
+                            low = min(start[i] for i in g.members)
+                            if low - toff > 2048:
+                                del times[:low - toff]
+                                g.toff = low
+                        free_group = g if free_group is None else merge(free_group, g)
+                num_steps += 1
+                if record:
+                    decode = 0 if g is None else rows
+                    write_row((num_steps, 0, repr(began), repr(leave - began), rows, tokens,
+                               decode, rows, len(waiting), running, 0, used,
+                               round(used / num_blocks, 6), 0, 0, 0, 0), STEP_ROW_FORMAT)
+                if done >= next_tick:
+                    progress.update(done, now)
+                    next_tick = done + 64
+            if done == N and not in_flight:
+                break
+            # Stage 0 free and a place in the pipeline: the policy's next micro-batch.
+            if len(in_flight) < pp and stage_free[0] <= now and (waiting or running):
+                batch = entry = None
+                if waiting:
+                    k, tokens = head_admissions(map(PL.__getitem__, waiting),
+                                                seats_total - running)
+                    if k:
+                        batch = [waiting.popleft() for _ in range(k)]
+                        d = prefill_seconds(tuple([PL[i] for i in batch]))
+                        for i in batch:
+                            sched[i] = now
+                            used += blocks_for(PL[i], bs)
+                        running += k
+                        entry = (batch, k, tokens)
+                        last_was_decode = False
+                if batch is None and free_group is not None:
+                    g = free_group
+                    free_group = None
+                    n = len(g.members)
+                    s = g.S
+                    k = s - g.prices_from
+                    if 0 <= k < len(g.prices):
+                        d = g.prices[k]
+                    else:
+                        if n in pricers:
+                            pricer = pricers[n]
+                        else:
+                            pricer = pricers[n] = step_pricer(n)
+                        top = g.top
+                        if top is None:
+                            top = g.top = longest(g)
+                        if pricer is not None:  # contexts with each member's new token
+                            d = pricer(g.ctx_sum + n * (s + 1), top + s + 1)
+                        else:  # priced ahead up to its first finish, as the replica's
+                            d = price_ahead(g, n, s, top)
+                    # A member's blocks grow by one where its context fills its last block:
+                    # those whose stored context's residue is -s modulo the block size.
+                    grow = g.blocks.count[-s % bs]
+                    g.S = s + 1
+                    g.held += grow
+                    used += grow
+                    entry = (g, n, 0)  # type: ignore[assignment]
+                    if not last_was_decode:
+                        runs += 1
+                    last_was_decode = True
+                if entry is not None:
+                    if used > peak:
+                        peak = used
+                    # The flow shop: each stage takes an equal share of the batch.
+                    share = d / pp
+                    t = now
+                    for k in range(pp):
+                        free_at = stage_free[k]
+                        t = (t if t >= free_at else free_at) + share
+                        stage_free[k] = t
+                    busy += share
+                    if batch is None:
+                        in_flight.append((t, now, entry[0], None, entry[1], 0))
+                    else:
+                        in_flight.append((t, now, None, batch, entry[1], entry[2]))
+            # Asleep until the next batch leaves, stage 0 comes free or a request arrives.
+            wake = in_flight[0][0] if in_flight else INF
+            if len(in_flight) < pp and now < stage_free[0] < wake:
+                wake = stage_free[0]
+            if wake < INF:
+                wake = now + (wake - now)  # (the replica's timeout: its delay added to now)
+            nxt_arrival = ARR[nxt] if nxt < N else INF
+            if nxt_arrival < wake:
+                wake = nxt_arrival
+            if wake == INF:
+                raise RuntimeError(f"array core: {N - done} requests can never be admitted")
+            now = wake
+        if lines:
+            write_text("".join(lines))
+            lines.clear()
+        return now, num_steps, runs, peak, busy

@@ -1,0 +1,89 @@
+"""A replica with pipeline stages on the array core (sim/array_pipeline.py) must give what
+step-by-step simulation gives, and what the replica loop's pipelined replica gives, and run
+only where it applies."""
+
+import pandas as pd
+import pytest
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+
+from experiments.simulation import Simulation
+from tests.helpers import compose_cfg
+from tests.test_array_core import TINY, UNIFORM
+from tests.test_fast_forward import _assert_same
+
+pytestmark = pytest.mark.equivalence
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10_000), qps=st.floats(1.0, 400.0), seqs=st.integers(1, 40),
+       budget=st.integers(200, 2000), stages=st.integers(2, 4), out_min=st.integers(1, 3),
+       prompt_min=st.sampled_from([1, 50]), block=st.sampled_from([1, 16]),
+       arrival=st.sampled_from(["poisson", "poisson", "constant", "gamma"]))
+# Every request arrives at 0.0, where simpy's clock is the int 0.
+@example(seed=3, qps=1e9, seqs=8, budget=400, stages=2, out_min=1, prompt_min=1, block=16,
+         arrival="constant")
+def test_pipelined_core_equals_exact_on_random_small_workloads(seed, qps, seqs, budget,
+                                                               stages, out_min, prompt_min,
+                                                               block, arrival):
+    """Micro-batches in flight in a flow shop of ``stages``: prefill-only batches of the
+    prompts FCFS admits (seats counting requests in flight), else the decoding requests not
+    in flight, whose groups merge as they leave; one-token outputs finishing with their
+    prompt; constant and bursty arrivals (an arrival as a batch leaves or stage 0 frees)."""
+    # (The tiny model has two layers: more stages take a model with more.)
+    model = TINY if stages == 2 else ("model=llama3_8b", *TINY[1:])
+    s = _assert_same([*model, *UNIFORM, "policy=fcfs", f"seed={seed}", f"workload.qps={qps}",
+                      f"workload.arrival={arrival}", "workload.cv=3.0",
+                      "workload.num_requests=60", f"policy.max_num_seqs={seqs}",
+                      f"policy.max_num_batched_tokens={budget}", f"kv.block_size={block}",
+                      f"cluster.pipeline_parallel_size={stages}",
+                      f"workload.prompt_len.min={prompt_min}",
+                      f"workload.output_len.min={out_min}"])
+    assert s["step_engine"] == "array_core"
+
+
+def _files(overrides: list[str], tmp_path, name: str) -> tuple[dict, pd.DataFrame, pd.DataFrame]:
+    out = tmp_path / name
+    summary = Simulation(compose_cfg(*overrides), out).run().summary
+    return summary, pd.read_csv(out / "requests.csv"), pd.read_csv(out / "steps.csv")
+
+
+def test_pipelined_core_writes_the_replica_loops_files(tmp_path):
+    """requests.csv (its row order and the cluster columns), steps.csv and the summary's
+    figures (the replica's busy fraction, peak KV usage, steps) are the replica loop's."""
+    over = ["model=llama3_8b", *TINY[1:], "policy=fcfs", "workload.num_requests=300",
+            "workload.qps=40", "policy.max_num_seqs=24", "cluster.pipeline_parallel_size=3"]
+    core, rc, sc = _files([*over, "array_core=true"], tmp_path, "core")
+    loop, rl, sl = _files([*over, "array_core=false"], tmp_path, "loop")
+    assert core["step_engine"] == "array_core" and loop["step_engine"] == "replica"
+    pd.testing.assert_frame_equal(rc, rl, rtol=1e-9)
+    pd.testing.assert_frame_equal(sc, sl, rtol=1e-9)
+    skip = {"step_engine", "wall_time_s", "num_decode_jumps"}
+    for key, value in loop.items():
+        if key in skip:
+            continue
+        if isinstance(value, float):
+            assert core[key] == pytest.approx(value, rel=1e-9), key
+        elif key == "replicas":
+            for a, b in zip(core[key], value):
+                assert a.keys() == b.keys()
+                for k, v in b.items():
+                    assert a[k] == (pytest.approx(v, rel=1e-9) if isinstance(v, float)
+                                    else v), k
+        else:
+            assert core[key] == value, key
+
+
+@pytest.mark.parametrize("overrides,reason", [
+    (("policy=sjf",), "pipeline stages under policy 'sjf'"),
+    (("policy=chunked_prefill",), "pipeline stages under policy 'chunked_prefill'"),
+    (("policy=static",), "pipeline stages under policy 'static'"),
+    (("cluster.num_replicas=2",), "pipeline stages on several replicas"),
+    (("kv.num_gpu_blocks_override=300",), "the KV pool can bind, with pipeline stages"),
+])
+def test_pipelines_it_cannot_take_go_to_the_replica_loop(overrides, reason):
+    sim = Simulation(compose_cfg(*TINY, "workload.num_requests=30",
+                                 "cluster.pipeline_parallel_size=2", *overrides))
+    s = sim.run().summary
+    assert s["step_engine"] == "replica" and reason in sim.array_core_skipped
+    assert s["completed"] == 30
