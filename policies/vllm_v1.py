@@ -130,8 +130,8 @@ class VLLMV1Policy(Policy):
     def chunk_plan(self, decode_tokens: int, partials: Sequence[int], waiting: Iterable[int],
                    num_waiting: int, seats: int, room: tuple[int, int, int] | None = None,
                    ) -> tuple[list[int], list[int]]:
-        """The array core's step (sim/array_core.py), on a pool that cannot bind:
-        ``schedule``'s decisions on plain numbers. The running requests in arrival order are
+        """The array core's step (sim/array_core.py): ``schedule``'s decisions on plain
+        numbers, where no running request is preempted. The running requests in arrival order are
         those with one pending token (``decode_tokens`` of them: decodes, and prompts one
         token from done), then the prompts mid-prefill (``partials``: their pending tokens):
         only the last request admitted can be left with part of its prompt (it took what the

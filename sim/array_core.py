@@ -1,6 +1,7 @@
 """The array core: step_mode=fast for one replica (or for each of several behind a router
 that reads only outstanding counts and KV usage: sim/array_cluster.py runs this loop per
-replica on a ``Lane``), with no simpy event and no block id in the loop, and no per-request
+replica on a ``Lane``; a replica with pipeline stages has its own loop,
+sim/array_pipeline.py), with no simpy event and no block id in the loop, and no per-request
 object for FCFS and chunked prefill (a policy with its own waiting order gets each request
 as a ``Request``, which lives until the request leaves).
 

@@ -123,7 +123,8 @@ def _cluster_blocker(sim: ArrayCoreHost) -> str | None:
     (sim/array_cluster.py) behind a router that reads only outstanding counts and KV usage,
     or a disaggregated deployment (sim/array_disagg.py) behind a prefill router that reads
     only outstanding counts and a decode router that reads only those and KV usage; neither
-    with pipeline stages. (Prefix caching is for ``WorkloadArrays.collect`` to refuse: with
+    with pipeline stages, which run on the core on one replica (``_pipeline_blocker``,
+    sim/array_pipeline.py). (Prefix caching is for ``WorkloadArrays.collect`` to refuse: with
     no prompt sharing a prefix and pools that never run short, it changes nothing the core
     counts.)"""
     cluster = sim.cluster

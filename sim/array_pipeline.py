@@ -212,6 +212,7 @@ class ArrayPipeline:
         in_flight: deque[tuple[float, float, _Group | None, list[int] | None, int, int]] = (
             deque())
         stage_free = [0.0] * pp
+        later_stages = range(1, pp)
         free_group: _Group | None = None  # the decoding requests not in flight
         nxt = 0
         running = 0  # admitted and not finished (in flight or not)
@@ -225,17 +226,20 @@ class ArrayPipeline:
         next_tick = 64
         # simpy's clock starts at the int 0, where requests arriving at 0.0 find it.
         now: float = ARR[0] if N and ARR[0] > 0 else 0
-        while True:
+        nxt_arrival = ARR[0] if N else INF
+        while done < N or in_flight:
             if run_stop.requested:  # stop here, with every finished request's row written
                 if lines:
                     write_text("".join(lines))
                     lines.clear()
                 run_stop.check()
-            while nxt < N and ARR[nxt] <= now:
-                waiting.append(nxt)
-                nxt += 1
-            # The micro-batches leaving now apply their tokens.
-            while in_flight and in_flight[0][0] <= now:
+            if nxt_arrival <= now:
+                while nxt < N and ARR[nxt] <= now:
+                    waiting.append(nxt)
+                    nxt += 1
+                nxt_arrival = ARR[nxt] if nxt < N else INF
+            # The micro-batch leaving now applies its tokens (leave times only grow).
+            if in_flight and in_flight[0][0] <= now:
                 leave, began, g, batch, rows, tokens = in_flight.popleft()
                 if g is None:  # a prefill batch: each prompt's first token
                     for i in batch:  # type: ignore[union-attr]
@@ -290,80 +294,90 @@ class ArrayPipeline:
                 if done >= next_tick:
                     progress.update(done, now)
                     next_tick = done + 64
-            if done == N and not in_flight:
-                break
-            # Stage 0 free and a place in the pipeline: the policy's next micro-batch.
-            if len(in_flight) < pp and stage_free[0] <= now and (waiting or running):
-                batch = entry = None
-                if waiting:
-                    k, tokens = head_admissions(map(PL.__getitem__, waiting),
-                                                seats_total - running)
-                    if k:
-                        batch = [waiting.popleft() for _ in range(k)]
-                        d = prefill_seconds(tuple([PL[i] for i in batch]))
-                        for i in batch:
-                            sched[i] = now
-                            used += blocks_for(PL[i], bs)
-                        running += k
-                        entry = (batch, k, tokens)
-                        last_was_decode = False
-                if batch is None and free_group is not None:
-                    g = free_group
-                    free_group = None
-                    n = len(g.members)
-                    s = g.S
-                    k = s - g.prices_from
-                    if 0 <= k < len(g.prices):
-                        d = g.prices[k]
-                    else:
-                        if n in pricers:
-                            pricer = pricers[n]
+                if done == N and not in_flight:
+                    break
+            while True:
+                # Stage 0 free and a place in the pipeline: the policy's next micro-batch.
+                if len(in_flight) < pp and stage_free[0] <= now and (waiting or running):
+                    d = -1.0
+                    if waiting:
+                        k, tokens = head_admissions(map(PL.__getitem__, waiting),
+                                                    seats_total - running)
+                        if k:
+                            batch = [waiting.popleft() for _ in range(k)]
+                            d = prefill_seconds(tuple([PL[i] for i in batch]))
+                            for i in batch:
+                                sched[i] = now
+                                used += blocks_for(PL[i], bs)
+                            running += k
+                            g = None
+                            rows = k
+                            last_was_decode = False
+                    if d < 0 and free_group is not None:
+                        g = free_group
+                        free_group = None
+                        rows = n = len(g.members)
+                        s = g.S
+                        k = s - g.prices_from
+                        if 0 <= k < len(g.prices):
+                            d = g.prices[k]
                         else:
-                            pricer = pricers[n] = step_pricer(n)
-                        top = g.top
-                        if top is None:
-                            top = g.top = longest(g)
-                        if pricer is not None:  # contexts with each member's new token
-                            d = pricer(g.ctx_sum + n * (s + 1), top + s + 1)
-                        else:  # priced ahead up to its first finish, as the replica's
-                            d = price_ahead(g, n, s, top)
-                    # A member's blocks grow by one where its context fills its last block:
-                    # those whose stored context's residue is -s modulo the block size.
-                    grow = g.blocks.count[-s % bs]
-                    g.S = s + 1
-                    g.held += grow
-                    used += grow
-                    entry = (g, n, 0)  # type: ignore[assignment]
-                    if not last_was_decode:
-                        runs += 1
-                    last_was_decode = True
-                if entry is not None:
-                    if used > peak:
-                        peak = used
-                    # The flow shop: each stage takes an equal share of the batch.
-                    share = d / pp
-                    t = now
-                    for k in range(pp):
-                        free_at = stage_free[k]
-                        t = (t if t >= free_at else free_at) + share
-                        stage_free[k] = t
-                    busy += share
-                    if batch is None:
-                        in_flight.append((t, now, entry[0], None, entry[1], 0))
-                    else:
-                        in_flight.append((t, now, None, batch, entry[1], entry[2]))
-            # Asleep until the next batch leaves, stage 0 comes free or a request arrives.
-            wake = in_flight[0][0] if in_flight else INF
-            if len(in_flight) < pp and now < stage_free[0] < wake:
-                wake = stage_free[0]
-            if wake < INF:
-                wake = now + (wake - now)  # (the replica's timeout: its delay added to now)
-            nxt_arrival = ARR[nxt] if nxt < N else INF
-            if nxt_arrival < wake:
-                wake = nxt_arrival
-            if wake == INF:
-                raise RuntimeError(f"array core: {N - done} requests can never be admitted")
-            now = wake
+                            if n in pricers:
+                                pricer = pricers[n]
+                            else:
+                                pricer = pricers[n] = step_pricer(n)
+                            top = g.top
+                            if top is None:
+                                top = g.top = longest(g)
+                            if pricer is not None:  # contexts with each member's new token
+                                d = pricer(g.ctx_sum + n * (s + 1), top + s + 1)
+                            else:  # priced ahead up to its first finish, as the replica's
+                                d = price_ahead(g, n, s, top)
+                        # A member's blocks grow by one where its context fills its last
+                        # block: those whose stored context's residue is -s modulo the
+                        # block size.
+                        grow = g.blocks.count[-s % bs]
+                        g.S = s + 1
+                        g.held += grow
+                        used += grow
+                        batch = None
+                        tokens = 0
+                        if not last_was_decode:
+                            runs += 1
+                        last_was_decode = True
+                    if d >= 0:
+                        if used > peak:
+                            peak = used
+                        # The flow shop: each stage takes an equal share of the batch (stage
+                        # 0 is free now).
+                        share = d / pp
+                        t = now + share
+                        stage_free[0] = t
+                        for k in later_stages:
+                            free_at = stage_free[k]
+                            t = (t if t >= free_at else free_at) + share
+                            stage_free[k] = t
+                        busy += share
+                        in_flight.append((t, now, g, batch, rows, tokens))
+                # Asleep until the next batch leaves, stage 0 comes free or a request
+                # arrives (the replica's timeout: its delay added to now).
+                wake = in_flight[0][0] if in_flight else INF
+                free_at = stage_free[0]
+                if len(in_flight) < pp and now < free_at < wake:
+                    at = now + (free_at - now)
+                    if at < nxt_arrival and at < wake:
+                        # Only stage 0 comes free then: plan again there.
+                        now = at
+                        continue
+                    wake = free_at
+                if wake < INF:
+                    wake = now + (wake - now)
+                if nxt_arrival < wake:
+                    wake = nxt_arrival
+                if wake == INF:
+                    raise RuntimeError(f"array core: {N - done} requests can never be admitted")
+                now = wake
+                break
         if lines:
             write_text("".join(lines))
             lines.clear()

@@ -126,15 +126,17 @@ class Policy(ABC):
     #: the blocks of the tokens computed so far only, taking more chunk by chunk (vLLM v1).
     #: The array core counts a prompt's blocks by it.
     holds_whole_prompt: ClassVar[bool] = True
-    #: True if the policy also decides without a StepBuilder, so that a fast run whose KV
-    #: pool can never bind may use the array core (sim/array_core.py) instead of the replica
-    #: loop: chunked prefill's ``chunk_plan`` (or ``prefill_plan`` for prefill batches apart
+    #: True if the policy also decides without a StepBuilder, so that a fast run may use
+    #: the array core (sim/array_core.py) instead of the replica loop: chunked prefill's ``chunk_plan`` (or ``prefill_plan`` for prefill batches apart
     #: from decode batches, SGLang's) and FCFS's ``head_admissions`` on plain numbers
     #: (the core keeps the queue in arrival order), or ``indexed_admissions`` for a policy
     #: that keeps its own waiting order (the core hands it each arrival as a ``Request``
     #: through ``on_arrival``, and finishes the requests that leave in the same step in
-    #: ``decode_run_key`` order). A policy that also states its decode-step preemptions on
-    #: counts (``decode_preemptions``) runs there on pools that can bind too.
+    #: ``decode_run_key`` order). On a pool that can bind the rule gets ``room`` and admits
+    #: only what fits; a policy that also states its decode-step preemptions on counts
+    #: (``decode_preemptions``) is preempted there as it would be, and one that does not
+    #: runs there until a running request finds no block (then the replica loop takes the
+    #: run from the start: sim/array_inputs.py ``runs_guarded``).
     #: Policies opt in after the array-core-vs-exact tests.
     array_core: ClassVar[bool] = False
 
