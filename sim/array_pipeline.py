@@ -25,9 +25,13 @@ arrivals due with it):
   pool takes them: ``kv_peak_usage``), and freed as their requests finish.
 
 requests.csv (row order included), steps.csv and the summary are the replica loop's, the
-times to 1e-9 relative (decode micro-batches are priced by another path), except
-``num_decode_jumps`` (here: runs of decode micro-batches between prefill ones),
-``step_engine`` and ``wall_time_s``. tests/test_array_pipeline.py checks it against
+times to 1e-9 relative, except ``num_decode_jumps`` (here: runs of decode micro-batches
+between prefill ones; the replica loop counts its stretches of repeated ones),
+``step_engine`` and ``wall_time_s``. Decode micro-batches are priced in plain floats
+(``Executor.decode_step_pricer``), or ahead in arrays up to a group's first finish where the
+cost model has no such form, or as a plan: a duration's last bits may differ from the
+replica loop's, so an arrival within an ulp or two of a batch leaving may come before it
+here and after it there (as between the replica loop and step_mode=exact). tests/test_array_pipeline.py checks it against
 step-by-step simulation and the replica loop.
 """
 
@@ -55,20 +59,31 @@ INF = float("inf")
 _MASK = (1 << INDEX_BITS) - 1
 _CTX_OFFSET = 1 << 62  # contexts stored as offsets may be negative: shift them positive
 _EMPTY = array("d")
+# A group's end times are trimmed (those older than every member's joining) past this many
+# more than at its last trim.
+_TIMES_KEPT = 4096
+
+
+def _joined(parts: list[array], last: array) -> array:
+    """One array of ``parts`` followed by ``last``."""
+    out = array("d")
+    for part in parts:
+        out += part
+    out += last
+    return out
 
 
 class _Group:
     """Decoding requests that go through the pipeline together (module docstring): member
     ``i``'s context after the group's ``S``-th decode micro-batch is ``ctx[i] + S``."""
 
-    __slots__ = ("S", "blocks", "ctx_sum", "ends", "held", "max_heap", "members", "prices",
-                 "prices_from", "times", "toff", "top")
+    __slots__ = ("S", "blocks", "ctx_sum", "ends", "max_heap", "members", "prices",
+                 "prices_from", "times", "toff", "top", "trim_at")
 
     def __init__(self, block_size: int) -> None:
         self.S = 0  # decode micro-batches planned for it
         self.members: set[int] = set()
         self.ctx_sum = 0
-        self.held = 0  # KV blocks its members hold
         # Its next micro-batches' durations from the one after ``prices_from`` on, priced
         # ahead (they hold while its members do).
         self.prices: list[float] = []
@@ -79,6 +94,7 @@ class _Group:
         self.blocks = _BlockCount(block_size)
         self.times = array("d")  # end of its micro-batch s + 1 at times[s - toff]
         self.toff = 0
+        self.trim_at = _TIMES_KEPT  # the length of ``times`` at which to drop old ones
 
 
 class ArrayPipeline:
@@ -146,7 +162,7 @@ class ArrayPipeline:
         last = [0] * N
         first = [0.0] * N
         sched = [0.0] * N
-        prior: list[array | None] = [None] * N
+        prior: list[list[array] | None] = [None] * N
 
         def join(g: _Group, i: int, c: int, left: int) -> None:
             """Request ``i`` joins group ``g`` with context ``c``, ``left`` decodes to go."""
@@ -159,7 +175,6 @@ class ArrayPipeline:
             heappush(g.ends, (s + left) << shift | i)
             heappush(g.max_heap, -((c + _CTX_OFFSET) << shift | i))
             g.ctx_sum += c
-            g.held += blocks_for(c + s, bs)
             g.blocks.add(c, 1)
             g.members.add(i)
             g.prices = []
@@ -175,7 +190,10 @@ class ArrayPipeline:
             for i in b.members:
                 later = times[start[i] - toff:s - toff]
                 p = prior[i]
-                prior[i] = later if p is None else p + later
+                if p is None:
+                    prior[i] = [later]
+                else:
+                    p.append(later)
                 join(a, i, ctx[i] + s, last[i] - s)
             return a
 
@@ -270,20 +288,20 @@ class ArrayPipeline:
                         if c == g.top:
                             g.top = None
                         group_of[i] = None
-                        held = blocks_for(c + s, bs)
-                        g.held -= held
-                        used -= held
+                        used -= blocks_for(c + s, bs)
                         later = times[start[i] - toff:s - toff]
                         p = prior[i]
-                        finish(i, first[i], sched[i], leave, later if p is None else p + later)
+                        if p is not None:  # its token times in the groups it was re-based from
+                            later = _joined(p, later)
+                        finish(i, first[i], sched[i], leave, later)
                         running -= 1
                         done += 1
                     if g.members:
-                        if len(times) > 4096:  # drop the end times no member needs
+                        if len(times) > g.trim_at:  # drop the end times no member needs
                             low = min(start[i] for i in g.members)
-                            if low - toff > 2048:
-                                del times[:low - toff]
-                                g.toff = low
+                            del times[:low - toff]
+                            g.toff = low
+                            g.trim_at = len(times) + _TIMES_KEPT
                         free_group = g if free_group is None else merge(free_group, g)
                 num_steps += 1
                 if record:
@@ -338,7 +356,6 @@ class ArrayPipeline:
                         # block size.
                         grow = g.blocks.count[-s % bs]
                         g.S = s + 1
-                        g.held += grow
                         used += grow
                         batch = None
                         tokens = 0
