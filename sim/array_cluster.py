@@ -41,6 +41,10 @@ from sim.request import Request
 from sim.result import SimulationResult
 
 INF = float("inf")
+# A replica's loop on a lane: (core, metrics, requests sink, steps sink, progress, lane) ->
+# the generator ``route`` and ``drain`` drive (ArrayCore._loop's protocol).
+LaneLoop = Callable[[ArrayCore, MetricsCollector, CsvSink, CsvSink, Progress, Lane],
+                    Generator[Any, None, Any]]
 
 
 class CountTarget:
@@ -108,10 +112,15 @@ class ArrayCluster:
     """One run of co-located replicas on the array core (module docstring); ``run``
     returns what ``Simulation.run`` does, or raises ``ExactTie`` before any summary."""
 
-    def __init__(self, sim: ArrayCoreHost, w: WorkloadArrays) -> None:
+    def __init__(self, sim: ArrayCoreHost, w: WorkloadArrays,
+                 loop: LaneLoop | None = None) -> None:
+        """``loop``: each replica's loop on its lane (default: the array core's,
+        ``ArrayCore._loop``; sim/array_pipeline.py's for replicas with pipeline stages)."""
         self.sim = sim
         self.w = w
         self.core = ArrayCore(sim, w)
+        self.loop: LaneLoop = loop or (lambda core, metrics, req_sink, step_sink, progress, lane:
+                                       core._loop(metrics, req_sink, step_sink, progress, lane))
         pool = sim.pools[0]
         self.gate = [INF]
         lines: list[str] = []  # requests.csv's lines not yet written, every replica's
@@ -133,7 +142,7 @@ class ArrayCluster:
     def _simulate(self, metrics: MetricsCollector, req_sink: CsvSink, step_sink: CsvSink,
                   progress: Progress) -> tuple[float, int, int, float]:
         quiet = Progress(None, False)  # each replica's; the whole run's is updated here
-        loops = [self.core._loop(metrics, req_sink, step_sink, quiet, lane)
+        loops = [self.loop(self.core, metrics, req_sink, step_sink, quiet, lane)
                  for lane in self.lanes]
         choose = make_router(self.sim.cluster.router, self.sim.seed).choose
         states = route(self.w, self.lanes, loops, choose, self.routed, progress,
@@ -172,7 +181,7 @@ def route(w: WorkloadArrays, lanes: list[Lane], loops: list[Generator[Any, None,
         routed[r] += 1
         lanes[r].arrivals.append(now)
         lanes[r].indices.append(a)
-        if states[r][0] == INF:  # it was idle: when it plans now
+        if states[r][0] == INF or lanes[r].wakes_on_arrival:  # it plans now, or may
             states[r] = next(loops[r])
         if a & 1023 == 1023:
             progress.update(sum(s[2] for s in states), now)

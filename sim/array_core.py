@@ -231,6 +231,10 @@ class Lane:
     # pause), kept only where ``reads_kv``.
     reads_kv: bool = False
     step_blocks: int = 0
+    # A replica that may plan at the very instant a request reaches it (a pipelined one
+    # whose stage 0 is free: sim/array_pipeline.py), not only when its step ends: the
+    # router lets its loop take that instant in (``route``).
+    wakes_on_arrival: bool = False
 
 
 # Runs the loops of a run: (metrics, requests sink, steps sink, progress) -> the simulated

@@ -39,21 +39,18 @@ from __future__ import annotations
 
 from array import array
 from collections import deque
+from collections.abc import Generator
 from heapq import heapify, heappop, heappush
 from typing import Any
 
 from sim import stop as run_stop
-from sim.array_cluster import _Deployment, lanes_summary, replica_figures
 from sim.array_core import ArrayCore, Lane, _BlockCount, finisher
-from sim.array_inputs import INDEX_BITS, ArrayCoreHost, WorkloadArrays
-from sim.cluster.outputs import CLUSTER_REQUEST_COLUMNS
-from sim.cluster.pool import replica_seed
+from sim.array_inputs import INDEX_BITS
 from sim.kv_manager import blocks_for
 from sim.metrics import MetricsCollector
-from sim.outputs import FINISHED_REQUEST_LINE, REQUEST_COLUMNS, STEP_ROW_FORMAT, CsvSink
+from sim.outputs import STEP_ROW_FORMAT, CsvSink
 from sim.plan import DecodeBlock, StepPlan
 from sim.progress import Progress
-from sim.result import SimulationResult
 
 INF = float("inf")
 _MASK = (1 << INDEX_BITS) - 1
@@ -97,305 +94,304 @@ class _Group:
         self.trim_at = _TIMES_KEPT  # the length of ``times`` at which to drop old ones
 
 
-class ArrayPipeline:
-    """One run of a pipelined replica on the array core (module docstring); ``run`` returns
-    what ``Simulation.run`` does."""
+def pipelined_loop(core: ArrayCore, metrics: MetricsCollector, req_sink: CsvSink,
+                   step_sink: CsvSink, progress: Progress, lane: Lane, pp: int,
+                   ) -> Generator[tuple[float, float, int, int], None,
+                                  tuple[float, int, int, int, float]]:
+    """A pipelined replica of ``pp`` stages on ``lane`` (module docstring), on local names
+    (the hot loop). Returns the simulated end, the micro-batches, the runs of decode
+    micro-batches, the peak KV blocks in use and the time stage 0 was busy (each batch's
+    share).
 
-    def __init__(self, sim: ArrayCoreHost, w: WorkloadArrays) -> None:
-        self.sim = sim
-        self.w = w
-        self.core = ArrayCore(sim, w)
-        self.stages = sim.cluster.pipeline_parallel_size
-        pool = sim.pools[0]
-        self.lane = Lane(0, pool.make_policy(replica_seed(sim.seed, 0)), [INF], [],
-                         f"{FINISHED_REQUEST_LINE[:-2]},0,0,,,\r\n", (0, 0, "", "", ""))
-        self.result: tuple[float, int, int, int, float] = (0.0, 0, 0, 0, 0.0)
+    A lane of several behind a router (sim/array_cluster.py: ``Lane.arrivals``, growing)
+    never takes an instant at or past the next request not yet routed (``Lane.gate``):
+    there it yields (its next instant, its next own event: a batch leaving or stage 0
+    coming free, its finished requests twice) with its KV blocks in use in
+    ``Lane.step_blocks``, and goes on once the router has caught up (a router reading it
+    at one of its own events is an ``ExactTie``). With the whole workload (``Lane.indices``
+    empty and no gate) it never yields."""
+    w = core.w
+    PL, OL = w.prompt_lens, w.output_lens
+    N = len(PL)
+    policy = lane.policy
+    replica = lane.replica_id
+    # The requests routed here, in arrival order: their times and indices (they grow as
+    # the router sends it requests).
+    QA, QI = lane.arrivals, lane.indices
+    gate = lane.gate
+    lane.wakes_on_arrival = True  # (stage 0 may be free as a request comes)
+    seats_total = policy.config.max_num_seqs
+    head_admissions = policy.head_admissions  # type: ignore[attr-defined]
+    ex = core.executor
+    execute = ex.execute
+    step_pricer = ex.decode_step_pricer
+    run_prices = ex.decode_run_durations
+    pricers: dict[int, Any] = {}
+    prefill_seconds = core.prefill_seconds
+    bs = core.block_size
+    num_blocks = core.num_gpu_blocks
+    record = step_sink.enabled
+    write_row = step_sink.write_formatted
+    lines = lane.lines
+    write_text = req_sink.write_text
+    finish = finisher(w, metrics, req_sink, replica, lane.line_format, lane.extra_columns,
+                      lines)
+    shift = INDEX_BITS
 
-    def run(self) -> SimulationResult:
-        return self.core.run(REQUEST_COLUMNS + CLUSTER_REQUEST_COLUMNS, self._simulate,
-                             self._cluster_summary)
+    # Each decoding request: its context offset in its group, its group, the group's
+    # decode count when it joined, its last step there, first token time, first
+    # scheduling, and its token times from groups it was re-based out of.
+    ctx = [0] * N
+    group_of: list[_Group | None] = [None] * N
+    start = [0] * N
+    last = [0] * N
+    first = [0.0] * N
+    sched = [0.0] * N
+    prior: list[list[array] | None] = [None] * N
 
-    def _simulate(self, metrics: MetricsCollector, req_sink: CsvSink, step_sink: CsvSink,
-                  progress: Progress) -> tuple[float, int, int, float]:
-        self.result = r = self._loop(metrics, req_sink, step_sink, progress)
-        return r[0], r[1], r[2], r[3] / self.core.num_gpu_blocks
+    def join(g: _Group, i: int, c: int, left: int) -> None:
+        """Request ``i`` joins group ``g`` with context ``c``, ``left`` decodes to go."""
+        s = g.S
+        c -= s
+        ctx[i] = c
+        group_of[i] = g
+        start[i] = s
+        last[i] = s + left
+        heappush(g.ends, (s + left) << shift | i)
+        heappush(g.max_heap, -((c + _CTX_OFFSET) << shift | i))
+        g.ctx_sum += c
+        g.blocks.add(c, 1)
+        g.members.add(i)
+        g.prices = []
+        if g.top is not None and c > g.top:
+            g.top = c
 
-    def _cluster_summary(self, end: float, interrupted: bool) -> dict[str, Any]:
-        figures = replica_figures([self.lane], [self.result], [self.core.num_gpu_blocks],
-                                  interrupted)
-        return lanes_summary(self.sim, _Deployment(figures, [len(self.w.arrivals)]), end,
-                             interrupted)
+    def merge(a: _Group, b: _Group) -> _Group:
+        """The union of two groups not in flight: the smaller re-based into the larger
+        (each member's context, remaining decodes and token times so far kept)."""
+        if len(a.members) < len(b.members):
+            a, b = b, a
+        s, times, toff = b.S, b.times, b.toff
+        for i in b.members:
+            later = times[start[i] - toff:s - toff]
+            p = prior[i]
+            if p is None:
+                prior[i] = [later]
+            else:
+                p.append(later)
+            join(a, i, ctx[i] + s, last[i] - s)
+        return a
 
-    def _loop(self, metrics: MetricsCollector, req_sink: CsvSink, step_sink: CsvSink,
-              progress: Progress) -> tuple[float, int, int, int, float]:
-        """The run, on local names (the hot loop). Returns the simulated end, the
-        micro-batches, the runs of decode micro-batches, the peak KV blocks in use and the
-        time stage 0 was busy (each batch's share)."""
-        core, w, lane = self.core, self.w, self.lane
-        ARR, PL, OL = w.arrivals, w.prompt_lens, w.output_lens
-        N = len(ARR)
-        pp = self.stages
-        policy = lane.policy
-        seats_total = policy.config.max_num_seqs
-        head_admissions = policy.head_admissions  # type: ignore[attr-defined]
-        ex = core.executor
-        execute = ex.execute
-        step_pricer = ex.decode_step_pricer
-        run_prices = ex.decode_run_durations
-        pricers: dict[int, Any] = {}
-        prefill_seconds = core.prefill_seconds
-        bs = core.block_size
-        num_blocks = core.num_gpu_blocks
-        record = step_sink.enabled
-        write_row = step_sink.write_formatted
-        lines = lane.lines
-        write_text = req_sink.write_text
-        finish = finisher(w, metrics, req_sink, 0, lane.line_format, lane.extra_columns, lines)
-        shift = INDEX_BITS
+    def longest(g: _Group) -> int:
+        """The longest member context of ``g`` (as stored)."""
+        heap = g.max_heap
+        if len(heap) > 4 * len(g.members) + 64:  # dead entries leave only from the top
+            heap[:] = [-((ctx[i] + _CTX_OFFSET) << shift | i) for i in g.members]
+            heapify(heap)
+        while True:
+            key = -heap[0]
+            i = key & _MASK
+            c = (key >> shift) - _CTX_OFFSET
+            if group_of[i] is g and ctx[i] == c:
+                return c
+            heappop(heap)
 
-        # Each decoding request: its context offset in its group, its group, the group's
-        # decode count when it joined, its last step there, first token time, first
-        # scheduling, and its token times from groups it was re-based out of.
-        ctx = [0] * N
-        group_of: list[_Group | None] = [None] * N
-        start = [0] * N
-        last = [0] * N
-        first = [0.0] * N
-        sched = [0.0] * N
-        prior: list[list[array] | None] = [None] * N
+    def price_ahead(g: _Group, n: int, s: int, top: int) -> float:
+        """The duration of group ``g``'s next micro-batch (``n`` members, ``s`` before
+        it, longest context ``top``), pricing its next ones up to its first finish."""
+        ctx0, top0 = g.ctx_sum + n * (s + 1), top + s + 1
+        ahead = run_prices(n, ctx0, top0, max(1, min((g.ends[0] >> shift) - s, 32)))
+        if ahead is None:
+            plan = StepPlan()
+            plan.add_block(DecodeBlock.for_pricing(n, ctx0 - n, top0 - 1))
+            return execute(plan).duration
+        g.prices = ahead.tolist()
+        g.prices_from = s
+        return g.prices[0]
 
-        def join(g: _Group, i: int, c: int, left: int) -> None:
-            """Request ``i`` joins group ``g`` with context ``c``, ``left`` decodes to go."""
-            s = g.S
-            c -= s
-            ctx[i] = c
-            group_of[i] = g
-            start[i] = s
-            last[i] = s + left
-            heappush(g.ends, (s + left) << shift | i)
-            heappush(g.max_heap, -((c + _CTX_OFFSET) << shift | i))
-            g.ctx_sum += c
-            g.blocks.add(c, 1)
-            g.members.add(i)
-            g.prices = []
-            if g.top is not None and c > g.top:
-                g.top = c
-
-        def merge(a: _Group, b: _Group) -> _Group:
-            """The union of two groups not in flight: the smaller re-based into the larger
-            (each member's context, remaining decodes and token times so far kept)."""
-            if len(a.members) < len(b.members):
-                a, b = b, a
-            s, times, toff = b.S, b.times, b.toff
-            for i in b.members:
-                later = times[start[i] - toff:s - toff]
-                p = prior[i]
-                if p is None:
-                    prior[i] = [later]
-                else:
-                    p.append(later)
-                join(a, i, ctx[i] + s, last[i] - s)
-            return a
-
-        def longest(g: _Group) -> int:
-            """The longest member context of ``g`` (as stored)."""
-            heap = g.max_heap
-            if len(heap) > 4 * len(g.members) + 64:  # dead entries leave only from the top
-                heap[:] = [-((ctx[i] + _CTX_OFFSET) << shift | i) for i in g.members]
-                heapify(heap)
-            while True:
-                key = -heap[0]
-                i = key & _MASK
-                c = (key >> shift) - _CTX_OFFSET
-                if group_of[i] is g and ctx[i] == c:
-                    return c
-                heappop(heap)
-
-        def price_ahead(g: _Group, n: int, s: int, top: int) -> float:
-            """The duration of group ``g``'s next micro-batch (``n`` members, ``s`` before
-            it, longest context ``top``), pricing its next ones up to its first finish."""
-            ctx0, top0 = g.ctx_sum + n * (s + 1), top + s + 1
-            ahead = run_prices(n, ctx0, top0, max(1, min((g.ends[0] >> shift) - s, 32)))
-            if ahead is None:
-                plan = StepPlan()
-                plan.add_block(DecodeBlock.for_pricing(n, ctx0 - n, top0 - 1))
-                return execute(plan).duration
-            g.prices = ahead.tolist()
-            g.prices_from = s
-            return g.prices[0]
-
-        waiting: deque[int] = deque()
-        # In flight, in leave order: (leave, start, group or None, prompts admitted or
-        # None, rows, prompt tokens).
-        in_flight: deque[tuple[float, float, _Group | None, list[int] | None, int, int]] = (
-            deque())
-        stage_free = [0.0] * pp
-        later_stages = range(1, pp)
-        free_group: _Group | None = None  # the decoding requests not in flight
-        nxt = 0
-        running = 0  # admitted and not finished (in flight or not)
-        used = 0  # KV blocks held
-        peak = 0
-        busy = 0.0
-        num_steps = 0
-        runs = 0  # runs of decode micro-batches
-        last_was_decode = False
-        done = 0
-        next_tick = 64
-        # simpy's clock starts at the int 0, where requests arriving at 0.0 find it.
-        now: float = ARR[0] if N and ARR[0] > 0 else 0
-        nxt_arrival = ARR[0] if N else INF
-        while done < N or in_flight:
-            if run_stop.requested:  # stop here, with every finished request's row written
-                if lines:
-                    write_text("".join(lines))
-                    lines.clear()
-                run_stop.check()
-            if nxt_arrival <= now:
-                while nxt < N and ARR[nxt] <= now:
-                    waiting.append(nxt)
-                    nxt += 1
-                nxt_arrival = ARR[nxt] if nxt < N else INF
-            # The micro-batch leaving now applies its tokens (leave times only grow).
-            if in_flight and in_flight[0][0] <= now:
-                leave, began, g, batch, rows, tokens = in_flight.popleft()
-                if g is None:  # a prefill batch: each prompt's first token
-                    for i in batch:  # type: ignore[union-attr]
-                        if OL[i] == 1:
-                            finish(i, leave, sched[i], leave, _EMPTY)
-                            used -= blocks_for(PL[i], bs)
-                            running -= 1
-                            done += 1
-                        else:
-                            if free_group is None:
-                                free_group = _Group(bs)
-                            first[i] = leave
-                            prior[i] = None
-                            join(free_group, i, PL[i], OL[i] - 1)
-                else:  # a decode batch: every member's next token
-                    s = g.S
-                    times = g.times
-                    times.append(leave)
-                    ends = g.ends
-                    toff = g.toff
-                    while ends and ends[0] >> shift == s:
-                        i = heappop(ends) & _MASK
-                        c = ctx[i]
-                        g.ctx_sum -= c
-                        g.blocks.add(c, -1)
-                        g.members.discard(i)
-                        g.prices = []
-                        if c == g.top:
-                            g.top = None
-                        group_of[i] = None
-                        used -= blocks_for(c + s, bs)
-                        later = times[start[i] - toff:s - toff]
-                        p = prior[i]
-                        if p is not None:  # its token times in the groups it was re-based from
-                            later = _joined(p, later)
-                        finish(i, first[i], sched[i], leave, later)
+    waiting: deque[int] = deque()
+    # In flight, in leave order: (leave, start, group or None, prompts admitted or
+    # None, rows, prompt tokens).
+    in_flight: deque[tuple[float, float, _Group | None, list[int] | None, int, int]] = (
+        deque())
+    stage_free = [0.0] * pp
+    later_stages = range(1, pp)
+    free_group: _Group | None = None  # the decoding requests not in flight
+    nxt = 0
+    running = 0  # admitted and not finished (in flight or not)
+    used = 0  # KV blocks held
+    peak = 0
+    busy = 0.0
+    num_steps = 0
+    runs = 0  # runs of decode micro-batches
+    last_was_decode = False
+    done = 0
+    next_tick = 64
+    nq = len(QA)
+    nxt_arrival = QA[0] if nq else INF
+    own = INF  # the next instant of its own: a batch leaving, stage 0 coming free
+    # The first instant: simpy's clock starts at the int 0, where requests arriving at 0.0
+    # find it.
+    wake: float = 0
+    while True:
+        # (A lane: up to the next request not yet routed, then wait for the router.)
+        while wake >= gate[0] < INF:
+            lane.step_blocks = used
+            yield wake, own, done, done
+            nq = len(QA)  # requests routed here meanwhile
+            nxt_arrival = QA[nxt] if nxt < nq else INF
+            if nxt_arrival < wake:
+                wake = nxt_arrival
+        if wake == INF:  # nothing left
+            break
+        now = wake
+        if run_stop.requested:  # stop here, with every finished request's row written
+            if lines:
+                write_text("".join(lines))
+                lines.clear()
+            run_stop.check()
+        if nxt_arrival <= now:
+            while nxt < nq and QA[nxt] <= now:
+                waiting.append(QI[nxt])
+                nxt += 1
+            nxt_arrival = QA[nxt] if nxt < nq else INF
+        # The micro-batch leaving now applies its tokens (leave times only grow).
+        if in_flight and in_flight[0][0] <= now:
+            leave, began, g, batch, rows, tokens = in_flight.popleft()
+            if g is None:  # a prefill batch: each prompt's first token
+                for i in batch:  # type: ignore[union-attr]
+                    if OL[i] == 1:
+                        finish(i, leave, sched[i], leave, _EMPTY)
+                        used -= blocks_for(PL[i], bs)
                         running -= 1
                         done += 1
-                    if g.members:
-                        if len(times) > g.trim_at:  # drop the end times no member needs
-                            low = min(start[i] for i in g.members)
-                            del times[:low - toff]
-                            g.toff = low
-                            g.trim_at = len(times) + _TIMES_KEPT
-                        free_group = g if free_group is None else merge(free_group, g)
-                num_steps += 1
-                if record:
-                    decode = 0 if g is None else rows
-                    write_row((num_steps, 0, repr(began), repr(leave - began), rows, tokens,
-                               decode, rows, len(waiting), running, 0, used,
-                               round(used / num_blocks, 6), 0, 0, 0, 0), STEP_ROW_FORMAT)
-                if done >= next_tick:
-                    progress.update(done, now)
-                    next_tick = done + 64
-                if done == N and not in_flight:
-                    break
-            while True:
-                # Stage 0 free and a place in the pipeline: the policy's next micro-batch.
-                if len(in_flight) < pp and stage_free[0] <= now and (waiting or running):
-                    d = -1.0
-                    if waiting:
-                        k, tokens = head_admissions(map(PL.__getitem__, waiting),
-                                                    seats_total - running)
-                        if k:
-                            batch = [waiting.popleft() for _ in range(k)]
-                            d = prefill_seconds(tuple([PL[i] for i in batch]))
-                            for i in batch:
-                                sched[i] = now
-                                used += blocks_for(PL[i], bs)
-                            running += k
-                            g = None
-                            rows = k
-                            last_was_decode = False
-                    if d < 0 and free_group is not None:
-                        g = free_group
-                        free_group = None
-                        rows = n = len(g.members)
-                        s = g.S
-                        k = s - g.prices_from
-                        if 0 <= k < len(g.prices):
-                            d = g.prices[k]
+                    else:
+                        if free_group is None:
+                            free_group = _Group(bs)
+                        first[i] = leave
+                        prior[i] = None
+                        join(free_group, i, PL[i], OL[i] - 1)
+            else:  # a decode batch: every member's next token
+                s = g.S
+                times = g.times
+                times.append(leave)
+                ends = g.ends
+                toff = g.toff
+                while ends and ends[0] >> shift == s:
+                    i = heappop(ends) & _MASK
+                    c = ctx[i]
+                    g.ctx_sum -= c
+                    g.blocks.add(c, -1)
+                    g.members.discard(i)
+                    g.prices = []
+                    if c == g.top:
+                        g.top = None
+                    group_of[i] = None
+                    used -= blocks_for(c + s, bs)
+                    later = times[start[i] - toff:s - toff]
+                    p = prior[i]
+                    if p is not None:  # its token times in the groups it was re-based from
+                        later = _joined(p, later)
+                    finish(i, first[i], sched[i], leave, later)
+                    running -= 1
+                    done += 1
+                if g.members:
+                    if len(times) > g.trim_at:  # drop the end times no member needs
+                        low = min(start[i] for i in g.members)
+                        del times[:low - toff]
+                        g.toff = low
+                        g.trim_at = len(times) + _TIMES_KEPT
+                    free_group = g if free_group is None else merge(free_group, g)
+            num_steps += 1
+            if record:
+                decode = 0 if g is None else rows
+                write_row((num_steps, replica, repr(began), repr(leave - began), rows, tokens,
+                           decode, rows, len(waiting), running, 0, used,
+                           round(used / num_blocks, 6), 0, 0, 0, 0), STEP_ROW_FORMAT)
+            if done >= next_tick:
+                progress.update(done, now)
+                next_tick = done + 64
+        while True:
+            # Stage 0 free and a place in the pipeline: the policy's next micro-batch.
+            if len(in_flight) < pp and stage_free[0] <= now and (waiting or running):
+                d = -1.0
+                if waiting:
+                    k, tokens = head_admissions(map(PL.__getitem__, waiting),
+                                                seats_total - running)
+                    if k:
+                        batch = [waiting.popleft() for _ in range(k)]
+                        d = prefill_seconds(tuple([PL[i] for i in batch]))
+                        for i in batch:
+                            sched[i] = now
+                            used += blocks_for(PL[i], bs)
+                        running += k
+                        g = None
+                        rows = k
+                        last_was_decode = False
+                if d < 0 and free_group is not None:
+                    g = free_group
+                    free_group = None
+                    rows = n = len(g.members)
+                    s = g.S
+                    k = s - g.prices_from
+                    if 0 <= k < len(g.prices):
+                        d = g.prices[k]
+                    else:
+                        if n in pricers:
+                            pricer = pricers[n]
                         else:
-                            if n in pricers:
-                                pricer = pricers[n]
-                            else:
-                                pricer = pricers[n] = step_pricer(n)
-                            top = g.top
-                            if top is None:
-                                top = g.top = longest(g)
-                            if pricer is not None:  # contexts with each member's new token
-                                d = pricer(g.ctx_sum + n * (s + 1), top + s + 1)
-                            else:  # priced ahead up to its first finish, as the replica's
-                                d = price_ahead(g, n, s, top)
-                        # A member's blocks grow by one where its context fills its last
-                        # block: those whose stored context's residue is -s modulo the
-                        # block size.
-                        grow = g.blocks.count[-s % bs]
-                        g.S = s + 1
-                        used += grow
-                        batch = None
-                        tokens = 0
-                        if not last_was_decode:
-                            runs += 1
-                        last_was_decode = True
-                    if d >= 0:
-                        if used > peak:
-                            peak = used
-                        # The flow shop: each stage takes an equal share of the batch (stage
-                        # 0 is free now).
-                        share = d / pp
-                        t = now + share
-                        stage_free[0] = t
-                        for k in later_stages:
-                            free_at = stage_free[k]
-                            t = (t if t >= free_at else free_at) + share
-                            stage_free[k] = t
-                        busy += share
-                        in_flight.append((t, now, g, batch, rows, tokens))
-                # Asleep until the next batch leaves, stage 0 comes free or a request
-                # arrives (the replica's timeout: its delay added to now).
-                wake = in_flight[0][0] if in_flight else INF
-                free_at = stage_free[0]
-                if len(in_flight) < pp and now < free_at < wake:
-                    at = now + (free_at - now)
-                    if at < nxt_arrival and at < wake:
-                        # Only stage 0 comes free then: plan again there.
-                        now = at
-                        continue
-                    wake = free_at
-                if wake < INF:
-                    wake = now + (wake - now)
-                if nxt_arrival < wake:
-                    wake = nxt_arrival
-                if wake == INF:
-                    raise RuntimeError(f"array core: {N - done} requests can never be admitted")
-                now = wake
-                break
-        if lines:
-            write_text("".join(lines))
-            lines.clear()
-        return now, num_steps, runs, peak, busy
+                            pricer = pricers[n] = step_pricer(n)
+                        top = g.top
+                        if top is None:
+                            top = g.top = longest(g)
+                        if pricer is not None:  # contexts with each member's new token
+                            d = pricer(g.ctx_sum + n * (s + 1), top + s + 1)
+                        else:  # priced ahead up to its first finish, as the replica's
+                            d = price_ahead(g, n, s, top)
+                    # A member's blocks grow by one where its context fills its last
+                    # block: those whose stored context's residue is -s modulo the
+                    # block size.
+                    grow = g.blocks.count[-s % bs]
+                    g.S = s + 1
+                    used += grow
+                    batch = None
+                    tokens = 0
+                    if not last_was_decode:
+                        runs += 1
+                    last_was_decode = True
+                if d >= 0:
+                    if used > peak:
+                        peak = used
+                    # The flow shop: each stage takes an equal share of the batch (stage
+                    # 0 is free now).
+                    share = d / pp
+                    t = now + share
+                    stage_free[0] = t
+                    for k in later_stages:
+                        free_at = stage_free[k]
+                        t = (t if t >= free_at else free_at) + share
+                        stage_free[k] = t
+                    busy += share
+                    in_flight.append((t, now, g, batch, rows, tokens))
+            # Asleep until the next batch leaves, stage 0 comes free or a request
+            # arrives (the replica's timeout: its delay added to now).
+            own = in_flight[0][0] if in_flight else INF
+            free_at = stage_free[0]
+            if len(in_flight) < pp and now < free_at < own:
+                at = now + (free_at - now)
+                if at < nxt_arrival and at < own and at < gate[0]:
+                    # Only stage 0 comes free then: plan again there.
+                    now = at
+                    continue
+                own = free_at
+            if own < INF:
+                own = now + (own - now)
+            wake = nxt_arrival if nxt_arrival < own else own
+            break
+    if running or waiting:
+        raise RuntimeError(f"array core: replica {replica}'s {running + len(waiting)} "
+                           "requests can never finish")
+    if lines:
+        write_text("".join(lines))
+        lines.clear()
+    return now, num_steps, runs, peak, busy

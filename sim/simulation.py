@@ -26,7 +26,7 @@ from sim.array_cluster import ArrayCluster
 from sim.array_core import ArrayCore, LeftToReplicaLoop
 from sim.array_disagg import ArrayDisaggregated
 from sim.array_inputs import WorkloadArrays, array_core_blocker, pool_blocker
-from sim.array_pipeline import ArrayPipeline
+from sim.array_pipeline import pipelined_loop
 from sim.clock import ChainEnvironment, timeout_at
 from sim.cluster.colocated import Colocated
 from sim.cluster.config import ClusterConfig, DisaggregatedConfig, cluster_config_from
@@ -561,7 +561,7 @@ class Simulation:
             rows.extra = deployment.extra_columns
         return deployment
 
-    def _array_core(self) -> ArrayCore | ArrayCluster | ArrayDisaggregated | ArrayPipeline | None:
+    def _array_core(self) -> ArrayCore | ArrayCluster | ArrayDisaggregated | None:
         """The array core for this run (one replica, co-located replicas behind a router, or a
         disaggregated deployment), or None (the reason in ``array_core_skipped``)."""
         reason = array_core_blocker(self)
@@ -574,7 +574,8 @@ class Simulation:
         if isinstance(self.cluster, DisaggregatedConfig):
             return ArrayDisaggregated(self, arrays)  # type: ignore[arg-type]
         if self.cluster.pipeline_parallel_size > 1:
-            return ArrayPipeline(self, arrays)  # type: ignore[arg-type]
+            return ArrayCluster(self, arrays,  # type: ignore[arg-type]
+                                partial(pipelined_loop, pp=self.cluster.pipeline_parallel_size))
         if self.is_cluster:
             return ArrayCluster(self, arrays)  # type: ignore[arg-type]
         return ArrayCore(self, arrays)  # type: ignore[arg-type]

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from experiments.simulation import Simulation
 from tests.helpers import compose_cfg
 from tests.test_array_core import TINY, UNIFORM
+from tests.test_cluster_fast_exact import assert_fast_equals_exact
 from tests.test_fast_forward import _assert_same
 
 pytestmark = pytest.mark.equivalence
@@ -42,20 +43,45 @@ def test_pipelined_core_equals_exact_on_random_small_workloads(seed, qps, seqs, 
     assert s["step_engine"] == "array_core"
 
 
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10_000), qps=st.floats(2.0, 600.0), seqs=st.integers(1, 24),
+       replicas=st.integers(2, 3), out_min=st.integers(1, 3), block=st.sampled_from([1, 16]),
+       router=st.sampled_from(["round_robin", "random", "least_outstanding", "least_kv",
+                               "power_of_two"]))
+def test_pipelined_replicas_behind_a_router_equal_exact(seed, qps, seqs, replicas, out_min,
+                                                        block, router):
+    """Several pipelined replicas behind a router that reads outstanding counts (finishes
+    come as batches leave) and KV usage (blocks taken as each micro-batch is planned):
+    each replica pauses before every arrival not yet routed."""
+    s = assert_fast_equals_exact([
+        *TINY, *UNIFORM, "policy=fcfs", f"seed={seed}", f"workload.qps={qps}",
+        "workload.num_requests=60", f"policy.max_num_seqs={seqs}", f"kv.block_size={block}",
+        "cluster.pipeline_parallel_size=2", f"cluster.num_replicas={replicas}",
+        f"cluster.router={router}", f"workload.output_len.min={out_min}"])
+    assert s["step_engine"] == "array_core", s["array_core_skipped"]
+
+
 def _files(overrides: list[str], tmp_path, name: str) -> tuple[dict, pd.DataFrame, pd.DataFrame]:
     out = tmp_path / name
     summary = Simulation(compose_cfg(*overrides), out).run().summary
     return summary, pd.read_csv(out / "requests.csv"), pd.read_csv(out / "steps.csv")
 
 
-def test_pipelined_core_writes_the_replica_loops_files(tmp_path):
-    """requests.csv (its row order and the cluster columns), steps.csv and the summary's
-    figures (the replica's busy fraction, peak KV usage, steps) are the replica loop's."""
+@pytest.mark.parametrize("layout", [["cluster.pipeline_parallel_size=3"],
+                                    ["cluster.pipeline_parallel_size=2", "cluster.num_replicas=2",
+                                     "cluster.router=least_kv"]])
+def test_pipelined_core_writes_the_replica_loops_files(tmp_path, layout):
+    """requests.csv (the cluster columns; its row order on one replica), steps.csv and the
+    summary's figures (each replica's requests routed, busy fraction, peak KV usage, steps)
+    are the replica loop's."""
     over = ["model=llama3_8b", *TINY[1:], "policy=fcfs", "workload.num_requests=300",
-            "workload.qps=40", "policy.max_num_seqs=24", "cluster.pipeline_parallel_size=3"]
+            "workload.qps=40", "policy.max_num_seqs=24", *layout]
     core, rc, sc = _files([*over, "array_core=true"], tmp_path, "core")
     loop, rl, sl = _files([*over, "array_core=false"], tmp_path, "loop")
     assert core["step_engine"] == "array_core" and loop["step_engine"] == "replica"
+    if len(core["replicas"]) > 1:  # (replicas' rows interleave in another order)
+        rc, rl = (r.sort_values("request_id", ignore_index=True) for r in (rc, rl))
+        sc, sl = (r.sort_values(["replica_id", "step"], ignore_index=True) for r in (sc, sl))
     pd.testing.assert_frame_equal(rc, rl, rtol=1e-9)
     pd.testing.assert_frame_equal(sc, sl, rtol=1e-9)
     skip = {"step_engine", "wall_time_s", "num_decode_jumps"}
@@ -78,7 +104,8 @@ def test_pipelined_core_writes_the_replica_loops_files(tmp_path):
     (("policy=sjf",), "pipeline stages under policy 'sjf'"),
     (("policy=chunked_prefill",), "pipeline stages under policy 'chunked_prefill'"),
     (("policy=static",), "pipeline stages under policy 'static'"),
-    (("cluster.num_replicas=2",), "pipeline stages on several replicas"),
+    (("cluster.num_replicas=2", "cluster.router=prefix_aware"),
+     "router 'prefix_aware' reads more than outstanding request counts and KV usage"),
     (("kv.num_gpu_blocks_override=300",), "the KV pool can bind, with pipeline stages"),
 ])
 def test_pipelines_it_cannot_take_go_to_the_replica_loop(overrides, reason):
