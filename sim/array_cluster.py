@@ -1,9 +1,10 @@
 """Co-located replicas behind a router on the array core: step_mode=fast for
 ``cluster.num_replicas`` > 1 where the router reads only outstanding counts and KV usage
-(``Router.reads_only_load``).
+(``Router.reads_only_load``), and for replicas with pipeline stages (one or more).
 
-Each replica is the array core's loop (sim/array_core.py) on a ``Lane``: it takes the requests
-routed to it and never plans at or past the next request not yet routed, where it pauses.
+Each replica is the array core's loop (sim/array_core.py; with pipeline stages,
+sim/array_pipeline.py's) on a ``Lane``: it takes the requests routed to it and never plans
+at or past the next request not yet routed, where it pauses.
 The router here takes the requests in arrival order; before routing one arriving at time T it
 lets every replica that plans before T go on until it plans at or after T, so each replica's
 outstanding count at T (routed there, less finished before T: a step ending after T finishes

@@ -1,6 +1,8 @@
-"""A replica split into pipeline stages on the array core: step_mode=fast for one replica
-with ``cluster.pipeline_parallel_size`` > 1 under a policy of whole-prompt, prefill-only
-steps (FCFS: ``head_admissions``) on a KV pool that cannot bind.
+"""Replicas split into pipeline stages on the array core: step_mode=fast with
+``cluster.pipeline_parallel_size`` > 1 under a policy of whole-prompt, prefill-only steps
+(FCFS: ``head_admissions``) on a KV pool that cannot bind, one replica or several behind a
+router that reads only outstanding counts and KV usage (sim/array_cluster.py drives each
+replica's loop on a ``Lane``).
 
 The replica loop's pipelined replica (sim/cluster/pipeline.py) is the reference: up to
 ``stages`` micro-batches are in flight, each built when stage 0 is free from the running
