@@ -105,18 +105,17 @@ def array_core_blocker(sim: ArrayCoreHost) -> str | None:
 def _pipeline_blocker(sim: ArrayCoreHost) -> str | None:
     """Why these replicas with pipeline stages cannot run on the array core
     (sim/array_pipeline.py), or None: under a policy of whole-prompt, prefill-only steps
-    that admits from the head of the queue in arrival order (``head_admissions``: FCFS),
-    behind a router that reads only outstanding counts and KV usage. (Their pool must never
+    (``head_admissions``: FCFS; ``indexed_admissions``: SJF, priority), behind a router that reads only outstanding counts and KV usage. (Their pool must never
     run short: ``pool_blocker``.)"""
     cluster, policy = sim.cluster, sim.policy
     if not ROUTERS.get(str(cluster.router)).reads_only_load:
         return (f"router {cluster.router!r} reads more than outstanding request counts "
                 "and KV usage")
     if (policy.implements_chunked_prefill or policy.reserves_full_length
-            or callable(getattr(policy, "indexed_admissions", None))
-            or not callable(getattr(policy, "head_admissions", None))):
+            or not (callable(getattr(policy, "head_admissions", None))
+                    or callable(getattr(policy, "indexed_admissions", None)))):
         return (f"pipeline stages under policy {policy.config.name!r} (the core pipelines "
-                "whole-prompt, prefill-only steps admitted in arrival order: fcfs)")
+                "whole-prompt, prefill-only steps: fcfs, sjf, priority)")
     return None
 
 

@@ -1,8 +1,8 @@
 """Replicas split into pipeline stages on the array core: step_mode=fast with
 ``cluster.pipeline_parallel_size`` > 1 under a policy of whole-prompt, prefill-only steps
-(FCFS: ``head_admissions``) on a KV pool that cannot bind, one replica or several behind a
-router that reads only outstanding counts and KV usage (sim/array_cluster.py drives each
-replica's loop on a ``Lane``).
+(FCFS: ``head_admissions``; SJF, priority: ``indexed_admissions``) on a KV pool that cannot
+bind, one replica or several behind a router that reads only outstanding counts and KV
+usage (sim/array_cluster.py drives each replica's loop on a ``Lane``).
 
 The replica loop's pipelined replica (sim/cluster/pipeline.py) is the reference: up to
 ``stages`` micro-batches are in flight, each built when stage 0 is free from the running
@@ -14,8 +14,9 @@ an instant is in the queue then, as simpy orders a sleeping replica's wake-up af
 arrivals due with it):
 
 * the policy decides as in its ``schedule``: a prefill-only micro-batch of the waiting
-  requests ``head_admissions`` admits (seats: every running request, in flight or not),
-  else one decode row for each decoding request not in flight;
+  requests it admits (seats: every running request, in flight or not), else one decode row
+  for each decoding request not in flight (requests finishing in one leave in its running
+  order);
 * the decoding requests not in flight form a group, and each decode micro-batch takes a
   whole group into the pipeline. A group keeps its members as the array core keeps its
   batch: contexts as offsets from the group's own decode count, the finishing order in a
@@ -40,13 +41,14 @@ step-by-step simulation and the replica loop.
 from __future__ import annotations
 
 from array import array
+from bisect import bisect_right
 from collections import deque
 from collections.abc import Generator
 from heapq import heapify, heappop, heappush
 from typing import Any
 
 from sim import stop as run_stop
-from sim.array_core import ArrayCore, Lane, _BlockCount, finisher
+from sim.array_core import ArrayCore, Lane, _BlockCount, _IndexedWaiting, finisher
 from sim.array_inputs import INDEX_BITS
 from sim.kv_manager import blocks_for
 from sim.metrics import MetricsCollector
@@ -123,7 +125,20 @@ def pipelined_loop(core: ArrayCore, metrics: MetricsCollector, req_sink: CsvSink
     gate = lane.gate
     lane.wakes_on_arrival = True  # (stage 0 may be free as a request comes)
     seats_total = policy.config.max_num_seqs
-    head_admissions = policy.head_admissions  # type: ignore[attr-defined]
+    # Its admission: FCFS's from the head of a queue in arrival order (``head_admissions``),
+    # or, for a policy with its own waiting order (SJF, priority: ``indexed_admissions``),
+    # from its index, each request a ``Request`` from arrival until it leaves (finishers of
+    # one micro-batch leave in its running order, ``decode_run_key``).
+    indexed = callable(getattr(policy, "indexed_admissions", None))
+    held: dict[int, Any] | None = None
+    if indexed:
+        waiting: deque[int] | _IndexedWaiting = _IndexedWaiting(policy, w)
+        held = waiting.held
+        running_key = policy.decode_run_key()
+        indexed_admit = waiting.admit
+    else:
+        waiting = deque()
+        head_admissions = policy.head_admissions  # type: ignore[attr-defined]
     ex = core.executor
     execute = ex.execute
     step_pricer = ex.decode_step_pricer
@@ -211,7 +226,6 @@ def pipelined_loop(core: ArrayCore, metrics: MetricsCollector, req_sink: CsvSink
         g.prices_from = s
         return g.prices[0]
 
-    waiting: deque[int] = deque()
     # In flight, in leave order: (leave, start, group or None, prompts admitted or
     # None, rows, prompt tokens).
     in_flight: deque[tuple[float, float, _Group | None, list[int] | None, int, int]] = (
@@ -229,6 +243,13 @@ def pipelined_loop(core: ArrayCore, metrics: MetricsCollector, req_sink: CsvSink
     last_was_decode = False
     done = 0
     next_tick = 64
+    def running_rank(i: int) -> Any:
+        """Where request ``i``, leaving in a decode micro-batch, came in its rows: the
+        policy's running order, of the request as it stood when that batch was planned."""
+        req = held[i]  # type: ignore[index]
+        req.num_output_tokens = OL[i] - 1
+        return running_key(req)
+
     nq = len(QA)
     nxt_arrival = QA[0] if nq else INF
     own = INF  # the next instant of its own: a batch leaving, stage 0 coming free
@@ -253,9 +274,9 @@ def pipelined_loop(core: ArrayCore, metrics: MetricsCollector, req_sink: CsvSink
                 lines.clear()
             run_stop.check()
         if nxt_arrival <= now:
-            while nxt < nq and QA[nxt] <= now:
-                waiting.append(QI[nxt])
-                nxt += 1
+            hi = bisect_right(QA, now, nxt, nq)
+            waiting.extend(QI[nxt:hi])
+            nxt = hi
             nxt_arrival = QA[nxt] if nxt < nq else INF
         # The micro-batch leaving now applies its tokens (leave times only grow).
         if in_flight and in_flight[0][0] <= now:
@@ -263,6 +284,8 @@ def pipelined_loop(core: ArrayCore, metrics: MetricsCollector, req_sink: CsvSink
             if g is None:  # a prefill batch: each prompt's first token
                 for i in batch:  # type: ignore[union-attr]
                     if OL[i] == 1:
+                        if held is not None:
+                            del held[i]
                         finish(i, leave, sched[i], leave, _EMPTY)
                         used -= blocks_for(PL[i], bs)
                         running -= 1
@@ -279,8 +302,12 @@ def pipelined_loop(core: ArrayCore, metrics: MetricsCollector, req_sink: CsvSink
                 times.append(leave)
                 ends = g.ends
                 toff = g.toff
+                gone = []
                 while ends and ends[0] >> shift == s:
-                    i = heappop(ends) & _MASK
+                    gone.append(heappop(ends) & _MASK)
+                if held is not None and len(gone) > 1:  # rows in the policy's running order
+                    gone.sort(key=running_rank)
+                for i in gone:
                     c = ctx[i]
                     g.ctx_sum -= c
                     g.blocks.add(c, -1)
@@ -294,6 +321,8 @@ def pipelined_loop(core: ArrayCore, metrics: MetricsCollector, req_sink: CsvSink
                     p = prior[i]
                     if p is not None:  # its token times in the groups it was re-based from
                         later = _joined(p, later)
+                    if held is not None:
+                        del held[i]
                     finish(i, first[i], sched[i], leave, later)
                     running -= 1
                     done += 1
@@ -318,10 +347,15 @@ def pipelined_loop(core: ArrayCore, metrics: MetricsCollector, req_sink: CsvSink
             if len(in_flight) < pp and stage_free[0] <= now and (waiting or running):
                 d = -1.0
                 if waiting:
-                    k, tokens = head_admissions(map(PL.__getitem__, waiting),
-                                                seats_total - running)
+                    if indexed:
+                        batch = indexed_admit(now, seats_total - running)
+                        k = len(batch)
+                        tokens = sum([PL[i] for i in batch])
+                    else:
+                        k, tokens = head_admissions(map(PL.__getitem__, waiting),
+                                                    seats_total - running)
+                        batch = [waiting.popleft() for _ in range(k)]  # type: ignore[union-attr]
                     if k:
-                        batch = [waiting.popleft() for _ in range(k)]
                         d = prefill_seconds(tuple([PL[i] for i in batch]))
                         for i in batch:
                             sched[i] = now

@@ -20,20 +20,26 @@ pytestmark = pytest.mark.equivalence
 @given(seed=st.integers(0, 10_000), qps=st.floats(1.0, 400.0), seqs=st.integers(1, 40),
        budget=st.integers(200, 2000), stages=st.integers(2, 4), out_min=st.integers(1, 3),
        prompt_min=st.sampled_from([1, 50]), block=st.sampled_from([1, 16]),
-       arrival=st.sampled_from(["poisson", "poisson", "constant", "gamma"]))
+       arrival=st.sampled_from(["poisson", "poisson", "constant", "gamma"]),
+       policy=st.sampled_from([
+           ("policy=fcfs",), ("policy=fcfs",), ("policy=sjf",),
+           ("policy=sjf", "policy.predictor=noisy", "policy.aging_s=0.02"),
+           ("policy=priority", "policy.preemptive=false", "workload.priorities=[1,2,1]")]))
 # Every request arrives at 0.0, where simpy's clock is the int 0.
 @example(seed=3, qps=1e9, seqs=8, budget=400, stages=2, out_min=1, prompt_min=1, block=16,
-         arrival="constant")
+         arrival="constant", policy=("policy=fcfs",))
 def test_pipelined_core_equals_exact_on_random_small_workloads(seed, qps, seqs, budget,
                                                                stages, out_min, prompt_min,
-                                                               block, arrival):
+                                                               block, arrival, policy):
     """Micro-batches in flight in a flow shop of ``stages``: prefill-only batches of the
-    prompts FCFS admits (seats counting requests in flight), else the decoding requests not
-    in flight, whose groups merge as they leave; one-token outputs finishing with their
-    prompt; constant and bursty arrivals (an arrival as a batch leaves or stage 0 frees)."""
+    prompts the policy admits (seats counting requests in flight; FCFS's queue, or SJF's and
+    priority's own order, aging included), else the decoding requests not in flight, whose
+    groups merge as they leave (finishers in the policy's running order); one-token
+    outputs finishing with their prompt; constant and bursty arrivals (an arrival as a
+    batch leaves or stage 0 frees)."""
     # (The tiny model has two layers: more stages take a model with more.)
     model = TINY if stages == 2 else ("model=llama3_8b", *TINY[1:])
-    s = _assert_same([*model, *UNIFORM, "policy=fcfs", f"seed={seed}", f"workload.qps={qps}",
+    s = _assert_same([*model, *UNIFORM, *policy, f"seed={seed}", f"workload.qps={qps}",
                       f"workload.arrival={arrival}", "workload.cv=3.0",
                       "workload.num_requests=60", f"policy.max_num_seqs={seqs}",
                       f"policy.max_num_batched_tokens={budget}", f"kv.block_size={block}",
@@ -101,7 +107,7 @@ def test_pipelined_core_writes_the_replica_loops_files(tmp_path, layout):
 
 
 @pytest.mark.parametrize("overrides,reason", [
-    (("policy=sjf",), "pipeline stages under policy 'sjf'"),
+    (("policy=sjf", "policy.preemptive=true"), "may preempt a running request to admit"),
     (("policy=chunked_prefill",), "pipeline stages under policy 'chunked_prefill'"),
     (("policy=static",), "pipeline stages under policy 'static'"),
     (("cluster.num_replicas=2", "cluster.router=prefix_aware"),
