@@ -124,7 +124,7 @@ def _cluster_blocker(sim: ArrayCoreHost) -> str | None:
     (sim/array_cluster.py) behind a router that reads only outstanding counts and KV usage,
     or a disaggregated deployment (sim/array_disagg.py) behind a prefill router that reads
     only outstanding counts and a decode router that reads only those and KV usage; neither
-    with pipeline stages, which run on the core on one replica (``_pipeline_blocker``,
+    with pipeline stages, which have a loop of their own (``_pipeline_blocker``,
     sim/array_pipeline.py). (Prefix caching is for ``WorkloadArrays.collect`` to refuse: with
     no prompt sharing a prefix and pools that never run short, it changes nothing the core
     counts.)"""
@@ -277,7 +277,13 @@ def pool_blocker(sim: ArrayCoreHost, w: WorkloadArrays) -> str | None:
     if not pool_can_bind(sim, w):
         return None
     if isinstance(sim.cluster, ClusterConfig) and sim.cluster.pipeline_parallel_size > 1:
-        return "the KV pool can bind, with pipeline stages"
+        # Admission counts blocks, and the run is given up once a decode micro-batch's
+        # blocks do not fit (where the policy would preempt: sim/array_pipeline.py).
+        bs, blocks = sim.kv_cfg.block_size, sim.memory.num_gpu_blocks
+        if blocks_for(largest[0] - 1, bs) > blocks - watermark_blocks(cfg.kv_watermark, blocks):
+            return ("the KV pool can bind, with pipeline stages and a request that alone "
+                    "fills the pool above the watermark")
+        return None
     blocks = sim.memory.num_gpu_blocks
     watermark = watermark_blocks(cfg.kv_watermark, blocks)
     bs = sim.kv_cfg.block_size

@@ -1,8 +1,11 @@
 """Replicas split into pipeline stages on the array core: step_mode=fast with
 ``cluster.pipeline_parallel_size`` > 1 under a policy of whole-prompt, prefill-only steps
-(FCFS: ``head_admissions``; SJF, priority: ``indexed_admissions``) on a KV pool that cannot
-bind, one replica or several behind a router that reads only outstanding counts and KV
-usage (sim/array_cluster.py drives each replica's loop on a ``Lane``).
+(FCFS: ``head_admissions``; SJF, priority: ``indexed_admissions``), one replica or several
+behind a router that reads only outstanding counts and KV usage (sim/array_cluster.py
+drives each replica's loop on a ``Lane``). On a KV pool that can bind, admission counts
+blocks above the watermark and the run is given up (``PoolMayBind``) where a decode
+micro-batch's blocks do not fit: the policy would preempt there, which only the replica
+loop does.
 
 The replica loop's pipelined replica (sim/cluster/pipeline.py) is the reference: up to
 ``stages`` micro-batches are in flight, each built when stage 0 is free from the running
@@ -48,7 +51,7 @@ from heapq import heapify, heappop, heappush
 from typing import Any
 
 from sim import stop as run_stop
-from sim.array_core import ArrayCore, Lane, _BlockCount, _IndexedWaiting, finisher
+from sim.array_core import ArrayCore, Lane, PoolMayBind, _BlockCount, _IndexedWaiting, finisher
 from sim.array_inputs import INDEX_BITS
 from sim.kv_manager import blocks_for
 from sim.metrics import MetricsCollector
@@ -130,6 +133,11 @@ def pipelined_loop(core: ArrayCore, metrics: MetricsCollector, req_sink: CsvSink
     # from its index, each request a ``Request`` from arrival until it leaves (finishers of
     # one micro-batch leave in its running order, ``decode_run_key``).
     indexed = callable(getattr(policy, "indexed_admissions", None))
+    # A pool that can bind: admission counts blocks above the watermark (``room``), and the
+    # run is given up where a decode micro-batch's blocks do not fit (the policy would
+    # preempt there: the replica loop's to run).
+    counts = core.binding or core.guard
+    watermark = core.watermark
     held: dict[int, Any] | None = None
     if indexed:
         waiting: deque[int] | _IndexedWaiting = _IndexedWaiting(policy, w)
@@ -347,13 +355,14 @@ def pipelined_loop(core: ArrayCore, metrics: MetricsCollector, req_sink: CsvSink
             if len(in_flight) < pp and stage_free[0] <= now and (waiting or running):
                 d = -1.0
                 if waiting:
+                    room = (num_blocks - used, watermark, bs) if counts else None
                     if indexed:
-                        batch = indexed_admit(now, seats_total - running)
+                        batch = indexed_admit(now, seats_total - running, room)
                         k = len(batch)
                         tokens = sum([PL[i] for i in batch])
                     else:
                         k, tokens = head_admissions(map(PL.__getitem__, waiting),
-                                                    seats_total - running)
+                                                    seats_total - running, room)
                         batch = [waiting.popleft() for _ in range(k)]  # type: ignore[union-attr]
                     if k:
                         d = prefill_seconds(tuple([PL[i] for i in batch]))
@@ -390,6 +399,9 @@ def pipelined_loop(core: ArrayCore, metrics: MetricsCollector, req_sink: CsvSink
                     grow = g.blocks.count[-s % bs]
                     g.S = s + 1
                     used += grow
+                    if used > num_blocks:
+                        raise PoolMayBind(f"replica {replica}'s decode micro-batch at {now!r} s "
+                                          "does not fit its KV pool")
                     batch = None
                     tokens = 0
                     if not last_was_decode:

@@ -24,29 +24,38 @@ pytestmark = pytest.mark.equivalence
        policy=st.sampled_from([
            ("policy=fcfs",), ("policy=fcfs",), ("policy=sjf",),
            ("policy=sjf", "policy.predictor=noisy", "policy.aging_s=0.02"),
-           ("policy=priority", "policy.preemptive=false", "workload.priorities=[1,2,1]")]))
+           ("policy=priority", "policy.preemptive=false", "workload.priorities=[1,2,1]")]),
+       pool=st.one_of(st.none(), st.none(), st.integers(330, 4000)))
 # Every request arrives at 0.0, where simpy's clock is the int 0.
 @example(seed=3, qps=1e9, seqs=8, budget=400, stages=2, out_min=1, prompt_min=1, block=16,
-         arrival="constant", policy=("policy=fcfs",))
+         arrival="constant", policy=("policy=fcfs",), pool=None)
 def test_pipelined_core_equals_exact_on_random_small_workloads(seed, qps, seqs, budget,
                                                                stages, out_min, prompt_min,
-                                                               block, arrival, policy):
+                                                               block, arrival, policy, pool):
     """Micro-batches in flight in a flow shop of ``stages``: prefill-only batches of the
     prompts the policy admits (seats counting requests in flight; FCFS's queue, or SJF's and
     priority's own order, aging included), else the decoding requests not in flight, whose
     groups merge as they leave (finishers in the policy's running order); one-token
     outputs finishing with their prompt; constant and bursty arrivals (an arrival as a
-    batch leaves or stage 0 frees)."""
+    batch leaves or stage 0 frees). ``pool``: a pool of that many tokens, which can bind:
+    admission counts blocks above the watermark, and the run is given up to the replica
+    loop where a decode micro-batch's blocks do not fit."""
     # (The tiny model has two layers: more stages take a model with more.)
     model = TINY if stages == 2 else ("model=llama3_8b", *TINY[1:])
-    s = _assert_same([*model, *UNIFORM, *policy, f"seed={seed}", f"workload.qps={qps}",
-                      f"workload.arrival={arrival}", "workload.cv=3.0",
-                      "workload.num_requests=60", f"policy.max_num_seqs={seqs}",
-                      f"policy.max_num_batched_tokens={budget}", f"kv.block_size={block}",
-                      f"cluster.pipeline_parallel_size={stages}",
-                      f"workload.prompt_len.min={prompt_min}",
-                      f"workload.output_len.min={out_min}"])
-    assert s["step_engine"] == "array_core"
+    over = [*model, *UNIFORM, *policy, f"seed={seed}", f"workload.qps={qps}",
+            f"workload.arrival={arrival}", "workload.cv=3.0", "workload.num_requests=60",
+            f"policy.max_num_seqs={seqs}", f"policy.max_num_batched_tokens={budget}",
+            f"kv.block_size={block}", f"cluster.pipeline_parallel_size={stages}",
+            f"workload.prompt_len.min={prompt_min}", f"workload.output_len.min={out_min}"]
+    if pool is not None:
+        over.append(f"kv.num_gpu_blocks_override={-(-pool // block)}")
+    s = _assert_same(over)
+    if s["step_engine"] != "array_core":
+        sim = Simulation(compose_cfg(*over))
+        sim.run()
+        assert pool is not None, sim.array_core_skipped
+        assert ("does not fit its KV pool" in sim.array_core_skipped
+                or "alone fills the pool" in sim.array_core_skipped), sim.array_core_skipped
 
 
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -65,6 +74,17 @@ def test_pipelined_replicas_behind_a_router_equal_exact(seed, qps, seqs, replica
         "cluster.pipeline_parallel_size=2", f"cluster.num_replicas={replicas}",
         f"cluster.router={router}", f"workload.output_len.min={out_min}"])
     assert s["step_engine"] == "array_core", s["array_core_skipped"]
+
+
+def test_pipelined_core_admits_by_blocks_on_a_pool_that_can_bind():
+    """A pool of 188 blocks that a waiting prompt does not fit at times (peak usage 0.995),
+    though no decode micro-batch ever finds its blocks missing: admission counts blocks
+    above the watermark, as FCFS's does, and the whole run stays on the core."""
+    s = _assert_same([*TINY, *UNIFORM, "policy=fcfs", "seed=4", "workload.qps=400",
+                      "workload.num_requests=60", "policy.max_num_seqs=24",
+                      "workload.prompt_len.min=50", "workload.output_len.min=1",
+                      "cluster.pipeline_parallel_size=2", "kv.num_gpu_blocks_override=188"])
+    assert s["step_engine"] == "array_core" and s["num_preemptions"] == 0
 
 
 def _files(overrides: list[str], tmp_path, name: str) -> tuple[dict, pd.DataFrame, pd.DataFrame]:
@@ -112,11 +132,13 @@ def test_pipelined_core_writes_the_replica_loops_files(tmp_path, layout):
     (("policy=static",), "pipeline stages under policy 'static'"),
     (("cluster.num_replicas=2", "cluster.router=prefix_aware"),
      "router 'prefix_aware' reads more than outstanding request counts and KV usage"),
-    (("kv.num_gpu_blocks_override=300",), "the KV pool can bind, with pipeline stages"),
+    (("kv.num_gpu_blocks_override=100", "workload.qps=200"),
+     "decode micro-batch at 0.05860278141009368 s does not fit its KV pool"),
+    (("kv.num_gpu_blocks_override=19",), "with pipeline stages and a request that alone fills"),
 ])
 def test_pipelines_it_cannot_take_go_to_the_replica_loop(overrides, reason):
     sim = Simulation(compose_cfg(*TINY, "workload.num_requests=30",
                                  "cluster.pipeline_parallel_size=2", *overrides))
     s = sim.run().summary
     assert s["step_engine"] == "replica" and reason in sim.array_core_skipped
-    assert s["completed"] == 30
+    assert s["completed"] + s["rejected"] == 30
