@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from experiments.simulation import Simulation
 from tests.helpers import compose_cfg
-from tests.test_array_core import TINY, UNIFORM
+from tests.test_array_core import TINY, UNIFORM, same_or_given_up
 from tests.test_cluster_fast_exact import assert_fast_equals_exact
 from tests.test_fast_forward import _assert_same
 
@@ -49,13 +49,7 @@ def test_pipelined_core_equals_exact_on_random_small_workloads(seed, qps, seqs, 
             f"workload.prompt_len.min={prompt_min}", f"workload.output_len.min={out_min}"]
     if pool is not None:
         over.append(f"kv.num_gpu_blocks_override={-(-pool // block)}")
-    s = _assert_same(over)
-    if s["step_engine"] != "array_core":
-        sim = Simulation(compose_cfg(*over))
-        sim.run()
-        assert pool is not None, sim.array_core_skipped
-        assert ("does not fit its KV pool" in sim.array_core_skipped
-                or "alone fills the pool" in sim.array_core_skipped), sim.array_core_skipped
+    same_or_given_up(over, pool is not None, ("does not fit its KV pool", "alone fills the pool"))
 
 
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
