@@ -27,11 +27,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
+from functools import partial
 from math import nextafter
 from typing import Any
 
 from sim.array_core import ArrayCore, ExactTie, Lane
 from sim.array_inputs import ArrayCoreHost, WorkloadArrays
+from sim.array_pipeline import pipelined_loop
 from sim.cluster.outputs import CLUSTER_REQUEST_COLUMNS, cluster_summary
 from sim.cluster.pool import replica_seed
 from sim.cluster.router import ROUTERS, make_router
@@ -113,15 +115,17 @@ class ArrayCluster:
     """One run of co-located replicas on the array core (module docstring); ``run``
     returns what ``Simulation.run`` does, or raises ``ExactTie`` before any summary."""
 
-    def __init__(self, sim: ArrayCoreHost, w: WorkloadArrays,
-                 loop: LaneLoop | None = None) -> None:
-        """``loop``: each replica's loop on its lane (default: the array core's,
-        ``ArrayCore._loop``; sim/array_pipeline.py's for replicas with pipeline stages)."""
+    def __init__(self, sim: ArrayCoreHost, w: WorkloadArrays) -> None:
         self.sim = sim
         self.w = w
         self.core = ArrayCore(sim, w)
-        self.loop: LaneLoop = loop or (lambda core, metrics, req_sink, step_sink, progress, lane:
-                                       core._loop(metrics, req_sink, step_sink, progress, lane))
+        # Each replica's loop on its lane: the array core's, or with pipeline stages
+        # sim/array_pipeline.py's, whose replica may plan as a request reaches it.
+        pp = sim.cluster.pipeline_parallel_size
+        self.loop: LaneLoop = (
+            partial(pipelined_loop, pp=pp) if pp > 1 else
+            lambda core, metrics, req_sink, step_sink, progress, lane:
+                core._loop(metrics, req_sink, step_sink, progress, lane))
         pool = sim.pools[0]
         self.gate = [INF]
         lines: list[str] = []  # requests.csv's lines not yet written, every replica's
@@ -130,7 +134,7 @@ class ArrayCluster:
         reads_kv = not ROUTERS.get(str(sim.cluster.router)).reads_only_counts
         self.lanes = [Lane(r, pool.make_policy(replica_seed(sim.seed, r)), self.gate,
                            lines, f"{FINISHED_REQUEST_LINE[:-2]},{r},{r},,,\r\n",
-                           (r, r, "", "", ""), reads_kv=reads_kv)
+                           (r, r, "", "", ""), reads_kv=reads_kv, wakes_on_arrival=pp > 1)
                       for r in range(pool.count)]
         self.routed = [0] * len(self.lanes)  # requests routed to each replica (so far)
         # Each replica's loop's result: end, steps, stretches, peak blocks, time in steps.
@@ -200,7 +204,10 @@ def count_at(now: float, lanes: list[Lane], loops: list[Generator[Any, None, Any
     that step). A step ending exactly at ``now``: ``ExactTie`` (``what`` happens then).
     A lane that ``reads_kv`` also gets its KV usage then, of ``num_blocks`` (its pool's):
     its last step's blocks if that step is in progress, else none (a lane with work plans at
-    the end of its last step, so one whose last step ended before ``now`` is idle)."""
+    the end of its last step, so one whose last step ended before ``now`` is idle). A
+    pipelined lane (sim/array_pipeline.py) names its next own event where a lane names its
+    last step's end, always after ``now`` once it has paused there, and keeps its blocks in
+    use then in ``Lane.step_blocks``."""
     for r, loop in enumerate(loops):
         state = states[r]
         while state[0] < now:
@@ -242,6 +249,6 @@ def drain(loops: list[Generator[Any, None, Any]], states: list[tuple], gate: lis
             results[r] = e.value
             live.discard(r)
         steps += 1
-        if steps & 63 == 0:
-            progress.update(sum(s[2] for s in states), states[r][1])
+        if steps & 63 == 0:  # (at the earlier of the two times a lane's pause names)
+            progress.update(sum(s[2] for s in states), min(states[r][:2]))
     return results

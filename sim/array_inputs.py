@@ -124,8 +124,8 @@ def _cluster_blocker(sim: ArrayCoreHost) -> str | None:
     (sim/array_cluster.py) behind a router that reads only outstanding counts and KV usage,
     or a disaggregated deployment (sim/array_disagg.py) behind a prefill router that reads
     only outstanding counts and a decode router that reads only those and KV usage; neither
-    with pipeline stages, which have a loop of their own (``_pipeline_blocker``,
-    sim/array_pipeline.py). (Prefix caching is for ``WorkloadArrays.collect`` to refuse: with
+    with pipeline stages, whose replicas (one or more) run on the core in a loop of their
+    own (``_pipeline_blocker``, sim/array_pipeline.py). (Prefix caching is for ``WorkloadArrays.collect`` to refuse: with
     no prompt sharing a prefix and pools that never run short, it changes nothing the core
     counts.)"""
     cluster = sim.cluster

@@ -36,8 +36,12 @@ between prefill ones; the replica loop counts its stretches of repeated ones),
 ``step_engine`` and ``wall_time_s``. Decode micro-batches are priced in plain floats
 (``Executor.decode_step_pricer``), or ahead in arrays up to a group's first finish where the
 cost model has no such form, or as a plan: a duration's last bits may differ from the
-replica loop's, so an arrival within an ulp or two of a batch leaving may come before it
-here and after it there (as between the replica loop and step_mode=exact). tests/test_array_pipeline.py checks it against
+replica loop's, and so may the instants built on it. An arrival within an ulp or two of a
+batch leaving or of stage 0 coming free may then come before it here and after it there
+(as between the replica loop and step_mode=exact), where the admission it gets, and so
+the schedule after it, may differ; and an arrival exactly at one of the replica loop's
+instants (a trace with timestamps taken from such a run) is a tie there, which the core
+need not see (``ExactTie`` is raised for its own instants). tests/test_array_pipeline.py checks it against
 step-by-step simulation and the replica loop.
 """
 
@@ -110,13 +114,13 @@ def pipelined_loop(core: ArrayCore, metrics: MetricsCollector, req_sink: CsvSink
     micro-batches, the peak KV blocks in use and the time stage 0 was busy (each batch's
     share).
 
-    A lane of several behind a router (sim/array_cluster.py: ``Lane.arrivals``, growing)
-    never takes an instant at or past the next request not yet routed (``Lane.gate``):
-    there it yields (its next instant, its next own event: a batch leaving or stage 0
-    coming free, its finished requests twice) with its KV blocks in use in
-    ``Lane.step_blocks``, and goes on once the router has caught up (a router reading it
-    at one of its own events is an ``ExactTie``). With the whole workload (``Lane.indices``
-    empty and no gate) it never yields."""
+    The replica takes the requests routed to it (sim/array_cluster.py: ``Lane.arrivals``,
+    growing; one replica behind a router too) and never takes an instant at or past the
+    next request not yet routed (``Lane.gate``): there it yields (its next instant, its next
+    own event: a batch leaving or stage 0 coming free, its finished requests twice) with its
+    KV blocks in use in ``Lane.step_blocks``, and goes on once the router has caught up (a
+    router reading it at one of its own events is an ``ExactTie``). Its lane
+    ``wakes_on_arrival``: the router resumes it after routing a request to it."""
     w = core.w
     PL, OL = w.prompt_lens, w.output_lens
     N = len(PL)
@@ -126,7 +130,6 @@ def pipelined_loop(core: ArrayCore, metrics: MetricsCollector, req_sink: CsvSink
     # the router sends it requests).
     QA, QI = lane.arrivals, lane.indices
     gate = lane.gate
-    lane.wakes_on_arrival = True  # (stage 0 may be free as a request comes)
     seats_total = policy.config.max_num_seqs
     # Its admission: FCFS's from the head of a queue in arrival order (``head_admissions``),
     # or, for a policy with its own waiting order (SJF, priority: ``indexed_admissions``),

@@ -26,7 +26,6 @@ from sim.array_cluster import ArrayCluster
 from sim.array_core import ArrayCore, LeftToReplicaLoop
 from sim.array_disagg import ArrayDisaggregated
 from sim.array_inputs import WorkloadArrays, array_core_blocker, pool_blocker
-from sim.array_pipeline import pipelined_loop
 from sim.clock import ChainEnvironment, timeout_at
 from sim.cluster.colocated import Colocated
 from sim.cluster.config import ClusterConfig, DisaggregatedConfig, cluster_config_from
@@ -573,9 +572,6 @@ class Simulation:
             return None
         if isinstance(self.cluster, DisaggregatedConfig):
             return ArrayDisaggregated(self, arrays)  # type: ignore[arg-type]
-        if self.cluster.pipeline_parallel_size > 1:
-            return ArrayCluster(self, arrays,  # type: ignore[arg-type]
-                                partial(pipelined_loop, pp=self.cluster.pipeline_parallel_size))
         if self.is_cluster:
             return ArrayCluster(self, arrays)  # type: ignore[arg-type]
         return ArrayCore(self, arrays)  # type: ignore[arg-type]
