@@ -274,8 +274,7 @@ def pipelined_loop(core: ArrayCore, metrics: MetricsCollector, req_sink: CsvSink
             yield wake, own, done, done
             nq = len(QA)  # requests routed here meanwhile
             nxt_arrival = QA[nxt] if nxt < nq else INF
-            if nxt_arrival < wake:
-                wake = nxt_arrival
+            wake = min(wake, nxt_arrival)
         if wake == INF:  # nothing left
             break
         now = wake
