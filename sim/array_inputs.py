@@ -105,8 +105,9 @@ def array_core_blocker(sim: ArrayCoreHost) -> str | None:
 def _pipeline_blocker(sim: ArrayCoreHost) -> str | None:
     """Why these replicas with pipeline stages cannot run on the array core
     (sim/array_pipeline.py), or None: under a policy of whole-prompt, prefill-only steps
-    (``head_admissions``: FCFS; ``indexed_admissions``: SJF, priority), behind a router that reads only outstanding counts and KV usage. (Their pool must never
-    run short: ``pool_blocker``.)"""
+    (``head_admissions``: FCFS; ``indexed_admissions``: SJF, priority), behind a router
+    that reads only outstanding counts and KV usage. (Where their pool can bind:
+    ``pool_blocker``.)"""
     cluster, policy = sim.cluster, sim.policy
     if not ROUTERS.get(str(cluster.router)).reads_only_load:
         return (f"router {cluster.router!r} reads more than outstanding request counts "
@@ -125,9 +126,10 @@ def _cluster_blocker(sim: ArrayCoreHost) -> str | None:
     or a disaggregated deployment (sim/array_disagg.py) behind a prefill router that reads
     only outstanding counts and a decode router that reads only those and KV usage; neither
     with pipeline stages, whose replicas (one or more) run on the core in a loop of their
-    own (``_pipeline_blocker``, sim/array_pipeline.py). (Prefix caching is for ``WorkloadArrays.collect`` to refuse: with
-    no prompt sharing a prefix and pools that never run short, it changes nothing the core
-    counts.)"""
+    own (``_pipeline_blocker``, sim/array_pipeline.py). (Prefix caching is for
+    ``WorkloadArrays.collect`` to refuse: with no prompt sharing a prefix, and nobody
+    recomputed on the core but by ``decode_preemptions`` with caching off, it changes
+    nothing the core counts.)"""
     cluster = sim.cluster
     if isinstance(cluster, ClusterConfig):
         if cluster.pipeline_parallel_size > 1:

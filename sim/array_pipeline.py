@@ -41,8 +41,8 @@ batch leaving or of stage 0 coming free may then come before it here and after i
 (as between the replica loop and step_mode=exact), where the admission it gets, and so
 the schedule after it, may differ; and an arrival exactly at one of the replica loop's
 instants (a trace with timestamps taken from such a run) is a tie there, which the core
-need not see (``ExactTie`` is raised for its own instants). tests/test_array_pipeline.py checks it against
-step-by-step simulation and the replica loop.
+need not see (``ExactTie`` is raised for its own instants). tests/test_array_pipeline.py
+checks it against step-by-step simulation and the replica loop.
 """
 
 from __future__ import annotations
@@ -139,6 +139,8 @@ def pipelined_loop(core: ArrayCore, metrics: MetricsCollector, req_sink: CsvSink
     # A pool that can bind: admission counts blocks above the watermark (``room``), and the
     # run is given up where a decode micro-batch's blocks do not fit (the policy would
     # preempt there: the replica loop's to run).
+    # (``core.guard``: a policy without decode preemptions on counts; fcfs, sjf and priority
+    # state them, so for them the pool binding is ``core.binding``.)
     counts = core.binding or core.guard
     watermark = core.watermark
     held: dict[int, Any] | None = None

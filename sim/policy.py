@@ -127,8 +127,9 @@ class Policy(ABC):
     #: The array core counts a prompt's blocks by it.
     holds_whole_prompt: ClassVar[bool] = True
     #: True if the policy also decides without a StepBuilder, so that a fast run may use
-    #: the array core (sim/array_core.py) instead of the replica loop: chunked prefill's ``chunk_plan`` (or ``prefill_plan`` for prefill batches apart
-    #: from decode batches, SGLang's) and FCFS's ``head_admissions`` on plain numbers
+    #: the array core (sim/array_core.py) instead of the replica loop: chunked prefill's
+    #: ``chunk_plan`` (or ``prefill_plan`` for prefill batches apart from decode batches,
+    #: SGLang's) and FCFS's ``head_admissions`` on plain numbers
     #: (the core keeps the queue in arrival order), or ``indexed_admissions`` for a policy
     #: that keeps its own waiting order (the core hands it each arrival as a ``Request``
     #: through ``on_arrival``, and finishes the requests that leave in the same step in
