@@ -16,7 +16,7 @@ from tests.test_fast_forward import _assert_same
 pytestmark = pytest.mark.equivalence
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=18, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 10_000), qps=st.floats(1.0, 400.0), seqs=st.integers(1, 40),
        budget=st.integers(200, 2000), stages=st.integers(2, 4), out_min=st.integers(1, 3),
        prompt_min=st.sampled_from([1, 50]), block=st.sampled_from([1, 16]),
@@ -52,7 +52,7 @@ def test_pipelined_core_equals_exact_on_random_small_workloads(seed, qps, seqs, 
     same_or_given_up(over, pool is not None, ("does not fit its KV pool", "alone fills the pool"))
 
 
-@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 10_000), qps=st.floats(2.0, 600.0), seqs=st.integers(1, 24),
        replicas=st.integers(2, 3), out_min=st.integers(1, 3), block=st.sampled_from([1, 16]),
        router=st.sampled_from(["round_robin", "random", "least_outstanding", "least_kv",
