@@ -122,10 +122,7 @@ class ArrayCluster:
         # Each replica's loop on its lane: the array core's, or with pipeline stages
         # sim/array_pipeline.py's, whose replica may plan as a request reaches it.
         pp = sim.cluster.pipeline_parallel_size
-        self.loop: LaneLoop = (
-            partial(pipelined_loop, pp=pp) if pp > 1 else
-            lambda core, metrics, req_sink, step_sink, progress, lane:
-                core._loop(metrics, req_sink, step_sink, progress, lane))
+        self.loop: LaneLoop = partial(pipelined_loop, pp=pp) if pp > 1 else ArrayCore._loop
         pool = sim.pools[0]
         self.gate = [INF]
         lines: list[str] = []  # requests.csv's lines not yet written, every replica's

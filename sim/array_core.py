@@ -369,17 +369,15 @@ class ArrayCore:
         self.num_gpu_blocks = memory.num_gpu_blocks
         self.num_cpu_blocks = memory.num_cpu_blocks
         self.watermark = watermark_blocks(self.policy.config.kv_watermark, self.num_gpu_blocks)
-        #: The pool can run short: admission counts blocks and decode steps may preempt.
-        #: (A disaggregated deployment's pools never do: sim/array_disagg.py gives a run up
-        #: where one could.)
-        self.binding = pool_can_bind(sim, w) if pool is None else False
-        #: A pool that can bind under a policy that states no decode preemptions on counts
-        #: (``runs_guarded``: vLLM v1, SGLang) runs as one that cannot, its admission
-        #: counting blocks, until a running request's blocks do not fit (where the policy
-        #: preempts or retracts): there the run is given up (``PoolMayBind``).
-        self.guard = self.binding and runs_guarded(self.policy)
-        if self.guard:
-            self.binding = False
+        #: The pool can run short: admission counts blocks. (A disaggregated deployment's
+        #: pools never do: sim/array_disagg.py gives a run up where one could.)
+        self.can_bind = pool_can_bind(sim, w) if pool is None else False
+        #: Under a policy that states no decode preemptions on counts (``runs_guarded``:
+        #: vLLM v1, SGLang), such a pool runs until a running request's blocks do not fit
+        #: (where the policy preempts or retracts): there the run is given up
+        #: (``PoolMayBind``). Otherwise (``binding``) decode steps may preempt on counts.
+        self.guard = self.can_bind and runs_guarded(self.policy)
+        self.binding = self.can_bind and not self.guard
         self.num_swap_fallbacks = 0  # swaps the CPU pool could not hold: recomputed instead
         self._prefill_prices: dict[tuple[int, ...], float] = {}
 
@@ -516,14 +514,14 @@ class ArrayCore:
             waiting = _IndexedWaiting(policy, w)
             held = waiting.held
             running_key = policy.decode_run_key()
-            if self.binding or self.guard:
+            if self.can_bind:
                 indexed_admit = waiting.admit
 
                 def admit(now: float, seats: int) -> list[int]:
                     return indexed_admit(now, seats, (num_blocks - blocks_at(S), watermark, bs))
             else:
                 admit = waiting.admit
-        elif self.binding or self.guard:
+        elif self.can_bind:
             waiting = deque()
             head_admissions = policy.head_admissions  # type: ignore[attr-defined]
 
@@ -548,6 +546,7 @@ class ArrayCore:
         # keep what they had (``resume``).
         binding = self.binding
         guard = self.guard
+        can_bind = self.can_bind
         num_blocks = self.num_gpu_blocks
         watermark = self.watermark
         # (None for a policy whose requests hold their whole lengths: none is preempted.)
@@ -1005,7 +1004,7 @@ class ArrayCore:
                         apart = bool(chunks or admitted)
                     else:
                         room = None
-                        if binding or guard:
+                        if can_bind:
                             free = num_blocks - blocks_at(S + 1) - prefill_blocks
                             if not whole_prompt:  # once every partial has its tokens' blocks
                                 free -= sum([blocks_for(PEND[i], bs) - blocks_for(computed[i], bs)
@@ -1217,7 +1216,7 @@ class ArrayCore:
             # (A lane's: the next request not yet routed, since any may come to it.)
             horizon = QA[nxt] if nxt < nq else gate[0]
             decision = INF
-            if (binding or guard) and held is not None:
+            if can_bind and held is not None:
                 # Where the pool binds, the order may decide who fits: a deadline of the
                 # policy's (SJF's aging) may reorder the queue, as an arrival may.
                 decision = policy.next_decision_time(t)
@@ -1234,7 +1233,7 @@ class ArrayCore:
             while True:
                 last = ends_heap[0] >> shift
                 length = last - cur
-                if (binding or guard) and blocks_at(last) + prefill_blocks > num_blocks:
+                if can_bind and blocks_at(last) + prefill_blocks > num_blocks:
                     # The steps whose new blocks fit (blocks in use only grow until a
                     # member leaves); the one after them preempts, planned on its own (or,
                     # under the guard, retracts: the replica loop's to run).

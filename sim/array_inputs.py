@@ -278,29 +278,27 @@ def pool_blocker(sim: ArrayCoreHost, w: WorkloadArrays) -> str | None:
         return _refused_by_pools(sim, w)
     if not pool_can_bind(sim, w):
         return None
-    if isinstance(sim.cluster, ClusterConfig) and sim.cluster.pipeline_parallel_size > 1:
-        # Admission counts blocks, and the run is given up once a decode micro-batch's
-        # blocks do not fit (where the policy would preempt: sim/array_pipeline.py).
-        bs, blocks = sim.kv_cfg.block_size, sim.memory.num_gpu_blocks
-        if blocks_for(largest[0] - 1, bs) > blocks - watermark_blocks(cfg.kv_watermark, blocks):
-            return ("the KV pool can bind, with pipeline stages and a request that alone "
-                    "fills the pool above the watermark")
-        return None
     blocks = sim.memory.num_gpu_blocks
     watermark = watermark_blocks(cfg.kv_watermark, blocks)
     bs = sim.kv_cfg.block_size
+    fills_alone = blocks_for(largest[0] - 1, bs) > blocks - watermark
+    if isinstance(sim.cluster, ClusterConfig) and sim.cluster.pipeline_parallel_size > 1:
+        # Admission counts blocks, and the run is given up once a decode micro-batch's
+        # blocks do not fit (where the policy would preempt: sim/array_pipeline.py).
+        return ("the KV pool can bind, with pipeline stages and a request that alone fills "
+                "the pool above the watermark") if fills_alone else None
     why = None
     if sim.policy.reserves_full_length:
         # Nobody is ever preempted: admission counts each request's whole length (chunk_plan's
         # room), which its decodes never outgrow.
         if sim.prefix_caching:
             why = "prefix caching (its hits would change what a request reserves)"
-        elif blocks_for(largest[0] - 1, bs) > blocks - watermark:
+        elif fills_alone:
             why = "a request that alone fills the pool above the watermark"
     elif runs_guarded(sim.policy):
         # Admission counts blocks, and the run is given up once a running request finds no
         # block (ArrayCore.guard): one that never fits alone would be, sooner or later.
-        if blocks_for(largest[0] - 1, bs) > blocks - watermark:
+        if fills_alone:
             why = "a request that alone fills the pool above the watermark"
     elif not sim.policy.holds_whole_prompt:
         why = f"policy {cfg.name!r}, whose prompts take blocks chunk by chunk"
@@ -314,7 +312,7 @@ def pool_blocker(sim: ArrayCoreHost, w: WorkloadArrays) -> str | None:
     elif not cfg.enable_chunked_prefill and largest[0] - 1 > cfg.max_num_batched_tokens:
         why = ("a request whose recompute (prompt + output - 1 tokens) exceeds "
                "policy.max_num_batched_tokens")
-    elif blocks_for(largest[0] - 1, bs) > blocks - watermark:
+    elif fills_alone:
         why = "a request that alone fills the pool above the watermark"
     return None if why is None else f"the KV pool can bind, with {why}"
 

@@ -139,9 +139,7 @@ def pipelined_loop(core: ArrayCore, metrics: MetricsCollector, req_sink: CsvSink
     # A pool that can bind: admission counts blocks above the watermark (``room``), and the
     # run is given up where a decode micro-batch's blocks do not fit (the policy would
     # preempt there: the replica loop's to run).
-    # (``core.guard``: a policy without decode preemptions on counts; fcfs, sjf and priority
-    # state them, so for them the pool binding is ``core.binding``.)
-    counts = core.binding or core.guard
+    counts = core.can_bind
     watermark = core.watermark
     held: dict[int, Any] | None = None
     if indexed:
