@@ -21,7 +21,10 @@ holds, filled or not, as vLLM swaps the whole block table.
 mid-prefill at once. With 1, the oldest prompt takes all the tokens the decodes left. With
 k > 1, as vLLM v0 does, those tokens are split evenly between up to k prompts wanting them, so
 a short prompt is not queued behind a long one's chunks; a prompt that fits whole in its
-share always starts.
+share always starts. With pipeline stages, a prompt whose chunk is in a micro-batch still in
+the pipeline counts among the k if chunks of it remain after that one
+(``StepBuilder.num_pending_after_step``) and wants none of this step's tokens; a request
+decoding in flight is no prompt mid-prefill.
 """
 
 from __future__ import annotations
@@ -84,7 +87,10 @@ class ChunkedPrefillPolicy(Policy):
         if preempted:
             return step.build()
         k = cfg.max_num_partial_prefills
-        share = prefill_share(budget.remaining_tokens, k, len(prefills) + len(step.waiting))
+        # The prompts that want this step's tokens: mid-prefill ones (but those in a
+        # micro-batch still in the pipeline) and the waiting ones.
+        wanting = sum(1 for r in prefills if not step.is_scheduled(r)) + len(step.waiting)
+        share = prefill_share(budget.remaining_tokens, k, wanting)
         preempted = schedule_running(step, budget, order=prefills, max_chunk=share)
         if preempted:
             return step.build()

@@ -168,10 +168,13 @@ class StepBuilder:
         self._spare_run: DecodeRun | None = None
 
     def reset(self, now: float, in_flight: set[int] | None = None,
-              repeated_steps: int = 0, idled: bool = False) -> None:
+              repeated_steps: int = 0, idled: bool = False,
+              mid_prefill: set[int] | None = None) -> None:
         """Start a new step at ``now``. ``in_flight``: ids of running requests that are part
         of a micro-batch still in the pipeline (pipeline parallelism); they count as already
         scheduled, so the shared loops skip them and never pick them as victims.
+        ``mid_prefill``: those of them whose chunk in flight leaves prompt tokens to compute
+        (they are still mid-prefill once it lands: ``num_pending_after_step``).
         ``repeated_steps``: steps the replica took since the last plan by repeating it
         without asking the policy (a decode jump's steps after its first; a pipelined
         replica's repeated micro-batches, and the instants it found every running request
@@ -193,6 +196,7 @@ class StepBuilder:
         self.scheduled_requests: list[Request] = []  # parallel to plan.scheduled
         self._granted: dict[int, int] = {}  # request id -> tokens granted this step
         self._in_flight: set[int] = in_flight or set()
+        self._mid_prefill: set[int] = mid_prefill or set()
         self.num_scheduled_tokens = 0
         self._hit_memo: dict[Any, tuple[int, tuple[list[int], list[int]] | None]] = {}
         if self._kv.num_offload_blocks:  # the tier's copies go into this step's plan
@@ -510,16 +514,21 @@ class StepBuilder:
 
     def num_pending_after_step(self) -> int:
         """Running requests that will still have tokens pending after this step (those not
-        scheduled, or granted less than they have pending)."""
-        granted = self._granted
+        scheduled, or granted less than they have pending). A request in a micro-batch
+        still in the pipeline has its grant there, and that batch lands before this step's:
+        it counts only if its chunk leaves prompt tokens to compute (``reset``'s
+        ``mid_prefill``), never for its decode token."""
+        granted, in_flight, mid_prefill = self._granted, self._in_flight, self._mid_prefill
         n = 0
         run = self.run
         for r in self._q.running:
-            # Members of this builder's run are counted below; those of a run in flight (a
-            # pipelined replica's micro-batch) are not granted here and still have a token
-            # pending.
-            if ((r._run is None or r._run is not run)
-                    and r.num_pending_tokens > granted.get(r.request_id, 0)):
+            rid = r.request_id
+            if rid in in_flight:
+                if rid in mid_prefill:
+                    n += 1
+            # Members of this builder's run are counted below.
+            elif ((r._run is None or r._run is not run)
+                    and r.num_pending_tokens > granted.get(rid, 0)):
                 n += 1
         if run is not None and run.members and run.scheduled_at != self._step_index:
             n += len(run)

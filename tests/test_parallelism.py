@@ -136,6 +136,49 @@ def test_pipeline_never_schedules_a_request_twice_in_flight():
     assert list(r.token_times) == [4.0, 8.0, 12.0, 16.0]
 
 
+def _chunked_pipeline(requests, **policy):
+    return _pipelined(requests, name="chunked_prefill", max_num_batched_tokens=8,
+                      max_num_seqs=4, **policy)
+
+
+def test_chunked_prefill_admits_while_a_decode_is_in_flight():
+    # a's decode is in flight over [2, 4]; b (two chunks' worth) arrives at 2.5 and starts
+    # when stage 0 frees up at 3: a decode in flight is no prompt mid-prefill.
+    a, b = Request(0, 0.0, 8, 3), Request(1, 2.5, 12, 2)
+    _, ex = _chunked_pipeline([a, b])
+    assert [(s.time, s.rows) for s in ex.steps][:5] == [
+        (0.0, [(0, 0, 8, True)]),
+        (2.0, [(0, 8, 1, True)]),
+        (3.0, [(1, 0, 8, False)]),
+        (4.0, [(0, 9, 1, True)]),
+        (5.0, [(1, 8, 4, True)]),
+    ]
+    assert list(b.token_times) == [7.0, 9.0]
+
+
+def test_chunked_prefill_counts_a_prompt_whose_chunk_in_flight_leaves_more():
+    # a's first chunk (in flight over [0, 2]) leaves 8 tokens: at 1 a is still a prompt
+    # mid-prefill, and max_num_partial_prefills=1 keeps b (longer than a step) waiting. a's
+    # last chunk (in flight over [2, 4]) leaves none: at 3 b starts.
+    a, b = Request(0, 0.0, 16, 2), Request(1, 0.5, 12, 2)
+    _, ex = _chunked_pipeline([a, b])
+    assert [(s.time, s.rows) for s in ex.steps][:5] == [
+        (0.0, [(0, 0, 8, False)]),
+        (2.0, [(0, 8, 8, True)]),
+        (3.0, [(1, 0, 8, False)]),
+        (4.0, [(0, 16, 1, True)]),
+        (5.0, [(1, 8, 4, True)]),
+    ]
+    # With two allowed, b starts at 1 beside a's chunk in flight, and takes the whole step:
+    # a prompt in flight wants none of its tokens.
+    a, b = Request(0, 0.0, 16, 2), Request(1, 0.5, 12, 2)
+    _, ex = _chunked_pipeline([a, b], max_num_partial_prefills=2)
+    assert [(s.time, s.rows) for s in ex.steps][:2] == [
+        (0.0, [(0, 0, 8, False)]),
+        (1.0, [(1, 0, 8, False)]),
+    ]
+
+
 @pytest.mark.slow
 def test_pipelined_simulation_runs_from_the_config(tmp_path):
     from experiments.simulation import run_simulation

@@ -127,6 +127,9 @@ class PipelinedReplica(Replica):
         # themselves in turn and restart their prefills for ever (every micro-batch holds a
         # chunk, so no plan is empty): past ``_CHURN_LIMIT`` the run stops and says so.
         self._churn = 0
+        # Requests whose chunk in flight leaves prompt tokens to compute: still mid-prefill
+        # once it lands (``StepBuilder.num_pending_after_step``).
+        self._mid_prefill: set[int] = set()
         super().__init__(*args, **kwargs)
         policy = self.policy
         self._repeats = self.fast_forward and not self.check_integrity
@@ -193,7 +196,8 @@ class PipelinedReplica(Replica):
                     continue
                 now = env.now  # (asleep from where the repeats left the clock)
                 if goes_on is None:  # the policy plans
-                    builder.reset(now, busy, repeated_steps=self._repeated, idled=idled)
+                    builder.reset(now, busy, repeated_steps=self._repeated, idled=idled,
+                                  mid_prefill=self._mid_prefill)
                     idled = False
                     self._repeated = 0
                     plan = policy.schedule(builder)
@@ -264,6 +268,9 @@ class PipelinedReplica(Replica):
         self._enter(in_flight, stage_free, now, result.duration, _Batch(
             0.0, now, plan, requests, result, run, run_step, len(requests), is_steady))
         busy.update(map(_request_id, requests))
+        # (The plan's parts: reading ``plan.scheduled`` would expand its block into rows.)
+        self._mid_prefill.update(part.request_id for part in plan.parts
+                                 if not isinstance(part, DecodeBlock) and not part.sample)
 
     def _enter(self, in_flight: deque[_Batch], stage_free: list[float], now: float,
                duration: float, batch: _Batch) -> None:
@@ -296,6 +303,9 @@ class PipelinedReplica(Replica):
                 self._apply_block(self.env.now, (run, b.run_step))  # type: ignore[arg-type]
         else:
             busy.difference_update(map(_request_id, b.requests))  # type: ignore[arg-type]
+            if self._mid_prefill:
+                self._mid_prefill.difference_update(
+                    map(_request_id, b.requests))  # type: ignore[arg-type]
             self._apply(b.plan, b.requests, b.result,  # type: ignore[arg-type]
                         None if run is None else (run, b.run_step))
         merged = False
