@@ -69,6 +69,10 @@ CASES: dict[str, tuple[list[str], float]] = {
                 "policy.max_num_batched_tokens=4096"], 6),
     # Two pipeline stages per replica (two micro-batches in flight).
     "fcfs_pp2": ([*_FCFS, "cluster.pipeline_parallel_size=2"], 6),
+    # Sarathi-Serve's chunks (512 tokens) on two pipeline stages, as Vidur pairs them.
+    "chunked_prefill_pp2": (["policy=chunked_prefill", "policy.max_num_seqs=128",
+                             "policy.max_num_batched_tokens=512",
+                             "cluster.pipeline_parallel_size=2"], 6),
     # Four replicas behind a router at four times the rate.
     "replicas4": ([*_FCFS, "cluster.num_replicas=4", "cluster.router=least_outstanding"], 24),
     # The same behind the router that reads each replica's KV usage at every arrival.

@@ -75,6 +75,7 @@ class ChunkedPrefillPolicy(Policy):
     supports_decode_jumps = True
     implements_chunked_prefill = True
     array_core = True
+    grants_decodes_first = True
 
     config_class = ChunkedPrefillConfig
     config: ChunkedPrefillConfig
@@ -114,7 +115,7 @@ class ChunkedPrefillPolicy(Policy):
 
     def chunk_plan(self, decode_tokens: int, partials: Sequence[int], waiting: Iterable[int],
                    num_waiting: int, seats: int, room: tuple[int, int, int] | None = None,
-                   ) -> tuple[list[int], list[int]]:
+                   in_flight_partials: int = 0) -> tuple[list[int], list[int]]:
         """The array core's step (sim/array_core.py) when its decodes preempt nobody and
         nothing is swapped out: ``schedule``'s decisions on plain numbers. Given the step's
         ``decode_tokens`` (every running request with one pending token), the pending
@@ -124,7 +125,10 @@ class ChunkedPrefillPolicy(Policy):
         the ``room`` admission counts blocks in (``counted_room``), returns the chunks the
         partials get (in order; fewer entries once the budget is spent) and the chunks of
         the waiting requests admitted (the first ``len`` of the queue).
-        tests/test_array_core.py checks it against ``schedule``."""
+        ``in_flight_partials``: with pipeline stages, the prompts in a micro-batch in flight
+        that stay mid-prefill once it lands (they count among ``max_num_partial_prefills``;
+        ``partials`` are those not in flight). tests/test_array_core.py and
+        tests/test_array_pipeline.py check it against ``schedule``."""
         cfg = self.config
         remaining = cfg.max_num_batched_tokens - decode_tokens
         k = cfg.max_num_partial_prefills
@@ -134,7 +138,7 @@ class ChunkedPrefillPolicy(Policy):
             return chunks, []
         # Partials left unfinished: those cut short, and those the budget did not reach.
         open_partials = (sum(n < p for n, p in zip(chunks, partials))
-                         + len(partials) - len(chunks))
+                         + len(partials) - len(chunks) + in_flight_partials)
         admitted = admission_rule(waiting, None, remaining, seats, cfg.max_num_batched_tokens,
                                   chunked=True, max_partial=max(0, k - open_partials),
                                   max_chunk=share,

@@ -105,18 +105,23 @@ def array_core_blocker(sim: ArrayCoreHost) -> str | None:
 def _pipeline_blocker(sim: ArrayCoreHost) -> str | None:
     """Why these replicas with pipeline stages cannot run on the array core
     (sim/array_pipeline.py), or None: under a policy of whole-prompt, prefill-only steps
-    (``head_admissions``: FCFS; ``indexed_admissions``: SJF, priority), behind a router
-    that reads only outstanding counts and KV usage. (Where their pool can bind:
-    ``pool_blocker``.)"""
+    (``head_admissions``: FCFS; ``indexed_admissions``: SJF, priority) or of chunked steps
+    that grant every decode first (``grants_decodes_first`` and ``chunk_plan``: vLLM v0's
+    chunked prefill), behind a router that reads only outstanding counts and KV usage.
+    (Where their pool can bind: ``pool_blocker``.)"""
     cluster, policy = sim.cluster, sim.policy
     if not ROUTERS.get(str(cluster.router)).reads_only_load:
         return (f"router {cluster.router!r} reads more than outstanding request counts "
                 "and KV usage")
-    if (policy.implements_chunked_prefill or policy.reserves_full_length
-            or not (callable(getattr(policy, "head_admissions", None))
-                    or callable(getattr(policy, "indexed_admissions", None)))):
+    if policy.implements_chunked_prefill:
+        rule = policy.grants_decodes_first and callable(getattr(policy, "chunk_plan", None))
+    else:
+        rule = (callable(getattr(policy, "head_admissions", None))
+                or callable(getattr(policy, "indexed_admissions", None)))
+    if policy.reserves_full_length or not rule:
         return (f"pipeline stages under policy {policy.config.name!r} (the core pipelines "
-                "whole-prompt, prefill-only steps: fcfs, sjf, priority)")
+                "whole-prompt, prefill-only steps, or chunked ones that grant every decode "
+                "first: fcfs, sjf, priority, chunked_prefill)")
     return None
 
 

@@ -1,11 +1,12 @@
 """Replicas split into pipeline stages on the array core: step_mode=fast with
 ``cluster.pipeline_parallel_size`` > 1 under a policy of whole-prompt, prefill-only steps
-(FCFS: ``head_admissions``; SJF, priority: ``indexed_admissions``), one replica or several
-behind a router that reads only outstanding counts and KV usage (sim/array_cluster.py
-drives each replica's loop on a ``Lane``). On a KV pool that can bind, admission counts
-blocks above the watermark and the run is given up (``PoolMayBind``) where a decode
-micro-batch's blocks do not fit: the policy would preempt there, which only the replica
-loop does.
+(FCFS: ``head_admissions``; SJF, priority: ``indexed_admissions``) or of chunked steps that
+grant every decode first (``grants_decodes_first``: vLLM v0's chunked prefill,
+``chunk_plan``), one replica or several behind a router that reads only outstanding counts
+and KV usage (sim/array_cluster.py drives each replica's loop on a ``Lane``). On a KV pool
+that can bind, admission counts blocks above the watermark and the run is given up
+(``PoolMayBind``) where a micro-batch's decodes' blocks do not fit: the policy would
+preempt there, which only the replica loop does.
 
 The replica loop's pipelined replica (sim/cluster/pipeline.py) is the reference: up to
 ``stages`` micro-batches are in flight, each built when stage 0 is free from the running
@@ -19,7 +20,11 @@ arrivals due with it):
 * the policy decides as in its ``schedule``: a prefill-only micro-batch of the waiting
   requests it admits (seats: every running request, in flight or not), else one decode row
   for each decoding request not in flight (requests finishing in one leave in its running
-  order);
+  order); under chunked prefill, a micro-batch of those decode rows with the prompts one
+  token from done (in arrival order), then the chunks ``chunk_plan`` grants the prompts
+  mid-prefill not in flight and the waiting ones (told how many prompts in flight stay
+  mid-prefill once their chunk lands), priced as a plan; a prompt whose chunk leaves
+  tokens rejoins those not in flight, in arrival order, when it lands;
 * the decoding requests not in flight form a group, and each decode micro-batch takes a
   whole group into the pipeline. A group keeps its members as the array core keeps its
   batch: contexts as offsets from the group's own decode count, the finishing order in a
@@ -48,7 +53,7 @@ checks it against step-by-step simulation and the replica loop.
 from __future__ import annotations
 
 from array import array
-from bisect import bisect_right
+from bisect import bisect_right, insort
 from collections import deque
 from collections.abc import Generator
 from heapq import heapify, heappop, heappush
@@ -60,7 +65,7 @@ from sim.array_inputs import INDEX_BITS
 from sim.kv_manager import blocks_for
 from sim.metrics import MetricsCollector
 from sim.outputs import STEP_ROW_FORMAT, CsvSink
-from sim.plan import DecodeBlock, StepPlan
+from sim.plan import DecodeBlock, ScheduledRequest, StepPlan
 from sim.progress import Progress
 
 INF = float("inf")
@@ -149,6 +154,15 @@ def pipelined_loop(core: ArrayCore, metrics: MetricsCollector, req_sink: CsvSink
         indexed_admit = waiting.admit
     else:
         waiting = deque()
+    # Chunked prefill that grants every decode first (``grants_decodes_first``): a
+    # micro-batch holds the decoding requests not in flight, the prompts one token from
+    # done, and chunks of the prompts mid-prefill not in flight and of those it admits
+    # (``chunk_plan``, told the prompts in flight that stay mid-prefill); its rows are
+    # sampled in that order, the decode rows in arrival order.
+    chunked = policy.implements_chunked_prefill
+    if chunked:
+        chunk_plan = policy.chunk_plan  # type: ignore[attr-defined]
+    elif not indexed:
         head_admissions = policy.head_admissions  # type: ignore[attr-defined]
     ex = core.executor
     execute = ex.execute
@@ -176,6 +190,11 @@ def pipelined_loop(core: ArrayCore, metrics: MetricsCollector, req_sink: CsvSink
     first = [0.0] * N
     sched = [0.0] * N
     prior: list[list[array] | None] = [None] * N
+    # Chunked prefill: each prompt mid-prefill's computed tokens, those not in flight in
+    # arrival order, and how many in flight stay mid-prefill once their chunk lands.
+    computed: dict[int, int] = {}
+    partials: list[int] = []
+    mid_in_flight = 0
 
     def join(g: _Group, i: int, c: int, left: int) -> None:
         """Request ``i`` joins group ``g`` with context ``c``, ``left`` decodes to go."""
@@ -238,8 +257,10 @@ def pipelined_loop(core: ArrayCore, metrics: MetricsCollector, req_sink: CsvSink
         return g.prices[0]
 
     # In flight, in leave order: (leave, start, group or None, prompts admitted or
-    # None, rows, prompt tokens).
-    in_flight: deque[tuple[float, float, _Group | None, list[int] | None, int, int]] = (
+    # None, rows, prompt tokens, and for a chunked micro-batch its grants (request, tokens)
+    # with (decode rows, rows sampled, prompts one token from done), else None).
+    in_flight: deque[tuple[float, float, _Group | None, list[int] | None, int, int,
+                           list[tuple[int, int]] | None, tuple[int, int, int] | None]] = (
         deque())
     stage_free = [0.0] * pp
     later_stages = range(1, pp)
@@ -290,8 +311,8 @@ def pipelined_loop(core: ArrayCore, metrics: MetricsCollector, req_sink: CsvSink
             nxt_arrival = QA[nxt] if nxt < nq else INF
         # The micro-batch leaving now applies its tokens (leave times only grow).
         if in_flight and in_flight[0][0] <= now:
-            leave, began, g, batch, rows, tokens = in_flight.popleft()
-            if g is None:  # a prefill batch: each prompt's first token
+            leave, began, g, batch, rows, tokens, grants, counts_of = in_flight.popleft()
+            if g is None and grants is None:  # a prefill batch: each prompt's first token
                 for i in batch:  # type: ignore[union-attr]
                     if OL[i] == 1:
                         if held is not None:
@@ -306,7 +327,7 @@ def pipelined_loop(core: ArrayCore, metrics: MetricsCollector, req_sink: CsvSink
                         first[i] = leave
                         prior[i] = None
                         join(free_group, i, PL[i], OL[i] - 1)
-            else:  # a decode batch: every member's next token
+            elif g is not None:  # a decode batch: every member's next token
                 s = g.S
                 times = g.times
                 times.append(leave)
@@ -317,7 +338,19 @@ def pipelined_loop(core: ArrayCore, metrics: MetricsCollector, req_sink: CsvSink
                     gone.append(heappop(ends) & _MASK)
                 if held is not None and len(gone) > 1:  # rows in the policy's running order
                     gone.sort(key=running_rank)
+                # Chunked: prompts one token from done that finish with it, among the decode
+                # rows (arrival order).
+                ends_too = ([i for i, _ in grants[:counts_of[2]] if OL[i] == 1]  # type: ignore[index]
+                            if grants is not None and counts_of[2] else None)  # type: ignore[index]
+                if ends_too:
+                    gone = sorted(gone + ends_too)
                 for i in gone:
+                    if ends_too and i in ends_too:
+                        finish(i, leave, sched[i], leave, _EMPTY)
+                        used -= blocks_for(PL[i], bs)
+                        running -= 1
+                        done += 1
+                        continue
                     c = ctx[i]
                     g.ctx_sum -= c
                     g.blocks.add(c, -1)
@@ -343,11 +376,37 @@ def pipelined_loop(core: ArrayCore, metrics: MetricsCollector, req_sink: CsvSink
                         g.toff = low
                         g.trim_at = len(times) + _TIMES_KEPT
                     free_group = g if free_group is None else merge(free_group, g)
+            if grants is not None:  # a chunked batch's prompt rows, in grant order
+                num_ones = counts_of[2]  # type: ignore[index]
+                for k, (i, n) in enumerate(grants):
+                    c = computed[i] + n
+                    if c < PL[i]:  # mid-prefill still: back among those not in flight
+                        computed[i] = c
+                        insort(partials, i)
+                        mid_in_flight -= 1
+                        continue
+                    del computed[i]
+                    if OL[i] == 1:
+                        if k < num_ones and g is not None:  # finished among the decode rows
+                            continue
+                        finish(i, leave, sched[i], leave, _EMPTY)
+                        used -= blocks_for(PL[i], bs)
+                        running -= 1
+                        done += 1
+                    else:
+                        if free_group is None:
+                            free_group = _Group(bs)
+                        first[i] = leave
+                        prior[i] = None
+                        join(free_group, i, PL[i], OL[i] - 1)
             num_steps += 1
             if record:
-                decode = 0 if g is None else rows
+                if grants is not None:
+                    decode, sampled = counts_of[0], counts_of[1]  # type: ignore[index]
+                else:
+                    decode, sampled = (0 if g is None else rows), rows
                 write_row((num_steps, replica, repr(began), repr(leave - began), rows, tokens,
-                           decode, rows, len(waiting), running, 0, used,
+                           decode, sampled, len(waiting), running, 0, used,
                            round(used / num_blocks, 6), 0, 0, 0, 0), STEP_ROW_FORMAT)
             if done >= next_tick:
                 progress.update(done, now)
@@ -356,7 +415,76 @@ def pipelined_loop(core: ArrayCore, metrics: MetricsCollector, req_sink: CsvSink
             # Stage 0 free and a place in the pipeline: the policy's next micro-batch.
             if len(in_flight) < pp and stage_free[0] <= now and (waiting or running):
                 d = -1.0
-                if waiting:
+                grants = counts_of = None
+                if chunked:
+                    # Every decode first (the group, and the prompts one token from done),
+                    # then the chunks chunk_plan grants.
+                    g = free_group
+                    nd = grow = 0
+                    if g is not None:
+                        nd = len(g.members)
+                        grow = g.blocks.count[-g.S % bs]
+                        if used + grow > num_blocks:
+                            raise PoolMayBind(f"replica {replica}'s micro-batch at {now!r} s "
+                                              "does not fit its KV pool")
+                    ones, multi = [], []
+                    for i in partials:
+                        (ones if PL[i] - computed[i] == 1 else multi).append(i)
+                    chunks: Any = ()
+                    admitted: Any = ()
+                    if multi or waiting:
+                        room = (num_blocks - used - grow, watermark, bs) if counts else None
+                        chunks, admitted = chunk_plan(
+                            nd + len(ones), [PL[i] - computed[i] for i in multi],
+                            map(PL.__getitem__, waiting), len(waiting), seats_total - running,
+                            room, in_flight_partials=mid_in_flight)
+                    if ones or chunks or admitted:
+                        new = [waiting.popleft() for _ in admitted]  # type: ignore[union-attr]
+                        for i in new:
+                            computed[i] = 0
+                            sched[i] = now
+                            used += blocks_for(PL[i], bs)
+                        running += len(new)
+                        grants = [(i, 1) for i in ones]
+                        grants += zip(multi, chunks)
+                        grants += zip(new, admitted)
+                        plan = StepPlan([ScheduledRequest(i, computed[i], n, [],
+                                                          computed[i] + n == PL[i])
+                                         for i, n in grants])
+                        tokens = 0
+                        one_token = 0
+                        sampled = nd
+                        for i, n in grants:
+                            c = computed[i]
+                            # (One token over a non-empty cache is a decode row: step_shape.)
+                            if n == 1 and c:
+                                one_token += 1
+                            else:
+                                tokens += n
+                            if c + n == PL[i]:
+                                sampled += 1
+                            else:
+                                mid_in_flight += 1
+                        if partials:  # those in flight now
+                            taken = {*ones, *multi[:len(chunks)]}
+                            partials = [i for i in partials if i not in taken]
+                        if g is not None:
+                            free_group = None
+                            s = g.S
+                            top = g.top
+                            if top is None:
+                                top = g.top = longest(g)
+                            # Start positions: each member's context before its new token.
+                            plan.add_block(DecodeBlock.for_pricing(nd, g.ctx_sum + nd * s,
+                                                                   top + s))
+                            g.S = s + 1
+                            used += grow
+                        d = execute(plan).duration
+                        rows = nd + len(grants)
+                        counts_of = (nd + one_token, sampled, len(ones))
+                        batch = None
+                        last_was_decode = False
+                elif waiting:
                     room = (num_blocks - used, watermark, bs) if counts else None
                     if indexed:
                         batch = indexed_admit(now, seats_total - running, room)
@@ -422,7 +550,7 @@ def pipelined_loop(core: ArrayCore, metrics: MetricsCollector, req_sink: CsvSink
                         t = (t if t >= free_at else free_at) + share
                         stage_free[k] = t
                     busy += share
-                    in_flight.append((t, now, g, batch, rows, tokens))
+                    in_flight.append((t, now, g, batch, rows, tokens, grants, counts_of))
             # Asleep until the next batch leaves, stage 0 comes free or a request
             # arrives (the replica's timeout: its delay added to now).
             own = in_flight[0][0] if in_flight else INF

@@ -140,8 +140,17 @@ class Policy(ABC):
     #: run from the start: sim/array_inputs.py ``runs_guarded``).
     #: Policies opt in after the array-core-vs-exact tests.
     array_core: ClassVar[bool] = False
+    #: Under chunked prefill: True if every step grants each decoding request not in flight
+    #: its token before any prompt chunk, whatever the running order (vLLM v0: the decodes
+    #: first, then the prompts mid-prefill, then admissions). With pipeline stages the
+    #: array core then plans its micro-batches on plain numbers (sim/array_pipeline.py):
+    #: ``chunk_plan`` gets the prompts in flight that stay mid-prefill once their chunk
+    #: lands (``in_flight_partials``). Not for a policy whose running order may put a chunk
+    #: before a decode (vLLM v1: a prompt admitted before a request that now decodes).
+    grants_decodes_first: ClassVar[bool] = False
 
-    FAST_PATH_FLAGS: ClassVar[tuple[str, ...]] = ("supports_decode_jumps", "array_core")
+    FAST_PATH_FLAGS: ClassVar[tuple[str, ...]] = ("supports_decode_jumps", "array_core",
+                                                  "grants_decodes_first")
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

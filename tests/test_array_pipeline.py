@@ -24,7 +24,10 @@ pytestmark = pytest.mark.equivalence
        policy=st.sampled_from([
            ("policy=fcfs",), ("policy=fcfs",), ("policy=sjf",),
            ("policy=sjf", "policy.predictor=noisy", "policy.aging_s=0.02"),
-           ("policy=priority", "policy.preemptive=false", "workload.priorities=[1,2,1]")]),
+           ("policy=priority", "policy.preemptive=false", "workload.priorities=[1,2,1]"),
+           ("policy=chunked_prefill",),
+           ("policy=chunked_prefill", "policy.max_num_batched_tokens=48",
+            "policy.max_num_partial_prefills=2")]),
        pool=st.one_of(st.none(), st.none(), st.integers(330, 4000)))
 # Every request arrives at 0.0, where simpy's clock is the int 0.
 @example(seed=3, qps=1e9, seqs=8, budget=400, stages=2, out_min=1, prompt_min=1, block=16,
@@ -35,18 +38,21 @@ def test_pipelined_core_equals_exact_on_random_small_workloads(seed, qps, seqs, 
     """Micro-batches in flight in a flow shop of ``stages``: prefill-only batches of the
     prompts the policy admits (seats counting requests in flight; FCFS's queue, or SJF's and
     priority's own order, aging included), else the decoding requests not in flight, whose
-    groups merge as they leave (finishers in the policy's running order); one-token
-    outputs finishing with their prompt; constant and bursty arrivals (an arrival as a
-    batch leaves or stage 0 frees). ``pool``: a pool of that many tokens, which can bind:
+    groups merge as they leave (finishers in the policy's running order); under chunked
+    prefill, those decodes with the prompts one token from done and chunks of the prompts
+    mid-prefill and admitted (prompts in flight counting among the partial prefills);
+    one-token outputs finishing with their prompt; constant and bursty arrivals (an arrival
+    as a batch leaves or stage 0 frees). ``pool``: a pool of that many tokens, which can bind:
     admission counts blocks above the watermark, and the run is given up to the replica
     loop where a decode micro-batch's blocks do not fit."""
     # (The tiny model has two layers: more stages take a model with more.)
     model = TINY if stages == 2 else ("model=llama3_8b", *TINY[1:])
-    over = [*model, *UNIFORM, *policy, f"seed={seed}", f"workload.qps={qps}",
+    over = [*model, *UNIFORM, policy[0], f"seed={seed}", f"workload.qps={qps}",
             f"workload.arrival={arrival}", "workload.cv=3.0", "workload.num_requests=60",
             f"policy.max_num_seqs={seqs}", f"policy.max_num_batched_tokens={budget}",
             f"kv.block_size={block}", f"cluster.pipeline_parallel_size={stages}",
-            f"workload.prompt_len.min={prompt_min}", f"workload.output_len.min={out_min}"]
+            f"workload.prompt_len.min={prompt_min}", f"workload.output_len.min={out_min}",
+            *policy[1:]]  # (a policy's own budget comes last)
     if pool is not None:
         over.append(f"kv.num_gpu_blocks_override={-(-pool // block)}")
     same_or_given_up(over, pool is not None, ("does not fit its KV pool", "alone fills the pool"))
@@ -59,7 +65,9 @@ def test_pipelined_core_equals_exact_on_random_small_workloads(seed, qps, seqs, 
                                "power_of_two"]),
        policy=st.sampled_from([("policy=fcfs",), ("policy=sjf", "policy.predictor=noisy"),
                                ("policy=priority", "policy.preemptive=false",
-                                "workload.priorities=[1,2,1]")]),
+                                "workload.priorities=[1,2,1]"),
+                               ("policy=chunked_prefill", "policy.max_num_batched_tokens=64",
+                                "policy.max_num_partial_prefills=2")]),
        pool=st.one_of(st.none(), st.integers(400, 3000)))
 def test_pipelined_replicas_behind_a_router_equal_exact(seed, qps, seqs, replicas, out_min,
                                                         block, router, policy, pool):
@@ -89,6 +97,40 @@ def test_pipelined_core_admits_by_blocks_on_a_pool_that_can_bind():
                       "workload.prompt_len.min=50", "workload.output_len.min=1",
                       "cluster.pipeline_parallel_size=2", "kv.num_gpu_blocks_override=188"])
     assert s["step_engine"] == "array_core" and s["num_preemptions"] == 0
+
+
+def test_chunked_prefill_counts_prompts_in_flight_among_its_partial_prefills():
+    """``chunk_plan``'s ``in_flight_partials``: a prompt in flight that stays mid-prefill
+    takes the one partial prefill allowed, so a prompt longer than the step waits; one that
+    fits whole starts anyway."""
+    from policies import make_policy
+
+    policy = make_policy({"name": "chunked_prefill", "max_num_batched_tokens": 64,
+                          "max_num_seqs": 8})
+    assert policy.chunk_plan(2, [], [100], 1, 8) == ([], [62])
+    assert policy.chunk_plan(2, [], [100], 1, 8, in_flight_partials=1) == ([], [])
+    assert policy.chunk_plan(2, [], [30, 100], 2, 8, in_flight_partials=1) == ([], [30])
+
+
+def test_chunked_pipelines_run_on_the_core():
+    """Chunked prefill on three stages, prompts up to four steps long and two partial
+    prefills: the micro-batches of step-by-step simulation, on the core."""
+    s = _assert_same(["model=llama3_8b", *TINY[1:], *UNIFORM, "policy=chunked_prefill",
+                      "seed=7", "workload.qps=200", "workload.num_requests=80",
+                      "policy.max_num_seqs=12", "policy.max_num_batched_tokens=48",
+                      "policy.max_num_partial_prefills=2", "workload.output_len.min=1",
+                      "cluster.pipeline_parallel_size=3"])
+    assert s["step_engine"] == "array_core"
+    # Prompts of 1 to 12 tokens in steps of 8 with outputs of 1 to 3: one-token prompts,
+    # prompts left one token from done (decode rows), and both finishing with their first
+    # token among the decodes that finish (in arrival order).
+    s = _assert_same([*TINY, *UNIFORM, "policy=chunked_prefill", "seed=16", "workload.qps=500",
+                      "workload.num_requests=200", "workload.prompt_len.min=1",
+                      "workload.prompt_len.max=12", "workload.output_len.min=1",
+                      "workload.output_len.max=3", "policy.max_num_seqs=4",
+                      "policy.max_num_batched_tokens=8", "policy.max_num_partial_prefills=3",
+                      "cluster.pipeline_parallel_size=2"])
+    assert s["step_engine"] == "array_core"
 
 
 def _files(overrides: list[str], tmp_path, name: str) -> tuple[dict, pd.DataFrame, pd.DataFrame]:
@@ -132,7 +174,7 @@ def test_pipelined_core_writes_the_replica_loops_files(tmp_path, layout):
 
 @pytest.mark.parametrize("overrides,reason", [
     (("policy=sjf", "policy.preemptive=true"), "may preempt a running request to admit"),
-    (("policy=chunked_prefill",), "pipeline stages under policy 'chunked_prefill'"),
+    (("policy=vllm_v1",), "pipeline stages under policy 'vllm_v1'"),
     (("policy=static",), "pipeline stages under policy 'static'"),
     (("cluster.num_replicas=2", "cluster.router=prefix_aware"),
      "router 'prefix_aware' reads more than outstanding request counts and KV usage"),
