@@ -256,10 +256,10 @@ def pipelined_loop(core: ArrayCore, metrics: MetricsCollector, req_sink: CsvSink
         g.prices_from = s
         return g.prices[0]
 
-    # In flight, in leave order: (leave, start, group or None, prompts admitted or
-    # None, rows, prompt tokens, and for a chunked micro-batch its grants (request, tokens)
-    # with (decode rows, rows sampled, prompts one token from done), else None).
-    in_flight: deque[tuple[float, float, _Group | None, list[int] | None, int, int,
+    # In flight, in leave order: (leave, start, the decode group or None, rows, prompt
+    # tokens, and where it holds prompts, their grants (request, tokens) in row order with
+    # (decode rows, rows sampled, prompts one token from done); else None, None).
+    in_flight: deque[tuple[float, float, _Group | None, int, int,
                            list[tuple[int, int]] | None, tuple[int, int, int] | None]] = (
         deque())
     stage_free = [0.0] * pp
@@ -311,23 +311,8 @@ def pipelined_loop(core: ArrayCore, metrics: MetricsCollector, req_sink: CsvSink
             nxt_arrival = QA[nxt] if nxt < nq else INF
         # The micro-batch leaving now applies its tokens (leave times only grow).
         if in_flight and in_flight[0][0] <= now:
-            leave, began, g, batch, rows, tokens, grants, counts_of = in_flight.popleft()
-            if g is None and grants is None:  # a prefill batch: each prompt's first token
-                for i in batch:  # type: ignore[union-attr]
-                    if OL[i] == 1:
-                        if held is not None:
-                            del held[i]
-                        finish(i, leave, sched[i], leave, _EMPTY)
-                        used -= blocks_for(PL[i], bs)
-                        running -= 1
-                        done += 1
-                    else:
-                        if free_group is None:
-                            free_group = _Group(bs)
-                        first[i] = leave
-                        prior[i] = None
-                        join(free_group, i, PL[i], OL[i] - 1)
-            elif g is not None:  # a decode batch: every member's next token
+            leave, began, g, rows, tokens, grants, counts_of = in_flight.popleft()
+            if g is not None:  # the decode group: every member's next token
                 s = g.S
                 times = g.times
                 times.append(leave)
@@ -376,7 +361,7 @@ def pipelined_loop(core: ArrayCore, metrics: MetricsCollector, req_sink: CsvSink
                         g.toff = low
                         g.trim_at = len(times) + _TIMES_KEPT
                     free_group = g if free_group is None else merge(free_group, g)
-            if grants is not None:  # a chunked batch's prompt rows, in grant order
+            if grants is not None:  # its prompt rows, in grant order: a prompt done samples
                 num_ones = counts_of[2]  # type: ignore[index]
                 for k, (i, n) in enumerate(grants):
                     c = computed[i] + n
@@ -389,6 +374,8 @@ def pipelined_loop(core: ArrayCore, metrics: MetricsCollector, req_sink: CsvSink
                     if OL[i] == 1:
                         if k < num_ones and g is not None:  # finished among the decode rows
                             continue
+                        if held is not None:
+                            del held[i]
                         finish(i, leave, sched[i], leave, _EMPTY)
                         used -= blocks_for(PL[i], bs)
                         running -= 1
@@ -404,7 +391,7 @@ def pipelined_loop(core: ArrayCore, metrics: MetricsCollector, req_sink: CsvSink
                 if grants is not None:
                     decode, sampled = counts_of[0], counts_of[1]  # type: ignore[index]
                 else:
-                    decode, sampled = (0 if g is None else rows), rows
+                    decode = sampled = rows
                 write_row((num_steps, replica, repr(began), repr(leave - began), rows, tokens,
                            decode, sampled, len(waiting), running, 0, used,
                            round(used / num_blocks, 6), 0, 0, 0, 0), STEP_ROW_FORMAT)
@@ -482,7 +469,6 @@ def pipelined_loop(core: ArrayCore, metrics: MetricsCollector, req_sink: CsvSink
                         d = execute(plan).duration
                         rows = nd + len(grants)
                         counts_of = (nd + one_token, sampled, len(ones))
-                        batch = None
                         last_was_decode = False
                 elif waiting:
                     room = (num_blocks - used, watermark, bs) if counts else None
@@ -499,9 +485,12 @@ def pipelined_loop(core: ArrayCore, metrics: MetricsCollector, req_sink: CsvSink
                         for i in batch:
                             sched[i] = now
                             used += blocks_for(PL[i], bs)
+                            computed[i] = 0
                         running += k
                         g = None
                         rows = k
+                        grants = [(i, PL[i]) for i in batch]
+                        counts_of = (0, k, 0)
                         last_was_decode = False
                 if d < 0 and free_group is not None:
                     g = free_group
@@ -532,7 +521,6 @@ def pipelined_loop(core: ArrayCore, metrics: MetricsCollector, req_sink: CsvSink
                     if used > num_blocks:
                         raise PoolMayBind(f"replica {replica}'s decode micro-batch at {now!r} s "
                                           "does not fit its KV pool")
-                    batch = None
                     tokens = 0
                     if not last_was_decode:
                         runs += 1
@@ -550,7 +538,7 @@ def pipelined_loop(core: ArrayCore, metrics: MetricsCollector, req_sink: CsvSink
                         t = (t if t >= free_at else free_at) + share
                         stage_free[k] = t
                     busy += share
-                    in_flight.append((t, now, g, batch, rows, tokens, grants, counts_of))
+                    in_flight.append((t, now, g, rows, tokens, grants, counts_of))
             # Asleep until the next batch leaves, stage 0 comes free or a request
             # arrives (the replica's timeout: its delay added to now).
             own = in_flight[0][0] if in_flight else INF
