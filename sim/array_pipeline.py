@@ -407,20 +407,17 @@ def pipelined_loop(core: ArrayCore, metrics: MetricsCollector, req_sink: CsvSink
                     # Every decode first (the group, and the prompts one token from done),
                     # then the chunks chunk_plan grants.
                     g = free_group
-                    nd = grow = 0
-                    if g is not None:
-                        nd = len(g.members)
-                        grow = g.blocks.count[-g.S % bs]
-                        if used + grow > num_blocks:
-                            raise PoolMayBind(f"replica {replica}'s micro-batch at {now!r} s "
-                                              "does not fit its KV pool")
+                    nd = 0 if g is None else len(g.members)
                     ones, multi = [], []
                     for i in partials:
                         (ones if PL[i] - computed[i] == 1 else multi).append(i)
                     chunks: Any = ()
                     admitted: Any = ()
                     if multi or waiting:
-                        room = (num_blocks - used - grow, watermark, bs) if counts else None
+                        room = None
+                        if counts:  # the free blocks once the decodes have their new ones
+                            grow = 0 if g is None else g.blocks.count[-g.S % bs]
+                            room = (num_blocks - used - grow, watermark, bs)
                         chunks, admitted = chunk_plan(
                             nd + len(ones), [PL[i] - computed[i] for i in multi],
                             map(PL.__getitem__, waiting), len(waiting), seats_total - running,
@@ -452,9 +449,8 @@ def pipelined_loop(core: ArrayCore, metrics: MetricsCollector, req_sink: CsvSink
                                 sampled += 1
                             else:
                                 mid_in_flight += 1
-                        if partials:  # those in flight now
-                            taken = {*ones, *multi[:len(chunks)]}
-                            partials = [i for i in partials if i not in taken]
+                        # Those left out of it: the partials the budget did not reach.
+                        partials = multi[len(chunks):]
                         if g is not None:
                             free_group = None
                             s = g.S
@@ -464,8 +460,11 @@ def pipelined_loop(core: ArrayCore, metrics: MetricsCollector, req_sink: CsvSink
                             # Start positions: each member's context before its new token.
                             plan.add_block(DecodeBlock.for_pricing(nd, g.ctx_sum + nd * s,
                                                                    top + s))
+                            used += g.blocks.count[-s % bs]  # (as the decode path below)
                             g.S = s + 1
-                            used += grow
+                            if used > num_blocks:
+                                raise PoolMayBind(f"replica {replica}'s micro-batch at "
+                                                  f"{now!r} s does not fit its KV pool")
                         d = execute(plan).duration
                         rows = nd + len(grants)
                         counts_of = (nd + one_token, sampled, len(ones))
