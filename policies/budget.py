@@ -124,13 +124,18 @@ def admission_rule(candidates: Iterable[T], pending_of: Callable[[T], int] | Non
 
 def counted_room(room: tuple[int, int, int],
                  held_tokens: Callable[[Any], int] | None = None, *,
-                 chunk_only: bool = False) -> Callable[[Any, int, int], bool]:
+                 chunk_only: bool = False,
+                 cached_blocks: Callable[[], int] | None = None,
+                 ) -> Callable[[Any, int, int], bool]:
     """``admit``'s KV part on counts, for ``admission_rule``'s ``place`` in the array core
     (sim/array_core.py): ``room`` = (free blocks, watermark blocks, block size). A candidate
     holding nothing is admitted if the blocks of its whole pending prefill (or of
     ``held_tokens(candidate)`` tokens: a whole length that ``admit(reserve_full=True)``
     reserves; or, with ``chunk_only``, of this step's chunk: vLLM v1 holds nothing ahead)
     leave the watermark free (``KVBlockManager.can_allocate``), and takes them.
+    ``cached_blocks()``: the blocks of the candidate's cache hit, read as it is placed
+    (its pending prefill starts after them; they leave the free queue with it, as
+    ``StepBuilder.blocks_needed`` counts them).
     (The core runs only where every request fits the pool alone above the watermark, so
     ``admit``'s fallback for one that never could does not arise.)"""
     free, watermark, block_size = room
@@ -142,6 +147,8 @@ def counted_room(room: tuple[int, int, int],
         else:
             tokens = n if chunk_only else pending
         need = -(-tokens // block_size)
+        if cached_blocks is not None:
+            need += cached_blocks()
         if free - need < watermark:
             return False
         free -= need

@@ -30,7 +30,7 @@ admitted again.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from itertools import islice
 from typing import Any, ClassVar
@@ -42,6 +42,7 @@ from policies.budget import (
     counted_room,
     grant_chunks,
     latest_arrival_victim,
+    preempted_on_counts,
     schedule_running,
 )
 from sim.errors import require
@@ -96,9 +97,7 @@ class VLLMV1Policy(Policy):
     host_overlap_default = True
     # A prompt takes blocks chunk by chunk (``admit_waiting``'s ``place``).
     holds_whole_prompt = False
-    # ``chunk_plan`` below, with the fcfs scheduling policy. It states no decode preemptions
-    # on counts: on a pool that can bind, the core gives a run to the replica loop once a
-    # running request finds no block (``ArrayCore.guard``).
+    # ``chunk_plan`` and ``decode_preemptions`` below, with the fcfs scheduling policy.
     array_core = True
 
     config_class = VLLMV1Config
@@ -129,6 +128,7 @@ class VLLMV1Policy(Policy):
 
     def chunk_plan(self, decode_tokens: int, partials: Sequence[int], waiting: Iterable[int],
                    num_waiting: int, seats: int, room: tuple[int, int, int] | None = None,
+                   cached_blocks: Callable[[], int] | None = None,
                    ) -> tuple[list[int], list[int]]:
         """The array core's step (sim/array_core.py): ``schedule``'s decisions on plain
         numbers, where no running request is preempted. The running requests in arrival order are
@@ -147,9 +147,12 @@ class VLLMV1Policy(Policy):
         running request has the blocks of its pending tokens (admission comes only after
         the partials got all of theirs: one cut short spends the budget): each admitted
         request takes the blocks of its chunk only, and the first whose chunk does not fit
-        ends admission (``counted_room``). A running request that finds no block is
-        preempted, which the core does not do here: it gives the run to the replica loop
-        (``ArrayCore.guard``)."""
+        ends admission (``counted_room``). A step whose running requests' blocks do not
+        fit preempts instead (``decode_preemptions``) and admits nobody. With the prefix
+        cache on, a request recomputed may find its own blocks still cached: ``waiting``
+        then gives its pending tokens after the hit (``StepBuilder.pending_tokens``), and
+        ``cached_blocks()`` the hit's blocks as it is placed, which its admission takes
+        too."""
         if self.config.scheduling_policy != "fcfs":
             raise ValueError("vllm_v1's chunk_plan is its fcfs step")
         chunks, remaining = grant_chunks(partials,
@@ -159,8 +162,21 @@ class VLLMV1Policy(Policy):
         admitted = admission_rule(waiting, None, remaining, seats,
                                   self.config.max_num_batched_tokens, chunked=True,
                                   place=None if room is None
-                                  else counted_room(room, chunk_only=True))
+                                  else counted_room(room, chunk_only=True,
+                                                    cached_blocks=cached_blocks))
         return chunks, [n for _, n in admitted]
+
+    def decode_preemptions(self, needs: Sequence[int], held: Sequence[int], free: int) -> int:
+        """The array core's step (sim/array_core.py) when the running requests' new blocks
+        do not fit: ``schedule_running`` with ``latest_arrival_victim`` on counts. Every
+        running request in arrival order (the decodes, then the prompt mid-prefill: it was
+        admitted last, and everyone running arrived before everyone waiting), ``needs[r]``
+        the new blocks of its grant (a decode's next token; a prompt's chunk, up to what the
+        budget leaves after the decodes, 0 where it leaves none), ``held[r]`` the blocks of
+        its computed tokens; returns how many of the latest arrivals it preempts
+        (``preempted_on_counts``): the prompt mid-prefill first, so the step carries no
+        chunk, and it admits nobody."""
+        return preempted_on_counts(needs, held, free)
 
     def admit_waiting(self, step: StepBuilder, budget: Budget) -> list[Request]:
         """Queue order; each admitted with its pending tokens (after its cache hit) up to the

@@ -12,9 +12,12 @@ FCFS, mixed steps for chunked prefill) and decode stretches (every member gains 
 step). Where the pool can bind, admission counts blocks above the watermark, and a decode
 step whose new blocks do not fit is planned on its own: the policy's rule on counts
 (``decode_preemptions``) says how many of the last rows in its running order it preempts
-(under chunked prefill: of every running request, mid-prefill ones included; the step then
+(under chunked prefill: of every running request, mid-prefill ones included, each needing
+its chunk's blocks where prompts take blocks chunk by chunk, vLLM v1's; the step then
 carries no chunk), by recompute (waiting again, to re-prefill their prompt and sampled
-tokens: the queue head, or an ordered policy's ``requeue``) or by swap (back in the
+tokens: the queue head, or an ordered policy's ``requeue``; with vLLM v1's prefix cache,
+after what is left of their own blocks, followed through the free queue on counts) or by
+swap (back in the
 order they left, or the policy's running order, as ``resume_swapped`` lets them, in a step
 of their own; recomputed when the CPU pool is full); blocks in use only grow between such
 steps, so a stretch runs to the last step whose blocks fit (or the policy's next decision
@@ -61,7 +64,7 @@ import time
 from array import array
 from bisect import bisect_left, bisect_right
 from collections import deque
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
 from heapq import heapify, heappop, heappush
 from itertools import accumulate, cycle, islice
@@ -256,13 +259,15 @@ def run_to_end(loop: Generator[Any, None, Any]) -> Any:
 def finisher(w: WorkloadArrays, metrics: MetricsCollector, req_sink: CsvSink, replica: int,
              line_fmt: str, extra: tuple, lines: list[str], extras: dict[int, tuple] | None = None,
              on_free: Callable[[int, float], None] | None = None,
-             ) -> Callable[..., None]:
+             cached: dict[int, int] | None = None) -> Callable[..., None]:
     """A loop's ``finish(i, first, sched, end, later, preemptions=0, swaps=0)``: request
     ``i`` finished at ``end`` (first token at ``first``, first scheduled at ``sched``, its
     later token times ``later``): its requests.csv line (``line_fmt``, with the cluster
     columns ``extra``, or a decode replica's own in ``extras``) goes to ``lines`` (written
     4,096 at a time) or, to a sink kept in memory, its row; the metrics count it;
-    ``on_free(i, end)`` is told (a decode lane's blocks held at full length)."""
+    ``on_free(i, end)`` is told (a decode lane's blocks held at full length). ``cached``:
+    the prompt tokens a request found in the prefix cache at its last admission, where
+    any (its own blocks, kept through a preemption)."""
     ARR, PL, OL, RID, PRI = w.arrivals, w.prompt_lens, w.output_lens, w.request_ids, w.priorities
     to_file = req_sink.to_file
     write_text = req_sink.write_text
@@ -276,10 +281,11 @@ def finisher(w: WorkloadArrays, metrics: MetricsCollector, req_sink: CsvSink, re
         tpot = repr((end - first) / (o - 1)) if o > 1 else ""
         # A decode replica's requests carry their own cluster columns.
         ex = extra if extras is None else extras.pop(i)
+        hit = cached.pop(i, 0) if cached else 0
         if to_file:
             line = line_fmt % (RID[i], replica, PRI[i], arrival, PL[i], o, o, sched,
                                first, end, sched - arrival, first - arrival, tpot,
-                               end - arrival, preemptions, swaps, preemptions - swaps, 0, "")
+                               end - arrival, preemptions, swaps, preemptions - swaps, hit, "")
             lines.append(line if extras is None else
                          f"{line[:-2]},{','.join(map(str, ex))}\r\n")
             if len(lines) >= 4096:
@@ -289,7 +295,7 @@ def finisher(w: WorkloadArrays, metrics: MetricsCollector, req_sink: CsvSink, re
             req_sink.write((RID[i], replica, "finished", "", PRI[i], repr(arrival), PL[i], o,
                             o, repr(sched), repr(first), repr(end), repr(sched - arrival),
                             repr(first - arrival), tpot, repr(end - arrival), preemptions,
-                            swaps, preemptions - swaps, 0, "", *ex))
+                            swaps, preemptions - swaps, hit, "", *ex))
         if on_free is not None:
             on_free(i, end)
         add_finished(PL[i], arrival, first, end, later)
@@ -373,12 +379,15 @@ class ArrayCore:
         #: pools never do: sim/array_disagg.py gives a run up where one could.)
         self.can_bind = pool_can_bind(sim, w) if pool is None else False
         #: Under a policy that states no decode preemptions on counts (``runs_guarded``:
-        #: vLLM v1, SGLang), such a pool runs until a running request's blocks do not fit
+        #: SGLang), such a pool runs until a running request's blocks do not fit
         #: (where the policy preempts or retracts): there the run is given up
         #: (``PoolMayBind``). Otherwise (``binding``) decode steps may preempt on counts.
         self.guard = self.can_bind and runs_guarded(self.policy)
         self.binding = self.can_bind and not self.guard
         self.num_swap_fallbacks = 0  # swaps the CPU pool could not hold: recomputed instead
+        #: Prefix cache lookups past each request's first admission (prompt tokens), hits
+        #: and evictions: a recomputed request's own blocks (sim/array_core.py ``runs``).
+        self.cache_counts = [0, 0, 0]
         self._prefill_prices: dict[tuple[int, ...], float] = {}
 
     def prefill_seconds(self, prompts: tuple[int, ...]) -> float:
@@ -428,9 +437,11 @@ class ArrayCore:
                               num_decode_jumps=stretches,
                               num_swap_fallbacks=self.num_swap_fallbacks,
                               engine="array_core",
-                              # Every prompt is looked up once, at its only admission.
-                              prefix_cache=(sum(self.w.prompt_lens)
-                                            if sim.prefix_caching else 0, 0, 0))
+                              # Every prompt is looked up at its first admission, and
+                              # again (with its sampled tokens) at each after a recompute.
+                              prefix_cache=((sum(self.w.prompt_lens) + self.cache_counts[0],
+                                             *self.cache_counts[1:])
+                                            if sim.prefix_caching else (0, 0, 0)))
         if more_summary is not None:
             summary.update(more_summary(end, interrupted is not None))
         if interrupted is not None:  # the loop's own counters are lost with its frame
@@ -551,6 +562,29 @@ class ArrayCore:
         watermark = self.watermark
         # (None for a policy whose requests hold their whole lengths: none is preempted.)
         decode_preemptions = getattr(policy, "decode_preemptions", None) if binding else None
+        # Prefix caching where prompts take blocks chunk by chunk (vLLM v1) on a pool that
+        # binds: a request recomputed leaves its computed full blocks cached in the free
+        # queue, and is handed those still there when admitted again (no two requests share
+        # content here: only their own). The queue on counts: blocks are taken from its front
+        # (``pops`` so far = blocks in use + released - revived, every block never used
+        # first) and returned to its back, a request's tail block first. A recomputed
+        # request's blocks are taken from the queue from its ``runs`` entry's first pop on
+        # (the pops so far and the free blocks ahead of it when it left: num_blocks +
+        # released - revived then), those without content first (its last, partial block);
+        # its hit is what is left of its full blocks when it is admitted again. That place
+        # never moves: everyone running arrived before everyone waiting and the latest
+        # arrivals leave first, so a request admitted again left after every request still
+        # waiting, and the blocks it takes back lie behind theirs.
+        self_hits = binding and not whole_prompt and self.sim.prefix_caching
+        released = revived = 0
+        runs: dict[int, list[int]] = {}  # recomputed, waiting: [first pop, blocks, full, seq]
+        run_seq = 0  # blocks returned with content so far, in the order they were
+        # A request that finished holding cached blocks (its hit) returns them with content
+        # too, last in its blocks: those taken from the queue by the end count as evicted.
+        kept_runs: list[tuple[int, int, int, int]] = []  # (seq, first pop, blocks, cached)
+        revive_log: list[tuple[int, int, int]] = []  # (seq revived, seqs then, blocks)
+        cached_of: dict[int, int] = {}  # prompt tokens found cached at the last admission
+        cache_counts = self.cache_counts  # [queries past first admissions, hits, evictions]
         PEND = array("q", PL) if binding else PL
         # Preempted (recomputed and waiting, or swapped out): its first token time, first
         # scheduling, later token times, preemptions and swaps so far.
@@ -644,7 +678,83 @@ class ArrayCore:
             lane.freed += full  # type: ignore[union-attr]
 
         finish = finisher(w, metrics, req_sink, replica, line_fmt, extra, lines, extras,
-                          free_full if takes_in else None)
+                          free_full if takes_in else None, cached_of if self_hits else None)
+
+        def leaves_cached(i: int, computed_tokens: int) -> None:
+            """Request ``i``, preempted by recompute with ``computed_tokens`` computed, is
+            about to return its blocks to the free queue, its full ones cached (``runs``;
+            the caller counts them ``released``)."""
+            nonlocal run_seq
+            runs[i] = [num_blocks + released - revived, blocks_for(computed_tokens, bs),
+                       computed_tokens // bs, run_seq]
+            run_seq += 1
+
+        def leaves_kept(i: int, computed_tokens: int) -> None:
+            """Request ``i`` finished with ``computed_tokens`` computed and is about to return
+            its blocks, those of its last admission's cache hit still with content."""
+            nonlocal run_seq
+            hit = cached_of.get(i, 0) // bs
+            if hit:
+                kept_runs.append((run_seq, num_blocks + released - revived,
+                                  blocks_for(computed_tokens, bs), hit))
+                run_seq += 1
+
+        def kept_evictions() -> int:
+            """The cached blocks of finished requests taken from the queue by the end (when
+            no block is in use): each run moves up by the blocks revived ahead of it after it
+            was returned (those returned before it, revived after)."""
+            if not kept_runs:
+                return 0
+            shift = [0] * (run_seq + 1)
+            for seq, now, hit in revive_log:
+                shift[seq + 1] += hit
+                shift[now] -= hit
+            shift = list(accumulate(shift))
+            pops = released - revived
+            out = 0
+            for seq, first, held_blocks, hit in kept_runs:
+                taken = min(max(pops - first + shift[seq], 0), held_blocks)
+                out += max(0, taken - (held_blocks - hit))
+            return out
+
+        def hit_of(i: int, pops: int) -> int:
+            """The blocks request ``i`` (waiting) finds cached when admitted after ``pops``
+            blocks were taken from the free queue."""
+            run = runs.get(i)
+            if run is None:
+                return 0
+            first, held_blocks, full, _ = run
+            taken = pops - first
+            if taken <= 0:
+                return full
+            return max(0, min(full, held_blocks - taken))
+
+        def pending_after_hits(free: int, hits_seen: list[int]) -> Iterator[int]:
+            """The waiting requests' pending prefill tokens, in queue order, each after the
+            blocks it would find cached when its turn comes (``free`` blocks left once the
+            running requests have their grants', each one before it admitted whole);
+            ``hits_seen`` gets each hit, in blocks."""
+            pops = num_blocks - free + released - revived
+            for i in waiting:
+                hit = hit_of(i, pops)
+                hits_seen.append(hit)
+                yield PEND[i] - hit * bs
+                pops += blocks_for(PEND[i], bs) - hit
+
+        def readmit(i: int, hit: int) -> None:
+            """Request ``i`` is admitted again with ``hit`` of its blocks found cached:
+            they leave the free queue (those of finished requests returned after its own
+            move up)."""
+            nonlocal revived
+            _, _, full, seq = runs.pop(i)
+            cache_counts[0] += PEND[i]
+            cache_counts[1] += hit * bs
+            cache_counts[2] += full - hit
+            cached_of[i] = hit * bs
+            if hit:
+                revived += hit
+                if kept_runs:
+                    revive_log.append((seq, run_seq, hit))
 
         def join(i: int, first: float, sched: float,
                  prior: tuple[array, int, int] | None = None) -> None:
@@ -691,9 +801,11 @@ class ArrayCore:
             """Take the member in ``slot`` out of the batch: its request, its context as
             stored, its token times after the first (those from before a preemption
             included) and what it kept from before (``slot_prior``)."""
-            nonlocal members, ctx_sum, longest_c, last_sum
+            nonlocal members, ctx_sum, longest_c, last_sum, released
             i = slot_index[slot]
             c = slot_ctx[slot]
+            if self_hits:
+                released += blocks_for(c + S, bs)
             last_sum -= slot_start[slot] + OL[i] - slot_out0[slot]
             if c == longest_c:
                 longest_c = None
@@ -719,6 +831,7 @@ class ArrayCore:
             """Request ``i``'s prefill (or recompute), first scheduled at ``sched``, finished
             in the step that ends at ``end`` and sampled a token: it finishes if that was
             its last (True; it holds no blocks then), else it decodes from the next step."""
+            nonlocal released
             entry = resume.pop(i, None) if resume else None
             prior = None
             first = end
@@ -730,6 +843,10 @@ class ArrayCore:
                     later.append(end)
                 prior = (later, preemptions, swaps)
             if PEND[i] - PL[i] + 1 == OL[i]:
+                if self_hits:
+                    if cached_of:
+                        leaves_kept(i, PEND[i])
+                    released += blocks_for(PEND[i], bs)
                 if prior is None:
                     finish(i, first, sched, end, empty)
                 else:
@@ -770,6 +887,8 @@ class ArrayCore:
                     first = also.pop(0)
                     complete(first, end, scheduled_at.pop(first))
                     gone.append(first)
+                if cached_of:
+                    leaves_kept(i, slot_ctx[slot] + S)
                 _, _, later, prior = remove(slot)
                 if prior is None:
                     finish(i, slot_first[slot], slot_sched[slot], end, later)
@@ -852,6 +971,37 @@ class ArrayCore:
             longest_c = ((-max_heap[0]) >> _INDEX_BITS) - _CTX_OFFSET
             return longest_c
 
+        def running_chunk_needs() -> dict[int, int]:
+            """(Prompts taking blocks chunk by chunk.) The new blocks each running prompt's
+            grant this step takes: one token for one a token from done, the policy's chunk
+            for the others (0 where the budget does not reach it)."""
+            ones, multi = [], []
+            for i in prefilling:
+                (ones if PEND[i] - computed[i] == 1 else multi).append(i)
+            chunks, _ = chunk_plan(members + len(ones), [PEND[i] - computed[i] for i in multi],
+                                   iter(()), 0, 0)
+            grants = dict.fromkeys(multi, 0)
+            grants.update(zip(multi, chunks))
+            grants.update(dict.fromkeys(ones, 1))
+            return {i: blocks_for(computed[i] + n, bs) - blocks_for(computed[i], bs)
+                    for i, n in grants.items()}
+
+        def fill_through(needs: list[int], holds: list[int], free: int, kept: int) -> int:
+            """The most blocks in use while the step's rows take their new blocks in
+            running order (``needs``, ``holds``), the first ``kept`` rows granted and the
+            rest preempted from the last as each row that finds too few frees them
+            (``decode_preemptions``' outcome, replayed for the pool's peak)."""
+            low = free
+            end = len(needs)
+            for r in range(kept):
+                need = needs[r]
+                while need > free and end > kept:
+                    end -= 1
+                    free += holds[end]
+                free -= need
+                low = min(low, free)
+            return num_blocks - low
+
         while lane is not None or done < N:
             if lane is not None:
                 # Plan only once every request arriving up to then has been routed: wait
@@ -865,6 +1015,7 @@ class ArrayCore:
                         if lines:
                             write_text("".join(lines))
                             lines.clear()
+                        cache_counts[2] += kept_evictions()
                         return t, num_steps, stretches, peak, t - idle
                     else:
                         plans_at = INF
@@ -946,41 +1097,63 @@ class ArrayCore:
                 # prefill batch of chunks alone (prefill_plan), else a decode batch.
                 recomputed = 0
                 apart = False  # a prefill batch, apart from the decodes
-                if binding and blocks_at(S + 1) + prefill_blocks > num_blocks:
-                    # The decodes' new blocks do not fit: the latest arrivals among every
-                    # running request (decoding or mid-prefill) are recomputed (the policy's
-                    # decode_preemptions), and the step decodes the rest, with no chunk.
+                # Where prompts take blocks chunk by chunk (vLLM v1), the running prompts'
+                # grants (a token to one a token from done, the policy's chunks to the
+                # others) need blocks too: the step preempts where theirs do not fit either.
+                chunk_needs: dict[int, int] | None = None
+                over = binding and blocks_at(S + 1) + prefill_blocks > num_blocks
+                if binding and not whole_prompt and prefilling and not over:
+                    chunk_needs = running_chunk_needs()
+                    over = (blocks_at(S + 1) + prefill_blocks + sum(chunk_needs.values())
+                            > num_blocks)
+                if over:
+                    # The running requests' new blocks do not fit: the latest arrivals among
+                    # every running request (decoding or mid-prefill) are recomputed (the
+                    # policy's decode_preemptions), and the step decodes the rest, with no
+                    # chunk.
+                    if not whole_prompt and chunk_needs is None:
+                        chunk_needs = running_chunk_needs()
                     slot_of = {slot_index[m]: m for m in range(seats_total)
                                if slot_index[m] >= 0}
                     running = sorted([*slot_of, *prefilling])
                     needs, holds = [], []
                     for i in running:
                         m = slot_of.get(i)
-                        if m is None:  # mid-prefill: it holds its whole prompt's blocks
-                            needs.append(0)
-                            holds.append(blocks_for(PEND[i], bs))
-                        else:
+                        if m is not None:
                             c = slot_ctx[m] + S
                             needs.append(1 if c % bs == 0 else 0)
                             holds.append(blocks_for(c, bs))
-                    recomputed = decode_preemptions(needs, holds,
-                                                    num_blocks - blocks_at(S) - prefill_blocks)
+                        elif chunk_needs is None:  # it holds its whole prompt's blocks
+                            needs.append(0)
+                            holds.append(blocks_for(PEND[i], bs))
+                        else:  # it holds its computed tokens' blocks, and takes its grant's
+                            needs.append(chunk_needs[i])
+                            holds.append(blocks_for(computed[i], bs))
+                    free = num_blocks - blocks_at(S) - prefill_blocks
+                    recomputed = decode_preemptions(needs, holds, free)
+                    fullest = fill_through(needs, holds, free, len(running) - recomputed)
                     for i in reversed(running[len(running) - recomputed:]):  # as preempted
                         m = slot_of.get(i)
                         if m is None:
                             prefilling.remove(i)
-                            prefill_blocks -= blocks_for(PEND[i], bs)
+                            prefill_blocks -= blocks_for(PEND[i] if whole_prompt
+                                                         else computed[i], bs)
+                            if self_hits:
+                                leaves_cached(i, computed[i])
+                                released += blocks_for(computed[i], bs)
                             del computed[i]
                             sched = scheduled_at.pop(i)
                             prev = resume.get(i)  # a recompute, preempted again
                             resume[i] = ((None, sched, array("d"), 1, 0) if prev is None else
                                          (*prev[:3], prev[3] + 1, prev[4]))
                         else:
+                            if self_hits:
+                                leaves_cached(i, slot_ctx[m] + S)
                             _, c, resume[i] = evict(m)
                             PEND[i] = c + 1  # its prompt and every token it sampled
                         waiting.appendleft(i)  # type: ignore[union-attr]
                     forget_evicted()
-                    peak = num_blocks  # a decode found the pool full
+                    peak = max(peak, fullest)
                     ones = [i for i in prefilling if PEND[i] - computed[i] == 1]
                     if not members and not ones:
                         # Every decode preempted (itself, at last): the replica's plan is
@@ -1014,8 +1187,14 @@ class ArrayCore:
                         lengths = ({"lengths": (PL[i] + OL[i] - 1 for i in waiting)}
                                    if reserves_full and room is not None else {})
                         pendings = [PEND[i] - computed[i] for i in multi]
+                        queue: Iterator[int] = map(PEND.__getitem__, waiting)
+                        if runs and room is not None:
+                            # Recomputed requests find what is left of their own blocks.
+                            hits_seen = []
+                            queue = pending_after_hits(room[0], hits_seen)
+                            lengths = {"cached_blocks": lambda seen=hits_seen: seen[-1]}
                         chunks, admitted = chunk_plan(
-                            members + len(ones), pendings, map(PEND.__getitem__, waiting),
+                            members + len(ones), pendings, queue,
                             len(waiting), seats_total - members - len(prefilling), room,
                             **lengths)
                         if (admitted and not whole_prompt and room is not None
@@ -1025,11 +1204,16 @@ class ArrayCore:
                                               "prompt mid-prefill is cut short")
                 if ones or chunks or admitted or recomputed:
                     new = [waiting.popleft() for _ in admitted]
-                    for i in new:
+                    for n, i in enumerate(new):
                         computed[i] = 0
                         prefilling.append(i)
                         if whole_prompt:
                             prefill_blocks += held_mid_prefill(i)
+                        elif i in runs:  # (recomputed, prefix caching on)
+                            hit = hits_seen[n]
+                            readmit(i, hit)
+                            computed[i] = hit * bs
+                            prefill_blocks += hit
                     grants = [] if apart else [(i, 1) for i in ones]
                     grants += zip(multi, chunks)
                     grants += zip(new, admitted)
@@ -1125,6 +1309,8 @@ class ArrayCore:
                                            [blocks_for(c, bs) for c in ctxs],
                                            num_blocks - blocks_at(S))
                     for slot in reversed(order[len(order) - k:]):  # as preempted: latest first
+                        if self_hits:  # (recompute only)
+                            leaves_cached(slot_index[slot], slot_ctx[slot] + S)
                         i, c, kept = evict(slot)
                         held_blocks = blocks_for(c, bs)
                         if swap and held_blocks <= cpu_free:  # its blocks go to the CPU pool
@@ -1359,4 +1545,5 @@ class ArrayCore:
                 longest = longest_ctx()
         if lines:
             write_text("".join(lines))
+        cache_counts[2] += kept_evictions()
         return t, num_steps, stretches, peak, t - idle

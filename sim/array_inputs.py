@@ -133,8 +133,9 @@ def _cluster_blocker(sim: ArrayCoreHost) -> str | None:
     with pipeline stages, whose replicas (one or more) run on the core in a loop of their
     own (``_pipeline_blocker``, sim/array_pipeline.py). (Prefix caching is for
     ``WorkloadArrays.collect`` to refuse: with no prompt sharing a prefix, and nobody
-    recomputed on the core but by ``decode_preemptions`` with caching off, it changes
-    nothing the core counts.)"""
+    recomputed on the core but by ``decode_preemptions``, it changes nothing the core counts
+    but a recomputed request's hits on its own blocks, which the core follows where prompts
+    take blocks chunk by chunk.)"""
     cluster = sim.cluster
     if isinstance(cluster, ClusterConfig):
         if cluster.pipeline_parallel_size > 1:
@@ -201,9 +202,9 @@ class WorkloadArrays:
         """The columns of ``requests`` (an iterable of Request), or why they cannot be kept as
         plain numbers (ids or priorities that are not ints, token ids given, or with
         ``prefix_caching`` a shared prompt prefix: the core keeps no block contents; without
-        one a request can only hit its own blocks after a preemption, which the core makes
-        only with caching off, so caching changes nothing but the count of prompt tokens
-        looked up)."""
+        one a request can only hit its own blocks after a preemption, which the core follows
+        on counts where prompts take blocks chunk by chunk, vLLM v1's, and makes only with
+        caching off elsewhere: ``pool_blocker``)."""
         out = cls(array("q"), array("q"), array("d"), array("q"), array("q"))
         ids, pri, arr, pl, ol = (out.request_ids.append, out.priorities.append,
                                  out.arrivals.append, out.prompt_lens.append,
@@ -235,7 +236,7 @@ def runs_guarded(policy: Policy) -> bool:
     """Whether, on a pool that can bind, the array core runs ``policy`` as on one that
     cannot, its admission counting blocks, and gives the run to the replica loop once a
     running request finds no block (``ArrayCore.guard``): a policy that states no decode
-    preemptions on counts and does not reserve whole lengths (vLLM v1, SGLang)."""
+    preemptions on counts and does not reserve whole lengths (SGLang)."""
     return (not policy.reserves_full_length
             and not callable(getattr(policy, "decode_preemptions", None)))
 
@@ -258,7 +259,9 @@ def pool_blocker(sim: ArrayCoreHost, w: WorkloadArrays) -> str | None:
     with the policy's rule on counts (``decode_preemptions``), if every request fits the
     pool alone above the watermark and, without chunked prefill, its recompute fits one step
     (so it never re-prefills in chunks); it swaps only with a watermark of at least one
-    block, and not under chunked prefill (a request swapped mid-prefill resumes in chunks).
+    block, and not under chunked prefill (a request swapped mid-prefill resumes in chunks);
+    with prefix caching only where prompts take blocks chunk by chunk (vLLM v1: a request
+    recomputed finds what is left of its own blocks, which the core follows on counts).
     A policy that states no decode preemptions (``runs_guarded``) runs with its admission
     counting blocks until a running request finds none, and the replica loop from there."""
     n = len(w.arrivals)
@@ -305,14 +308,14 @@ def pool_blocker(sim: ArrayCoreHost, w: WorkloadArrays) -> str | None:
         # block (ArrayCore.guard): one that never fits alone would be, sooner or later.
         if fills_alone:
             why = "a request that alone fills the pool above the watermark"
-    elif not sim.policy.holds_whole_prompt:
-        why = f"policy {cfg.name!r}, whose prompts take blocks chunk by chunk"
     elif cfg.preemption_mode == "swap" and sim.policy.implements_chunked_prefill:
         why = "policy.preemption_mode=swap under chunked prefill's step structure"
     elif cfg.preemption_mode == "swap" and watermark < 1:
         # A request swapped back in then always finds its next block (the watermark's).
         why = "policy.preemption_mode=swap and a watermark of no block"
-    elif sim.prefix_caching:
+    elif sim.prefix_caching and sim.policy.holds_whole_prompt:
+        # (Where prompts take blocks chunk by chunk, the core follows a recomputed
+        # request's own blocks through the free queue: sim/array_core.py ``runs``.)
         why = "prefix caching (a recomputed request would find its own blocks)"
     elif not cfg.enable_chunked_prefill and largest[0] - 1 > cfg.max_num_batched_tokens:
         why = ("a request whose recompute (prompt + output - 1 tokens) exceeds "

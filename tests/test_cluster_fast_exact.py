@@ -29,7 +29,7 @@ STEP_INTS = ["replica_id", "step", "batch_size", "prefill_tokens", "decode_token
 REQUEST_TIMES = ["first_scheduled_time", "first_token_time", "finish_time", "ttft", "tpot",
                  "e2e_latency"]
 REQUEST_SAME = ["request_id", "replica_id", "status", "output_len", "num_preemptions",
-                "num_swaps", "num_recomputes"]
+                "num_swaps", "num_recomputes", "num_cached_tokens"]
 # The cluster columns that are not times (kv_backpressure_wait and kv_transfer_time are).
 CLUSTER_SAME = ["prefill_replica_id", "decode_replica_id", "kv_transfer_bytes"]
 # summary.json's per-replica figures: equal, and equal to 1e-9 relative (times).
@@ -73,7 +73,8 @@ def assert_fast_equals_exact(overrides: list[str], components: Components = BUIL
             for k in REPLICA_CLOSE:
                 assert a[k] == pytest.approx(b[k], rel=1e-9, abs=1e-12), k
     for key in ("duration", "kv_peak_usage", "num_preemptions", "num_swaps",
-                "num_recomputes", "num_swap_fallbacks", "completed"):
+                "num_recomputes", "num_swap_fallbacks", "completed", "prefix_cache_queries",
+                "prefix_cache_hits", "kv_evictions"):
         assert fast[key] == pytest.approx(exact[key], rel=1e-9), key
     for c in REQUEST_TIMES:
         a = pd.to_numeric(rf[c]).to_numpy(dtype=float)

@@ -76,10 +76,12 @@ def _same_runs(overrides: list[str]) -> tuple[SimulationResult, SimulationResult
         a = pd.to_numeric(rf[c]).to_numpy(dtype=float)
         b = pd.to_numeric(re_[c]).to_numpy(dtype=float)
         assert_approx(a, b, rel=1e-9, abs=1e-12, nan_ok=True, what=c)
-    same = ["request_id", "status", "output_len", "num_preemptions", "num_swaps", "num_recomputes"]
+    same = ["request_id", "status", "output_len", "num_preemptions", "num_swaps", "num_recomputes",
+            "num_cached_tokens"]
     assert rf[same].equals(re_[same])
     for key in ("p99_itl_ms", "mean_tpot_ms", "num_preemptions", "kv_peak_usage", "num_swaps",
-                "num_recomputes", "num_swap_fallbacks"):
+                "num_recomputes", "num_swap_fallbacks", "prefix_cache_queries",
+                "prefix_cache_hits", "kv_evictions"):
         assert fast[key] == pytest.approx(exact[key], rel=1e-9), key
     # requests.csv in the same order (a step's finishers in its row order).
     assert ([r[0] for r in fast_res.requests_sink.rows]
