@@ -34,9 +34,9 @@ Decode jumps (``step_mode=fast``) repeat a decode batch only while nothing waits
 is mid-chunk: then no admission is tried, and each repeated batch only lowers
 ``new_token_ratio`` as a planned one does (``StepBuilder.repeated_steps``). While requests wait,
 the falling ratio may admit one at any step, so every step is planned
-(``next_decision_time``). On the array core (``fcfs`` on a pool that cannot run short) the
-prefill batch is ``prefill_rule`` on plain numbers (``prefill_plan``), the rule ``schedule``
-applies.
+(``next_decision_time``). On the array core (``fcfs``) the prefill batch is ``prefill_rule``
+on plain numbers (``prefill_plan``) and a retraction ``retraction_rule`` on them
+(``decode_retractions``), the rules ``schedule`` applies.
 
 Prefix caching is on by default (SGLang's radix cache). SGLang matches prefixes token by
 token (page size 1); here hits are whole ``kv.block_size`` blocks (``kv.block_size=1`` is
@@ -123,8 +123,7 @@ class SGLangPolicy(Policy):
     host_overlap_default = True
     # A prompt takes blocks chunk by chunk (``step.schedule`` of each chunk).
     holds_whole_prompt = False
-    # ``prefill_plan`` below, with the fcfs schedule policy on a pool that cannot bind
-    # (sim/array_inputs.py sends the rest to the replica loop).
+    # ``prefill_plan`` and ``decode_retractions`` below, with the fcfs schedule policy.
     array_core = True
 
     config_class = SGLangConfig
@@ -290,29 +289,35 @@ class SGLangPolicy(Policy):
     def prefill_plan(self, decode_batches: int, remaining: Callable[[int], int],
                      partials: Sequence[int], computed: Sequence[int],
                      waiting: Iterable[tuple[int, int]], running: int, free_blocks: int,
-                     block_size: int, idled: bool = False) -> tuple[list[int], list[int]]:
-        """The array core's prefill batch (sim/array_core.py) on a pool that cannot bind:
-        ``prefill_rule`` on plain numbers. ``decode_batches``: the decode batches taken since
-        the last call (each lowers the ratio first, as in ``schedule``; ``idled``: the replica
-        held no request at all since, which starts the ratio over); ``remaining(cap)``:
-        the decoding requests' outputs still to come, each at most ``cap``, summed;
-        ``partials`` and ``computed``: the pending and computed tokens of the prompts
-        mid-chunk; ``waiting``: (prompt, maximum output) of the waiting requests in arrival
-        order (never run: nothing computed, nothing cached); ``running``: requests running;
-        ``free_blocks``: the free pool. Returns the partials' chunks and the admitted
-        requests' grants (both empty: the step decodes). tests/test_array_core.py checks it
-        against ``schedule``."""
+                     block_size: int, idled: bool = False,
+                     cached_blocks: Callable[[int], int] | None = None,
+                     ) -> tuple[list[int], list[int]]:
+        """The array core's prefill batch (sim/array_core.py): ``prefill_rule`` on plain
+        numbers. ``decode_batches``: the decode batches taken since the last call that
+        retracted nobody (each lowers the ratio first, as in ``schedule``; ``idled``: the
+        replica held no request at all since, which starts the ratio over);
+        ``remaining(cap)``: the decoding requests' outputs still to come, each at most
+        ``cap``, summed; ``partials`` and ``computed``: the pending and computed tokens of
+        the prompts mid-chunk; ``waiting``: (pending prefill tokens, output tokens left) of
+        the waiting requests in queue order (arrivals, and requests retracted at its tail:
+        their prompt and sampled tokens, less the blocks they find cached,
+        ``cached_blocks(j)`` for the ``j``-th, which its admission takes too);
+        ``running``: requests running; ``free_blocks``: the free pool. Returns the partials'
+        chunks and the admitted requests' grants (both empty: the step decodes).
+        tests/test_array_core.py checks it against ``schedule``."""
         self._lower_ratio(decode_batches)
         if idled:
             self.new_token_ratio = self.init_ratio
         free = free_blocks
 
         def take(blocks: int) -> bool:
-            # (The rule's room check keeps every grant within the free pool.)
+            # (The rule's room check keeps every grant within the free pool, but for the
+            # blocks a recomputed request's cache hit takes back: as ``step.schedule``, it
+            # does not fit then, and the batch ends.)
             nonlocal free
+            if blocks > free:
+                return False
             free -= blocks
-            if free < 0:
-                raise AssertionError("prefill_plan granted more blocks than the pool has free")
             return True
 
         def place_partial(j: int, n: int) -> bool:
@@ -320,7 +325,8 @@ class SGLangPolicy(Policy):
             return take(blocks_for(c + n, block_size) - blocks_for(c, block_size))
 
         def place_new(j: int, n: int) -> bool:
-            return take(blocks_for(n, block_size))
+            hit = 0 if cached_blocks is None else cached_blocks(j)
+            return take(hit + blocks_for(n, block_size))
 
         return self.prefill_rule(
             partials, [blocks_for(c, block_size) * block_size - c for c in computed],
@@ -356,24 +362,58 @@ class SGLangPolicy(Policy):
             self.new_token_ratio = max(self.new_token_ratio - self.decay, self.min_ratio)
 
     def _retract(self, step: StepBuilder, running: list[Request]) -> list[Request]:
-        """Preempt by recompute, fewest outputs and then longest prompt first, until the
-        rest hold ``RETRACT_DECODE_STEPS`` more tokens each (``retract_decode``); those go
+        """Preempt by recompute those ``retraction_rule`` picks (``retract_decode``); they go
         to the tail of the waiting queue. Returns the requests left to decode."""
-        order = sorted(running, key=lambda r: (r.num_output_tokens, -r.prompt_len),
-                       reverse=True)
         kv = step.kv
+        retracted = self.retraction_rule(
+            [r.num_output_tokens for r in running], [r.prompt_len for r in running],
+            [r.num_computed_tokens for r in running],
+            [len(kv.block_table(r.request_id)) for r in running],
+            [r.max_output_len for r in running], kv.num_free_blocks, kv.block_size)
+        for r in retracted:
+            step.preempt(running[r], to_front=False)
+        gone = set(retracted)
+        return [req for r, req in enumerate(running) if r not in gone]
 
-        def fits(reqs: list[Request]) -> bool:
-            need = sum(kv.blocks_needed(r.request_id, r.num_computed_tokens
-                                        + RETRACT_DECODE_STEPS) for r in reqs)
-            return need <= kv.num_free_blocks
-
-        while len(order) > 1 and not fits(order):
-            step.preempt(order.pop(), to_front=False)
-        if sum(step.blocks_needed(r, 1) for r in order) > kv.num_free_blocks:
-            step.preempt(order.pop(), to_front=False)  # alone, and still no room
-        decoded = sum(r.num_output_tokens for r in order)
-        total = sum(r.max_output_len for r in order)
+    def retraction_rule(self, outputs: Sequence[int], prompts: Sequence[int],
+                        computed: Sequence[int], held: Sequence[int],
+                        max_outputs: Sequence[int], free: int, block_size: int) -> list[int]:
+        """``retract_decode`` on plain numbers, for the replica's decode batch and the array
+        core's (sim/array_core.py) alike. The decoding requests in running order: their
+        output tokens, prompt lengths, computed tokens, the blocks they hold and their
+        maximum outputs; ``free`` blocks free. Retracts (by recompute, each freeing what it
+        holds) fewest outputs first, longest prompt first among equals (the latest in
+        running order first among those), until the rest hold ``RETRACT_DECODE_STEPS`` more
+        tokens each, and one more if the last left alone cannot take its next token; sets
+        ``new_token_ratio`` from those left. Returns the retracted rows, in the order
+        retracted."""
+        ahead = [max(0, blocks_for(c + RETRACT_DECODE_STEPS, block_size) - h)
+                 for c, h in zip(computed, held)]
+        next_token = [max(0, blocks_for(c + 1, block_size) - h)
+                      for c, h in zip(computed, held)]
+        order = sorted(range(len(outputs)), key=lambda r: (outputs[r], -prompts[r]),
+                       reverse=True)
+        retracted: list[int] = []
+        while len(order) > 1 and sum([ahead[r] for r in order]) > free:
+            retracted.append(order.pop())
+            free += held[retracted[-1]]
+        if sum([next_token[r] for r in order]) > free:  # alone, and still no room
+            retracted.append(order.pop())
+            free += held[retracted[-1]]
+        decoded = sum([outputs[r] for r in order])
+        total = sum([max_outputs[r] for r in order])
         self.new_token_ratio = min(
             1.0, (decoded + RETRACT_DECODE_STEPS * len(order)) / total) if total else 1.0
-        return order
+        return retracted
+
+    def decode_retractions(self, decode_batches: int, outputs: Sequence[int],
+                           prompts: Sequence[int], computed: Sequence[int],
+                           held: Sequence[int], max_outputs: Sequence[int], free: int,
+                           block_size: int) -> list[int]:
+        """The array core's decode batch when its new blocks do not fit (sim/array_core.py):
+        the ``decode_batches`` decode batches taken since the last ``prefill_plan`` that
+        retracted nobody first lower the ratio, as in ``schedule``; then
+        ``retraction_rule``. tests/test_array_core.py checks it against ``schedule``."""
+        self._lower_ratio(decode_batches)
+        return self.retraction_rule(outputs, prompts, computed, held, max_outputs, free,
+                                    block_size)

@@ -43,7 +43,8 @@ The policy still decides: FCFS and static batching through ``head_admissions`` a
 prefill (vLLM v0 and v1, TensorRT-LLM) through ``chunk_plan`` (their rules on plain
 numbers, over a queue kept here in arrival order), SGLang through ``prefill_plan`` (a
 prefill batch of chunks apart from the decodes, tried again after every decode batch while
-requests wait), and a policy with its own waiting order (SJF, priority) through
+requests wait; a decode batch whose blocks do not fit retracts requests by its
+``decode_retractions``, to the queue's tail), and a policy with its own waiting order (SJF, priority) through
 ``indexed_admissions``: each arrival becomes a ``Request`` handed to its ``on_arrival``, as
 the replica does, and lives until the request leaves; members finishing in the same step
 leave in the policy's running order (``decode_run_key``), as the replica's rows go. These
@@ -378,8 +379,8 @@ class ArrayCore:
         #: The pool can run short: admission counts blocks. (A disaggregated deployment's
         #: pools never do: sim/array_disagg.py gives a run up where one could.)
         self.can_bind = pool_can_bind(sim, w) if pool is None else False
-        #: Under a policy that states no decode preemptions on counts (``runs_guarded``:
-        #: SGLang), such a pool runs until a running request's blocks do not fit
+        #: Under a policy that states no decode preemptions or retractions on counts
+        #: (``runs_guarded``), such a pool runs until a running request's blocks do not fit
         #: (where the policy preempts or retracts): there the run is given up
         #: (``PoolMayBind``). Otherwise (``binding``) decode steps may preempt on counts.
         self.guard = self.can_bind and runs_guarded(self.policy)
@@ -562,6 +563,8 @@ class ArrayCore:
         watermark = self.watermark
         # (None for a policy whose requests hold their whole lengths: none is preempted.)
         decode_preemptions = getattr(policy, "decode_preemptions", None) if binding else None
+        # (SGLang: its decode batch retracts requests where its new blocks do not fit.)
+        decode_retractions = getattr(policy, "decode_retractions", None) if binding else None
         # Prefix caching where prompts take blocks chunk by chunk (vLLM v1) on a pool that
         # binds: a request recomputed leaves its computed full blocks cached in the free
         # queue, and is handed those still there when admitted again (no two requests share
@@ -572,9 +575,11 @@ class ArrayCore:
         # (the pops so far and the free blocks ahead of it when it left: num_blocks +
         # released - revived then), those without content first (its last, partial block);
         # its hit is what is left of its full blocks when it is admitted again. That place
-        # never moves: everyone running arrived before everyone waiting and the latest
-        # arrivals leave first, so a request admitted again left after every request still
-        # waiting, and the blocks it takes back lie behind theirs.
+        # moves up by the blocks revived ahead of it: under vLLM v1 never (everyone running
+        # arrived before everyone waiting and the latest arrivals leave first, so a request
+        # admitted again left after every request still waiting), under SGLang where a
+        # request retracted earlier comes back first (retracted requests rejoin the
+        # queue's tail).
         self_hits = binding and not whole_prompt and self.sim.prefix_caching
         released = revived = 0
         runs: dict[int, list[int]] = {}  # recomputed, waiting: [first pop, blocks, full, seq]
@@ -717,34 +722,40 @@ class ArrayCore:
                 out += max(0, taken - (held_blocks - hit))
             return out
 
-        def hit_of(i: int, pops: int) -> int:
+        def hit_of(i: int, pops: int, shifted: int = 0) -> int:
             """The blocks request ``i`` (waiting) finds cached when admitted after ``pops``
-            blocks were taken from the free queue."""
+            blocks were taken from the free queue (``shifted``: blocks revived ahead of
+            its own since its ``runs`` entry was last moved)."""
             run = runs.get(i)
             if run is None:
                 return 0
             first, held_blocks, full, _ = run
-            taken = pops - first
+            taken = pops - first + shifted
             if taken <= 0:
                 return full
             return max(0, min(full, held_blocks - taken))
 
         def pending_after_hits(free: int, hits_seen: list[int]) -> Iterator[int]:
             """The waiting requests' pending prefill tokens, in queue order, each after the
-            blocks it would find cached when its turn comes (``free`` blocks left once the
-            running requests have their grants', each one before it admitted whole);
-            ``hits_seen`` gets each hit, in blocks."""
+            blocks it would find cached when its turn comes (``free`` blocks left when the
+            first is read, each one before it admitted whole); ``hits_seen`` gets each hit,
+            in blocks."""
             pops = num_blocks - free + released - revived
+            ahead: list[tuple[int, int]] = []  # (seq, hit) of those read before it
             for i in waiting:
-                hit = hit_of(i, pops)
+                run = runs.get(i)
+                hit = 0
+                if run is not None:
+                    seq = run[3]
+                    hit = hit_of(i, pops, sum([h for q, h in ahead if q < seq]))
+                    ahead.append((seq, hit))
                 hits_seen.append(hit)
                 yield PEND[i] - hit * bs
                 pops += blocks_for(PEND[i], bs) - hit
 
         def readmit(i: int, hit: int) -> None:
             """Request ``i`` is admitted again with ``hit`` of its blocks found cached:
-            they leave the free queue (those of finished requests returned after its own
-            move up)."""
+            they leave the free queue (the blocks returned after its own move up)."""
             nonlocal revived
             _, _, full, seq = runs.pop(i)
             cache_counts[0] += PEND[i]
@@ -753,6 +764,9 @@ class ArrayCore:
             cached_of[i] = hit * bs
             if hit:
                 revived += hit
+                for run in runs.values():
+                    if run[3] > seq:
+                        run[0] -= hit
                 if kept_runs:
                     revive_log.append((seq, run_seq, hit))
 
@@ -950,10 +964,10 @@ class ArrayCore:
             cap, summed."""
             def total(cap: int) -> int:
                 if cap >= OLMAX:  # none over the cap: the members' last steps say it
-                    return last_sum - members * S + sum([OL[i] for i in ones])
+                    return last_sum - members * S + sum([OL[i] - PEND[i] + PL[i] for i in ones])
                 return (sum([min(slot_start[m] + OL[i] - slot_out0[m] - S, cap)
                              for m, i in enumerate(slot_index) if i >= 0])
-                        + sum([min(OL[i], cap) for i in ones]))
+                        + sum([min(OL[i] - PEND[i] + PL[i], cap) for i in ones]))
             return total
 
         def longest_ctx() -> int:
@@ -985,6 +999,48 @@ class ArrayCore:
             grants.update(dict.fromkeys(ones, 1))
             return {i: blocks_for(computed[i] + n, bs) - blocks_for(computed[i], bs)
                     for i, n in grants.items()}
+
+        def retract_decodes(ones: list[int]) -> int:
+            """(SGLang) The decode batch's new blocks do not fit: those of the members and of
+            the prompts one token from done (``ones``) the policy retracts
+            (``decode_retractions``, over them in running order) are recomputed, rejoining
+            the queue at its tail in that order. Returns how many."""
+            nonlocal planned_at, prefill_blocks, released
+            slot_of = {slot_index[m]: m for m in range(seats_total) if slot_index[m] >= 0}
+            rows = sorted([*slot_of, *ones])
+            ctxs = [computed[i] if slot_of.get(i) is None else slot_ctx[slot_of[i]] + S
+                    for i in rows]
+            victims = decode_retractions(
+                S - planned_at,
+                [c + 1 - PL[i] if i in slot_of else PEND[i] - PL[i]
+                 for i, c in zip(rows, ctxs)],
+                [PL[i] for i in rows], ctxs, [blocks_for(c, bs) for c in ctxs],
+                [OL[i] for i in rows], num_blocks - blocks_at(S) - prefill_blocks, bs)
+            for r in victims:
+                i = rows[r]
+                m = slot_of.get(i)
+                if m is None:  # a prompt one token from done: its blocks so far
+                    prefilling.remove(i)
+                    c = computed.pop(i)
+                    prefill_blocks -= blocks_for(c, bs)
+                    if self_hits:
+                        leaves_cached(i, c)
+                        released += blocks_for(c, bs)
+                    sched = scheduled_at.pop(i)
+                    prev = resume.get(i)  # a recompute, retracted again
+                    resume[i] = ((None, sched, array("d"), 1, 0) if prev is None else
+                                 (*prev[:3], prev[3] + 1, prev[4]))
+                else:
+                    if self_hits:
+                        leaves_cached(i, slot_ctx[m] + S)
+                    _, c, resume[i] = evict(m)
+                    PEND[i] = c + 1  # its prompt and every token it sampled
+                waiting.append(i)  # type: ignore[union-attr]
+            if victims:
+                forget_evicted()
+            # This decode batch does not lower the ratio (it set it), if it runs at all.
+            planned_at = S + 1 if members or any(i in computed for i in ones) else S
+            return len(victims)
 
         def fill_through(needs: list[int], holds: list[int], free: int, kept: int) -> int:
             """The most blocks in use while the step's rows take their new blocks in
@@ -1101,8 +1157,9 @@ class ArrayCore:
                 # grants (a token to one a token from done, the policy's chunks to the
                 # others) need blocks too: the step preempts where theirs do not fit either.
                 chunk_needs: dict[int, int] | None = None
-                over = binding and blocks_at(S + 1) + prefill_blocks > num_blocks
-                if binding and not whole_prompt and prefilling and not over:
+                over = (binding and prefill_plan is None
+                        and blocks_at(S + 1) + prefill_blocks > num_blocks)
+                if binding and not whole_prompt and prefilling and not over and chunk_plan:
                     chunk_needs = running_chunk_needs()
                     over = (blocks_at(S + 1) + prefill_blocks + sum(chunk_needs.values())
                             > num_blocks)
@@ -1166,15 +1223,39 @@ class ArrayCore:
                         left = PEND[i] - computed[i]
                         (ones if left == 1 else multi).append(i)
                     if prefill_plan is not None:
+                        # (pending prefill, output tokens left): a recomputed request's
+                        # pending tokens after what it finds of its own blocks.
+                        queue2: Iterator[tuple[int, int]] = (
+                            (PEND[i], OL[i] - PEND[i] + PL[i]) for i in waiting)
+                        hits_kw = {}
+                        if runs:
+                            hits_seen = []
+                            # Free when the queue is read: the prompts mid-chunk went first,
+                            # each whole (a chunk cut short ends the batch).
+                            free = num_blocks - blocks_at(S) - prefill_blocks - sum(
+                                [blocks_for(PEND[i], bs) - blocks_for(computed[i], bs)
+                                 for i in multi])
+                            queue2 = zip(pending_after_hits(free, hits_seen),
+                                         (OL[i] - PEND[i] + PL[i] for i in waiting))
+                            hits_kw = {"cached_blocks": hits_seen.__getitem__}
                         chunks, admitted = prefill_plan(
                             S - planned_at, decode_remaining(ones),
                             [PEND[i] - computed[i] for i in multi],
-                            [computed[i] for i in multi], ((PEND[i], OL[i]) for i in waiting),
+                            [computed[i] for i in multi], queue2,
                             members + len(prefilling), num_blocks - blocks_at(S) - prefill_blocks,
-                            bs, idled)
+                            bs, idled, **hits_kw)
                         planned_at = S
                         idled = False
                         apart = bool(chunks or admitted)
+                        if (not apart and decode_retractions is not None
+                                and blocks_at(S + 1) + prefill_blocks + sum(
+                                    [blocks_for(computed[i] + 1, bs) - blocks_for(computed[i], bs)
+                                     for i in ones]) > num_blocks):
+                            # The decode batch's new blocks do not fit: retractions.
+                            recomputed = retract_decodes(ones)
+                            ones = [i for i in ones if i in computed]
+                            if not members and not ones:
+                                continue  # (everyone retracted: no step, plan again)
                     else:
                         room = None
                         if can_bind:
@@ -1294,7 +1375,11 @@ class ArrayCore:
             if binding and (swapped or blocks_at(S + 1) + prefill_blocks > num_blocks):
                 recomputed = swapped_out = moved_out = moved_in = 0
                 resumed: list[int] = []
-                if blocks_at(S + 1) + prefill_blocks > num_blocks:
+                if blocks_at(S + 1) + prefill_blocks > num_blocks and decode_retractions:
+                    recomputed = retract_decodes([])
+                    if not members:
+                        continue  # (everyone retracted: no step, plan again)
+                elif blocks_at(S + 1) + prefill_blocks > num_blocks:
                     order = [m for m in range(seats_total) if slot_index[m] >= 0]
                     if held is None:  # arrival order
                         order.sort(key=slot_index.__getitem__)
@@ -1387,7 +1472,8 @@ class ArrayCore:
                         used = blocks_at(S)
                         step_sink.write_formatted(
                             (num_steps, replica, repr(start), repr(d), nd, 0, nd, nd,
-                             len(waiting) + arrived(t, start) - nxt, members, len(swapped), used,
+                             len(waiting) + arrived(t, start) - nxt, members + len(prefilling),
+                             len(swapped), used,
                              round(used / num_blocks, 6), recomputed, swapped_out, moved_out,
                              moved_in), STEP_ROW_FORMAT)
                     continue
@@ -1501,7 +1587,9 @@ class ArrayCore:
                     used_list = list(accumulate(grow, initial=blocks_at(cur) + prefill_blocks))
                     used = used_list.pop()
                     del used_list[0]
-                    write_rows(num_steps + 1, starts, durs[:-1], nd, len(waiting), nd,
+                    # (A prompt mid-chunk the step leaves waiting is running too: SGLang's.)
+                    write_rows(num_steps + 1, starts, durs[:-1], nd, len(waiting),
+                               nd + len(prefilling),
                                len(swapped), used_list)
                 else:
                     used = -1
@@ -1533,7 +1621,8 @@ class ArrayCore:
                         used = blocks_at(cur) + lane.reserved  # (reserved here meanwhile)
                         queued, running_now = 0, members + took_in(t, step_start) - nxt
                     else:
-                        queued, running_now = len(waiting) + arrived(t, step_start) - nxt, members
+                        queued = len(waiting) + arrived(t, step_start) - nxt
+                        running_now = members + len(prefilling)
                     if swapped:
                         write_rows(num_steps, [step_start], [last_d], nd, queued, running_now,
                                    len(swapped), [used])

@@ -235,10 +235,11 @@ def admits_on_free_pool(policy: Policy) -> bool:
 def runs_guarded(policy: Policy) -> bool:
     """Whether, on a pool that can bind, the array core runs ``policy`` as on one that
     cannot, its admission counting blocks, and gives the run to the replica loop once a
-    running request finds no block (``ArrayCore.guard``): a policy that states no decode
-    preemptions on counts and does not reserve whole lengths (SGLang)."""
+    running request finds no block (``ArrayCore.guard``): a policy that states neither
+    decode preemptions nor retractions on counts and does not reserve whole lengths."""
     return (not policy.reserves_full_length
-            and not callable(getattr(policy, "decode_preemptions", None)))
+            and not callable(getattr(policy, "decode_preemptions", None))
+            and not callable(getattr(policy, "decode_retractions", None)))
 
 
 def pool_can_bind(sim: ArrayCoreHost, w: WorkloadArrays) -> bool:

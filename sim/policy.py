@@ -135,9 +135,10 @@ class Policy(ABC):
     #: through ``on_arrival``, and finishes the requests that leave in the same step in
     #: ``decode_run_key`` order). On a pool that can bind the rule gets ``room`` and admits
     #: only what fits; a policy that also states its decode-step preemptions on counts
-    #: (``decode_preemptions``) is preempted there as it would be, and one that does not
-    #: runs there until a running request finds no block (then the replica loop takes the
-    #: run from the start: sim/array_inputs.py ``runs_guarded``).
+    #: (``decode_preemptions``; with ``prefill_plan``, ``decode_retractions``) is preempted
+    #: there as it would be, and one that does not runs there until a running request finds
+    #: no block (then the replica loop takes the run from the start: sim/array_inputs.py
+    #: ``runs_guarded``).
     #: Policies opt in after the array-core-vs-exact tests.
     array_core: ClassVar[bool] = False
     #: Under chunked prefill: True if every step grants each decoding request not in flight

@@ -347,8 +347,6 @@ def test_same_seed_same_bytes(tmp_path):
      "the KV pool can bind, with prefix caching"),
     (("kv.num_gpu_blocks_override=18", "policy=trtllm"), "alone fills the pool"),
     (("policy=sglang", "policy.schedule_policy=lpm"), "schedule_policy=lpm"),
-    (("policy=sglang", "policy.chunked_prefill_size=256", "kv.num_gpu_blocks_override=100",
-      "workload.qps=200"), "decode step at 0.2039826389540474 s does not fit its KV pool"),
     (("policy=sglang", "cluster=disaggregated"), "admits on the free pool"),
 ])
 def test_runs_it_cannot_take_go_to_the_replica_loop(overrides, reason):
@@ -721,8 +719,8 @@ def test_sglang_core_equals_exact_on_random_small_workloads(seed, qps, seqs, bud
     estimates capped (``clip``: SGLang's 4,096 made small enough to bind). ``tight``:
     (prompt, output, extra blocks) of near-constant lengths on a pool just large enough
     never to run short (extra 0 or 1), where the output estimates stop admission while seats
-    are free, or smaller: the core runs it as such a pool until a decode step's blocks do
-    not fit, and gives it up to the replica loop there."""
+    are free, or smaller: a decode batch whose blocks do not fit retracts requests (fewest
+    outputs first), which rejoin the queue at its tail."""
     over = [*TINY, *UNIFORM, "policy=sglang", f"seed={seed}", f"workload.qps={qps}",
             "workload.num_requests=60", f"policy.max_num_batched_tokens={budget}",
             f"policy.chunked_prefill_size={max(1, round(chunk * budget))}",
@@ -741,7 +739,38 @@ def test_sglang_core_equals_exact_on_random_small_workloads(seed, qps, seqs, bud
     with pytest.MonkeyPatch.context() as mp:
         if clip is not None:
             mp.setattr("policies.sglang.CLIP_MAX_NEW_TOKENS", clip)
-        same_or_given_up(over, tight is not None and tight[2] < 0)
+        assert _assert_same(over)["step_engine"] == "array_core"
+
+
+def test_sglang_retraction_rule():
+    """``retract_decode`` on counts: fewest outputs first, longest prompt first among
+    equals, the latest in running order first among those, until the rest hold 20 more
+    tokens each (one-token blocks here); the ratio from those left."""
+    pol = make_policy({"name": "sglang", "max_num_seqs": 8, "max_num_batched_tokens": 64,
+                       "chunked_prefill_size": 64})
+    outputs = [5, 1, 1, 3, 1]
+    prompts = [10, 30, 30, 10, 20]
+    computed = [p + o - 1 for p, o in zip(prompts, outputs)]
+    # Each needs 20 blocks to go on 20 tokens, none free: row 2 (the latest of the longest
+    # prompts among the fewest outputs) leaves, then row 1, freeing what they hold (30 each).
+    assert pol.retraction_rule(outputs, prompts, computed, computed, [50] * 5, 0, 1) == [2, 1]
+    assert pol.new_token_ratio == pytest.approx((5 + 3 + 1 + 3 * 20) / 150)
+    assert pol.retraction_rule(outputs, prompts, computed, computed, [50] * 5, 100, 1) == []
+    # Alone, and its next token finds no block: it leaves too.
+    assert pol.retraction_rule([1], [10], [10], [10], [50], 0, 1) == [0]
+
+
+@pytest.mark.parametrize("caching", ["true", "false"])
+def test_sglang_retracts_on_the_core(caching):
+    """SGLang on a 150-block pool that binds: decode batches whose blocks do not fit
+    retract requests, which rejoin the queue at its tail; the core runs it, with exact
+    mode's steps, requests and cache figures."""
+    s = _assert_same([*TINY, *UNIFORM, "policy=sglang", "seed=3", "workload.qps=300",
+                      "workload.num_requests=80", "policy.max_num_seqs=40",
+                      "policy.max_num_batched_tokens=600", "policy.chunked_prefill_size=300",
+                      "kv.block_size=4", "kv.num_gpu_blocks_override=150",
+                      f"kv.enable_prefix_caching={caching}"])
+    assert s["step_engine"] == "array_core" and s["num_preemptions"] > 0
 
 
 @pytest.mark.slow
