@@ -69,6 +69,10 @@ CASES: dict[str, tuple[list[str], float]] = {
     # SGLang's scheduler (radix cache on) with the recipe's limits.
     "sglang": (["policy=sglang", "policy.max_num_seqs=128", "policy.max_num_batched_tokens=4096",
                 "policy.chunked_prefill_size=4096"], 6),
+    # SGLang on the pool that binds (retraction by recompute, to the queue's tail).
+    "sglang_kv3000": (["policy=sglang", "policy.max_num_seqs=128",
+                       "policy.max_num_batched_tokens=4096", "policy.chunked_prefill_size=4096",
+                       "kv.num_gpu_blocks_override=3000"], 6),
     # Static batching (batches of 128, each request holding its whole length), the baseline.
     "static": (["policy=static", "policy.max_num_seqs=128",
                 "policy.max_num_batched_tokens=4096"], 6),
