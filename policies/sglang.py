@@ -35,8 +35,8 @@ is mid-chunk: then no admission is tried, and each repeated batch only lowers
 ``new_token_ratio`` as a planned one does (``StepBuilder.repeated_steps``). While requests wait,
 the falling ratio may admit one at any step, so every step is planned
 (``next_decision_time``). On the array core (``fcfs``) the prefill batch is ``prefill_rule``
-on plain numbers (``prefill_plan``) and a retraction ``retraction_rule`` on them
-(``decode_retractions``), the rules ``schedule`` applies.
+on plain numbers (``prefill_plan``) and a retraction ``decode_retractions`` on them, the
+rules ``schedule`` applies.
 
 Prefix caching is on by default (SGLang's radix cache). SGLang matches prefixes token by
 token (page size 1); here hits are whole ``kv.block_size`` blocks (``kv.block_size=1`` is
@@ -311,13 +311,11 @@ class SGLangPolicy(Policy):
         free = free_blocks
 
         def take(blocks: int) -> bool:
-            # (The rule's room check keeps every grant within the free pool, but for the
-            # blocks a recomputed request's cache hit takes back: as ``step.schedule``, it
-            # does not fit then, and the batch ends.)
+            # (The rule's room check keeps every grant within the free pool.)
             nonlocal free
-            if blocks > free:
-                return False
             free -= blocks
+            if free < 0:
+                raise AssertionError("prefill_plan granted more blocks than the pool has free")
             return True
 
         def place_partial(j: int, n: int) -> bool:
@@ -326,6 +324,10 @@ class SGLangPolicy(Policy):
 
         def place_new(j: int, n: int) -> bool:
             hit = 0 if cached_blocks is None else cached_blocks(j)
+            if hit and hit + blocks_for(n, block_size) > free:
+                # The blocks a recomputed request's cache hit takes back are beyond the
+                # rule's room check: as ``step.schedule``, it does not fit, and the batch ends.
+                return False
             return take(hit + blocks_for(n, block_size))
 
         return self.prefill_rule(
@@ -362,10 +364,10 @@ class SGLangPolicy(Policy):
             self.new_token_ratio = max(self.new_token_ratio - self.decay, self.min_ratio)
 
     def _retract(self, step: StepBuilder, running: list[Request]) -> list[Request]:
-        """Preempt by recompute those ``retraction_rule`` picks (``retract_decode``); they go
+        """Preempt by recompute those ``decode_retractions`` picks (``retract_decode``); they go
         to the tail of the waiting queue. Returns the requests left to decode."""
         kv = step.kv
-        retracted = self.retraction_rule(
+        retracted = self.decode_retractions(
             [r.num_output_tokens for r in running], [r.prompt_len for r in running],
             [r.num_computed_tokens for r in running],
             [len(kv.block_table(r.request_id)) for r in running],
@@ -375,11 +377,11 @@ class SGLangPolicy(Policy):
         gone = set(retracted)
         return [req for r, req in enumerate(running) if r not in gone]
 
-    def retraction_rule(self, outputs: Sequence[int], prompts: Sequence[int],
-                        computed: Sequence[int], held: Sequence[int],
-                        max_outputs: Sequence[int], free: int, block_size: int) -> list[int]:
+    def decode_retractions(self, outputs: Sequence[int], prompts: Sequence[int],
+                           computed: Sequence[int], held: Sequence[int],
+                           max_outputs: Sequence[int], free: int, block_size: int) -> list[int]:
         """``retract_decode`` on plain numbers, for the replica's decode batch and the array
-        core's (sim/array_core.py) alike. The decoding requests in running order: their
+        core's (sim/array_core.py) alike, where the batch's new blocks do not fit. The decoding requests in running order: their
         output tokens, prompt lengths, computed tokens, the blocks they hold and their
         maximum outputs; ``free`` blocks free. Retracts (by recompute, each freeing what it
         holds) fewest outputs first, longest prompt first among equals (the latest in
@@ -405,15 +407,3 @@ class SGLangPolicy(Policy):
         self.new_token_ratio = min(
             1.0, (decoded + RETRACT_DECODE_STEPS * len(order)) / total) if total else 1.0
         return retracted
-
-    def decode_retractions(self, decode_batches: int, outputs: Sequence[int],
-                           prompts: Sequence[int], computed: Sequence[int],
-                           held: Sequence[int], max_outputs: Sequence[int], free: int,
-                           block_size: int) -> list[int]:
-        """The array core's decode batch when its new blocks do not fit (sim/array_core.py):
-        the ``decode_batches`` decode batches taken since the last ``prefill_plan`` that
-        retracted nobody first lower the ratio, as in ``schedule``; then
-        ``retraction_rule``. tests/test_array_core.py checks it against ``schedule``."""
-        self._lower_ratio(decode_batches)
-        return self.retraction_rule(outputs, prompts, computed, held, max_outputs, free,
-                                    block_size)

@@ -15,9 +15,9 @@ step whose new blocks do not fit is planned on its own: the policy's rule on cou
 (under chunked prefill: of every running request, mid-prefill ones included, each needing
 its chunk's blocks where prompts take blocks chunk by chunk, vLLM v1's; the step then
 carries no chunk), by recompute (waiting again, to re-prefill their prompt and sampled
-tokens: the queue head, or an ordered policy's ``requeue``; with vLLM v1's prefix cache,
-after what is left of their own blocks, followed through the free queue on counts) or by
-swap (back in the
+tokens: the queue head, or an ordered policy's ``requeue``; with the prefix cache on, where
+prompts take blocks chunk by chunk, after what is left of their own blocks, followed
+through the free queue on counts) or by swap (back in the
 order they left, or the policy's running order, as ``resume_swapped`` lets them, in a step
 of their own; recomputed when the CPU pool is full); blocks in use only grow between such
 steps, so a stretch runs to the last step whose blocks fit (or the policy's next decision
@@ -63,7 +63,7 @@ from __future__ import annotations
 
 import time
 from array import array
-from bisect import bisect_left, bisect_right
+from bisect import bisect_left, bisect_right, insort
 from collections import deque
 from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
@@ -575,11 +575,11 @@ class ArrayCore:
         # (the pops so far and the free blocks ahead of it when it left: num_blocks +
         # released - revived then), those without content first (its last, partial block);
         # its hit is what is left of its full blocks when it is admitted again. That place
-        # moves up by the blocks revived ahead of it: under vLLM v1 never (everyone running
-        # arrived before everyone waiting and the latest arrivals leave first, so a request
-        # admitted again left after every request still waiting), under SGLang where a
-        # request retracted earlier comes back first (retracted requests rejoin the
-        # queue's tail).
+        # moves up by the blocks revived ahead of it: under vLLM v1 never (with strict FCFS
+        # admission everyone running arrived before everyone waiting, and the latest
+        # arrivals leave first, so a request admitted again left after every request still
+        # waiting), under SGLang where a request retracted earlier comes back first
+        # (retracted requests rejoin the queue's tail).
         self_hits = binding and not whole_prompt and self.sim.prefix_caching
         released = revived = 0
         runs: dict[int, list[int]] = {}  # recomputed, waiting: [first pop, blocks, full, seq]
@@ -738,8 +738,9 @@ class ArrayCore:
         def pending_after_hits(free: int, hits_seen: list[int]) -> Iterator[int]:
             """The waiting requests' pending prefill tokens, in queue order, each after the
             blocks it would find cached when its turn comes (``free`` blocks left when the
-            first is read, each one before it admitted whole); ``hits_seen`` gets each hit,
-            in blocks."""
+            first is read); ``hits_seen`` gets each hit, in blocks. Each is read once the one
+            before it was admitted whole: an admission cut short (or refused) ends
+            admission, and the next is never used."""
             pops = num_blocks - free + released - revived
             ahead: list[tuple[int, int]] = []  # (seq, hit) of those read before it
             for i in waiting:
@@ -1000,45 +1001,51 @@ class ArrayCore:
             return {i: blocks_for(computed[i] + n, bs) - blocks_for(computed[i], bs)
                     for i, n in grants.items()}
 
+        def recompute(i: int, slot: int | None) -> None:
+            """Request ``i``, a member in ``slot`` or (None) a prompt mid-prefill, is
+            preempted by recompute (the caller puts it back in the queue): it keeps what
+            ``resume`` holds, and waits to prefill its prompt and every token it sampled."""
+            nonlocal prefill_blocks, released
+            if slot is None:
+                prefilling.remove(i)
+                c = computed.pop(i)
+                prefill_blocks -= blocks_for(PEND[i] if whole_prompt else c, bs)
+                if self_hits:
+                    leaves_cached(i, c)
+                    released += blocks_for(c, bs)
+                sched = scheduled_at.pop(i)
+                prev = resume.get(i)  # a recompute, preempted again
+                resume[i] = ((None, sched, array("d"), 1, 0) if prev is None else
+                             (*prev[:3], prev[3] + 1, prev[4]))
+            else:
+                if self_hits:
+                    leaves_cached(i, slot_ctx[slot] + S)
+                _, c, resume[i] = evict(slot)
+                PEND[i] = c + 1
+
         def retract_decodes(ones: list[int]) -> int:
             """(SGLang) The decode batch's new blocks do not fit: those of the members and of
             the prompts one token from done (``ones``) the policy retracts
             (``decode_retractions``, over them in running order) are recomputed, rejoining
             the queue at its tail in that order. Returns how many."""
-            nonlocal planned_at, prefill_blocks, released
+            nonlocal planned_at
             slot_of = {slot_index[m]: m for m in range(seats_total) if slot_index[m] >= 0}
             rows = sorted([*slot_of, *ones])
             ctxs = [computed[i] if slot_of.get(i) is None else slot_ctx[slot_of[i]] + S
                     for i in rows]
             victims = decode_retractions(
-                S - planned_at,
                 [c + 1 - PL[i] if i in slot_of else PEND[i] - PL[i]
                  for i, c in zip(rows, ctxs)],
                 [PL[i] for i in rows], ctxs, [blocks_for(c, bs) for c in ctxs],
                 [OL[i] for i in rows], num_blocks - blocks_at(S) - prefill_blocks, bs)
             for r in victims:
                 i = rows[r]
-                m = slot_of.get(i)
-                if m is None:  # a prompt one token from done: its blocks so far
-                    prefilling.remove(i)
-                    c = computed.pop(i)
-                    prefill_blocks -= blocks_for(c, bs)
-                    if self_hits:
-                        leaves_cached(i, c)
-                        released += blocks_for(c, bs)
-                    sched = scheduled_at.pop(i)
-                    prev = resume.get(i)  # a recompute, retracted again
-                    resume[i] = ((None, sched, array("d"), 1, 0) if prev is None else
-                                 (*prev[:3], prev[3] + 1, prev[4]))
-                else:
-                    if self_hits:
-                        leaves_cached(i, slot_ctx[m] + S)
-                    _, c, resume[i] = evict(m)
-                    PEND[i] = c + 1  # its prompt and every token it sampled
+                recompute(i, slot_of.get(i))
                 waiting.append(i)  # type: ignore[union-attr]
             if victims:
                 forget_evicted()
-            # This decode batch does not lower the ratio (it set it), if it runs at all.
+            # The ratio is the retraction's: the decode batches before this one (and this
+            # one, if it runs at all) no longer lower it.
             planned_at = S + 1 if members or any(i in computed for i in ones) else S
             return len(victims)
 
@@ -1153,6 +1160,7 @@ class ArrayCore:
                 # prefill batch of chunks alone (prefill_plan), else a decode batch.
                 recomputed = 0
                 apart = False  # a prefill batch, apart from the decodes
+                hits_seen: list[int] = []  # the waiting requests' cache hits, as read
                 # Where prompts take blocks chunk by chunk (vLLM v1), the running prompts'
                 # grants (a token to one a token from done, the policy's chunks to the
                 # others) need blocks too: the step preempts where theirs do not fit either.
@@ -1190,24 +1198,7 @@ class ArrayCore:
                     recomputed = decode_preemptions(needs, holds, free)
                     fullest = fill_through(needs, holds, free, len(running) - recomputed)
                     for i in reversed(running[len(running) - recomputed:]):  # as preempted
-                        m = slot_of.get(i)
-                        if m is None:
-                            prefilling.remove(i)
-                            prefill_blocks -= blocks_for(PEND[i] if whole_prompt
-                                                         else computed[i], bs)
-                            if self_hits:
-                                leaves_cached(i, computed[i])
-                                released += blocks_for(computed[i], bs)
-                            del computed[i]
-                            sched = scheduled_at.pop(i)
-                            prev = resume.get(i)  # a recompute, preempted again
-                            resume[i] = ((None, sched, array("d"), 1, 0) if prev is None else
-                                         (*prev[:3], prev[3] + 1, prev[4]))
-                        else:
-                            if self_hits:
-                                leaves_cached(i, slot_ctx[m] + S)
-                            _, c, resume[i] = evict(m)
-                            PEND[i] = c + 1  # its prompt and every token it sampled
+                        recompute(i, slot_of.get(i))
                         waiting.appendleft(i)  # type: ignore[union-attr]
                     forget_evicted()
                     peak = max(peak, fullest)
@@ -1229,7 +1220,6 @@ class ArrayCore:
                             (PEND[i], OL[i] - PEND[i] + PL[i]) for i in waiting)
                         hits_kw = {}
                         if runs:
-                            hits_seen = []
                             # Free when the queue is read: the prompts mid-chunk went first,
                             # each whole (a chunk cut short ends the batch).
                             free = num_blocks - blocks_at(S) - prefill_blocks - sum(
@@ -1265,19 +1255,18 @@ class ArrayCore:
                                              for i in prefilling])
                             room = (free, watermark, bs)
                         # (A policy that reserves whole lengths admits on them.)
-                        lengths = ({"lengths": (PL[i] + OL[i] - 1 for i in waiting)}
+                        rule_kw = ({"lengths": (PL[i] + OL[i] - 1 for i in waiting)}
                                    if reserves_full and room is not None else {})
                         pendings = [PEND[i] - computed[i] for i in multi]
                         queue: Iterator[int] = map(PEND.__getitem__, waiting)
                         if runs and room is not None:
                             # Recomputed requests find what is left of their own blocks.
-                            hits_seen = []
                             queue = pending_after_hits(room[0], hits_seen)
-                            lengths = {"cached_blocks": lambda seen=hits_seen: seen[-1]}
+                            rule_kw["cached_blocks"] = lambda seen=hits_seen: seen[-1]
                         chunks, admitted = chunk_plan(
                             members + len(ones), pendings, queue,
                             len(waiting), seats_total - members - len(prefilling), room,
-                            **lengths)
+                            **rule_kw)
                         if (admitted and not whole_prompt and room is not None
                                 and sum(chunks) != sum(pendings)):
                             # (The room counted every partial's whole pending prefill.)
@@ -1287,7 +1276,11 @@ class ArrayCore:
                     new = [waiting.popleft() for _ in admitted]
                     for n, i in enumerate(new):
                         computed[i] = 0
-                        prefilling.append(i)
+                        if prefilling and i < prefilling[-1]:
+                            # (SGLang: a retracted request, back from the queue's tail.)
+                            insort(prefilling, i)
+                        else:
+                            prefilling.append(i)
                         if whole_prompt:
                             prefill_blocks += held_mid_prefill(i)
                         elif i in runs:  # (recomputed, prefix caching on)
@@ -1472,8 +1465,7 @@ class ArrayCore:
                         used = blocks_at(S)
                         step_sink.write_formatted(
                             (num_steps, replica, repr(start), repr(d), nd, 0, nd, nd,
-                             len(waiting) + arrived(t, start) - nxt, members + len(prefilling),
-                             len(swapped), used,
+                             len(waiting) + arrived(t, start) - nxt, members, len(swapped), used,
                              round(used / num_blocks, 6), recomputed, swapped_out, moved_out,
                              moved_in), STEP_ROW_FORMAT)
                     continue
@@ -1587,7 +1579,8 @@ class ArrayCore:
                     used_list = list(accumulate(grow, initial=blocks_at(cur) + prefill_blocks))
                     used = used_list.pop()
                     del used_list[0]
-                    # (A prompt mid-chunk the step leaves waiting is running too: SGLang's.)
+                    # (A prompt the step grants nothing is running too: SGLang's mid-chunk,
+                    # vLLM's whose chunk the decodes leave no budget for.)
                     write_rows(num_steps + 1, starts, durs[:-1], nd, len(waiting),
                                nd + len(prefilling),
                                len(swapped), used_list)

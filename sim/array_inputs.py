@@ -133,9 +133,9 @@ def _cluster_blocker(sim: ArrayCoreHost) -> str | None:
     with pipeline stages, whose replicas (one or more) run on the core in a loop of their
     own (``_pipeline_blocker``, sim/array_pipeline.py). (Prefix caching is for
     ``WorkloadArrays.collect`` to refuse: with no prompt sharing a prefix, and nobody
-    recomputed on the core but by ``decode_preemptions``, it changes nothing the core counts
-    but a recomputed request's hits on its own blocks, which the core follows where prompts
-    take blocks chunk by chunk.)"""
+    recomputed on the core but by ``decode_preemptions`` or ``decode_retractions``, it changes
+    nothing the core counts but a recomputed request's hits on its own blocks, which the core
+    follows where prompts take blocks chunk by chunk.)"""
     cluster = sim.cluster
     if isinstance(cluster, ClusterConfig):
         if cluster.pipeline_parallel_size > 1:
@@ -203,8 +203,8 @@ class WorkloadArrays:
         plain numbers (ids or priorities that are not ints, token ids given, or with
         ``prefix_caching`` a shared prompt prefix: the core keeps no block contents; without
         one a request can only hit its own blocks after a preemption, which the core follows
-        on counts where prompts take blocks chunk by chunk, vLLM v1's, and makes only with
-        caching off elsewhere: ``pool_blocker``)."""
+        on counts where prompts take blocks chunk by chunk, vLLM v1's and SGLang's, and makes
+        only with caching off elsewhere: ``pool_blocker``)."""
         out = cls(array("q"), array("q"), array("d"), array("q"), array("q"))
         ids, pri, arr, pl, ol = (out.request_ids.append, out.priorities.append,
                                  out.arrivals.append, out.prompt_lens.append,
@@ -261,8 +261,9 @@ def pool_blocker(sim: ArrayCoreHost, w: WorkloadArrays) -> str | None:
     pool alone above the watermark and, without chunked prefill, its recompute fits one step
     (so it never re-prefills in chunks); it swaps only with a watermark of at least one
     block, and not under chunked prefill (a request swapped mid-prefill resumes in chunks);
-    with prefix caching only where prompts take blocks chunk by chunk (vLLM v1: a request
-    recomputed finds what is left of its own blocks, which the core follows on counts).
+    with prefix caching only where prompts take blocks chunk by chunk (vLLM v1, SGLang: a
+    request recomputed finds what is left of its own blocks, which the core follows on
+    counts).
     A policy that states no decode preemptions (``runs_guarded``) runs with its admission
     counting blocks until a running request finds none, and the replica loop from there."""
     n = len(w.arrivals)

@@ -709,6 +709,10 @@ def test_trtllm_core_equals_exact_on_random_small_workloads(seed, qps, seqs, bud
 # ... and the ratio starts over after the replica has idled (no request at all).
 @example(seed=8151, qps=5.0, seqs=3, budget=526, chunk=0.89, out_min=1, prompt_min=1,
          block=16, conservativeness=3.0, clip=None, tight=(147, 45, 0))
+# A pool that binds: requests retracted, back from the queue's tail, finish in the same decode
+# rows as earlier arrivals (rows, and finishers, in arrival order).
+@example(seed=1, qps=100.0, seqs=4, budget=40, chunk=0.0, out_min=1, prompt_min=1, block=1,
+         conservativeness=0.3, clip=None, tight=(10, 5, -12))
 def test_sglang_core_equals_exact_on_random_small_workloads(seed, qps, seqs, budget, chunk,
                                                             out_min, prompt_min, block,
                                                             conservativeness, clip, tight):
@@ -753,11 +757,11 @@ def test_sglang_retraction_rule():
     computed = [p + o - 1 for p, o in zip(prompts, outputs)]
     # Each needs 20 blocks to go on 20 tokens, none free: row 2 (the latest of the longest
     # prompts among the fewest outputs) leaves, then row 1, freeing what they hold (30 each).
-    assert pol.retraction_rule(outputs, prompts, computed, computed, [50] * 5, 0, 1) == [2, 1]
+    assert pol.decode_retractions(outputs, prompts, computed, computed, [50] * 5, 0, 1) == [2, 1]
     assert pol.new_token_ratio == pytest.approx((5 + 3 + 1 + 3 * 20) / 150)
-    assert pol.retraction_rule(outputs, prompts, computed, computed, [50] * 5, 100, 1) == []
+    assert pol.decode_retractions(outputs, prompts, computed, computed, [50] * 5, 100, 1) == []
     # Alone, and its next token finds no block: it leaves too.
-    assert pol.retraction_rule([1], [10], [10], [10], [50], 0, 1) == [0]
+    assert pol.decode_retractions([1], [10], [10], [10], [50], 0, 1) == [0]
 
 
 @pytest.mark.parametrize("caching", ["true", "false"])
