@@ -746,6 +746,24 @@ def test_sglang_core_equals_exact_on_random_small_workloads(seed, qps, seqs, bud
         assert _assert_same(over)["step_engine"] == "array_core"
 
 
+def test_a_policy_stating_no_preemptions_on_counts_is_given_up_where_one_comes(monkeypatch):
+    """A policy that states ``array_core`` but neither decode preemptions nor retractions on
+    counts (vLLM v1 without its ``decode_preemptions``) runs on a pool that can bind with its
+    admission counting blocks until a running request finds none; the run is then the
+    replica loop's, from the start."""
+    from policies.vllm_v1 import VLLMV1Policy
+
+    monkeypatch.setattr(VLLMV1Policy, "decode_preemptions", None)
+    over = [*TINY, *UNIFORM, "policy=vllm_v1", "seed=0", "workload.qps=400",
+            "workload.num_requests=60", "policy.max_num_seqs=40",
+            "policy.max_num_batched_tokens=600", "workload.prompt_len.min=50",
+            "workload.output_len.min=1"]
+    s = same_or_given_up([*over, "kv.num_gpu_blocks_override=60"], True)
+    assert s["step_engine"] == "replica" and s["num_preemptions"] > 0
+    # A pool that could bind but never does: the core runs it all.
+    assert _assert_same([*over, "kv.num_gpu_blocks_override=600"])["step_engine"] == "array_core"
+
+
 def test_sglang_retraction_rule():
     """``retract_decode`` on counts: fewest outputs first, longest prompt first among
     equals, the latest in running order first among those, until the rest hold 20 more
