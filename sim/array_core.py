@@ -372,6 +372,8 @@ class ArrayCore:
         self.policy = (sim.pools[0].make_policy(sim.seed) if pool is None
                        else pool.first_policy)
         memory = sim.memory if pool is None else pool.memory
+        #: This pool's prefix cache (a recomputed request finds its own blocks in it).
+        self.prefix_caching = (sim.pools[0] if pool is None else pool).enable_prefix_caching
         self.block_size = sim.kv_cfg.block_size if pool is None else pool.block_size
         self.num_gpu_blocks = memory.num_gpu_blocks
         self.num_cpu_blocks = memory.num_cpu_blocks
@@ -439,10 +441,13 @@ class ArrayCore:
                               num_swap_fallbacks=self.num_swap_fallbacks,
                               engine="array_core",
                               # Every prompt is looked up at its first admission, and
-                              # again (with its sampled tokens) at each after a recompute.
+                              # again (with its sampled tokens) at each after a recompute,
+                              # where the pool that admits it (the prefill pool's, in a
+                              # disaggregated deployment) caches prefixes.
                               prefix_cache=((sum(self.w.prompt_lens) + self.cache_counts[0],
                                              *self.cache_counts[1:])
-                                            if sim.prefix_caching else (0, 0, 0)))
+                                            if sim.pools[0].enable_prefix_caching
+                                            else (0, 0, 0)))
         if more_summary is not None:
             summary.update(more_summary(end, interrupted is not None))
         if interrupted is not None:  # the loop's own counters are lost with its frame
@@ -580,7 +585,7 @@ class ArrayCore:
         # arrivals leave first, so a request admitted again left after every request still
         # waiting), under SGLang where a request retracted earlier comes back first
         # (retracted requests rejoin the queue's tail).
-        self_hits = binding and not whole_prompt and self.sim.prefix_caching
+        self_hits = binding and not whole_prompt and self.prefix_caching
         released = revived = 0
         runs: dict[int, list[int]] = {}  # recomputed, waiting: [first pop, blocks, full, seq]
         run_seq = 0  # blocks returned with content so far, in the order they were
