@@ -795,6 +795,28 @@ def test_sglang_retracts_on_the_core(caching):
     assert s["step_engine"] == "array_core" and s["num_preemptions"] > 0
 
 
+@pytest.mark.parametrize("over", [
+    # Readmitted in different steps.
+    ["seed=233", "workload.num_requests=63", "workload.qps=29.257", "workload.prompt_len.min=1",
+     "policy.max_num_batched_tokens=1130", "policy.chunked_prefill_size=640",
+     "policy.max_num_seqs=43", "kv.block_size=16", "kv.num_gpu_blocks_override=43"],
+    # Readmitted in the same prefill batch.
+    ["seed=1622", "workload.num_requests=135", "workload.qps=26.893",
+     "workload.prompt_len.min=2", "workload.output_len.min=2",
+     "policy.max_num_batched_tokens=1426", "policy.chunked_prefill_size=1233",
+     "policy.max_num_seqs=62", "policy.schedule_conservativeness=0.3", "kv.block_size=1",
+     "kv.num_gpu_blocks_override=961"]])
+def test_sglang_retracted_requests_find_their_blocks_moved_up(over):
+    """SGLang on a pool that binds: a request retracted earlier comes back from the queue's
+    tail before one retracted later, and the blocks it takes back from the free queue move
+    the later one's up (what it finds cached then), in a later step or in the same prefill
+    batch. The core, as exact mode."""
+    s = _assert_same(["model=tiny", *UNIFORM, "policy=sglang", "workload.prompt_len.max=50",
+                      "workload.output_len.max=300", "workload.output_len.min=1",
+                      "kv.enable_prefix_caching=true", *over])
+    assert s["step_engine"] == "array_core" and s["prefix_cache_hits"] > 0
+
+
 @pytest.mark.slow
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 10_000), qps=st.floats(1.0, 400.0), seqs=st.integers(1, 40),
