@@ -115,7 +115,7 @@ def test_preemption_heavy_case_fast_equals_exact(policy, core):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("policy", JUMPING)
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=9, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 10_000), blocks=st.integers(40, 400), qps=st.floats(1.0, 60.0),
        swap=st.booleans())
 def test_random_small_workloads_under_kv_pressure(policy, seed, blocks, qps, swap):

@@ -377,7 +377,7 @@ def test_unbounded_cache_hit_rate_on_mooncake_equals_a_count_from_its_hash_ids(t
 
 @pytest.mark.slow
 @pytest.mark.equivalence
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 10_000), qps=st.floats(5.0, 120.0), blocks=st.integers(40, 300),
        prefix=st.integers(1, 250), groups=st.integers(1, 4),
        block_size=st.sampled_from([1, 4, 16]),
