@@ -381,9 +381,9 @@ class SGLangPolicy(Policy):
                            computed: Sequence[int], held: Sequence[int],
                            max_outputs: Sequence[int], free: int, block_size: int) -> list[int]:
         """``retract_decode`` on plain numbers, for the replica's decode batch and the array
-        core's (sim/array_core.py) alike, where the batch's new blocks do not fit. The decoding requests in running order: their
-        output tokens, prompt lengths, computed tokens, the blocks they hold and their
-        maximum outputs; ``free`` blocks free. Retracts (by recompute, each freeing what it
+        core's (sim/array_core.py) alike, where the batch's new blocks do not fit. The
+        decoding requests in running order: their output tokens, prompt lengths, computed
+        tokens, the blocks they hold and their maximum outputs; ``free`` blocks free. Retracts (by recompute, each freeing what it
         holds) fewest outputs first, longest prompt first among equals (the latest in
         running order first among those), until the rest hold ``RETRACT_DECODE_STEPS`` more
         tokens each, and one more if the last left alone cannot take its next token; sets

@@ -44,10 +44,11 @@ prefill (vLLM v0 and v1, TensorRT-LLM) through ``chunk_plan`` (their rules on pl
 numbers, over a queue kept here in arrival order), SGLang through ``prefill_plan`` (a
 prefill batch of chunks apart from the decodes, tried again after every decode batch while
 requests wait; a decode batch whose blocks do not fit retracts requests by its
-``decode_retractions``, to the queue's tail), and a policy with its own waiting order (SJF, priority) through
-``indexed_admissions``: each arrival becomes a ``Request`` handed to its ``on_arrival``, as
-the replica does, and lives until the request leaves; members finishing in the same step
-leave in the policy's running order (``decode_run_key``), as the replica's rows go. These
+``decode_retractions``, to the queue's tail), and a policy with its own waiting order (SJF,
+priority) through ``indexed_admissions``: each arrival becomes a ``Request`` handed to its
+``on_arrival``, as the replica does, and lives until the request leaves; members finishing
+in the same step leave in the policy's running order (``decode_run_key``), as the replica's
+rows go. These
 are the rules ``schedule`` uses, tested against it; only policy classes that set
 ``array_core = True`` themselves run here, and only where admitting preempts nobody
 (``Policy.may_preempt_to_admit``).
@@ -740,12 +741,12 @@ class ArrayCore:
                 return full
             return max(0, min(full, held_blocks - taken))
 
-        def pending_after_hits(free: int, hits_seen: list[int]) -> Iterator[int]:
-            """The waiting requests' pending prefill tokens, in queue order, each after the
-            blocks it would find cached when its turn comes (``free`` blocks left when the
-            first is read); ``hits_seen`` gets each hit, in blocks. Each is read once the one
-            before it was admitted whole: an admission cut short (or refused) ends
-            admission, and the next is never used."""
+        def pending_after_hits(free: int, hits_seen: list[int]) -> Iterator[tuple[int, int]]:
+            """The waiting requests and their pending prefill tokens, in queue order, each
+            after the blocks it would find cached when its turn comes (``free`` blocks left
+            when the first is read); ``hits_seen`` gets each hit, in blocks. Each is read
+            once the one before it was admitted whole: an admission cut short (or refused)
+            ends admission, and the next is never used."""
             pops = num_blocks - free + released - revived
             ahead: list[tuple[int, int]] = []  # (seq, hit) of those read before it
             for i in waiting:
@@ -756,7 +757,7 @@ class ArrayCore:
                     hit = hit_of(i, pops, sum([h for q, h in ahead if q < seq]))
                     ahead.append((seq, hit))
                 hits_seen.append(hit)
-                yield PEND[i] - hit * bs
+                yield i, PEND[i] - hit * bs
                 pops += blocks_for(PEND[i], bs) - hit
 
         def readmit(i: int, hit: int) -> None:
@@ -970,10 +971,10 @@ class ArrayCore:
             cap, summed."""
             def total(cap: int) -> int:
                 if cap >= OLMAX:  # none over the cap: the members' last steps say it
-                    return last_sum - members * S + sum([OL[i] - PEND[i] + PL[i] for i in ones])
+                    return last_sum - members * S + sum(map(outputs_left, ones))
                 return (sum([min(slot_start[m] + OL[i] - slot_out0[m] - S, cap)
                              for m, i in enumerate(slot_index) if i >= 0])
-                        + sum([min(OL[i] - PEND[i] + PL[i], cap) for i in ones]))
+                        + sum([min(outputs_left(i), cap) for i in ones]))
             return total
 
         def longest_ctx() -> int:
@@ -991,6 +992,22 @@ class ArrayCore:
             longest_c = ((-max_heap[0]) >> _INDEX_BITS) - _CTX_OFFSET
             return longest_c
 
+        def grant_blocks(i: int, n: int) -> int:
+            """The new blocks a grant of ``n`` tokens takes for request ``i`` mid-prefill
+            (prompts taking blocks chunk by chunk)."""
+            return blocks_for(computed[i] + n, bs) - blocks_for(computed[i], bs)
+
+        def outputs_left(i: int) -> int:
+            """The output tokens request ``i``, waiting or mid-prefill, may still sample (a
+            recomputed one sampled PEND - PL already)."""
+            return OL[i] - PEND[i] + PL[i]
+
+        def running_rows(others: list[int]) -> tuple[dict[int, int], list[int]]:
+            """The members (request -> slot), and them with ``others`` (running prompts) in
+            arrival order: the running order the preemption and retraction rules read."""
+            slot_of = {slot_index[m]: m for m in range(seats_total) if slot_index[m] >= 0}
+            return slot_of, sorted([*slot_of, *others])
+
         def running_chunk_needs() -> dict[int, int]:
             """(Prompts taking blocks chunk by chunk.) The new blocks each running prompt's
             grant this step takes: one token for one a token from done, the policy's chunk
@@ -1003,8 +1020,7 @@ class ArrayCore:
             grants = dict.fromkeys(multi, 0)
             grants.update(zip(multi, chunks))
             grants.update(dict.fromkeys(ones, 1))
-            return {i: blocks_for(computed[i] + n, bs) - blocks_for(computed[i], bs)
-                    for i, n in grants.items()}
+            return {i: grant_blocks(i, n) for i, n in grants.items()}
 
         def recompute(i: int, slot: int | None) -> None:
             """Request ``i``, a member in ``slot`` or (None) a prompt mid-prefill, is
@@ -1034,8 +1050,7 @@ class ArrayCore:
             (``decode_retractions``, over them in running order) are recomputed, rejoining
             the queue at its tail in that order. Returns how many."""
             nonlocal planned_at
-            slot_of = {slot_index[m]: m for m in range(seats_total) if slot_index[m] >= 0}
-            rows = sorted([*slot_of, *ones])
+            slot_of, rows = running_rows(ones)
             ctxs = [computed[i] if slot_of.get(i) is None else slot_ctx[slot_of[i]] + S
                     for i in rows]
             victims = decode_retractions(
@@ -1183,9 +1198,7 @@ class ArrayCore:
                     # chunk.
                     if not whole_prompt and chunk_needs is None:
                         chunk_needs = running_chunk_needs()
-                    slot_of = {slot_index[m]: m for m in range(seats_total)
-                               if slot_index[m] >= 0}
-                    running = sorted([*slot_of, *prefilling])
+                    slot_of, running = running_rows(prefilling)
                     needs, holds = [], []
                     for i in running:
                         m = slot_of.get(i)
@@ -1222,16 +1235,15 @@ class ArrayCore:
                         # (pending prefill, output tokens left): a recomputed request's
                         # pending tokens after what it finds of its own blocks.
                         queue2: Iterator[tuple[int, int]] = (
-                            (PEND[i], OL[i] - PEND[i] + PL[i]) for i in waiting)
+                            (PEND[i], outputs_left(i)) for i in waiting)
                         hits_kw = {}
                         if runs:
                             # Free when the queue is read: the prompts mid-chunk went first,
                             # each whole (a chunk cut short ends the batch).
                             free = num_blocks - blocks_at(S) - prefill_blocks - sum(
-                                [blocks_for(PEND[i], bs) - blocks_for(computed[i], bs)
-                                 for i in multi])
-                            queue2 = zip(pending_after_hits(free, hits_seen),
-                                         (OL[i] - PEND[i] + PL[i] for i in waiting))
+                                [grant_blocks(i, PEND[i] - computed[i]) for i in multi])
+                            queue2 = ((n, outputs_left(i))
+                                      for i, n in pending_after_hits(free, hits_seen))
                             hits_kw = {"cached_blocks": hits_seen.__getitem__}
                         chunks, admitted = prefill_plan(
                             S - planned_at, decode_remaining(ones),
@@ -1243,9 +1255,8 @@ class ArrayCore:
                         idled = False
                         apart = bool(chunks or admitted)
                         if (not apart and decode_retractions is not None
-                                and blocks_at(S + 1) + prefill_blocks + sum(
-                                    [blocks_for(computed[i] + 1, bs) - blocks_for(computed[i], bs)
-                                     for i in ones]) > num_blocks):
+                                and blocks_at(S + 1) + prefill_blocks
+                                + sum([grant_blocks(i, 1) for i in ones]) > num_blocks):
                             # The decode batch's new blocks do not fit: retractions.
                             recomputed = retract_decodes(ones)
                             ones = [i for i in ones if i in computed]
@@ -1266,7 +1277,7 @@ class ArrayCore:
                         queue: Iterator[int] = map(PEND.__getitem__, waiting)
                         if runs and room is not None:
                             # Recomputed requests find what is left of their own blocks.
-                            queue = pending_after_hits(room[0], hits_seen)
+                            queue = (n for _, n in pending_after_hits(room[0], hits_seen))
                             rule_kw["cached_blocks"] = lambda seen=hits_seen: seen[-1]
                         chunks, admitted = chunk_plan(
                             members + len(ones), pendings, queue,

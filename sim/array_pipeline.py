@@ -275,6 +275,18 @@ def pipelined_loop(core: ArrayCore, metrics: MetricsCollector, req_sink: CsvSink
     last_was_decode = False
     done = 0
     next_tick = 64
+
+    def finish_first(i: int, at: float) -> None:
+        """Request ``i``'s prompt, done in the micro-batch that left at ``at``, sampled its
+        only token: it leaves with its blocks."""
+        nonlocal used, running, done
+        if held is not None:
+            del held[i]
+        finish(i, at, sched[i], at, _EMPTY)
+        used -= blocks_for(PL[i], bs)
+        running -= 1
+        done += 1
+
     def running_rank(i: int) -> Any:
         """Where request ``i``, leaving in a decode micro-batch, came in its rows: the
         policy's running order, of the request as it stood when that batch was planned."""
@@ -325,16 +337,15 @@ def pipelined_loop(core: ArrayCore, metrics: MetricsCollector, req_sink: CsvSink
                     gone.sort(key=running_rank)
                 # Chunked: prompts one token from done that finish with it, among the decode
                 # rows (arrival order).
-                ends_too = ([i for i, _ in grants[:counts_of[2]] if OL[i] == 1]  # type: ignore[index]
-                            if grants is not None and counts_of[2] else None)  # type: ignore[index]
+                ends_too = None
+                if grants is not None and counts_of[2]:  # type: ignore[index]
+                    ends_too = [i for i, _ in grants[:counts_of[2]]  # type: ignore[index]
+                                if OL[i] == 1]
                 if ends_too:
                     gone = sorted(gone + ends_too)
                 for i in gone:
                     if ends_too and i in ends_too:
-                        finish(i, leave, sched[i], leave, _EMPTY)
-                        used -= blocks_for(PL[i], bs)
-                        running -= 1
-                        done += 1
+                        finish_first(i, leave)
                         continue
                     c = ctx[i]
                     g.ctx_sum -= c
@@ -372,14 +383,8 @@ def pipelined_loop(core: ArrayCore, metrics: MetricsCollector, req_sink: CsvSink
                         continue
                     del computed[i]
                     if OL[i] == 1:
-                        if k < num_ones and g is not None:  # finished among the decode rows
-                            continue
-                        if held is not None:
-                            del held[i]
-                        finish(i, leave, sched[i], leave, _EMPTY)
-                        used -= blocks_for(PL[i], bs)
-                        running -= 1
-                        done += 1
+                        if not (k < num_ones and g is not None):  # (else among the decode rows)
+                            finish_first(i, leave)
                     else:
                         if free_group is None:
                             free_group = _Group(bs)
