@@ -3,7 +3,9 @@
 The order lives in a ``WaitingHeap`` fed by ``on_arrival`` and by the policy's own
 preemptions (``requeue``), so no step sorts the whole waiting queue. Admission stays strict:
 it stops at the first request in order that does not fit, as vLLM's priority scheduler does,
-so a big request at the head is never bypassed forever by smaller ones behind it. With
+so a big request at the head is never bypassed forever by smaller ones behind it; a
+subclass that sets ``strict_order = False`` lets later ones that fit go ahead of one that
+does not (on both engines: the admission rule is the same). With
 ``preemptive`` the head of the queue may displace running requests the subclass allows
 (``may_preempt``), most preemptible first, but only when that makes it fit.
 """
@@ -14,7 +16,7 @@ from abc import abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import closing
 from itertools import takewhile
-from typing import Any
+from typing import Any, ClassVar
 
 from policies.base import PolicyConfig
 from policies.budget import (
@@ -41,6 +43,9 @@ class OrderedPolicy(FCFSPolicy):
     # its own. On the array core it admits through ``indexed_admissions`` (its own order),
     # and its rows and victims follow ``decode_run_key``, as its hooks below order them.
     core_follows_hooks = True
+    #: Admission stops at the first request in ``waiting_key`` order that does not fit
+    #: (True), or skips it and goes on with the next (False: head-of-line bypass).
+    strict_order: ClassVar[bool] = True
 
     def __init__(self, config: PolicyConfig, seed: int = 0) -> None:
         super().__init__(config, seed)
@@ -95,7 +100,7 @@ class OrderedPolicy(FCFSPolicy):
             if getattr(self.config, "preemptive", False):
                 candidates = self._making_room(step, budget, candidates)
             with closing(candidates) as c:  # type: ignore[type-var]
-                return admit(step, budget, c)
+                return admit(step, budget, c, strict_order=self.strict_order)
 
     def indexed_admissions(self, now: float, seats: int,
                            room: tuple[int, int, int] | None = None) -> list[Request]:
@@ -118,7 +123,8 @@ class OrderedPolicy(FCFSPolicy):
 
         with self.queue.ordered() as in_order, closing(  # type: ignore[type-var]
                 self.candidates(now, in_order)) as c:
-            admitted = admission_rule(c, _pending, budget, seats, budget, place=place)
+            admitted = admission_rule(c, _pending, budget, seats, budget,
+                                      strict_order=self.strict_order, place=place)
         return [req for req, _ in admitted]
 
     def order_fixed_while_decoding(self) -> bool:
