@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -86,7 +86,7 @@ class LongestPromptFirstBypass(LongestPromptFirst):
 class WithTheNewPolicies(BuiltIn):
     """The built-in components plus the policies here, under their names."""
 
-    POLICIES: dict[str, type[Policy]] = {
+    POLICIES: ClassVar[dict[str, type[Policy]]] = {
         NAME: ShortestPromptFirst, HOOKS_NAME: ShortestPromptFirstHooks,
         "lpf": LongestPromptFirst, "lpf_bypass": LongestPromptFirstBypass}
 
@@ -120,16 +120,17 @@ def test_the_docs_examples_are_the_ones_here():
     """The code in docs/adding-a-policy.md, run as written (less its registration), schedules
     as the classes above."""
     doc = (Path(__file__).resolve().parent.parent / "docs" / "adding-a-policy.md").read_text()
-    blocks = re.findall(r"```python\n(.*?)```", doc, re.S)
+    blocks = re.findall(r"```python\n(.*?)```", doc, re.DOTALL)
     assert len(blocks) == 2
     for code, name in zip(blocks, (NAME, HOOKS_NAME)):
         namespace: dict[str, Any] = {}
-        exec(re.sub(r"@POLICIES\.register\(.*\)\n", "", code), namespace)
+        exec(re.sub(r"@POLICIES\.register\(.*\)\n", "", code), namespace)  # noqa: S102
         cls = next(v for k, v in namespace.items()
                    if isinstance(v, type) and k.startswith("ShortestPromptFirst"))
 
         class FromTheDocs(WithTheNewPolicies):
-            POLICIES = {**WithTheNewPolicies.POLICIES, "docs": cls}
+            POLICIES: ClassVar[dict[str, type[Policy]]] = {
+                **WithTheNewPolicies.POLICIES, "docs": cls}
 
         docs = _run("fast", ["policy=fcfs", "policy.name=docs", *SETUP], FromTheDocs())
         ours = _run("fast", ["policy=fcfs", f"policy.name={name}", *SETUP], COMPONENTS)
