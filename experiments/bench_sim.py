@@ -82,6 +82,10 @@ CASES: dict[str, tuple[list[str], float]] = {
     "chunked_prefill_pp2": (["policy=chunked_prefill", "policy.max_num_seqs=128",
                              "policy.max_num_batched_tokens=512",
                              "cluster.pipeline_parallel_size=2"], 6),
+    # TensorRT-LLM's scheduler (each request holding its whole length) on two stages.
+    "trtllm_pp2": (["policy=trtllm", "policy.max_num_seqs=128",
+                    "policy.max_num_batched_tokens=4096", "cluster.pipeline_parallel_size=2"],
+                   6),
     # Four replicas behind a router at four times the rate.
     "replicas4": ([*_FCFS, "cluster.num_replicas=4", "cluster.router=least_outstanding"], 24),
     # The same behind the router that reads each replica's KV usage at every arrival.

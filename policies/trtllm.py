@@ -95,6 +95,14 @@ class TensorRTLLMPolicy(Policy):
         reserves that much for a transfer)."""
         return self.config.capacity_scheduler_policy == "guaranteed_no_evict"
 
+    @property
+    def grants_decodes_first(self) -> bool:  # type: ignore[override]
+        """Without chunked prefill every prompt is admitted whole, so no chunk is ever left
+        for a later step and each step's decodes come first, also with pipeline stages
+        (sim/array_pipeline.py). With it, a prompt admitted before a request that now decodes
+        takes its next chunk first in arrival order."""
+        return not self.config.enable_chunked_prefill
+
     def array_core_refusal(self) -> str | None:
         if not self.reserves_full_length and self.config.enable_chunked_prefill:
             # A request paused and recomputed would re-prefill in chunks ahead of later

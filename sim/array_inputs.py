@@ -107,8 +107,9 @@ def _pipeline_blocker(sim: ArrayCoreHost) -> str | None:
     (sim/array_pipeline.py), or None: under a policy of whole-prompt, prefill-only steps
     (``head_admissions``: FCFS; ``indexed_admissions``: SJF, priority) or of chunked steps
     that grant every decode first (``grants_decodes_first`` and ``chunk_plan``: vLLM v0's
-    chunked prefill), behind a router that reads only outstanding counts and KV usage.
-    (Where their pool can bind: ``pool_blocker``.)"""
+    chunked prefill; TensorRT-LLM's without it, its requests holding their whole lengths
+    under guaranteed_no_evict), behind a router that reads only outstanding counts and KV
+    usage. (Where their pool can bind: ``pool_blocker``.)"""
     cluster, policy = sim.cluster, sim.policy
     if not ROUTERS.get(str(cluster.router)).reads_only_load:
         return (f"router {cluster.router!r} reads more than outstanding request counts "
@@ -116,12 +117,15 @@ def _pipeline_blocker(sim: ArrayCoreHost) -> str | None:
     if policy.implements_chunked_prefill:
         rule = policy.grants_decodes_first and callable(getattr(policy, "chunk_plan", None))
     else:
-        rule = (callable(getattr(policy, "head_admissions", None))
-                or callable(getattr(policy, "indexed_admissions", None)))
-    if policy.reserves_full_length or not rule:
+        # (Whole lengths held from admission, static batching's, only in chunked steps.)
+        rule = not policy.reserves_full_length and (
+            callable(getattr(policy, "head_admissions", None))
+            or callable(getattr(policy, "indexed_admissions", None)))
+    if not rule:
         return (f"pipeline stages under policy {policy.config.name!r} (the core pipelines "
                 "whole-prompt, prefill-only steps, or chunked ones that grant every decode "
-                "first: fcfs, sjf, priority, chunked_prefill)")
+                "first: fcfs, sjf, priority, chunked_prefill, trtllm without chunked "
+                "prefill)")
     return None
 
 

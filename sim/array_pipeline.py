@@ -2,11 +2,13 @@
 ``cluster.pipeline_parallel_size`` > 1 under a policy of whole-prompt, prefill-only steps
 (FCFS: ``head_admissions``; SJF, priority: ``indexed_admissions``) or of chunked steps that
 grant every decode first (``grants_decodes_first``: vLLM v0's chunked prefill,
-``chunk_plan``), one replica or several behind a router that reads only outstanding counts
-and KV usage (sim/array_cluster.py drives each replica's loop on a ``Lane``). On a KV pool
-that can bind, admission counts blocks above the watermark and the run is given up
-(``PoolMayBind``) where a micro-batch's decodes' blocks do not fit: the policy would
-preempt there, which only the replica loop does.
+TensorRT-LLM's without it; ``chunk_plan``), one replica or several behind a router that
+reads only outstanding counts and KV usage (sim/array_cluster.py drives each replica's loop
+on a ``Lane``). On a KV pool that can bind, admission counts blocks above the watermark and
+the run is given up (``PoolMayBind``) where a micro-batch's decodes' blocks do not fit: the
+policy would preempt there, which only the replica loop does. A policy whose requests hold
+their whole length from admission (``reserves_full_length``: TensorRT-LLM's
+guaranteed_no_evict) is admitted on whole lengths, which its decodes never outgrow.
 
 The replica loop's pipelined replica (sim/cluster/pipeline.py) is the reference: up to
 ``stages`` micro-batches are in flight, each built when stage 0 is free from the running
@@ -60,7 +62,15 @@ from heapq import heapify, heappop, heappush
 from typing import Any
 
 from sim import stop as run_stop
-from sim.array_core import ArrayCore, Lane, PoolMayBind, _BlockCount, _IndexedWaiting, finisher
+from sim.array_core import (
+    ArrayCore,
+    Lane,
+    PoolMayBind,
+    _BlockCount,
+    _FullLengthCount,
+    _IndexedWaiting,
+    finisher,
+)
 from sim.array_inputs import INDEX_BITS
 from sim.kv_manager import blocks_for
 from sim.metrics import MetricsCollector
@@ -93,7 +103,7 @@ class _Group:
     __slots__ = ("S", "blocks", "ctx_sum", "ends", "max_heap", "members", "prices",
                  "prices_from", "times", "toff", "top", "trim_at")
 
-    def __init__(self, block_size: int) -> None:
+    def __init__(self, blocks: _BlockCount | _FullLengthCount) -> None:
         self.S = 0  # decode micro-batches planned for it
         self.members: set[int] = set()
         self.ctx_sum = 0
@@ -104,7 +114,7 @@ class _Group:
         self.top: int | None = None  # the longest stored context, while known
         self.ends: list[int] = []  # last step << INDEX_BITS | arrival index
         self.max_heap: list[int] = []  # -((ctx + OFFSET) << INDEX_BITS | index), lazy
-        self.blocks = _BlockCount(block_size)
+        self.blocks = blocks  # the members' KV blocks (empty at first)
         self.times = array("d")  # end of its micro-batch s + 1 at times[s - toff]
         self.toff = 0
         self.trim_at = _TIMES_KEPT  # the length of ``times`` at which to drop old ones
@@ -172,6 +182,23 @@ def pipelined_loop(core: ArrayCore, metrics: MetricsCollector, req_sink: CsvSink
     prefill_seconds = core.prefill_seconds
     bs = core.block_size
     num_blocks = core.num_gpu_blocks
+    # A policy whose requests hold their whole length from admission on
+    # (``reserves_full_length``: TensorRT-LLM's guaranteed_no_evict): admission counts whole
+    # lengths, and a decode never takes a block.
+    reserves_full = policy.reserves_full_length
+
+    def full_blocks(i: int) -> int:
+        """The blocks of request ``i``'s whole length (prompt + maximum output - 1)."""
+        return blocks_for(PL[i] + OL[i] - 1, bs)
+
+    def held_once_admitted(i: int) -> int:
+        """The blocks request ``i`` takes at admission (its prompt's, or its whole
+        length's)."""
+        return full_blocks(i) if reserves_full else blocks_for(PL[i], bs)
+
+    def new_group() -> _Group:
+        return _Group(_FullLengthCount(bs, full_blocks) if reserves_full else _BlockCount(bs))
+
     record = step_sink.enabled
     write_row = step_sink.write_formatted
     lines = lane.lines
@@ -207,7 +234,7 @@ def pipelined_loop(core: ArrayCore, metrics: MetricsCollector, req_sink: CsvSink
         heappush(g.ends, (s + left) << shift | i)
         heappush(g.max_heap, -((c + _CTX_OFFSET) << shift | i))
         g.ctx_sum += c
-        g.blocks.add(c, 1)
+        g.blocks.add(c, 1, i)
         g.members.add(i)
         g.prices = []
         if g.top is not None and c > g.top:
@@ -283,7 +310,7 @@ def pipelined_loop(core: ArrayCore, metrics: MetricsCollector, req_sink: CsvSink
         if held is not None:
             del held[i]
         finish(i, at, sched[i], at, _EMPTY)
-        used -= blocks_for(PL[i], bs)
+        used -= held_once_admitted(i)
         running -= 1
         done += 1
 
@@ -349,13 +376,13 @@ def pipelined_loop(core: ArrayCore, metrics: MetricsCollector, req_sink: CsvSink
                         continue
                     c = ctx[i]
                     g.ctx_sum -= c
-                    g.blocks.add(c, -1)
+                    g.blocks.add(c, -1, i)
                     g.members.discard(i)
                     g.prices = []
                     if c == g.top:
                         g.top = None
                     group_of[i] = None
-                    used -= blocks_for(c + s, bs)
+                    used -= full_blocks(i) if reserves_full else blocks_for(c + s, bs)
                     later = times[start[i] - toff:s - toff]
                     p = prior[i]
                     if p is not None:  # its token times in the groups it was re-based from
@@ -387,7 +414,7 @@ def pipelined_loop(core: ArrayCore, metrics: MetricsCollector, req_sink: CsvSink
                             finish_first(i, leave)
                     else:
                         if free_group is None:
-                            free_group = _Group(bs)
+                            free_group = new_group()
                         first[i] = leave
                         prior[i] = None
                         join(free_group, i, PL[i], OL[i] - 1)
@@ -420,19 +447,24 @@ def pipelined_loop(core: ArrayCore, metrics: MetricsCollector, req_sink: CsvSink
                     admitted: Any = ()
                     if multi or waiting:
                         room = None
+                        plan_kw: dict[str, Any] = {}
                         if counts:  # the free blocks once the decodes have their new ones
                             grow = 0 if g is None else g.blocks.count[-g.S % bs]
                             room = (num_blocks - used - grow, watermark, bs)
+                            if reserves_full:  # (admitted on their whole lengths)
+                                plan_kw["lengths"] = (PL[i] + OL[i] - 1 for i in waiting)
+                        if mid_in_flight:
+                            plan_kw["in_flight_partials"] = mid_in_flight
                         chunks, admitted = chunk_plan(
                             nd + len(ones), [PL[i] - computed[i] for i in multi],
                             map(PL.__getitem__, waiting), len(waiting), seats_total - running,
-                            room, in_flight_partials=mid_in_flight)
+                            room, **plan_kw)
                     if ones or chunks or admitted:
                         new = [waiting.popleft() for _ in admitted]  # type: ignore[union-attr]
                         for i in new:
                             computed[i] = 0
                             sched[i] = now
-                            used += blocks_for(PL[i], bs)
+                            used += held_once_admitted(i)
                         running += len(new)
                         grants = [(i, 1) for i in ones]
                         grants += zip(multi, chunks)
@@ -488,7 +520,7 @@ def pipelined_loop(core: ArrayCore, metrics: MetricsCollector, req_sink: CsvSink
                         d = prefill_seconds(tuple([PL[i] for i in batch]))
                         for i in batch:
                             sched[i] = now
-                            used += blocks_for(PL[i], bs)
+                            used += held_once_admitted(i)
                             computed[i] = 0
                         running += k
                         g = None

@@ -146,8 +146,10 @@ class Policy(ABC):
     #: first, then the prompts mid-prefill, then admissions). With pipeline stages the
     #: array core then plans its micro-batches on plain numbers (sim/array_pipeline.py):
     #: ``chunk_plan`` gets the prompts in flight that stay mid-prefill once their chunk
-    #: lands (``in_flight_partials``). Not for a policy whose running order may put a chunk
-    #: before a decode (vLLM v1: a prompt admitted before a request that now decodes).
+    #: lands (``in_flight_partials``, where there are any). Not for a policy whose running
+    #: order may put a chunk before a decode (vLLM v1: a prompt admitted before a request
+    #: that now decodes). A property where a setting decides it (TensorRT-LLM's: only
+    #: without chunked prefill, where no prompt is ever left mid-prefill).
     grants_decodes_first: ClassVar[bool] = False
 
     FAST_PATH_FLAGS: ClassVar[tuple[str, ...]] = ("supports_decode_jumps", "array_core",

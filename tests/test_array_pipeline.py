@@ -27,7 +27,9 @@ pytestmark = pytest.mark.equivalence
            ("policy=priority", "policy.preemptive=false", "workload.priorities=[1,2,1]"),
            ("policy=chunked_prefill",),
            ("policy=chunked_prefill", "policy.max_num_batched_tokens=48",
-            "policy.max_num_partial_prefills=2")]),
+            "policy.max_num_partial_prefills=2"),
+           ("policy=trtllm",),
+           ("policy=trtllm", "policy.capacity_scheduler_policy=max_utilization")]),
        pool=st.one_of(st.none(), st.none(), st.integers(330, 4000)))
 # Every request arrives at 0.0, where simpy's clock is the int 0.
 @example(seed=3, qps=1e9, seqs=8, budget=400, stages=2, out_min=1, prompt_min=1, block=16,
@@ -41,7 +43,8 @@ def test_pipelined_core_equals_exact_on_random_small_workloads(seed, qps, seqs, 
     groups merge as they leave (finishers in the policy's running order); under chunked
     prefill, those decodes with the prompts one token from done and chunks of the prompts
     mid-prefill and admitted (prompts in flight counting among the partial prefills);
-    one-token outputs finishing with their prompt; constant and bursty arrivals (an arrival
+    TensorRT-LLM's steps without chunked prefill (each request holding its whole length
+    from admission under guaranteed_no_evict); one-token outputs finishing with their prompt; constant and bursty arrivals (an arrival
     as a batch leaves or stage 0 frees). ``pool``: a pool of that many tokens, which can bind:
     admission counts blocks above the watermark, and the run is given up to the replica
     loop where a decode micro-batch's blocks do not fit."""
@@ -133,6 +136,21 @@ def test_chunked_pipelines_run_on_the_core():
     assert s["step_engine"] == "array_core"
 
 
+def test_trtllm_pipelines_hold_whole_lengths_on_the_core():
+    """TensorRT-LLM without chunked prefill on two stages: each micro-batch is the decodes
+    not in flight and the whole prompts it admits. Under guaranteed_no_evict on a pool that
+    binds, a request is admitted only where the pool holds its whole length, which it holds
+    until it finishes (no decode takes a block); under max_utilization on one that never
+    binds, prompts take their blocks and decodes grow them."""
+    over = [*TINY, *UNIFORM, "policy=trtllm", "seed=5", "workload.qps=300",
+            "workload.num_requests=80", "policy.max_num_seqs=16",
+            "policy.max_num_batched_tokens=400", "cluster.pipeline_parallel_size=2"]
+    s = _assert_same([*over, "kv.num_gpu_blocks_override=40"])
+    assert s["step_engine"] == "array_core" and s["kv_peak_usage"] > 0.9
+    s = _assert_same([*over, "policy.capacity_scheduler_policy=max_utilization"])
+    assert s["step_engine"] == "array_core"
+
+
 def _files(overrides: list[str], tmp_path, name: str) -> tuple[dict, pd.DataFrame, pd.DataFrame]:
     out = tmp_path / name
     summary = Simulation(compose_cfg(*overrides), out).run().summary
@@ -176,6 +194,8 @@ def test_pipelined_core_writes_the_replica_loops_files(tmp_path, layout):
     (("policy=sjf", "policy.preemptive=true"), "may preempt a running request to admit"),
     (("policy=vllm_v1",), "pipeline stages under policy 'vllm_v1'"),
     (("policy=static",), "pipeline stages under policy 'static'"),
+    (("policy=trtllm", "policy.enable_chunked_prefill=true"),
+     "pipeline stages under policy 'trtllm'"),
     (("cluster.num_replicas=2", "cluster.router=prefix_aware"),
      "router 'prefix_aware' reads more than outstanding request counts and KV usage"),
     (("kv.num_gpu_blocks_override=100", "workload.qps=200"),
