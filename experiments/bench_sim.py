@@ -86,6 +86,10 @@ CASES: dict[str, tuple[list[str], float]] = {
     "trtllm_pp2": (["policy=trtllm", "policy.max_num_seqs=128",
                     "policy.max_num_batched_tokens=4096", "cluster.pipeline_parallel_size=2"],
                    6),
+    # vLLM v1's scheduler (prefix caching on) on two stages.
+    "vllm_v1_pp2": (["policy=vllm_v1", "policy.max_num_seqs=128",
+                     "policy.max_num_batched_tokens=4096", "cluster.pipeline_parallel_size=2"],
+                    6),
     # Four replicas behind a router at four times the rate.
     "replicas4": ([*_FCFS, "cluster.num_replicas=4", "cluster.router=least_outstanding"], 24),
     # The same behind the router that reads each replica's KV usage at every arrival.

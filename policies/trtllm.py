@@ -85,6 +85,8 @@ class TensorRTLLMPolicy(Policy):
     # ``chunk_plan`` and ``decode_preemptions`` below: guaranteed_no_evict (nobody is ever
     # paused), and max_utilization without chunked prefill.
     array_core = True
+    # ``schedule_running`` over the running requests in arrival order, then admission.
+    grants_in_arrival_order = True
 
     config_class = TensorRTLLMConfig
     config: TensorRTLLMConfig

@@ -99,6 +99,8 @@ class VLLMV1Policy(Policy):
     holds_whole_prompt = False
     # ``chunk_plan`` and ``decode_preemptions`` below, with the fcfs scheduling policy.
     array_core = True
+    # ``schedule_running`` over the running requests in arrival order, then admission.
+    grants_in_arrival_order = True
 
     config_class = VLLMV1Config
     config: VLLMV1Config

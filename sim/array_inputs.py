@@ -108,14 +108,16 @@ def _pipeline_blocker(sim: ArrayCoreHost) -> str | None:
     (``head_admissions``: FCFS; ``indexed_admissions``: SJF, priority) or of chunked steps
     that grant every decode first (``grants_decodes_first`` and ``chunk_plan``: vLLM v0's
     chunked prefill; TensorRT-LLM's without it, its requests holding their whole lengths
-    under guaranteed_no_evict), behind a router that reads only outstanding counts and KV
-    usage. (Where their pool can bind: ``pool_blocker``.)"""
+    under guaranteed_no_evict) or every running request in arrival order
+    (``grants_in_arrival_order``: vLLM v1, TensorRT-LLM), behind a router that reads only
+    outstanding counts and KV usage. (Where their pool can bind: ``pool_blocker``.)"""
     cluster, policy = sim.cluster, sim.policy
     if not ROUTERS.get(str(cluster.router)).reads_only_load:
         return (f"router {cluster.router!r} reads more than outstanding request counts "
                 "and KV usage")
     if policy.implements_chunked_prefill:
-        rule = policy.grants_decodes_first and callable(getattr(policy, "chunk_plan", None))
+        rule = ((policy.grants_decodes_first or policy.grants_in_arrival_order)
+                and callable(getattr(policy, "chunk_plan", None)))
     else:
         # (Whole lengths held from admission, static batching's, only in chunked steps.)
         rule = not policy.reserves_full_length and (
@@ -124,8 +126,8 @@ def _pipeline_blocker(sim: ArrayCoreHost) -> str | None:
     if not rule:
         return (f"pipeline stages under policy {policy.config.name!r} (the core pipelines "
                 "whole-prompt, prefill-only steps, or chunked ones that grant every decode "
-                "first: fcfs, sjf, priority, chunked_prefill, trtllm without chunked "
-                "prefill)")
+                "first or every running request in arrival order: fcfs, sjf, priority, "
+                "chunked_prefill, trtllm, vllm_v1)")
     return None
 
 

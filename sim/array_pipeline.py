@@ -2,9 +2,11 @@
 ``cluster.pipeline_parallel_size`` > 1 under a policy of whole-prompt, prefill-only steps
 (FCFS: ``head_admissions``; SJF, priority: ``indexed_admissions``) or of chunked steps that
 grant every decode first (``grants_decodes_first``: vLLM v0's chunked prefill,
-TensorRT-LLM's without it; ``chunk_plan``), one replica or several behind a router that
-reads only outstanding counts and KV usage (sim/array_cluster.py drives each replica's loop
-on a ``Lane``). On a KV pool that can bind, admission counts blocks above the watermark and
+TensorRT-LLM's without it; ``chunk_plan``) or every running request in arrival order
+(``grants_in_arrival_order``: vLLM v1, TensorRT-LLM; the same grants while no prompt
+mid-prefill comes before a request that decodes, and the run is given up where one does:
+``GrantOrderMatters``), one replica or several behind a router that reads only outstanding
+counts and KV usage (sim/array_cluster.py drives each replica's loop on a ``Lane``). On a KV pool that can bind, admission counts blocks above the watermark and
 the run is given up (``PoolMayBind``) where a micro-batch's decodes' blocks do not fit: the
 policy would preempt there, which only the replica loop does. A policy whose requests hold
 their whole length from admission (``reserves_full_length``: TensorRT-LLM's
@@ -35,7 +37,9 @@ arrivals due with it):
   group that leaves rejoins those not in flight: the smaller of two is re-based into the
   larger, its members' token times so far kept with them;
 * blocks are counted, not handed out, at each micro-batch's planning (where the replica's
-  pool takes them: ``kv_peak_usage``), and freed as their requests finish.
+  pool takes them: ``kv_peak_usage``; a prompt's all at its admission, or where prompts
+  take blocks chunk by chunk, vLLM v1's, each chunk's), and freed as their requests
+  finish.
 
 requests.csv (row order included), steps.csv and the summary are the replica loop's, the
 times to 1e-9 relative, except ``num_decode_jumps`` (here: runs of decode micro-batches
@@ -65,6 +69,7 @@ from sim import stop as run_stop
 from sim.array_core import (
     ArrayCore,
     Lane,
+    LeftToReplicaLoop,
     PoolMayBind,
     _BlockCount,
     _FullLengthCount,
@@ -85,6 +90,12 @@ _EMPTY = array("d")
 # A group's end times are trimmed (those older than every member's joining) past this many
 # more than at its last trim.
 _TIMES_KEPT = 4096
+
+
+class GrantOrderMatters(LeftToReplicaLoop):
+    """A micro-batch of a policy that grants its running requests in arrival order
+    (``grants_in_arrival_order``) where a prompt mid-prefill comes before a request that
+    decodes: its grants and rows follow an order the core's groups do not keep."""
 
 
 def _joined(parts: list[array], last: array) -> array:
@@ -170,6 +181,12 @@ def pipelined_loop(core: ArrayCore, metrics: MetricsCollector, req_sink: CsvSink
     # (``chunk_plan``, told the prompts in flight that stay mid-prefill); its rows are
     # sampled in that order, the decode rows in arrival order.
     chunked = policy.implements_chunked_prefill
+    # Or chunked steps that grant the running requests in arrival order, each what the budget
+    # has left (``grants_in_arrival_order``: vLLM v1): the same grants and rows as every
+    # decode first while every prompt mid-prefill not in flight arrived after every request
+    # that decodes. Where one arrived before (a micro-batch of each left the pipeline while
+    # stage 0 was busy, which is rare), the run is given up (``GrantOrderMatters``).
+    in_arrival_order = chunked and not policy.grants_decodes_first
     if chunked:
         chunk_plan = policy.chunk_plan  # type: ignore[attr-defined]
     elif not indexed:
@@ -193,8 +210,18 @@ def pipelined_loop(core: ArrayCore, metrics: MetricsCollector, req_sink: CsvSink
 
     def held_once_admitted(i: int) -> int:
         """The blocks request ``i`` takes at admission (its prompt's, or its whole
-        length's)."""
-        return full_blocks(i) if reserves_full else blocks_for(PL[i], bs)
+        length's; none where prompts take blocks chunk by chunk: ``chunk_blocks``)."""
+        if reserves_full:
+            return full_blocks(i)
+        return blocks_for(PL[i], bs) if whole_prompt else 0
+
+    # Where prompts take blocks chunk by chunk (vLLM v1), each grant takes its tokens'.
+    whole_prompt = policy.holds_whole_prompt or reserves_full
+
+    def chunk_blocks(i: int, n: int) -> int:
+        """The new blocks a grant of ``n`` tokens to prompt ``i`` takes."""
+        c = computed[i]
+        return 0 if whole_prompt else blocks_for(c + n, bs) - blocks_for(c, bs)
 
     def new_group() -> _Group:
         return _Group(_FullLengthCount(bs, full_blocks) if reserves_full else _BlockCount(bs))
@@ -310,7 +337,7 @@ def pipelined_loop(core: ArrayCore, metrics: MetricsCollector, req_sink: CsvSink
         if held is not None:
             del held[i]
         finish(i, at, sched[i], at, _EMPTY)
-        used -= held_once_admitted(i)
+        used -= full_blocks(i) if reserves_full else blocks_for(PL[i], bs)
         running -= 1
         done += 1
 
@@ -445,15 +472,26 @@ def pipelined_loop(core: ArrayCore, metrics: MetricsCollector, req_sink: CsvSink
                         (ones if PL[i] - computed[i] == 1 else multi).append(i)
                     chunks: Any = ()
                     admitted: Any = ()
+                    if in_arrival_order and multi and (
+                            (ones and ones[-1] > multi[0])
+                            or (g is not None and max(g.members) > multi[0])):
+                        raise GrantOrderMatters(
+                            f"replica {replica}'s micro-batch at {now!r} s grants a prompt "
+                            "mid-prefill before a decode that arrived after it")
                     if multi or waiting:
                         room = None
                         plan_kw: dict[str, Any] = {}
                         if counts:  # the free blocks once the decodes have their new ones
                             grow = 0 if g is None else g.blocks.count[-g.S % bs]
-                            room = (num_blocks - used - grow, watermark, bs)
+                            # (And, chunk by chunk, once the running prompts have the blocks
+                            # of all their pending tokens: only then does anyone wait for
+                            # admission.)
+                            pending_blocks = 0 if whole_prompt else sum(
+                                [chunk_blocks(i, PL[i] - computed[i]) for i in ones + multi])
+                            room = (num_blocks - used - grow - pending_blocks, watermark, bs)
                             if reserves_full:  # (admitted on their whole lengths)
                                 plan_kw["lengths"] = (PL[i] + OL[i] - 1 for i in waiting)
-                        if mid_in_flight:
+                        if mid_in_flight and not in_arrival_order:
                             plan_kw["in_flight_partials"] = mid_in_flight
                         chunks, admitted = chunk_plan(
                             nd + len(ones), [PL[i] - computed[i] for i in multi],
@@ -469,6 +507,8 @@ def pipelined_loop(core: ArrayCore, metrics: MetricsCollector, req_sink: CsvSink
                         grants = [(i, 1) for i in ones]
                         grants += zip(multi, chunks)
                         grants += zip(new, admitted)
+                        if not whole_prompt:
+                            used += sum([chunk_blocks(i, n) for i, n in grants])
                         plan = StepPlan([ScheduledRequest(i, computed[i], n, [],
                                                           computed[i] + n == PL[i])
                                          for i, n in grants])
@@ -499,9 +539,9 @@ def pipelined_loop(core: ArrayCore, metrics: MetricsCollector, req_sink: CsvSink
                                                                    top + s))
                             used += g.blocks.count[-s % bs]  # (as the decode path below)
                             g.S = s + 1
-                            if used > num_blocks:
-                                raise PoolMayBind(f"replica {replica}'s micro-batch at "
-                                                  f"{now!r} s does not fit its KV pool")
+                        if used > num_blocks:
+                            raise PoolMayBind(f"replica {replica}'s micro-batch at "
+                                              f"{now!r} s does not fit its KV pool")
                         d = execute(plan).duration
                         rows = nd + len(grants)
                         counts_of = (nd + one_token, sampled, len(ones))

@@ -151,9 +151,17 @@ class Policy(ABC):
     #: that now decodes). A property where a setting decides it (TensorRT-LLM's: only
     #: without chunked prefill, where no prompt is ever left mid-prefill).
     grants_decodes_first: ClassVar[bool] = False
+    #: Under chunked prefill: True if every step grants the running requests not in flight
+    #: in arrival order, each its pending tokens up to what the budget has left, before it
+    #: admits anyone (vLLM v1, TensorRT-LLM). With pipeline stages the array core then plans
+    #: its micro-batches on plain numbers where that gives the same grants as every decode
+    #: first (the budget covers every running request, or no prompt mid-prefill arrived
+    #: before a request that decodes), and gives the run up elsewhere.
+    grants_in_arrival_order: ClassVar[bool] = False
 
     FAST_PATH_FLAGS: ClassVar[tuple[str, ...]] = ("supports_decode_jumps", "array_core",
-                                                  "grants_decodes_first")
+                                                  "grants_decodes_first",
+                                                  "grants_in_arrival_order")
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
