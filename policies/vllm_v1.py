@@ -97,7 +97,8 @@ class VLLMV1Policy(Policy):
     host_overlap_default = True
     # A prompt takes blocks chunk by chunk (``admit_waiting``'s ``place``).
     holds_whole_prompt = False
-    # ``chunk_plan`` and ``decode_preemptions`` below, with the fcfs scheduling policy.
+    # ``chunk_plan`` and ``decode_preemptions`` below (with the priority scheduling policy:
+    # ``waiting_by_priority``, on a pool that cannot bind).
     array_core = True
     # ``schedule_running`` over the running requests in arrival order, then admission.
     grants_in_arrival_order = True
@@ -123,10 +124,8 @@ class VLLMV1Policy(Policy):
             self.admit_waiting(step, budget)
         return step.build()
 
-    def array_core_refusal(self) -> str | None:
-        if self.config.scheduling_policy != "fcfs":
-            return "policy.scheduling_policy=priority (its queue and victims by priority)"
-        return None
+    def waiting_by_priority(self) -> bool:
+        return self.config.scheduling_policy == "priority"
 
     def chunk_plan(self, decode_tokens: int, partials: Sequence[int], waiting: Iterable[int],
                    num_waiting: int, seats: int, room: tuple[int, int, int] | None = None,
@@ -143,7 +142,9 @@ class VLLMV1Policy(Policy):
         order while the budget and the ``seats`` last, the last one possibly with a partial
         chunk. Returns the partials' chunks (fewer entries once the budget is spent) and the
         admitted ones' (the first ``len`` of the queue). tests/test_array_core.py checks it
-        against ``schedule``.
+        against ``schedule``. (With ``scheduling_policy=priority`` the queue is in priority
+        order, ``waiting_by_priority``, and a prompt mid-prefill may have arrived before a
+        request that decodes: the core then runs it only where the grants are the same.)
 
         Where the pool can bind, ``room`` = (free blocks, 0, block size), free once every
         running request has the blocks of its pending tokens (admission comes only after
@@ -155,8 +156,6 @@ class VLLMV1Policy(Policy):
         then gives its pending tokens after the hit (``StepBuilder.pending_tokens``), and
         ``cached_blocks()`` the hit's blocks as it is placed, which its admission takes
         too."""
-        if self.config.scheduling_policy != "fcfs":
-            raise ValueError("vllm_v1's chunk_plan is its fcfs step")
         chunks, remaining = grant_chunks(partials,
                                          self.config.max_num_batched_tokens - decode_tokens)
         if not num_waiting or remaining <= 0:

@@ -68,7 +68,7 @@ from bisect import bisect_left, bisect_right, insort
 from collections import deque
 from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
-from heapq import heapify, heappop, heappush
+from heapq import heapify, heappop, heappush, nsmallest
 from itertools import accumulate, cycle, islice
 from typing import TYPE_CHECKING, Any
 
@@ -181,6 +181,14 @@ class LeftToReplicaLoop(Exception):
 class ExactTie(LeftToReplicaLoop):
     """Two events at exactly the same instant (a request arriving as a step ends, say) whose
     order only the replica loop's simpy events decide."""
+
+
+class GrantOrderMatters(LeftToReplicaLoop):
+    """A step of a policy that grants its running requests in arrival order
+    (``grants_in_arrival_order``) where a prompt mid-prefill comes before a request that
+    decodes and the grants or the rows would follow that order: where the budget may not
+    cover both, or the prompt finishes with its first token (with a waiting queue in
+    priority order; on a pipelined replica, whenever a micro-batch holds both)."""
 
 
 class PoolMayBind(LeftToReplicaLoop):
@@ -307,6 +315,39 @@ def finisher(w: WorkloadArrays, metrics: MetricsCollector, req_sink: CsvSink, re
             metrics.num_recomputes += preemptions - swaps
 
     return finish
+
+
+class _PriorityWaiting:
+    """The waiting queue of a chunked policy whose queue is in (priority, arrival time,
+    request id) order (``Policy.waiting_by_priority``: vLLM v1's priority scheduling): a heap
+    of arrival indices under that key. Admission reads at most the free seats' worth from its
+    head (``head``) and takes the first ones (``popleft``)."""
+
+    __slots__ = ("heap", "w")
+
+    def __init__(self, w: WorkloadArrays) -> None:
+        self.w = w
+        self.heap: list[tuple[int, float, int, int]] = []
+
+    def extend(self, indices: Any) -> None:
+        w, heap = self.w, self.heap
+        for i in indices:
+            heappush(heap, (w.priorities[i], w.arrivals[i], w.request_ids[i], i))
+
+    def __len__(self) -> int:
+        return len(self.heap)
+
+    def head(self, k: int) -> list[int]:
+        """The first ``k`` waiting requests in queue order."""
+        if k >= len(self.heap):
+            return [e[3] for e in sorted(self.heap)]
+        return [e[3] for e in nsmallest(k, self.heap)]
+
+    def popleft(self) -> int:
+        return heappop(self.heap)[3]
+
+    def first_index(self) -> int:
+        return self.heap[0][3]
 
 
 class _IndexedWaiting:
@@ -522,11 +563,17 @@ class ArrayCore:
             return full_blocks(i) if reserves_full else blocks_for(PEND[i], bs)
         # Prefill-only steps: FCFS's queue in arrival order here (head_admissions), or the
         # policy's own order (indexed_admissions), whose finishers leave in its running order.
-        waiting: deque[int] | _IndexedWaiting
+        waiting: deque[int] | _IndexedWaiting | _PriorityWaiting
         held: dict[int, Request] | None = None
         running_key: Callable[[Request], Any] | None = None
         admit: Callable[[float, int], list[int]] | None = None
-        if chunked:
+        # A chunked policy's queue in priority order (vLLM v1's priority scheduling; on a pool
+        # that cannot bind): admitted requests may have arrived before running ones, so a
+        # prompt mid-prefill may come before a decode in the running order (arrival order).
+        by_priority = chunked and policy.waiting_by_priority()
+        if by_priority:
+            waiting = _PriorityWaiting(w)
+        elif chunked:
             waiting = deque()
         elif callable(getattr(policy, "indexed_admissions", None)):
             waiting = _IndexedWaiting(policy, w)
@@ -1274,15 +1321,29 @@ class ArrayCore:
                         rule_kw = ({"lengths": (PL[i] + OL[i] - 1 for i in waiting)}
                                    if reserves_full and room is not None else {})
                         pendings = [PEND[i] - computed[i] for i in multi]
-                        queue: Iterator[int] = map(PEND.__getitem__, waiting)
+                        seats = seats_total - members - len(prefilling)
+                        queue: Iterator[int] = map(PEND.__getitem__, waiting if not by_priority
+                                                   else waiting.head(seats))
+                        if by_priority and multi:
+                            # A prompt mid-prefill before a running request that decodes
+                            # (or is one token from done) gets its chunk first: the same
+                            # grants as every decode first where the budget covers them all,
+                            # and the same rows unless it finishes with its first token.
+                            later = max(max(slot_index), ones[-1] if ones else -1)
+                            if multi[0] < later and (
+                                    members + len(ones) + sum(pendings) > max_tokens
+                                    or any(PEND[i] - PL[i] + 1 == OL[i]
+                                           for i in multi if i < later)):
+                                raise GrantOrderMatters(
+                                    f"replica {replica}'s step at {t!r} s grants a prompt "
+                                    "mid-prefill before a request that decodes and arrived "
+                                    "after it")
                         if runs and room is not None:
                             # Recomputed requests find what is left of their own blocks.
                             queue = (n for _, n in pending_after_hits(room[0], hits_seen))
                             rule_kw["cached_blocks"] = lambda seen=hits_seen: seen[-1]
-                        chunks, admitted = chunk_plan(
-                            members + len(ones), pendings, queue,
-                            len(waiting), seats_total - members - len(prefilling), room,
-                            **rule_kw)
+                        chunks, admitted = chunk_plan(members + len(ones), pendings, queue,
+                                                      len(waiting), seats, room, **rule_kw)
                         if (admitted and not whole_prompt and room is not None
                                 and sum(chunks) != sum(pendings)):
                             # (The room counted every partial's whole pending prefill.)

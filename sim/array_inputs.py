@@ -116,6 +116,9 @@ def _pipeline_blocker(sim: ArrayCoreHost) -> str | None:
         return (f"router {cluster.router!r} reads more than outstanding request counts "
                 "and KV usage")
     if policy.implements_chunked_prefill:
+        if policy.waiting_by_priority():
+            return (f"pipeline stages under policy {policy.config.name!r} with a waiting "
+                    "queue in priority order")
         rule = ((policy.grants_decodes_first or policy.grants_in_arrival_order)
                 and callable(getattr(policy, "chunk_plan", None)))
     else:
@@ -304,7 +307,10 @@ def pool_blocker(sim: ArrayCoreHost, w: WorkloadArrays) -> str | None:
         return ("the KV pool can bind, with pipeline stages and a request that alone fills "
                 "the pool above the watermark") if fills_alone else None
     why = None
-    if sim.policy.reserves_full_length:
+    if sim.policy.implements_chunked_prefill and sim.policy.waiting_by_priority():
+        # (Its victims go by priority, not the last rows in arrival order.)
+        why = "a waiting queue in priority order (preempting by priority)"
+    elif sim.policy.reserves_full_length:
         # Nobody is ever preempted: admission counts each request's whole length (chunk_plan's
         # room), which its decodes never outgrow.
         if sim.prefix_caching:

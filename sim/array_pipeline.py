@@ -68,8 +68,8 @@ from typing import Any
 from sim import stop as run_stop
 from sim.array_core import (
     ArrayCore,
+    GrantOrderMatters,
     Lane,
-    LeftToReplicaLoop,
     PoolMayBind,
     _BlockCount,
     _FullLengthCount,
@@ -90,12 +90,6 @@ _EMPTY = array("d")
 # A group's end times are trimmed (those older than every member's joining) past this many
 # more than at its last trim.
 _TIMES_KEPT = 4096
-
-
-class GrantOrderMatters(LeftToReplicaLoop):
-    """A micro-batch of a policy that grants its running requests in arrival order
-    (``grants_in_arrival_order``) where a prompt mid-prefill comes before a request that
-    decodes: its grants and rows follow an order the core's groups do not keep."""
 
 
 def _joined(parts: list[array], last: array) -> array:

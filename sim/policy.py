@@ -191,6 +191,14 @@ class Policy(ABC):
         ``array_core`` (a setting its rules on plain numbers do not cover), or None."""
         return None
 
+    def waiting_by_priority(self) -> bool:
+        """Under chunked prefill: whether the waiting queue is in (priority, arrival time,
+        request id) order (vLLM's priority scheduling) rather than arrival order. The array
+        core then keeps its queue in that order and runs the policy only on a pool that
+        cannot bind, and only while its arrival-order grants (``grants_in_arrival_order``)
+        are those of every decode first. Default: no."""
+        return False
+
     def next_decision_time(self, now: float) -> float:
         """The earliest simulated time after ``now`` at which this policy could plan a
         different step although nothing arrived, finished or changed in the KV pool: a

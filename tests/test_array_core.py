@@ -18,7 +18,7 @@ from sim.kv_manager import KVBlockManager
 from sim.request import Request, RequestStatus
 from sim.step_builder import ReplicaQueues, StepBuilder
 from tests.helpers import compose_cfg
-from tests.test_fast_forward import _assert_same
+from tests.test_fast_forward import _assert_same, _same_runs
 from workloads.base import Workload
 
 # Every test here holds a fast engine to step-by-step simulation, or to its own
@@ -103,6 +103,63 @@ def test_chunked_core_equals_exact_on_random_small_workloads(seed, qps, seqs, bu
     if pool is not None:
         over.append(f"kv.num_gpu_blocks_override={-(-pool // block)}")
     assert _assert_same(over)["step_engine"] == "array_core"
+
+
+_V1_PRIORITY = [*TINY, *UNIFORM, "policy=vllm_v1", "policy.scheduling_policy=priority",
+                "workload.num_requests=60", "kv.block_size=16"]
+
+
+@pytest.mark.slow
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10_000), qps=st.floats(1.0, 400.0), seqs=st.integers(1, 40),
+       budget=st.integers(40, 600), out_min=st.integers(1, 3),
+       prompt_min=st.sampled_from([1, 2, 50]), block=st.sampled_from([1, 16]),
+       priorities=st.sampled_from(["[0,1]", "[0,1,2]", "[2,1,0,0]"]))
+def test_vllm_v1_priority_core_equals_exact_on_random_small_workloads(
+        seed, qps, seqs, budget, out_min, prompt_min, block, priorities):
+    """vLLM v1's priority scheduling on a pool that cannot bind: its queue in (priority,
+    arrival) order, the running requests granted in arrival order (a prompt admitted after
+    requests that arrived later may be mid-prefill before them: the core runs that step where
+    the grants and rows are every decode first's, and gives the run up elsewhere)."""
+    over = [*_V1_PRIORITY, f"seed={seed}", f"workload.qps={qps}",
+            f"workload.priorities={priorities}", f"policy.max_num_seqs={min(seqs, budget)}",
+            f"policy.max_num_batched_tokens={budget}", f"kv.block_size={block}",
+            f"workload.prompt_len.min={prompt_min}", f"workload.output_len.min={out_min}"]
+    same_or_given_up(over, True, ("arrived after it",))
+
+
+def test_vllm_v1_priority_runs_on_the_core_with_a_prompt_before_decodes():
+    """Under priority scheduling a prompt admitted after later arrivals is mid-prefill
+    before their decodes: where the budget covers them all its chunk is the same as with
+    every decode first, and the core runs the whole of it. Where it does not (or the prompt
+    finishes with its first token, a row among theirs), the run is the replica loop's."""
+    s = _assert_same([*_V1_PRIORITY, "workload.priorities=[0,1,2]", "seed=5975",
+                      "workload.qps=228.43", "workload.prompt_len.min=1",
+                      "workload.output_len.min=3", "policy.max_num_batched_tokens=97",
+                      "policy.max_num_seqs=27"])
+    assert s["step_engine"] == "array_core"
+    fcfs = _assert_same([*_V1_PRIORITY, "workload.priorities=[0,1,2]", "seed=5975",
+                         "workload.qps=228.43", "workload.prompt_len.min=1",
+                         "workload.output_len.min=3", "policy.max_num_batched_tokens=97",
+                         "policy.max_num_seqs=27", "policy.scheduling_policy=fcfs"])
+    assert fcfs["mean_ttft_ms"] != s["mean_ttft_ms"]  # (the order counts)
+    for over in (
+            # (The budget does not cover them all.)
+            [*_V1_PRIORITY, "workload.priorities=[0,1,2]", "seed=3977", "workload.qps=297.75",
+             "workload.prompt_len.min=2", "workload.output_len.min=2",
+             "policy.max_num_batched_tokens=75", "policy.max_num_seqs=12"],
+            # (One-token outputs: the prompt's row finishes before a later decode's.)
+            [*_V1_PRIORITY, "workload.priorities=[0,1,2]", "seed=5996", "workload.qps=289.74",
+             "workload.prompt_len.min=50", "workload.output_len.min=1",
+             "workload.output_len.max=2", "policy.max_num_batched_tokens=106",
+             "policy.max_num_seqs=34"]):
+        fast, exact = _same_runs(over)
+        assert ([r[0] for r in fast.requests_sink.rows]
+                == [r[0] for r in exact.requests_sink.rows])  # (row order too)
+        sim = Simulation(compose_cfg(*over))
+        assert sim.run().summary["step_engine"] == "replica" == fast.summary["step_engine"]
+        assert "mid-prefill before a request that decodes and arrived after it" in (
+            sim.array_core_skipped)
 
 
 @pytest.mark.parametrize("seed,budget,blocks", [
@@ -336,7 +393,8 @@ def test_same_seed_same_bytes(tmp_path):
      "whose recompute (prompt + output - 1 tokens) exceeds policy.max_num_batched_tokens"),
     (("kv.num_gpu_blocks_override=21", "policy.kv_watermark=0.1"), "alone fills the pool"),
     (("model.max_model_len=300",), "longer than model.max_model_len"),
-    (("policy=vllm_v1", "policy.scheduling_policy=priority"), "scheduling_policy=priority"),
+    (("kv.num_gpu_blocks_override=300", "policy=vllm_v1", "policy.scheduling_policy=priority"),
+     "a waiting queue in priority order"),
     (("policy=vllm_v1", "policy.max_num_seqs=300", "policy.max_num_batched_tokens=256"),
      "policy.max_num_seqs > policy.max_num_batched_tokens"),
     (("kv.num_gpu_blocks_override=19", "policy=vllm_v1"), "alone fills the pool"),

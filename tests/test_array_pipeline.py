@@ -234,7 +234,7 @@ def test_pipelined_core_writes_the_replica_loops_files(tmp_path, layout):
 @pytest.mark.parametrize("overrides,reason", [
     (("policy=sjf", "policy.preemptive=true"), "may preempt a running request to admit"),
     (("policy=vllm_v1", "policy.scheduling_policy=priority"),
-     "policy.scheduling_policy=priority"),
+     "with a waiting queue in priority order"),
     (("policy=sglang",), "pipeline stages under policy 'sglang'"),
     (("policy=static",), "pipeline stages under policy 'static'"),
     (("policy=trtllm", "policy.enable_chunked_prefill=true",
