@@ -6,11 +6,12 @@ TensorRT-LLM's without it; ``chunk_plan``) or every running request in arrival o
 (``grants_in_arrival_order``: vLLM v1, TensorRT-LLM; the same grants while no prompt
 mid-prefill comes before a request that decodes, and the run is given up where one does:
 ``GrantOrderMatters``), one replica or several behind a router that reads only outstanding
-counts and KV usage (sim/array_cluster.py drives each replica's loop on a ``Lane``). On a KV pool that can bind, admission counts blocks above the watermark and
-the run is given up (``PoolMayBind``) where a micro-batch's decodes' blocks do not fit: the
-policy would preempt there, which only the replica loop does. A policy whose requests hold
-their whole length from admission (``reserves_full_length``: TensorRT-LLM's
-guaranteed_no_evict) is admitted on whole lengths, which its decodes never outgrow.
+counts and KV usage (sim/array_cluster.py drives each replica's loop on a ``Lane``). On a
+KV pool that can bind, admission counts blocks above the watermark and the run is given up
+(``PoolMayBind``) where a micro-batch's decodes' blocks do not fit: the policy would
+preempt there, which only the replica loop does. A policy whose requests hold their whole
+length from admission (``reserves_full_length``: TensorRT-LLM's guaranteed_no_evict) is
+admitted on whole lengths, which its decodes never outgrow.
 
 The replica loop's pipelined replica (sim/cluster/pipeline.py) is the reference: up to
 ``stages`` micro-batches are in flight, each built when stage 0 is free from the running
@@ -178,8 +179,8 @@ def pipelined_loop(core: ArrayCore, metrics: MetricsCollector, req_sink: CsvSink
     # Or chunked steps that grant the running requests in arrival order, each what the budget
     # has left (``grants_in_arrival_order``: vLLM v1): the same grants and rows as every
     # decode first while every prompt mid-prefill not in flight arrived after every request
-    # that decodes. Where one arrived before (a micro-batch of each left the pipeline while
-    # stage 0 was busy, which is rare), the run is given up (``GrantOrderMatters``).
+    # that decodes. Where one arrived before (rare: it takes two micro-batches coming free
+    # together), the run is given up (``GrantOrderMatters``).
     in_arrival_order = chunked and not policy.grants_decodes_first
     if chunked:
         chunk_plan = policy.chunk_plan  # type: ignore[attr-defined]
@@ -197,6 +198,8 @@ def pipelined_loop(core: ArrayCore, metrics: MetricsCollector, req_sink: CsvSink
     # (``reserves_full_length``: TensorRT-LLM's guaranteed_no_evict): admission counts whole
     # lengths, and a decode never takes a block.
     reserves_full = policy.reserves_full_length
+    # Where prompts take blocks chunk by chunk (vLLM v1), each grant takes its tokens'.
+    whole_prompt = policy.holds_whole_prompt or reserves_full
 
     def full_blocks(i: int) -> int:
         """The blocks of request ``i``'s whole length (prompt + maximum output - 1)."""
@@ -208,9 +211,6 @@ def pipelined_loop(core: ArrayCore, metrics: MetricsCollector, req_sink: CsvSink
         if reserves_full:
             return full_blocks(i)
         return blocks_for(PL[i], bs) if whole_prompt else 0
-
-    # Where prompts take blocks chunk by chunk (vLLM v1), each grant takes its tokens'.
-    whole_prompt = policy.holds_whole_prompt or reserves_full
 
     def chunk_blocks(i: int, n: int) -> int:
         """The new blocks a grant of ``n`` tokens to prompt ``i`` takes."""
