@@ -105,10 +105,10 @@ def array_core_blocker(sim: ArrayCoreHost) -> str | None:
 def _pipeline_blocker(sim: ArrayCoreHost) -> str | None:
     """Why these replicas with pipeline stages cannot run on the array core
     (sim/array_pipeline.py), or None: under a policy of whole-prompt, prefill-only steps
-    (``head_admissions``: FCFS; ``indexed_admissions``: SJF, priority) or of chunked steps
-    that grant every decode first (``grants_decodes_first`` and ``chunk_plan``: vLLM v0's
-    chunked prefill; TensorRT-LLM's without it, its requests holding their whole lengths
-    under guaranteed_no_evict) or every running request in arrival order
+    (``head_admissions``: FCFS, static; ``indexed_admissions``: SJF, priority) or of chunked
+    steps that grant every decode first (``grants_decodes_first`` and ``chunk_plan``: vLLM
+    v0's chunked prefill; TensorRT-LLM's without it, its requests holding their whole
+    lengths under guaranteed_no_evict) or every running request in arrival order
     (``grants_in_arrival_order``: vLLM v1, TensorRT-LLM), behind a router that reads only
     outstanding counts and KV usage. (Where their pool can bind: ``pool_blocker``.)"""
     cluster, policy = sim.cluster, sim.policy
@@ -122,15 +122,13 @@ def _pipeline_blocker(sim: ArrayCoreHost) -> str | None:
         rule = ((policy.grants_decodes_first or policy.grants_in_arrival_order)
                 and callable(getattr(policy, "chunk_plan", None)))
     else:
-        # (Whole lengths held from admission, static batching's, only in chunked steps.)
-        rule = not policy.reserves_full_length and (
-            callable(getattr(policy, "head_admissions", None))
-            or callable(getattr(policy, "indexed_admissions", None)))
+        rule = (callable(getattr(policy, "head_admissions", None))
+                or callable(getattr(policy, "indexed_admissions", None)))
     if not rule:
         return (f"pipeline stages under policy {policy.config.name!r} (the core pipelines "
                 "whole-prompt, prefill-only steps, or chunked ones that grant every decode "
                 "first or every running request in arrival order: fcfs, sjf, priority, "
-                "chunked_prefill, trtllm, vllm_v1)")
+                "static, chunked_prefill, trtllm, vllm_v1)")
     return None
 
 

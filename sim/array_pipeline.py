@@ -1,17 +1,17 @@
 """Replicas split into pipeline stages on the array core: step_mode=fast with
 ``cluster.pipeline_parallel_size`` > 1 under a policy of whole-prompt, prefill-only steps
-(FCFS: ``head_admissions``; SJF, priority: ``indexed_admissions``) or of chunked steps that
-grant every decode first (``grants_decodes_first``: vLLM v0's chunked prefill,
-TensorRT-LLM's without it; ``chunk_plan``) or every running request in arrival order
-(``grants_in_arrival_order``: vLLM v1, TensorRT-LLM; the same grants while no prompt
+(FCFS, static batching: ``head_admissions``; SJF, priority: ``indexed_admissions``) or of
+chunked steps that grant every decode first (``grants_decodes_first``: vLLM v0's chunked
+prefill, TensorRT-LLM's without it; ``chunk_plan``) or every running request in arrival
+order (``grants_in_arrival_order``: vLLM v1, TensorRT-LLM; the same grants while no prompt
 mid-prefill comes before a request that decodes, and the run is given up where one does:
 ``GrantOrderMatters``), one replica or several behind a router that reads only outstanding
 counts and KV usage (sim/array_cluster.py drives each replica's loop on a ``Lane``). On a
 KV pool that can bind, admission counts blocks above the watermark and the run is given up
 (``PoolMayBind``) where a micro-batch's decodes' blocks do not fit: the policy would
 preempt there, which only the replica loop does. A policy whose requests hold their whole
-length from admission (``reserves_full_length``: TensorRT-LLM's guaranteed_no_evict) is
-admitted on whole lengths, which its decodes never outgrow.
+length from admission (``reserves_full_length``: static batching, TensorRT-LLM's
+guaranteed_no_evict) is admitted on whole lengths, which its decodes never outgrow.
 
 The replica loop's pipelined replica (sim/cluster/pipeline.py) is the reference: up to
 ``stages`` micro-batches are in flight, each built when stage 0 is free from the running
@@ -547,8 +547,11 @@ def pipelined_loop(core: ArrayCore, metrics: MetricsCollector, req_sink: CsvSink
                         k = len(batch)
                         tokens = sum([PL[i] for i in batch])
                     else:
+                        # (A policy that reserves whole lengths admits on them.)
+                        kw = ({"lengths": (PL[i] + OL[i] - 1 for i in waiting)}
+                              if reserves_full and room is not None else {})
                         k, tokens = head_admissions(map(PL.__getitem__, waiting),
-                                                    seats_total - running, room)
+                                                    seats_total - running, room, **kw)
                         batch = [waiting.popleft() for _ in range(k)]  # type: ignore[union-attr]
                     if k:
                         d = prefill_seconds(tuple([PL[i] for i in batch]))

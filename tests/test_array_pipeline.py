@@ -31,7 +31,7 @@ pytestmark = pytest.mark.equivalence
            ("policy=trtllm",),
            ("policy=trtllm", "policy.capacity_scheduler_policy=max_utilization"),
            ("policy=trtllm", "policy.enable_chunked_prefill=true"),
-           ("policy=vllm_v1",)]),
+           ("policy=vllm_v1",), ("policy=static",)]),
        pool=st.one_of(st.none(), st.none(), st.integers(330, 4000)))
 # Every request arrives at 0.0, where simpy's clock is the int 0.
 @example(seed=3, qps=1e9, seqs=8, budget=400, stages=2, out_min=1, prompt_min=1, block=16,
@@ -47,7 +47,8 @@ def test_pipelined_core_equals_exact_on_random_small_workloads(seed, qps, seqs, 
     mid-prefill and admitted (prompts in flight counting among the partial prefills);
     TensorRT-LLM's steps without chunked prefill (each request holding its whole length
     from admission under guaranteed_no_evict); vLLM v1's (the running requests in arrival
-    order, prompts taking blocks chunk by chunk); one-token outputs finishing with their prompt; constant and bursty arrivals (an arrival
+    order, prompts taking blocks chunk by chunk); static batches (whole lengths held, a
+    batch formed while the last has ended); one-token outputs finishing with their prompt; constant and bursty arrivals (an arrival
     as a batch leaves or stage 0 frees). ``pool``: a pool of that many tokens, which can bind:
     admission counts blocks above the watermark, and the run is given up to the replica
     loop where a decode micro-batch's blocks do not fit."""
@@ -236,7 +237,6 @@ def test_pipelined_core_writes_the_replica_loops_files(tmp_path, layout):
     (("policy=vllm_v1", "policy.scheduling_policy=priority"),
      "with a waiting queue in priority order"),
     (("policy=sglang",), "pipeline stages under policy 'sglang'"),
-    (("policy=static",), "pipeline stages under policy 'static'"),
     (("policy=trtllm", "policy.enable_chunked_prefill=true",
       "policy.capacity_scheduler_policy=max_utilization"), "max_utilization under chunked"),
     (("cluster.num_replicas=2", "cluster.router=prefix_aware"),
