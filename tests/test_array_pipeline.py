@@ -162,6 +162,18 @@ def test_trtllm_pipelines_hold_whole_lengths_on_the_core():
     assert s["step_engine"] == "array_core"
 
 
+def test_static_batches_pipeline_on_whole_lengths():
+    """Static batching on two stages, batches of 14 on a pool that binds (peak usage over
+    0.9): a batch is formed, maybe over several micro-batches, only once the last has ended,
+    each request admitted only where the pool holds its whole length."""
+    s = _assert_same([*TINY[:3], *UNIFORM, "policy=static", "seed=801", "workload.qps=109.97",
+                      "workload.num_requests=54", "workload.prompt_len.min=50",
+                      "policy.max_num_batched_tokens=1376", "policy.max_num_seqs=34",
+                      "policy.max_batch_size=14", "kv.block_size=1",
+                      "kv.num_gpu_blocks_override=1418", "cluster.pipeline_parallel_size=2"])
+    assert s["step_engine"] == "array_core" and s["kv_peak_usage"] > 0.9
+
+
 def test_vllm_v1_pipelines_leave_grants_out_of_order_to_the_replica_loop():
     """vLLM v1 on four stages: two micro-batches leave the pipeline while stage 0 is busy,
     and a prompt mid-prefill comes free with decodes that arrived after it. Its chunk comes
