@@ -83,7 +83,8 @@ class TensorRTLLMPolicy(Policy):
     # this one runs.
     host_overlap_default = True
     # ``chunk_plan`` and ``decode_preemptions`` below: guaranteed_no_evict (nobody is ever
-    # paused), and max_utilization without chunked prefill.
+    # paused), and max_utilization (the latest arrivals paused; one paused comes back at the
+    # queue's head, so a prompt mid-prefill is always the latest arrival running).
     array_core = True
     # ``schedule_running`` over the running requests in arrival order, then admission.
     grants_in_arrival_order = True
@@ -104,14 +105,6 @@ class TensorRTLLMPolicy(Policy):
         (sim/array_pipeline.py). With it, a prompt admitted before a request that now decodes
         takes its next chunk first in arrival order."""
         return not self.config.enable_chunked_prefill
-
-    def array_core_refusal(self) -> str | None:
-        if not self.reserves_full_length and self.config.enable_chunked_prefill:
-            # A request paused and recomputed would re-prefill in chunks ahead of later
-            # arrivals' decodes in the running order, where the core grants decodes first.
-            return ("policy.capacity_scheduler_policy=max_utilization under chunked prefill "
-                    "(a paused request re-prefills ahead of later decodes)")
-        return None
 
     def decode_preemptions(self, needs: Sequence[int], held: Sequence[int], free: int) -> int:
         """The array core's step when the pool cannot hold every decode's new block

@@ -398,9 +398,6 @@ def test_same_seed_same_bytes(tmp_path):
     (("policy=vllm_v1", "policy.max_num_seqs=300", "policy.max_num_batched_tokens=256"),
      "policy.max_num_seqs > policy.max_num_batched_tokens"),
     (("kv.num_gpu_blocks_override=19", "policy=vllm_v1"), "alone fills the pool"),
-    (("policy=trtllm", "policy.capacity_scheduler_policy=max_utilization",
-      "policy.enable_chunked_prefill=true"),
-     "capacity_scheduler_policy=max_utilization under chunked prefill"),
     (("kv.num_gpu_blocks_override=300", "policy=trtllm", "kv.enable_prefix_caching=true"),
      "the KV pool can bind, with prefix caching"),
     (("kv.num_gpu_blocks_override=18", "policy=trtllm"), "alone fills the pool"),
@@ -732,15 +729,15 @@ def test_trtllm_core_equals_exact_on_random_small_workloads(seed, qps, seqs, bud
     """TensorRT-LLM's guaranteed_no_evict: every request holds its whole length from
     admission on, admitted only while the pool holds it (``pool`` blocks of 16 tokens' worth;
     None: a pool that never binds), prompts whole or, with chunked prefill, the last admitted
-    cut to what the budget leaves. ``pauses``: max_utilization without chunked prefill
-    instead, admitted on its prompt's blocks, the latest arrivals paused (recomputed) when a
-    decode finds no block."""
+    cut to what the budget leaves. ``pauses``: max_utilization instead, admitted on its
+    prompt's blocks (with chunked prefill, holding them all from its first chunk), the
+    latest arrivals paused (recomputed) when a decode finds no block."""
     capacity = "max_utilization" if pauses else "guaranteed_no_evict"
     over = [*TINY, *UNIFORM, "policy=trtllm", f"seed={seed}", f"workload.qps={qps}",
             "workload.num_requests=60", f"policy.max_num_seqs={seqs}",
             f"policy.max_num_batched_tokens={budget}", f"kv.block_size={block}",
             f"workload.prompt_len.min={prompt_min}", f"workload.output_len.min={out_min}",
-            f"policy.enable_chunked_prefill={str(chunked and not pauses).lower()}",
+            f"policy.enable_chunked_prefill={str(chunked).lower()}",
             f"policy.capacity_scheduler_policy={capacity}"]
     if pool is not None:
         over.append(f"kv.num_gpu_blocks_override={pool * 16 // block}")

@@ -249,8 +249,6 @@ def test_pipelined_core_writes_the_replica_loops_files(tmp_path, layout):
     (("policy=vllm_v1", "policy.scheduling_policy=priority"),
      "with a waiting queue in priority order"),
     (("policy=sglang",), "pipeline stages under policy 'sglang'"),
-    (("policy=trtllm", "policy.enable_chunked_prefill=true",
-      "policy.capacity_scheduler_policy=max_utilization"), "max_utilization under chunked"),
     (("cluster.num_replicas=2", "cluster.router=prefix_aware"),
      "router 'prefix_aware' reads more than outstanding request counts and KV usage"),
     (("kv.num_gpu_blocks_override=100", "workload.qps=200"),
