@@ -154,9 +154,9 @@ class Policy(ABC):
     #: Under chunked prefill: True if every step grants the running requests not in flight
     #: in arrival order, each its pending tokens up to what the budget has left, before it
     #: admits anyone (vLLM v1, TensorRT-LLM). With pipeline stages the array core then plans
-    #: its micro-batches on plain numbers where that gives the same grants as every decode
-    #: first (the budget covers every running request, or no prompt mid-prefill arrived
-    #: before a request that decodes), and gives the run up elsewhere.
+    #: its micro-batches on plain numbers while that is every decode first (no prompt
+    #: mid-prefill not in flight arrived before a request that decodes), and gives the run
+    #: up where it is not (``waiting_by_priority`` says where else that can happen).
     grants_in_arrival_order: ClassVar[bool] = False
 
     FAST_PATH_FLAGS: ClassVar[tuple[str, ...]] = ("supports_decode_jumps", "array_core",
