@@ -164,8 +164,8 @@ def test_the_fallback_rewrites_the_files(tmp_path):
 @pytest.mark.parametrize("overrides, reason", [
     (["cluster.router=prefix_aware"],
      "router 'prefix_aware' reads more than outstanding request counts and KV usage"),
-    (["cluster.pipeline_parallel_size=2", "policy=vllm_v1"],
-     "pipeline stages under policy 'vllm_v1'"),
+    (["cluster.pipeline_parallel_size=2", "policy=sglang"],
+     "pipeline stages under policy 'sglang'"),
 ])
 def test_clusters_the_core_leaves_to_the_replica_loop(overrides, reason):
     base = [] if overrides[0].startswith("cluster=") else ["cluster.num_replicas=2"]

@@ -283,9 +283,9 @@ def test_a_transfer_arriving_exactly_at_a_decode_step_end(tmp_path, preset, late
     (["kv.enable_prefix_caching=true", "workload.shared_prefix_len=64"],
      "a shared prompt prefix with prefix caching on"),
     (["kv.enable_prefix_caching=false",
-      "+cluster.decode.policy={name: vllm_v1, scheduling_policy: priority, "
+      "+cluster.decode.policy={name: sglang, schedule_policy: lpm, "
       "enable_chunked_prefill: true, kv_watermark: 0.0}"],
-     "decode pool policy 'vllm_v1': policy.scheduling_policy=priority"),
+     "decode pool policy 'sglang': policy.schedule_policy=lpm"),
     (["+cluster.decode.policy={name: static}"],
      "the decode pool's policy 'static' reserves whole lengths"),
 ])
