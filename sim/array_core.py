@@ -41,7 +41,8 @@ numbers:
 
 The policy still decides: FCFS and static batching through ``head_admissions`` and chunked
 prefill (vLLM v0 and v1, TensorRT-LLM) through ``chunk_plan`` (their rules on plain
-numbers, over a queue kept here in arrival order), SGLang through ``prefill_plan`` (a
+numbers, over a queue kept here in arrival order, or in (priority, arrival) order for
+vLLM v1's priority scheduling: ``waiting_by_priority``), SGLang through ``prefill_plan`` (a
 prefill batch of chunks apart from the decodes, tried again after every decode batch while
 requests wait; a decode batch whose blocks do not fit retracts requests by its
 ``decode_retractions``, to the queue's tail), and a policy with its own waiting order (SJF,
