@@ -57,7 +57,7 @@ import numpy as np
 
 from policies.base import POLICIES, Policy, PolicyConfig
 from sim.errors import require
-from sim.kv_manager import blocks_for
+from sim.kv_manager import blocks_added, blocks_for
 from sim.plan import StepPlan
 from sim.request import Request
 from sim.step_builder import StepBuilder
@@ -319,8 +319,7 @@ class SGLangPolicy(Policy):
             return True
 
         def place_partial(j: int, n: int) -> bool:
-            c = computed[j]
-            return take(blocks_for(c + n, block_size) - blocks_for(c, block_size))
+            return take(blocks_added(computed[j], n, block_size))
 
         def place_new(j: int, n: int) -> bool:
             hit = 0 if cached_blocks is None else cached_blocks(j)

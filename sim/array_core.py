@@ -82,7 +82,7 @@ from sim.array_inputs import (
     runs_guarded,
 )
 from sim.fast_forward import _price_until, _steps_before
-from sim.kv_manager import blocks_for
+from sim.kv_manager import blocks_added, blocks_for
 from sim.metrics import MetricsCollector
 from sim import stop as run_stop
 from sim.errors import RunInterrupted
@@ -340,8 +340,6 @@ class _PriorityWaiting:
 
     def head(self, k: int) -> list[int]:
         """The first ``k`` waiting requests in queue order."""
-        if k >= len(self.heap):
-            return [e[3] for e in sorted(self.heap)]
         return [e[3] for e in nsmallest(k, self.heap)]
 
     def popleft(self) -> int:
@@ -1043,7 +1041,7 @@ class ArrayCore:
         def grant_blocks(i: int, n: int) -> int:
             """The new blocks a grant of ``n`` tokens takes for request ``i`` mid-prefill
             (prompts taking blocks chunk by chunk)."""
-            return blocks_for(computed[i] + n, bs) - blocks_for(computed[i], bs)
+            return blocks_added(computed[i], n, bs)
 
         def outputs_left(i: int) -> int:
             """The output tokens request ``i``, waiting or mid-prefill, may still sample (a
@@ -1315,7 +1313,7 @@ class ArrayCore:
                         if can_bind:
                             free = num_blocks - blocks_at(S + 1) - prefill_blocks
                             if not whole_prompt:  # once every partial has its tokens' blocks
-                                free -= sum([blocks_for(PEND[i], bs) - blocks_for(computed[i], bs)
+                                free -= sum([grant_blocks(i, PEND[i] - computed[i])
                                              for i in prefilling])
                             room = (free, watermark, bs)
                         # (A policy that reserves whole lengths admits on them.)
@@ -1370,9 +1368,7 @@ class ArrayCore:
                     grants += zip(multi, chunks)
                     grants += zip(new, admitted)
                     if not whole_prompt:  # this step's chunks take their blocks
-                        for i, n in grants:
-                            prefill_blocks += (blocks_for(computed[i] + n, bs)
-                                               - blocks_for(computed[i], bs))
+                        prefill_blocks += sum([grant_blocks(i, n) for i, n in grants])
                     plan = StepPlan([ScheduledRequest(i, computed[i], n, [],
                                                       computed[i] + n == PEND[i])
                                      for i, n in grants])

@@ -78,7 +78,7 @@ from sim.array_core import (
     finisher,
 )
 from sim.array_inputs import INDEX_BITS
-from sim.kv_manager import blocks_for
+from sim.kv_manager import blocks_added, blocks_for
 from sim.metrics import MetricsCollector
 from sim.outputs import STEP_ROW_FORMAT, CsvSink
 from sim.plan import DecodeBlock, ScheduledRequest, StepPlan
@@ -214,8 +214,7 @@ def pipelined_loop(core: ArrayCore, metrics: MetricsCollector, req_sink: CsvSink
 
     def chunk_blocks(i: int, n: int) -> int:
         """The new blocks a grant of ``n`` tokens to prompt ``i`` takes."""
-        c = computed[i]
-        return 0 if whole_prompt else blocks_for(c + n, bs) - blocks_for(c, bs)
+        return 0 if whole_prompt else blocks_added(computed[i], n, bs)
 
     def new_group() -> _Group:
         return _Group(_FullLengthCount(bs, full_blocks) if reserves_full else _BlockCount(bs))

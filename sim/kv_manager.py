@@ -50,6 +50,11 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
+def blocks_added(held_tokens: int, new_tokens: int, block_size: int) -> int:
+    """The blocks a table holding ``held_tokens`` tokens takes to hold ``new_tokens`` more."""
+    return blocks_for(held_tokens + new_tokens, block_size) - blocks_for(held_tokens, block_size)
+
+
 def _leading(blocks: dict[Hashable, int], keys: Sequence[Hashable]) -> list[int]:
     """The blocks ``blocks`` maps ``keys`` to, from the first key up to the first it lacks
     (keys looked up in C, in runs that double from 8: a prompt of one-token blocks has
