@@ -102,6 +102,10 @@ CASES: dict[str, tuple[list[str], float]] = {
     # Two prefill and two decode replicas at twice the rate.
     "disagg2x2": ([*_FCFS, "cluster=disaggregated", "cluster.num_prefill_replicas=2",
                    "cluster.num_decode_replicas=2"], 12),
+    # The same with two pipeline stages per replica in both pools.
+    "disagg2x2_pp2": ([*_FCFS, "cluster=disaggregated", "cluster.num_prefill_replicas=2",
+                       "cluster.num_decode_replicas=2", "cluster.pipeline_parallel_size=2"],
+                      12),
 }
 # The one table the speed targets are read from: every policy, preemption mode and layout.
 DEFAULT_CASES = ["fcfs", "chunked_prefill", "sjf", "priority", "fcfs_kv3000",

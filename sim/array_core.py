@@ -250,6 +250,21 @@ class Lane:
     # router lets its loop take that instant in (``route``).
     wakes_on_arrival: bool = False
 
+    def free_full(self, w: WorkloadArrays, block_size: int) -> Callable[[int, float], None]:
+        """(A decode lane.) What its loop tells as request ``i`` finishes at ``end``: its
+        blocks at full length are free again then (the deployment reads them)."""
+        PL, OL = w.prompt_lens, w.output_lens
+
+        def freed(i: int, end: float) -> None:
+            full = blocks_for(PL[i] + OL[i] - 1, block_size)
+            self.held_full -= full
+            if self.freed_at != end:
+                self.freed_at = end
+                self.freed = 0
+            self.freed += full
+
+        return freed
+
 
 # Runs the loops of a run: (metrics, requests sink, steps sink, progress) -> the simulated
 # end, the steps, the decode stretches and the peak KV usage (the largest of any replica's
@@ -724,18 +739,9 @@ class ArrayCore:
         next_tick = 64  # the progress line's next update
         empty = array("d")
 
-        def free_full(i: int, end: float) -> None:
-            """(A decode lane.) Request ``i``'s blocks at full length are free again at
-            ``end`` (the deployment reads it)."""
-            full = blocks_for(PL[i] + OL[i] - 1, bs)
-            lane.held_full -= full  # type: ignore[union-attr]
-            if lane.freed_at != end:  # type: ignore[union-attr]
-                lane.freed_at = end  # type: ignore[union-attr]
-                lane.freed = 0  # type: ignore[union-attr]
-            lane.freed += full  # type: ignore[union-attr]
-
         finish = finisher(w, metrics, req_sink, replica, line_fmt, extra, lines, extras,
-                          free_full if takes_in else None, cached_of if self_hits else None)
+                          lane.free_full(w, bs) if takes_in else None,  # type: ignore[union-attr]
+                          cached_of if self_hits else None)
 
         def leaves_cached(i: int, computed_tokens: int) -> None:
             """Request ``i``, preempted by recompute with ``computed_tokens`` computed, is

@@ -2,18 +2,21 @@
 behind a prefill router that reads only outstanding counts and a decode router that reads
 only those and KV usage (``array_core_blocker`` names what else it needs).
 
-Every replica is the array core's loop (sim/array_core.py) on a ``Lane``, in two passes:
+Every replica is the array core's loop (sim/array_core.py) on a ``Lane``, or in a pool with
+pipeline stages the pipelined loop (sim/array_pipeline.py), in two passes:
 
 1. The prefill replicas, routed as co-located ones are (``route``, sim/array_cluster.py):
    a request whose first token is not its last is handed off at the end of the step that
-   finishes its prompt (``Lane.handoffs``) and leaves the replica's count there, as the replica loop's
+   finishes its prompt (with pipeline stages: as that micro-batch leaves the last stage;
+   ``Lane.handoffs``) and leaves the replica's count there, as the replica loop's
    ``Replica._handoff`` does; its blocks stay until its transfer ends.
 2. The hand-offs, in time order: before each, every decode replica runs until it plans at or
    after it, so the decode router reads the counts it would read then (requests routed
    there, less those finished before that instant) and the KV usage (the blocks of the step
    in progress then, or of the last one if none is, and those reserved for transfers not
    yet arrived); the decode replica reserves the prompt's blocks, and the KV moves over the run's own ``Link`` (a simpy environment of its ports
-   only), whose arrivals become the decode replica's requests, members from the step after.
+   only), whose arrivals become the decode replica's requests, members from the step after
+   (with pipeline stages: decoding requests not in flight from the arrival on).
 
 Transfers never wait for blocks here: a run is given up (``PoolMayBind``, and the replica
 loop takes it) unless at every hand-off the decode replica could hold every request it
@@ -26,7 +29,9 @@ the decode replicas' rows.
 
 Where two events that the replica loop orders by simpy's event order meet exactly (a
 hand-off as a decode step ends, a transfer arriving as a step ends, a link event at a
-hand-off, hand-offs of two prefill replicas at one instant), the run stops with ``ExactTie``.
+hand-off, hand-offs of two prefill replicas at one instant, a transfer arriving as a
+pipelined decode replica's micro-batch leaves or its first stage comes free), the run stops
+with ``ExactTie``.
 """
 
 from __future__ import annotations
@@ -53,6 +58,7 @@ from sim.array_cluster import (
 )
 from sim.array_core import ArrayCore, ExactTie, Lane, PoolMayBind
 from sim.array_inputs import ArrayCoreHost, WorkloadArrays
+from sim.array_pipeline import pipelined_loop
 from sim.clock import advance
 from sim.cluster.disaggregated import transfer_summary
 from sim.cluster.link import Link
@@ -101,15 +107,20 @@ class ArrayDisaggregated:
         prefill_gate, decode_gate = [INF], [INF]
         # Every replica gets a policy of its own, seeded as the replica loop's pools seed
         # them (the run's own instance stays untouched).
+        # A prefill pool with pipeline stages runs each replica in the pipelined loop
+        # (sim/array_pipeline.py), which may plan at the very instant a request reaches it.
+        self.prefill_stages = prefill.pipeline_parallel
         self.prefill_lanes = [
             Lane(r, prefill.make_policy(replica_seed(sim.seed, r)), prefill_gate, lines,
                  f"{FINISHED_REQUEST_LINE[:-2]},{r},,,,\r\n", (r, "", "", "", ""),
-                 role="prefill")
+                 role="prefill", wakes_on_arrival=self.prefill_stages > 1)
             for r in range(num_prefill)]
         seats = decode.first_policy.config.max_num_batched_tokens
+        self.decode_stages = decode.pipeline_parallel
         self.decode_lanes = [
             Lane(r, decode.make_policy(replica_seed(sim.seed, r)), decode_gate, lines,
-                 FINISHED_REQUEST_LINE, (), role="decode", seats=seats)
+                 FINISHED_REQUEST_LINE, (), role="decode", seats=seats,
+                 wakes_on_arrival=self.decode_stages > 1)
             for r in range(num_prefill, num_prefill + decode.count)]
         self.routed = [0] * (num_prefill + decode.count)
         self.link = Link(simpy.Environment(), sim.cluster.link, num_prefill + decode.count)
@@ -126,8 +137,12 @@ class ArrayDisaggregated:
                   progress: Progress) -> tuple[float, int, int, float]:
         quiet = Progress(None, False)  # each replica's; the whole run's is updated here
         lanes = self.prefill_lanes
-        loops = [self.prefill_core._loop(metrics, req_sink, step_sink, quiet, lane)
-                 for lane in lanes]
+        if self.prefill_stages > 1:
+            loops = [pipelined_loop(self.prefill_core, metrics, req_sink, step_sink, quiet,
+                                    lane, self.prefill_stages) for lane in lanes]
+        else:
+            loops = [self.prefill_core._loop(metrics, req_sink, step_sink, quiet, lane)
+                     for lane in lanes]
         choose = make_router(self.sim.cluster.router, self.sim.seed, 0).choose
         # The prefill pass finishes nothing yet (a request whose first token is its last is
         # counted with the decode pass): its line shows how far it has come.
@@ -165,7 +180,7 @@ class ArrayDisaggregated:
         seats = lanes[0].seats
         per_token = sim.model.kv_bytes_per_token
         # Parallel rank-to-rank links per transfer: the smaller side's GPUs per replica.
-        link_lanes = min(prefill_pool.tensor_parallel, decode_pool.tensor_parallel)
+        link_lanes = min(prefill_pool.gpus_per_replica, decode_pool.gpus_per_replica)
         link = self.link
         env = link.env
         router = make_router(sim.cluster.decode_router, sim.seed, 1, "cluster.decode_router")
@@ -205,15 +220,21 @@ class ArrayDisaggregated:
             for j, (heap, lane) in enumerate(zip(announced, lanes)):
                 if not heap or heap[0][0] >= upto:
                     continue
-                if states[j][0] == INF:
+                if lane.wakes_on_arrival:  # (pipelined: it takes the instant of the first)
+                    states[j] = (min(states[j][0], heap[0][0]), *states[j][1:])
+                elif states[j][0] == INF:
                     states[j] = (max(heap[0][0], states[j][1]), *states[j][1:])
                 while heap and heap[0][0] < upto:
                     a, _, i = heappop(heap)
                     lane.arrivals.append(a)
                     lane.indices.append(i)
 
-        loops = [self.decode_core._loop(metrics, req_sink, step_sink, quiet, lane)
-                 for lane in lanes]
+        if self.decode_stages > 1:
+            loops = [pipelined_loop(self.decode_core, metrics, req_sink, step_sink, quiet,
+                                    lane, self.decode_stages) for lane in lanes]
+        else:
+            loops = [self.decode_core._loop(metrics, req_sink, step_sink, quiet, lane)
+                     for lane in lanes]
         gate[0] = hand[0][0] if hand else 0.0
         states = [next(loop) for loop in loops]
         last_t, last_p = -INF, -1

@@ -104,17 +104,23 @@ def array_core_blocker(sim: ArrayCoreHost) -> str | None:
 
 def _pipeline_blocker(sim: ArrayCoreHost) -> str | None:
     """Why these replicas with pipeline stages cannot run on the array core
-    (sim/array_pipeline.py), or None: under a policy of whole-prompt, prefill-only steps
-    (``head_admissions``: FCFS, static; ``indexed_admissions``: SJF, priority) or of chunked
-    steps that grant every decode first (``grants_decodes_first`` and ``chunk_plan``: vLLM
-    v0's chunked prefill; TensorRT-LLM's without it, its requests holding their whole
-    lengths under guaranteed_no_evict) or every running request in arrival order
-    (``grants_in_arrival_order``: vLLM v1, TensorRT-LLM), behind a router that reads only
-    outstanding counts and KV usage. (Where their pool can bind: ``pool_blocker``.)"""
-    cluster, policy = sim.cluster, sim.policy
-    if not ROUTERS.get(str(cluster.router)).reads_only_load:
-        return (f"router {cluster.router!r} reads more than outstanding request counts "
+    (sim/array_pipeline.py), or None: under a policy ``_pipelined_policy_blocker`` takes,
+    behind a router that reads only outstanding counts and KV usage. (Where their pool can
+    bind: ``pool_blocker``.)"""
+    if not ROUTERS.get(str(sim.cluster.router)).reads_only_load:
+        return (f"router {sim.cluster.router!r} reads more than outstanding request counts "
                 "and KV usage")
+    return _pipelined_policy_blocker(sim.policy)
+
+
+def _pipelined_policy_blocker(policy: Policy) -> str | None:
+    """Why a pipelined replica under ``policy`` cannot run on the array core, or None: a
+    policy of whole-prompt, prefill-only steps (``head_admissions``: FCFS, static;
+    ``indexed_admissions``: SJF, priority) or of chunked steps that grant every decode first
+    (``grants_decodes_first`` and ``chunk_plan``: vLLM v0's chunked prefill; TensorRT-LLM's
+    without it, its requests holding their whole lengths under guaranteed_no_evict) or
+    every running request in arrival order (``grants_in_arrival_order``: vLLM v1,
+    TensorRT-LLM)."""
     if policy.implements_chunked_prefill:
         if policy.waiting_by_priority():
             return (f"pipeline stages under policy {policy.config.name!r} with a waiting "
@@ -136,9 +142,9 @@ def _cluster_blocker(sim: ArrayCoreHost) -> str | None:
     """Why this cluster cannot run on the array core, or None: co-located replicas
     (sim/array_cluster.py) behind a router that reads only outstanding counts and KV usage,
     or a disaggregated deployment (sim/array_disagg.py) behind a prefill router that reads
-    only outstanding counts and a decode router that reads only those and KV usage; neither
-    with pipeline stages, whose replicas (one or more) run on the core in a loop of their
-    own (``_pipeline_blocker``, sim/array_pipeline.py). (Prefix caching is for
+    only outstanding counts and a decode router that reads only those and KV usage. Replicas
+    with pipeline stages (one or more, or a deployment's pool) run on the core in a loop of
+    their own (``_pipeline_blocker``, ``_pipelined_policy_blocker``, sim/array_pipeline.py). (Prefix caching is for
     ``WorkloadArrays.collect`` to refuse: with no prompt sharing a prefix, and nobody
     recomputed on the core but by ``decode_preemptions`` or ``decode_retractions``, it changes
     nothing the core counts but a recomputed request's hits on its own blocks, which the core
@@ -151,8 +157,10 @@ def _cluster_blocker(sim: ArrayCoreHost) -> str | None:
             return (f"router {cluster.router!r} reads more than outstanding request counts "
                     "and KV usage")
         return None
-    if cluster.pp("prefill") > 1 or cluster.pp("decode") > 1:
-        return "pipeline stages in a disaggregated deployment"
+    for side, policy in (("prefill", sim.policy), ("decode", sim.pools[1].first_policy)):
+        why = _pipelined_policy_blocker(policy) if cluster.pp(side) > 1 else None
+        if why is not None:
+            return f"the {side} pool's {why}"
     if not ROUTERS.get(str(cluster.router)).reads_only_counts:
         # (A prefill replica's blocks held for transfers are known only after the decode
         # replicas have run.)

@@ -6,7 +6,10 @@ prefill, TensorRT-LLM's without it; ``chunk_plan``) or every running request in 
 order (``grants_in_arrival_order``: vLLM v1, TensorRT-LLM; the same grants while no prompt
 mid-prefill comes before a request that decodes, and the run is given up where one does:
 ``GrantOrderMatters``), one replica or several behind a router that reads only outstanding
-counts and KV usage (sim/array_cluster.py drives each replica's loop on a ``Lane``). On a
+counts and KV usage (sim/array_cluster.py drives each replica's loop on a ``Lane``), or
+the replicas of a disaggregated deployment's pool (sim/array_disagg.py: a prefill replica
+hands each request off as its prompt's micro-batch leaves, a decode replica takes each
+transfer in among the decoding requests not in flight as its KV arrives). On a
 KV pool that can bind, admission counts blocks above the watermark and the run is given up
 (``PoolMayBind``) where a micro-batch's decodes' blocks do not fit: the policy would
 preempt there, which only the replica loop does. A policy whose requests hold their whole
@@ -69,6 +72,7 @@ from typing import Any
 from sim import stop as run_stop
 from sim.array_core import (
     ArrayCore,
+    ExactTie,
     GrantOrderMatters,
     Lane,
     PoolMayBind,
@@ -83,6 +87,7 @@ from sim.metrics import MetricsCollector
 from sim.outputs import STEP_ROW_FORMAT, CsvSink
 from sim.plan import DecodeBlock, ScheduledRequest, StepPlan
 from sim.progress import Progress
+from sim.request import Request
 
 INF = float("inf")
 _MASK = (1 << INDEX_BITS) - 1
@@ -144,6 +149,7 @@ def pipelined_loop(core: ArrayCore, metrics: MetricsCollector, req_sink: CsvSink
     ``wakes_on_arrival``: the router resumes it after routing a request to it."""
     w = core.w
     PL, OL = w.prompt_lens, w.output_lens
+    RID, ARR, PRI = w.request_ids, w.arrivals, w.priorities
     N = len(PL)
     policy = lane.policy
     replica = lane.replica_id
@@ -151,7 +157,12 @@ def pipelined_loop(core: ArrayCore, metrics: MetricsCollector, req_sink: CsvSink
     # the router sends it requests).
     QA, QI = lane.arrivals, lane.indices
     gate = lane.gate
-    seats_total = policy.config.max_num_seqs
+    # A disaggregated deployment's decode replica (sim/array_disagg.py): its "arrivals" are
+    # the transfers, each request joining the decoding ones not in flight as its KV arrives
+    # (its blocks reserved until then: ``Lane.reserved``, counted in its blocks in use).
+    takes_in = lane.role == "decode"
+    joins = lane.joins
+    seats_total = lane.seats if takes_in else policy.config.max_num_seqs
     # Its admission: FCFS's from the head of a queue in arrival order (``head_admissions``),
     # or, for a policy with its own waiting order (SJF, priority: ``indexed_admissions``),
     # from its index, each request a ``Request`` from arrival until it leaves (finishers of
@@ -220,11 +231,18 @@ def pipelined_loop(core: ArrayCore, metrics: MetricsCollector, req_sink: CsvSink
         return _Group(_FullLengthCount(bs, full_blocks) if reserves_full else _BlockCount(bs))
 
     record = step_sink.enabled
-    write_row = step_sink.write_formatted
+    # A disaggregated deployment's prefill replica (sim/array_disagg.py) hands each request
+    # off as its prompt's micro-batch leaves (its blocks then held for the transfer, which
+    # the deployment counts) and keeps its steps' rows and blocks for the deployment, which
+    # adds those held for transfers: each micro-batch's blocks as it is planned and after it
+    # left (``Lane.prompt_steps``).
+    handoffs = lane.handoffs if lane.role == "prefill" else None
+    write_row = (step_sink.write_formatted if handoffs is None else
+                 lambda row, _: lane.rows.append(row))
     lines = lane.lines
     write_text = req_sink.write_text
     finish = finisher(w, metrics, req_sink, replica, lane.line_format, lane.extra_columns,
-                      lines)
+                      lines, *((lane.extras, lane.free_full(w, bs)) if takes_in else ()))
     shift = INDEX_BITS
 
     # Each decoding request: its context offset in its group, its group, the group's
@@ -305,10 +323,11 @@ def pipelined_loop(core: ArrayCore, metrics: MetricsCollector, req_sink: CsvSink
 
     # In flight, in leave order: (leave, start, the decode group or None, rows, prompt
     # tokens, and where it holds prompts, their grants (request, tokens) in row order with
-    # (decode rows, rows sampled, prompts one token from done); else None, None).
+    # (decode rows, rows sampled, prompts one token from done), else None, None; the blocks
+    # in use once it was planned).
     in_flight: deque[tuple[float, float, _Group | None, int, int,
-                           list[tuple[int, int]] | None, tuple[int, int, int] | None]] = (
-        deque())
+                           list[tuple[int, int]] | None, tuple[int, int, int] | None,
+                           int]] = deque()
     stage_free = [0.0] * pp
     later_stages = range(1, pp)
     free_group: _Group | None = None  # the decoding requests not in flight
@@ -350,7 +369,7 @@ def pipelined_loop(core: ArrayCore, metrics: MetricsCollector, req_sink: CsvSink
     while True:
         # (A lane: up to the next request not yet routed, then wait for the router.)
         while wake >= gate[0] < INF:
-            lane.step_blocks = used
+            lane.step_blocks = lane.in_step = lane.now_blocks = used
             yield wake, own, done, done
             nq = len(QA)  # requests routed here meanwhile
             nxt_arrival = QA[nxt] if nxt < nq else INF
@@ -365,12 +384,35 @@ def pipelined_loop(core: ArrayCore, metrics: MetricsCollector, req_sink: CsvSink
             run_stop.check()
         if nxt_arrival <= now:
             hi = bisect_right(QA, now, nxt, nq)
-            waiting.extend(QI[nxt:hi])
+            if not takes_in:
+                waiting.extend(QI[nxt:hi])
+            else:  # transfers arrived: decoding, not in flight, in their blocks
+                if own == now and QA[hi - 1] == now:
+                    raise ExactTie(f"a transfer reaches replica {replica} exactly as one of "
+                                   "its micro-batches leaves or its first stage comes free")
+                for i in QI[nxt:hi]:
+                    if held is not None:
+                        # A policy with its own running order meets the request as the
+                        # replica's does: its prompt computed, its first token out.
+                        req = Request(RID[i], ARR[i], PL[i], OL[i], PRI[i])
+                        req.num_computed_tokens = PL[i]
+                        req.num_output_tokens = 1
+                        policy.on_transferred(req)
+                        held[i] = req
+                    if free_group is None:
+                        free_group = new_group()
+                    first[i], sched[i] = joins.pop(i)
+                    prior[i] = None
+                    join(free_group, i, PL[i], OL[i] - 1)
+                    b = blocks_for(PL[i], bs)
+                    used += b
+                    lane.reserved -= b
+                running += hi - nxt
             nxt = hi
             nxt_arrival = QA[nxt] if nxt < nq else INF
         # The micro-batch leaving now applies its tokens (leave times only grow).
         if in_flight and in_flight[0][0] <= now:
-            leave, began, g, rows, tokens, grants, counts_of = in_flight.popleft()
+            leave, began, g, rows, tokens, grants, counts_of, at_plan = in_flight.popleft()
             if g is not None:  # the decode group: every member's next token
                 s = g.S
                 times = g.times
@@ -432,6 +474,13 @@ def pipelined_loop(core: ArrayCore, metrics: MetricsCollector, req_sink: CsvSink
                     if OL[i] == 1:
                         if not (k < num_ones and g is not None):  # (else among the decode rows)
                             finish_first(i, leave)
+                    elif handoffs is not None:  # its KV leaves for a decode replica
+                        handoffs.append((leave, i, float(sched[i])))
+                        if held is not None:
+                            del held[i]
+                        used -= blocks_for(PL[i], bs)
+                        running -= 1
+                        done += 1
                     else:
                         if free_group is None:
                             free_group = new_group()
@@ -439,14 +488,17 @@ def pipelined_loop(core: ArrayCore, metrics: MetricsCollector, req_sink: CsvSink
                         prior[i] = None
                         join(free_group, i, PL[i], OL[i] - 1)
             num_steps += 1
+            if handoffs is not None:
+                lane.prompt_steps.append((began, leave, at_plan, used))
             if record:
                 if grants is not None:
                     decode, sampled = counts_of[0], counts_of[1]  # type: ignore[index]
                 else:
                     decode = sampled = rows
+                in_use = used + lane.reserved  # (a decode lane's reserved for transfers)
                 write_row((num_steps, replica, repr(began), repr(leave - began), rows, tokens,
-                           decode, sampled, len(waiting), running, 0, used,
-                           round(used / num_blocks, 6), 0, 0, 0, 0), STEP_ROW_FORMAT)
+                           decode, sampled, len(waiting), running, 0, in_use,
+                           round(in_use / num_blocks, 6), 0, 0, 0, 0), STEP_ROW_FORMAT)
             if done >= next_tick:
                 progress.update(done, now)
                 next_tick = done + 64
@@ -598,8 +650,9 @@ def pipelined_loop(core: ArrayCore, metrics: MetricsCollector, req_sink: CsvSink
                         runs += 1
                     last_was_decode = True
                 if d >= 0:
-                    if used > peak:
-                        peak = used
+                    in_use = used + lane.reserved
+                    if in_use > peak:
+                        peak = in_use
                     # The flow shop: each stage takes an equal share of the batch (stage
                     # 0 is free now).
                     share = d / pp
@@ -610,7 +663,7 @@ def pipelined_loop(core: ArrayCore, metrics: MetricsCollector, req_sink: CsvSink
                         t = (t if t >= free_at else free_at) + share
                         stage_free[k] = t
                     busy += share
-                    in_flight.append((t, now, g, rows, tokens, grants, counts_of))
+                    in_flight.append((t, now, g, rows, tokens, grants, counts_of, used))
             # Asleep until the next batch leaves, stage 0 comes free or a request
             # arrives (the replica's timeout: its delay added to now).
             own = in_flight[0][0] if in_flight else INF

@@ -542,8 +542,7 @@ class Simulation:
                                        fast_forward=self._jumps,
                                        fast_steps=self.step_mode == "fast", **common)
             link = Link(env, c.link, prefill_pool.count + decode_pool.count)
-            lanes = min(prefill_pool.tensor_parallel * prefill_pool.pipeline_parallel,
-                        decode_pool.tensor_parallel * decode_pool.pipeline_parallel)
+            lanes = min(prefill_pool.gpus_per_replica, decode_pool.gpus_per_replica)
             deployment = Disaggregated(
                 env, prefill, decode, make_router(c.router, self.seed, 0),
                 make_router(c.decode_router, self.seed, 1, "cluster.decode_router"), link,

@@ -51,8 +51,11 @@ DECODE = {"fcfs": [], "chunked_prefill": [
 # carries a transfer over the smaller side's GPUs).
 SIDES = [[], ["cluster.prefill.tensor_parallel_size=2", "cluster.decode.hardware=h100_sxm"],
          ["cluster.decode.tensor_parallel_size=2", "cluster.prefill.hardware=a100_40gb"]]
+# Pipeline stages of the prefill and the decode pool (tiny has two layers).
+STAGES = [(1, 1), (2, 1), (1, 2), (2, 2)]
 # Why the core may leave a random run to the replica loop.
-STATED = ("exactly", "might run short", "at one instant")
+STATED = ("exactly", "might run short", "at one instant",
+          "does not fit its KV pool")  # (a pipelined replica's micro-batch)
 
 
 def _trace(path: Path, rows: list[tuple[float, int, int]]) -> str:
@@ -89,10 +92,11 @@ def test_default_workload_on_two_by_two_runs_on_the_core(decode_router):
        prefill_policy=st.sampled_from(sorted(PREFILL)),
        decode_policy=st.sampled_from(sorted(DECODE)),
        blocks=st.sampled_from([None, 40, 120, 400]), block_size=st.sampled_from([1, 4, 16]),
-       sides=st.sampled_from(SIDES), caching=st.booleans())
+       sides=st.sampled_from(SIDES), caching=st.booleans(), stages=st.sampled_from(STAGES))
 def test_random_deployments_fast_equal_exact(seed, qps, prefill, decode, router, decode_router,
                                              link, scope, latency, prefill_policy,
-                                             decode_policy, blocks, block_size, sides, caching):
+                                             decode_policy, blocks, block_size, sides, caching,
+                                             stages):
     pool = [] if blocks is None else [f"kv.num_gpu_blocks_override={blocks * 16 // block_size}"]
     policies = [*PREFILL[prefill_policy], *DECODE[decode_policy]]
     if caching:  # (prefix caching on, with no prompt sharing a prefix)
@@ -107,12 +111,30 @@ def test_random_deployments_fast_equal_exact(seed, qps, prefill, decode, router,
         f"cluster.link.scope={scope}",
         *([] if latency is None else [f"cluster.link.latency_us={latency}"]),
         f"kv.block_size={block_size}", *pool,
-        *dict.fromkeys(policies), *sides])
+        *dict.fromkeys(policies), *sides, f"cluster.prefill.pipeline_parallel_size={stages[0]}",
+        f"cluster.decode.pipeline_parallel_size={stages[1]}"])
     # The core runs these unless a pool might bind (a small one), or two events the replica
     # loop orders by simpy's event order meet exactly.
     reason = s["array_core_skipped"]
     assert reason is None or any(x in reason for x in STATED), reason
     assert blocks is not None or reason is None or "might run short" not in reason
+
+
+@pytest.mark.parametrize("stages", STAGES[1:])
+def test_pipeline_stages_on_either_pool_run_on_the_core(tmp_path, stages):
+    """A pipelined prefill replica hands each request off as its prompt's micro-batch leaves
+    (its blocks held for the transfer, in every later row's blocks until it ends); a
+    pipelined decode replica takes each transfer in among the requests not in flight, its
+    blocks reserved until then. The files are the replica loop's."""
+    layout = ["model=tiny", "seed=3", "workload.qps=80", "workload.num_requests=150",
+              "workload.prompt_len.max=300", "workload.output_len.max=100", *DISAGG,
+              "cluster.num_prefill_replicas=2", "cluster.num_decode_replicas=2",
+              f"cluster.prefill.pipeline_parallel_size={stages[0]}",
+              f"cluster.decode.pipeline_parallel_size={stages[1]}"]
+    s = assert_fast_equals_exact(layout)
+    assert s["step_engine"] == "array_core", s["array_core_skipped"]
+    assert s["num_kv_transfers"] > 0
+    files_on_both_loops(tmp_path, layout)
 
 
 @pytest.mark.parametrize("prefill_policy", sorted(PREFILL))
@@ -254,12 +276,16 @@ def test_a_hand_off_exactly_at_a_decode_step_end_takes_the_replica_loop(tmp_path
     assert assert_fast_equals_exact([*layout[:-1], trace])["array_core_skipped"] is not None
 
 
-@pytest.mark.parametrize(("preset", "latency_us"), [("infiniband", None), ("pcie", 200_000)])
-def test_a_transfer_arriving_exactly_at_a_decode_step_end(tmp_path, preset, latency_us):
-    """A transfer lands on the decode replica at the very instant one of its steps ends
-    (placed as tests/test_lazy_decode.py places it): the core leaves the run to the replica
-    loop, which orders the two as simpy does."""
-    layout = ["model=tiny", "workload=trace", *DISAGG, f"cluster.link.preset={preset}"]
+@pytest.mark.parametrize(("preset", "latency_us", "stages"),
+                         [("infiniband", None, 1), ("pcie", 200_000, 1), ("infiniband", None, 2)])
+def test_a_transfer_arriving_exactly_at_a_decode_step_end(tmp_path, preset, latency_us,
+                                                          stages):
+    """A transfer lands on the decode replica at the very instant one of its steps ends (or,
+    with pipeline stages, one of its micro-batches leaves; placed as
+    tests/test_lazy_decode.py places it): the core leaves the run to the replica loop,
+    which orders the two as simpy does."""
+    layout = ["model=tiny", "workload=trace", *DISAGG, f"cluster.link.preset={preset}",
+              f"cluster.decode.pipeline_parallel_size={stages}"]
     if latency_us is not None:
         layout.append(f"cluster.link.latency_us={latency_us}")
     link = LinkConfig(preset=preset, latency_us=latency_us)
@@ -271,7 +297,8 @@ def test_a_transfer_arriving_exactly_at_a_decode_step_end(tmp_path, preset, late
     trace = _trace(tmp_path / "tie.csv", [(0.0, 50, 200), (a, 64, 30)])
     sim, _, s = _run(*layout, trace)
     assert s["step_engine"] == "replica"
-    assert "reaches replica 1 exactly as its step ends" in sim.array_core_skipped
+    assert "reaches replica 1 exactly as" in sim.array_core_skipped
+    assert ("micro-batches leaves" in sim.array_core_skipped) == (stages > 1)
     assert assert_fast_equals_exact([*layout, trace])["array_core_skipped"] is not None
 
 
@@ -279,7 +306,10 @@ def test_a_transfer_arriving_exactly_at_a_decode_step_end(tmp_path, preset, late
     (["cluster.router=least_kv"], "cluster.router 'least_kv' reads more than outstanding"),
     (["cluster.decode_router=prefix_aware"],
      "cluster.decode_router 'prefix_aware' reads more than outstanding request counts and KV"),
-    (["cluster.prefill.pipeline_parallel_size=2"], "pipeline stages"),
+    (["cluster.decode.pipeline_parallel_size=2", "kv.enable_prefix_caching=false",
+      ("+cluster.decode.policy={name: vllm_v1, scheduling_policy: priority, "
+       "enable_chunked_prefill: true, kv_watermark: 0.0}")],
+     "the decode pool's pipeline stages under policy 'vllm_v1' with a waiting queue"),
     (["kv.enable_prefix_caching=true", "workload.shared_prefix_len=64"],
      "a shared prompt prefix with prefix caching on"),
     (["kv.enable_prefix_caching=false",

@@ -52,8 +52,14 @@ class Pool:
     enable_prefix_caching: bool = False
 
     @property
+    def gpus_per_replica(self) -> int:
+        """A replica's GPUs (every stage's tensor-parallel group): the ranks a KV transfer
+        from or to it can send over in parallel."""
+        return self.tensor_parallel * self.pipeline_parallel
+
+    @property
     def num_gpus(self) -> int:
-        return self.count * self.tensor_parallel * self.pipeline_parallel
+        return self.count * self.gpus_per_replica
 
     def build(self, env: simpy.Environment, first_id: int, metrics: MetricsCollector,
               requests_sink: CsvSink, steps_sink: CsvSink, *, max_model_len: int,
