@@ -34,6 +34,7 @@ to ``copy_log`` (the step plan's ``swaps``)::
 from __future__ import annotations
 
 from array import array
+from collections import deque
 from collections.abc import Hashable, Mapping, Sequence
 from itertools import chain
 from typing import Any
@@ -540,23 +541,15 @@ class KVBlockManager:
     def _take(self, n: int) -> list[int]:
         """``n`` blocks from the front of the free queue; a cached one loses its content."""
         blocks = self._gpu.take(n)
-        if self.block_key:
-            evicted = 0
-            keys, cached = self.block_key, self.cached
-            stores: list[tuple[int, Hashable]] = []
-            offload = self.num_offload_blocks
-            for b in blocks:
-                key = keys.pop(b, None)
-                if key is not None:
-                    del cached[key]
-                    evicted += 1
-                    if offload:
-                        stores.append((b, key))
-            if evicted:
-                self.num_evictions += evicted
-                self.epoch += 1
-            if stores:
-                self._store(stores)
+        keys = self.block_key
+        named = list(filter(keys.__contains__, blocks)) if keys else None  # (in order)
+        if named:
+            lost = list(map(keys.pop, named))
+            deque(map(self.cached.pop, lost), 0)
+            self.num_evictions += len(named)
+            self.epoch += 1
+            if self.num_offload_blocks:
+                self._store(list(zip(named, lost)))
         return blocks
 
     def _store(self, evicted: list[tuple[int, Hashable]]) -> None:
@@ -670,12 +663,18 @@ class KVBlockManager:
             return
         table = self.block_tables[request_id]
         cached, names = self.cached, self.block_key
-        for k in range(done, upto):
-            key = keys[k]
-            b = table[k]
-            if key not in cached and b not in names:
-                cached[key] = b
-                names[b] = key
+        new_keys, new_blocks = keys[done:upto], table[done:upto]
+        if (cached.keys().isdisjoint(new_keys) and names.keys().isdisjoint(new_blocks)
+                and len(set(new_keys)) == len(new_keys)):
+            # The common case, in C: content nobody cached, blocks nobody named (a table
+            # lists a block once, and distinct keys are each named once).
+            cached.update(zip(new_keys, new_blocks))
+            names.update(zip(new_blocks, new_keys))
+        else:
+            for key, b in zip(new_keys, new_blocks):
+                if key not in cached and b not in names:
+                    cached[key] = b
+                    names[b] = key
         self._registered[request_id] = upto
         self.epoch += 1
 
