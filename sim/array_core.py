@@ -333,6 +333,18 @@ def finisher(w: WorkloadArrays, metrics: MetricsCollector, req_sink: CsvSink, re
     return finish
 
 
+def transferred(policy: Policy, w: WorkloadArrays, i: int) -> Request:
+    """Request ``i`` as a decode replica's policy with its own running order meets it when
+    its KV arrives (``on_transferred``), as the replica's does: its prompt computed, its
+    first token out."""
+    req = Request(w.request_ids[i], w.arrivals[i], w.prompt_lens[i], w.output_lens[i],
+                  w.priorities[i])
+    req.num_computed_tokens = w.prompt_lens[i]
+    req.num_output_tokens = 1
+    policy.on_transferred(req)
+    return req
+
+
 class _PriorityWaiting:
     """The waiting queue of a chunked policy whose queue is in (priority, arrival time,
     request id) order (``Policy.waiting_by_priority``: vLLM v1's priority scheduling): a heap
@@ -532,7 +544,7 @@ class ArrayCore:
         takes every request and never yields."""
         w = self.w
         ARR, PL, OL = w.arrivals, w.prompt_lens, w.output_lens
-        RID, PRI = w.request_ids, w.priorities
+        RID = w.request_ids
         N = len(ARR)
         INF = float("inf")
         policy = self.policy if lane is None else lane.policy
@@ -1176,13 +1188,7 @@ class ArrayCore:
                     hi = took_in(t, last_start)
                     for i in QI[nxt:hi]:  # type: ignore[index]
                         if held is not None:
-                            # A policy with its own running order meets the request as the
-                            # replica's does: its prompt computed, its first token out.
-                            req = Request(RID[i], ARR[i], PL[i], OL[i], PRI[i])
-                            req.num_computed_tokens = PL[i]
-                            req.num_output_tokens = 1
-                            policy.on_transferred(req)
-                            held[i] = req
+                            held[i] = transferred(policy, w, i)
                         join(i, *joins.pop(i))
                         prefill_blocks -= blocks_for(PL[i], bs)
                     lane.reserved = prefill_blocks  # type: ignore[union-attr]

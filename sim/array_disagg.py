@@ -38,7 +38,7 @@ from __future__ import annotations
 
 from array import array
 from bisect import bisect_right
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from functools import partial
 from heapq import heappop, heappush
@@ -137,12 +137,8 @@ class ArrayDisaggregated:
                   progress: Progress) -> tuple[float, int, int, float]:
         quiet = Progress(None, False)  # each replica's; the whole run's is updated here
         lanes = self.prefill_lanes
-        if self.prefill_stages > 1:
-            loops = [pipelined_loop(self.prefill_core, metrics, req_sink, step_sink, quiet,
-                                    lane, self.prefill_stages) for lane in lanes]
-        else:
-            loops = [self.prefill_core._loop(metrics, req_sink, step_sink, quiet, lane)
-                     for lane in lanes]
+        loops = _loops(self.prefill_core, self.prefill_stages, lanes,
+                       (metrics, req_sink, step_sink, quiet))
         choose = make_router(self.sim.cluster.router, self.sim.seed, 0).choose
         # The prefill pass finishes nothing yet (a request whose first token is its last is
         # counted with the decode pass): its line shows how far it has come.
@@ -229,12 +225,8 @@ class ArrayDisaggregated:
                     lane.arrivals.append(a)
                     lane.indices.append(i)
 
-        if self.decode_stages > 1:
-            loops = [pipelined_loop(self.decode_core, metrics, req_sink, step_sink, quiet,
-                                    lane, self.decode_stages) for lane in lanes]
-        else:
-            loops = [self.decode_core._loop(metrics, req_sink, step_sink, quiet, lane)
-                     for lane in lanes]
+        loops = _loops(self.decode_core, self.decode_stages, lanes,
+                       (metrics, req_sink, step_sink, quiet))
         gate[0] = hand[0][0] if hand else 0.0
         states = [next(loop) for loop in loops]
         last_t, last_p = -INF, -1
@@ -318,6 +310,15 @@ class ArrayDisaggregated:
         deployment = _Deployment(replica_figures(lanes, self.results, blocks, interrupted),
                                  self.routed, self.link, self.transfer_time)
         return lanes_summary(self.sim, deployment, end, interrupted)
+
+
+def _loops(core: ArrayCore, stages: int, lanes: list[Lane],
+           sinks: tuple[MetricsCollector, CsvSink, CsvSink, Progress],
+           ) -> list[Generator[Any, None, Any]]:
+    """Each lane's loop on ``core``: the pipelined one where its pool has pipeline stages."""
+    if stages > 1:
+        return [pipelined_loop(core, *sinks, lane, stages) for lane in lanes]
+    return [core._loop(*sinks, lane) for lane in lanes]
 
 
 def _held_for_transfers(replica_id: int, sent: list[tuple[float, float, int]],

@@ -80,6 +80,7 @@ from sim.array_core import (
     _FullLengthCount,
     _IndexedWaiting,
     finisher,
+    transferred,
 )
 from sim.array_inputs import INDEX_BITS
 from sim.kv_manager import blocks_added, blocks_for
@@ -87,7 +88,6 @@ from sim.metrics import MetricsCollector
 from sim.outputs import STEP_ROW_FORMAT, CsvSink
 from sim.plan import DecodeBlock, ScheduledRequest, StepPlan
 from sim.progress import Progress
-from sim.request import Request
 
 INF = float("inf")
 _MASK = (1 << INDEX_BITS) - 1
@@ -149,7 +149,6 @@ def pipelined_loop(core: ArrayCore, metrics: MetricsCollector, req_sink: CsvSink
     ``wakes_on_arrival``: the router resumes it after routing a request to it."""
     w = core.w
     PL, OL = w.prompt_lens, w.output_lens
-    RID, ARR, PRI = w.request_ids, w.arrivals, w.priorities
     N = len(PL)
     policy = lane.policy
     replica = lane.replica_id
@@ -392,13 +391,7 @@ def pipelined_loop(core: ArrayCore, metrics: MetricsCollector, req_sink: CsvSink
                                    "its micro-batches leaves or its first stage comes free")
                 for i in QI[nxt:hi]:
                     if held is not None:
-                        # A policy with its own running order meets the request as the
-                        # replica's does: its prompt computed, its first token out.
-                        req = Request(RID[i], ARR[i], PL[i], OL[i], PRI[i])
-                        req.num_computed_tokens = PL[i]
-                        req.num_output_tokens = 1
-                        policy.on_transferred(req)
-                        held[i] = req
+                        held[i] = transferred(policy, w, i)
                     if free_group is None:
                         free_group = new_group()
                     first[i], sched[i] = joins.pop(i)
