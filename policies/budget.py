@@ -213,10 +213,14 @@ def victim_from_end(ordered: Sequence[Request]) -> VictimPicker:
 def schedule_running(step: StepBuilder, budget: Budget,
                      pick_victim: VictimPicker = latest_arrival_victim,
                      order: Iterable[Request] | None = None,
-                     max_chunk: int | None = None) -> list[Request]:
+                     max_chunk: int | None = None,
+                     self_preemption_ends: bool = False) -> list[Request]:
     """Give every running request its next tokens (one for a decode; up to the budget, and
     up to ``max_chunk``, for a request mid-prefill), preempting victims when the pool runs
-    dry. Returns those preempted.
+    dry. Returns those preempted. ``self_preemption_ends``: a request that preempts itself
+    ends the loop, the requests after it getting nothing this step (vLLM v1: with a victim
+    picker that may take any running request, some may still be running then; with one that
+    takes the last not yet granted, none is).
 
     Iterates over a snapshot, since preemption removes requests from ``step.running``.
     """
@@ -241,6 +245,8 @@ def schedule_running(step: StepBuilder, budget: Budget,
             step.preempt(victim)
             preempted.append(victim)
             if victim is req:
+                if self_preemption_ends:
+                    return preempted
                 break
     return preempted
 

@@ -118,7 +118,9 @@ class VLLMV1Policy(Policy):
         budget = Budget(step, cfg.max_num_batched_tokens, cfg.max_num_seqs)
         victim = (lowest_priority_victim if cfg.scheduling_policy == "priority"
                   else latest_arrival_victim)
-        if schedule_running(step, budget, victim):  # preempted someone: no admissions
+        # (A request that preempts itself ends the running loop, as in vLLM.)
+        if schedule_running(step, budget, victim, self_preemption_ends=True):
+            # Preempted someone: no admissions.
             return step.build()
         if step.waiting and budget.remaining_tokens > 0:
             self.admit_waiting(step, budget)

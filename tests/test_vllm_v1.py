@@ -59,8 +59,10 @@ def test_the_last_running_request_is_recomputed_and_nobody_is_admitted_that_step
 def test_priority_scheduling_preempts_the_lowest_priority_and_admits_the_highest_first():
     """4 blocks of 2 tokens; A and C have priority 1, B and D priority 0 (first). t=2: A's
     5th token needs a block: the victim is the running request with the largest (priority,
-    arrival), A itself; B goes on. t=3: waiting D, A (5 tokens again), C: D first, then A
-    does not fit and ends admission. t=5: A and C."""
+    arrival), A itself, which ends the running loop as in vLLM (B, after it, gets nothing
+    in that plan, and nobody is admitted); the replica plans again at once: B goes on and
+    D, first of the waiting D, A (5 tokens again), C, is admitted; A does not fit and ends
+    admission, there and at t=3 and t=4. t=5: A and C."""
     reqs = [Request(0, 0.0, 3, 4, priority=1), Request(1, 0.1, 3, 4, priority=0),
             Request(2, 0.2, 2, 1, priority=1), Request(3, 0.3, 2, 1, priority=0)]
     run = run_requests({**V1, "scheduling_policy": "priority"}, reqs, num_gpu_blocks=4,
@@ -68,8 +70,9 @@ def test_priority_scheduling_preempts_the_lowest_priority_and_admits_the_highest
     assert [(st.time, st.rows, st.recomputed) for st in run.steps] == [
         (0.0, [(0, 0, 3, True)], []),
         (1.0, [(0, 3, 1, True), (1, 0, 3, True)], []),
-        (2.0, [(1, 3, 1, True)], [0]),
-        (3.0, [(1, 4, 1, True), (3, 0, 2, True)], []),
+        (2.0, [], [0]),
+        (2.0, [(1, 3, 1, True), (3, 0, 2, True)], []),
+        (3.0, [(1, 4, 1, True)], []),
         (4.0, [(1, 5, 1, True)], []),
         (5.0, [(0, 0, 5, True), (2, 0, 2, True)], []),
         (6.0, [(0, 5, 1, True)], []),
