@@ -64,6 +64,11 @@ CASES: dict[str, tuple[list[str], float]] = {
                           "policy.max_num_batched_tokens=4096",
                           "policy.scheduling_policy=priority", "+workload.priorities=[1,1]"],
                          6),
+    # The same on the pool that binds: victims by priority.
+    "vllm_v1_priority_kv3000": (["policy=vllm_v1", "policy.max_num_seqs=128",
+                                 "policy.max_num_batched_tokens=4096",
+                                 "policy.scheduling_policy=priority", "+workload.priorities=[1,1]",
+                                 "kv.num_gpu_blocks_override=3000"], 6),
     # vLLM v1 with its engine's limits on the recipe's GPU (256 sequences, 2,048 tokens):
     # a pool that could bind were every seat's request at its longest at once.
     "vllm_v1_defaults": (["policy=vllm_v1"], 6),

@@ -179,6 +179,42 @@ def preempted_on_counts(needs: Sequence[int], held: Sequence[int], free: int) ->
     return len(needs) - end
 
 
+def preempted_by_key_on_counts(needs: Sequence[int], held: Sequence[int], free: int,
+                               keys: Sequence[Any]) -> tuple[list[int], int, int]:
+    """``schedule_running``'s loop on counts, for the array core (sim/array_core.py), with a
+    victim picker that takes the running request of the largest key, granted in this step
+    or not (``lowest_priority_victim``: vLLM v1's priority scheduling), and a request that
+    preempts itself ending the loop (``self_preemption_ends``). The running requests in
+    grant order, request r needing ``needs[r]`` new blocks for this step and holding
+    ``held[r]``, ``keys[r]`` its victim key (distinct); ``free`` blocks free. A victim
+    already granted gives its new blocks back too. Returns the victims in the order
+    preempted, how many leading requests the loop reached (those after them, not
+    preempted, get nothing this step) and the fewest blocks free along the way."""
+    n = len(needs)
+    alive = [True] * n
+    granted = [False] * n
+    by_key = sorted(range(n), key=keys.__getitem__, reverse=True)
+    top = 0  # by_key[top:] holds every request still alive
+    victims: list[int] = []
+    low = free
+    for r in range(n):
+        if not alive[r]:
+            continue
+        while needs[r] > free:
+            while not alive[by_key[top]]:
+                top += 1
+            v = by_key[top]
+            alive[v] = False
+            victims.append(v)
+            free += held[v] + (needs[v] if granted[v] else 0)
+            if v == r:
+                return victims, r, low
+        free -= needs[r]
+        granted[r] = True
+        low = min(low, free)
+    return victims, n, low
+
+
 def latest_arrival_victim(step: StepBuilder, requester: Request) -> Request | None:
     """vLLM's default: the running request that arrived last and is not yet in this step.
     May return ``requester`` itself (it then preempts itself)."""

@@ -42,6 +42,7 @@ from policies.budget import (
     counted_room,
     grant_chunks,
     latest_arrival_victim,
+    preempted_by_key_on_counts,
     preempted_on_counts,
     schedule_running,
 )
@@ -97,8 +98,8 @@ class VLLMV1Policy(Policy):
     host_overlap_default = True
     # A prompt takes blocks chunk by chunk (``admit_waiting``'s ``place``).
     holds_whole_prompt = False
-    # ``chunk_plan`` and ``decode_preemptions`` below (with the priority scheduling policy:
-    # ``waiting_by_priority``, on a pool that cannot bind).
+    # ``chunk_plan`` and ``decode_preemptions`` below (with the priority scheduling policy,
+    # ``waiting_by_priority``: ``decode_victims``).
     array_core = True
     # ``schedule_running`` over the running requests in arrival order, then admission.
     grants_in_arrival_order = True
@@ -146,7 +147,8 @@ class VLLMV1Policy(Policy):
         admitted ones' (the first ``len`` of the queue). tests/test_array_core.py checks it
         against ``schedule``. (With ``scheduling_policy=priority`` the queue is in priority
         order, ``waiting_by_priority``, and a prompt mid-prefill may have arrived before a
-        request that decodes: the core then runs it only where the grants are the same.)
+        request that decodes: the core then runs it only where the grants are the same; its
+        victims go by priority too, ``decode_victims``.)
 
         Where the pool can bind, ``room`` = (free blocks, 0, block size), free once every
         running request has the blocks of its pending tokens (admission comes only after
@@ -180,6 +182,16 @@ class VLLMV1Policy(Policy):
         (``preempted_on_counts``): the prompt mid-prefill first, so the step carries no
         chunk, and it admits nobody."""
         return preempted_on_counts(needs, held, free)
+
+    def decode_victims(self, needs: Sequence[int], held: Sequence[int], free: int,
+                       keys: Sequence[tuple[int, float, int]]) -> tuple[list[int], int, int]:
+        """``decode_preemptions`` under ``scheduling_policy=priority``: ``schedule_running``
+        with ``lowest_priority_victim`` on counts (``preempted_by_key_on_counts``), ``keys``
+        each running request's (priority, arrival time, id). Returns the victims in the
+        order preempted, how many leading requests the loop reached (a request that
+        preempted itself ended it: those after it get nothing this step) and the fewest
+        blocks free along the way."""
+        return preempted_by_key_on_counts(needs, held, free, keys)
 
     def admit_waiting(self, step: StepBuilder, budget: Budget) -> list[Request]:
         """Queue order; each admitted with its pending tokens (after its cache hit) up to the

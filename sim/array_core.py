@@ -12,6 +12,8 @@ FCFS, mixed steps for chunked prefill) and decode stretches (every member gains 
 step). Where the pool can bind, admission counts blocks above the watermark, and a decode
 step whose new blocks do not fit is planned on its own: the policy's rule on counts
 (``decode_preemptions``) says how many of the last rows in its running order it preempts
+(vLLM v1's priority scheduling: which rows, ``decode_victims``, those after a request that
+preempted itself sitting the step out)
 (under chunked prefill: of every running request, mid-prefill ones included, each needing
 its chunk's blocks where prompts take blocks chunk by chunk, vLLM v1's; the step then
 carries no chunk), by recompute (waiting again, to re-prefill their prompt and sampled
@@ -67,7 +69,7 @@ import time
 from array import array
 from bisect import bisect_left, bisect_right, insort
 from collections import deque
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator
 from dataclasses import dataclass, field
 from heapq import heapify, heappop, heappush, nsmallest
 from itertools import accumulate, cycle, islice
@@ -544,7 +546,7 @@ class ArrayCore:
         takes every request and never yields."""
         w = self.w
         ARR, PL, OL = w.arrivals, w.prompt_lens, w.output_lens
-        RID = w.request_ids
+        RID, PRI = w.request_ids, w.priorities
         N = len(ARR)
         INF = float("inf")
         policy = self.policy if lane is None else lane.policy
@@ -593,9 +595,10 @@ class ArrayCore:
         held: dict[int, Request] | None = None
         running_key: Callable[[Request], Any] | None = None
         admit: Callable[[float, int], list[int]] | None = None
-        # A chunked policy's queue in priority order (vLLM v1's priority scheduling; on a pool
-        # that cannot bind): admitted requests may have arrived before running ones, so a
-        # prompt mid-prefill may come before a decode in the running order (arrival order).
+        # A chunked policy's queue in priority order (vLLM v1's priority scheduling):
+        # admitted requests may have arrived before running ones, so a prompt mid-prefill
+        # may come before a decode in the running order (arrival order); on a pool that
+        # binds, its victims go by priority too (``decode_victims``).
         by_priority = chunked and policy.waiting_by_priority()
         if by_priority:
             waiting = _PriorityWaiting(w)
@@ -642,6 +645,12 @@ class ArrayCore:
         watermark = self.watermark
         # (None for a policy whose requests hold their whole lengths: none is preempted.)
         decode_preemptions = getattr(policy, "decode_preemptions", None) if binding else None
+        # Victims by priority, anywhere in the running order: a request that preempts itself
+        # ends the step's grants, and the members after it sit the step out (``skipped``:
+        # out of the batch for that step, their blocks held, back in it after).
+        decode_victims = (getattr(policy, "decode_victims", None)
+                          if binding and by_priority else None)
+        skipped: list[tuple[int, int, float, float, tuple[array, int, int]]] = []
         # (SGLang: its decode batch retracts requests where its new blocks do not fit.)
         decode_retractions = getattr(policy, "decode_retractions", None) if binding else None
         # Prefix caching where prompts take blocks chunk by chunk (vLLM v1) on a pool that
@@ -805,15 +814,18 @@ class ArrayCore:
                 return full
             return max(0, min(full, held_blocks - taken))
 
-        def pending_after_hits(free: int, hits_seen: list[int]) -> Iterator[tuple[int, int]]:
-            """The waiting requests and their pending prefill tokens, in queue order, each
+        def pending_after_hits(free: int, hits_seen: list[int],
+                               order: Iterable[int] | None = None,
+                               ) -> Iterator[tuple[int, int]]:
+            """The waiting requests (``order``: those first in queue order, where it is not
+            the queue's own) and their pending prefill tokens, in queue order, each
             after the blocks it would find cached when its turn comes (``free`` blocks left
             when the first is read); ``hits_seen`` gets each hit, in blocks. Each is read
             once the one before it was admitted whole: an admission cut short (or refused)
             ends admission, and the next is never used."""
             pops = num_blocks - free + released - revived
             ahead: list[tuple[int, int]] = []  # (seq, hit) of those read before it
-            for i in waiting:
+            for i in waiting if order is None else order:
                 run = runs.get(i)
                 hit = 0
                 if run is not None:
@@ -1108,6 +1120,61 @@ class ArrayCore:
                 _, c, resume[i] = evict(slot)
                 PEND[i] = c + 1
 
+        def sit_out(slot: int) -> None:
+            """The member in ``slot`` gets no token this step: out of the batch, its blocks
+            still held (``prefill_blocks`` counts them meanwhile), back in it by ``rejoin``."""
+            nonlocal released, prefill_blocks
+            first, sched = slot_first[slot], slot_sched[slot]
+            i, c, later, prior = remove(slot)
+            c += S
+            if self_hits:  # (its blocks stay its own)
+                released -= blocks_for(c, bs)
+            prefill_blocks += blocks_for(c, bs)
+            skipped.append((i, c, first, sched,
+                            (later, 0, 0) if prior is None else (later, *prior[1:])))
+
+        def rejoin() -> None:
+            """The members that sat a step out (``sit_out``) are back, their contexts as
+            they were."""
+            nonlocal prefill_blocks
+            for i, c, first, sched, prior in skipped:
+                PEND[i] = c
+                prefill_blocks -= blocks_for(c, bs)
+                join(i, first, sched, prior)
+            skipped.clear()
+
+        def preempt_by_priority(rows: list[int], slot_of: dict[int, int | None],
+                                needs: list[int], holds: list[int], free: int) -> int:
+            """The running requests ``rows`` (arrival order) need ``needs`` new blocks and
+            hold ``holds``, ``free`` free: the policy's victims by priority
+            (``decode_victims``) are recomputed, waiting again in priority order, and the
+            members its loop did not reach sit the step out. Returns how many were
+            recomputed. Such a step grants the prompts mid-prefill that stay no chunk, but
+            those one token from done their token: ``GrantOrderMatters`` where the policy's
+            loop would grant a chunk (a prompt it reached with more to prefill) or leave such
+            a token out (one it did not reach)."""
+            nonlocal peak
+            keys = [(PRI[i], ARR[i], RID[i]) for i in rows]
+            victims, reached, low = decode_victims(needs, holds, free, keys)
+            peak = max(peak, num_blocks - low)
+            out = set(victims)
+            for r, i in enumerate(rows):
+                if r not in out and slot_of.get(i) is None and (
+                        (PEND[i] - computed[i] > 1) == (r < reached)):
+                    what = ("grants a prompt mid-prefill its chunk" if r < reached
+                            else "leaves out a prompt one token from done")
+                    raise GrantOrderMatters(f"replica {replica}'s step at {t!r} s preempts by "
+                                            f"priority and {what}")
+            for r in victims:  # (in the order preempted: their blocks go back so)
+                recompute(rows[r], slot_of.get(rows[r]))
+            waiting.extend([rows[r] for r in victims])
+            for r in range(reached, len(rows)):
+                slot = slot_of.get(rows[r])
+                if r not in out and slot is not None:  # (a prompt left out: no chunk anyway)
+                    sit_out(slot)
+            forget_evicted()
+            return len(victims)
+
         def retract_decodes(ones: list[int]) -> int:
             """(SGLang) The decode batch's new blocks do not fit: those of the members and of
             the prompts one token from done (``ones``) the policy retracts
@@ -1271,17 +1338,28 @@ class ArrayCore:
                             needs.append(chunk_needs[i])
                             holds.append(blocks_for(computed[i], bs))
                     free = num_blocks - blocks_at(S) - prefill_blocks
-                    recomputed = decode_preemptions(needs, holds, free)
-                    fullest = fill_through(needs, holds, free, len(running) - recomputed)
-                    for i in reversed(running[len(running) - recomputed:]):  # as preempted
-                        recompute(i, slot_of.get(i))
-                        waiting.appendleft(i)  # type: ignore[union-attr]
-                    forget_evicted()
-                    peak = max(peak, fullest)
+                    if decode_victims is not None:
+                        if any(PEND[i] - computed[i] > 1 for i in prefilling) and (
+                                members + sum([PEND[i] - computed[i] for i in prefilling])
+                                > max_tokens):
+                            # (A victim's tokens given back would lengthen a chunk after it.)
+                            raise GrantOrderMatters(
+                                f"replica {replica}'s step at {t!r} s preempts by priority "
+                                "with a prompt's chunk cut by the budget")
+                        recomputed = preempt_by_priority(running, slot_of, needs, holds, free)
+                    else:
+                        recomputed = decode_preemptions(needs, holds, free)
+                        fullest = fill_through(needs, holds, free, len(running) - recomputed)
+                        for i in reversed(running[len(running) - recomputed:]):  # as preempted
+                            recompute(i, slot_of.get(i))
+                            waiting.appendleft(i)  # type: ignore[union-attr]
+                        forget_evicted()
+                        peak = max(peak, fullest)
                     ones = [i for i in prefilling if PEND[i] - computed[i] == 1]
                     if not members and not ones:
-                        # Every decode preempted (itself, at last): the replica's plan is
-                        # empty and it plans again at once, with no step.
+                        # Every decode preempted (itself, at last) or left out: the
+                        # replica's plan is empty and it plans again at once, with no step.
+                        rejoin()
                         continue
                     multi = chunks = admitted = []
                 else:
@@ -1351,7 +1429,9 @@ class ArrayCore:
                                     "after it")
                         if runs and room is not None:
                             # Recomputed requests find what is left of their own blocks.
-                            queue = (n for _, n in pending_after_hits(room[0], hits_seen))
+                            queue = (n for _, n in pending_after_hits(
+                                room[0], hits_seen, waiting.head(seats) if by_priority
+                                else None))
                             rule_kw["cached_blocks"] = lambda seen=hits_seen: seen[-1]
                         chunks, admitted = chunk_plan(members + len(ones), pendings, queue,
                                                       len(waiting), seats, room, **rule_kw)
@@ -1430,6 +1510,8 @@ class ArrayCore:
                     for i in completed:
                         if i in scheduled_at:  # not finished among the decode rows
                             done += complete(i, t, scheduled_at.pop(i))
+                    if skipped:
+                        rejoin()
                     if hands_off:  # the deployment adds the blocks held for transfers
                         lane.prompt_steps.append(  # type: ignore[union-attr]
                             (start, t, at_plan, prefill_blocks))
@@ -1469,9 +1551,20 @@ class ArrayCore:
                         order.sort(key=lambda m: running_key(held[slot_index[m]]))
                     requeued = []
                     ctxs = [slot_ctx[m] + S for m in order]
-                    k = decode_preemptions([1 if c % bs == 0 else 0 for c in ctxs],
-                                           [blocks_for(c, bs) for c in ctxs],
-                                           num_blocks - blocks_at(S))
+                    k = 0
+                    if decode_victims is not None:
+                        recomputed = preempt_by_priority(
+                            [slot_index[m] for m in order],
+                            {slot_index[m]: m for m in order},
+                            [1 if c % bs == 0 else 0 for c in ctxs],
+                            [blocks_for(c, bs) for c in ctxs], num_blocks - blocks_at(S))
+                        if not members:  # (every member preempted or left out)
+                            rejoin()
+                            continue
+                    else:
+                        k = decode_preemptions([1 if c % bs == 0 else 0 for c in ctxs],
+                                               [blocks_for(c, bs) for c in ctxs],
+                                               num_blocks - blocks_at(S))
                     for slot in reversed(order[len(order) - k:]):  # as preempted: latest first
                         if self_hits:  # (recompute only)
                             leaves_cached(slot_index[slot], slot_ctx[slot] + S)
@@ -1535,7 +1628,7 @@ class ArrayCore:
                     num_steps += 1
                     S += 1
                     times.append(t)
-                    used = blocks_at(S)
+                    used = blocks_at(S) + prefill_blocks  # (members that sat it out, theirs)
                     if used > peak:
                         peak = used
                     if reads_kv:
@@ -1545,6 +1638,8 @@ class ArrayCore:
                         if done >= next_tick:
                             progress.update(done, t)
                             next_tick = done + 64
+                    if skipped:
+                        rejoin()
                     if record:
                         if lane is not None:  # the row counts the arrivals up to t
                             yield from routed_through(t)

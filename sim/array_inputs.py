@@ -313,7 +313,8 @@ def pool_blocker(sim: ArrayCoreHost, w: WorkloadArrays) -> str | None:
         return ("the KV pool can bind, with pipeline stages and a request that alone fills "
                 "the pool above the watermark") if fills_alone else None
     why = None
-    if sim.policy.implements_chunked_prefill and sim.policy.waiting_by_priority():
+    if (sim.policy.implements_chunked_prefill and sim.policy.waiting_by_priority()
+            and not callable(getattr(sim.policy, "decode_victims", None))):
         # (Its victims go by priority, not the last rows in arrival order.)
         why = "a waiting queue in priority order (preempting by priority)"
     elif sim.policy.reserves_full_length:

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from executors.recording import RecordingExecutor
 from experiments.simulation import Simulation
 from policies import POLICIES, make_policy
+from policies.budget import preempted_by_key_on_counts
 from sim.array_core import _BlockCount
 from sim.kv_manager import KVBlockManager
 from sim.request import Request, RequestStatus
@@ -126,6 +127,67 @@ def test_vllm_v1_priority_core_equals_exact_on_random_small_workloads(
             f"policy.max_num_batched_tokens={budget}", f"kv.block_size={block}",
             f"workload.prompt_len.min={prompt_min}", f"workload.output_len.min={out_min}"]
     same_or_given_up(over, True, ("arrived after it",))
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10_000), qps=st.floats(20.0, 800.0), seqs=st.integers(1, 40),
+       budget=st.integers(64, 1024), out_min=st.integers(1, 3),
+       block=st.sampled_from([1, 4, 16]), pool=st.integers(200, 1500),
+       caching=st.booleans(), priorities=st.sampled_from(["[1,1]", "[1,1,2]", "[0,1,2,3]"]))
+def test_vllm_v1_priority_core_equals_exact_on_pools_that_bind(
+        seed, qps, seqs, budget, out_min, block, pool, caching, priorities):
+    """vLLM v1's priority scheduling where the pool binds: a step whose running requests'
+    blocks do not fit preempts the running request of the largest (priority, arrival),
+    granted already or not, until the rest fit (``decode_victims``); one that preempts
+    itself ends the step's grants, and the members after it sit the step out. The run is
+    given up where such a step would grant a prompt mid-prefill its chunk (or leave out one
+    a token from done)."""
+    over = [*_V1_PRIORITY, f"seed={seed}", f"workload.qps={qps}",
+            f"workload.priorities={priorities}", f"policy.max_num_seqs={min(seqs, budget)}",
+            f"policy.max_num_batched_tokens={budget}", f"kv.block_size={block}",
+            "workload.prompt_len.max=200", f"workload.output_len.min={out_min}",
+            f"kv.num_gpu_blocks_override={-(-pool // block)}",
+            f"kv.enable_prefix_caching={str(caching).lower()}"]
+    same_or_given_up(over, True, ("arrived after it", "preempts by priority",
+                                  "alone fills the pool"))
+
+
+@pytest.mark.parametrize("over", [
+    ["workload.priorities=[1,1,2]", "seed=5569", "workload.num_requests=57",
+     "workload.qps=740.874", "workload.prompt_len.max=50", "workload.prompt_len.min=2",
+     "workload.output_len.max=300", "workload.output_len.min=2",
+     "policy.max_num_batched_tokens=1944", "policy.max_num_seqs=40", "kv.block_size=4",
+     "kv.num_gpu_blocks_override=141", "kv.enable_prefix_caching=true"],
+    ["workload.priorities=[1,1]", "seed=8058", "workload.num_requests=57",
+     "workload.qps=421.840", "workload.prompt_len.max=200", "workload.prompt_len.min=1",
+     "workload.output_len.max=120", "workload.output_len.min=3",
+     "policy.max_num_batched_tokens=432", "policy.max_num_seqs=5", "kv.block_size=4",
+     "kv.num_gpu_blocks_override=207", "kv.enable_prefix_caching=false"]])
+def test_vllm_v1_priority_members_after_a_self_preemption_sit_the_step_out(over):
+    """Pools that bind under priority scheduling where a request preempts itself before
+    the last running one: the members after it get no token in that step (as in vLLM), on
+    the core as on the replica loop, with and without the prefix cache."""
+    s = _assert_same([*TINY, *UNIFORM, "policy=vllm_v1", "policy.scheduling_policy=priority",
+                      *over])
+    assert s["step_engine"] == "array_core" and s["num_preemptions"] > 0
+
+
+def test_priority_victims_on_counts():
+    """``preempted_by_key_on_counts``: the victim is the largest key, granted already (its
+    new block given back too) or not; a request that preempts itself ends the loop."""
+    # Row 1 finds no block: row 0 (largest key, granted) gives back its 2 + 1 blocks.
+    assert preempted_by_key_on_counts([1, 1, 1], [2, 2, 2], 1,
+                                      [(1, 0.0, 0), (0, 1.0, 1), (0, 2.0, 2)]) == ([0], 3, 0)
+    # Row 1 is the largest itself: the loop ends there, row 2 gets nothing.
+    assert preempted_by_key_on_counts([0, 1, 1], [1, 1, 1], 0,
+                                      [(0, 0.0, 0), (1, 1.0, 1), (0, 2.0, 2)]) == ([1], 1, 0)
+    # Row 0, granted, is the victim of row 1: without its new block given back, row 2
+    # would find none and preempt itself.
+    assert preempted_by_key_on_counts([1, 1, 1], [1, 1, 1], 1,
+                                      [(2, 0.0, 0), (0, 1.0, 1), (1, 2.0, 2)]) == ([0], 3, 0)
+    # Two victims before row 0 fits: the later arrival of the larger class first.
+    assert preempted_by_key_on_counts([2, 0, 0], [1, 1, 1], 0,
+                                      [(0, 0.0, 0), (1, 1.0, 1), (1, 2.0, 2)]) == ([2, 1], 3, 0)
 
 
 def test_vllm_v1_priority_runs_on_the_core_with_a_prompt_before_decodes():
@@ -394,8 +456,6 @@ def test_same_seed_same_bytes(tmp_path):
      "whose recompute (prompt + output - 1 tokens) exceeds policy.max_num_batched_tokens"),
     (("kv.num_gpu_blocks_override=21", "policy.kv_watermark=0.1"), "alone fills the pool"),
     (("model.max_model_len=300",), "longer than model.max_model_len"),
-    (("kv.num_gpu_blocks_override=300", "policy=vllm_v1", "policy.scheduling_policy=priority"),
-     "a waiting queue in priority order"),
     (("policy=vllm_v1", "policy.max_num_seqs=300", "policy.max_num_batched_tokens=256"),
      "policy.max_num_seqs > policy.max_num_batched_tokens"),
     (("kv.num_gpu_blocks_override=19", "policy=vllm_v1"), "alone fills the pool"),
