@@ -71,7 +71,7 @@ from bisect import bisect_left, bisect_right, insort
 from collections import deque
 from collections.abc import Callable, Generator, Iterable, Iterator
 from dataclasses import dataclass, field
-from heapq import heapify, heappop, heappush, nsmallest
+from heapq import heapify, heappop, heappush
 from itertools import accumulate, cycle, islice
 from typing import TYPE_CHECKING, Any
 
@@ -367,9 +367,23 @@ class _PriorityWaiting:
     def __len__(self) -> int:
         return len(self.heap)
 
-    def head(self, k: int) -> list[int]:
-        """The first ``k`` waiting requests in queue order."""
-        return [e[3] for e in nsmallest(k, self.heap)]
+    def head(self, k: int) -> Iterator[int]:
+        """The first ``k`` waiting requests in queue order, read lazily (admission reads
+        only as far as it goes): a walk down the heap from its top, each costing a log of
+        those read however long the queue (on a pool that binds it grows long). The queue
+        must not change while it is read."""
+        heap = self.heap
+        n = len(heap)
+        frontier = [(heap[0], 0)] if k > 0 and n else []
+        while frontier and k:
+            e, j = heappop(frontier)
+            yield e[3]
+            k -= 1
+            c = 2 * j + 1
+            if c < n:
+                heappush(frontier, (heap[c], c))
+                if c + 1 < n:
+                    heappush(frontier, (heap[c + 1], c + 1))
 
     def popleft(self) -> int:
         return heappop(self.heap)[3]
@@ -1144,36 +1158,46 @@ class ArrayCore:
             skipped.clear()
 
         def preempt_by_priority(rows: list[int], slot_of: dict[int, int | None],
-                                needs: list[int], holds: list[int], free: int) -> int:
+                                needs: list[int], holds: list[int], free: int,
+                                ) -> tuple[int, list[int]]:
             """The running requests ``rows`` (arrival order) need ``needs`` new blocks and
             hold ``holds``, ``free`` free: the policy's victims by priority
             (``decode_victims``) are recomputed, waiting again in priority order, and the
             members its loop did not reach sit the step out. Returns how many were
-            recomputed. Such a step grants the prompts mid-prefill that stay no chunk, but
-            those one token from done their token: ``GrantOrderMatters`` where the policy's
-            loop would grant a chunk (a prompt it reached with more to prefill) or leave such
-            a token out (one it did not reach)."""
+            recomputed, and the prompts mid-prefill the loop reached and kept, whose chunks
+            the step grants (``GrantOrderMatters`` where one finishes with it: its row would
+            come among the decodes'). A prompt one token from done the loop did not reach
+            would get no token in the step, unlike those it reached: ``GrantOrderMatters``
+            there too."""
             nonlocal peak
             keys = [(PRI[i], ARR[i], RID[i]) for i in rows]
             victims, reached, low = decode_victims(needs, holds, free, keys)
             peak = max(peak, num_blocks - low)
             out = set(victims)
+            kept = []
             for r, i in enumerate(rows):
-                if r not in out and slot_of.get(i) is None and (
-                        (PEND[i] - computed[i] > 1) == (r < reached)):
-                    what = ("grants a prompt mid-prefill its chunk" if r < reached
-                            else "leaves out a prompt one token from done")
-                    raise GrantOrderMatters(f"replica {replica}'s step at {t!r} s preempts by "
-                                            f"priority and {what}")
+                if r in out or slot_of.get(i) is not None:
+                    continue
+                if PEND[i] - computed[i] == 1:
+                    if r >= reached:
+                        raise GrantOrderMatters(
+                            f"replica {replica}'s step at {t!r} s preempts by priority and "
+                            "leaves out a prompt one token from done")
+                elif r < reached:
+                    if PEND[i] - PL[i] + 1 == OL[i]:
+                        raise GrantOrderMatters(
+                            f"replica {replica}'s step at {t!r} s preempts by priority and "
+                            "keeps a prompt mid-prefill that finishes with its chunk")
+                    kept.append(i)
             for r in victims:  # (in the order preempted: their blocks go back so)
                 recompute(rows[r], slot_of.get(rows[r]))
             waiting.extend([rows[r] for r in victims])
             for r in range(reached, len(rows)):
                 slot = slot_of.get(rows[r])
-                if r not in out and slot is not None:  # (a prompt left out: no chunk anyway)
+                if r not in out and slot is not None:  # (a prompt left out gets no chunk)
                     sit_out(slot)
             forget_evicted()
-            return len(victims)
+            return len(victims), kept
 
         def retract_decodes(ones: list[int]) -> int:
             """(SGLang) The decode batch's new blocks do not fit: those of the members and of
@@ -1346,7 +1370,8 @@ class ArrayCore:
                             raise GrantOrderMatters(
                                 f"replica {replica}'s step at {t!r} s preempts by priority "
                                 "with a prompt's chunk cut by the budget")
-                        recomputed = preempt_by_priority(running, slot_of, needs, holds, free)
+                        recomputed, kept = preempt_by_priority(running, slot_of, needs,
+                                                               holds, free)
                     else:
                         recomputed = decode_preemptions(needs, holds, free)
                         fullest = fill_through(needs, holds, free, len(running) - recomputed)
@@ -1362,6 +1387,11 @@ class ArrayCore:
                         rejoin()
                         continue
                     multi = chunks = admitted = []
+                    if decode_victims is not None and kept:
+                        # The prompts mid-prefill its loop reached and kept: each its whole
+                        # pending prefill (the budget covers every running request's).
+                        multi = kept
+                        chunks = [PEND[i] - computed[i] for i in kept]
                 else:
                     ones, multi = [], []
                     for i in prefilling:
@@ -1553,7 +1583,7 @@ class ArrayCore:
                     ctxs = [slot_ctx[m] + S for m in order]
                     k = 0
                     if decode_victims is not None:
-                        recomputed = preempt_by_priority(
+                        recomputed, _ = preempt_by_priority(
                             [slot_index[m] for m in order],
                             {slot_index[m]: m for m in order},
                             [1 if c % bs == 0 else 0 for c in ctxs],

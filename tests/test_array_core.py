@@ -172,6 +172,26 @@ def test_vllm_v1_priority_members_after_a_self_preemption_sit_the_step_out(over)
     assert s["step_engine"] == "array_core" and s["num_preemptions"] > 0
 
 
+@pytest.mark.parametrize("over", [
+    ["workload.priorities=[1,1,2]", "seed=820", "workload.num_requests=43",
+     "workload.qps=783.305", "workload.prompt_len.max=600", "workload.prompt_len.min=1",
+     "workload.output_len.max=120", "workload.output_len.min=3",
+     "policy.max_num_batched_tokens=578", "policy.max_num_seqs=8", "kv.block_size=4",
+     "kv.num_gpu_blocks_override=312", "kv.enable_prefix_caching=true"],
+    ["workload.priorities=[1,1,2]", "seed=9419", "workload.num_requests=43",
+     "workload.qps=158.669", "workload.prompt_len.max=600", "workload.prompt_len.min=50",
+     "workload.output_len.max=300", "workload.output_len.min=3",
+     "policy.max_num_batched_tokens=696", "policy.max_num_seqs=57", "kv.block_size=4",
+     "kv.num_gpu_blocks_override=343", "kv.enable_prefix_caching=true"]])
+def test_vllm_v1_priority_preemption_keeps_a_prompt_mid_prefill(over):
+    """Pools that bind under priority scheduling where a step that preempts by priority
+    keeps a prompt mid-prefill of a higher class: it gets its whole pending prefill in that
+    step (the budget covers every running request's), on the core as on the replica loop."""
+    s = _assert_same([*TINY, *UNIFORM, "policy=vllm_v1", "policy.scheduling_policy=priority",
+                      *over])
+    assert s["step_engine"] == "array_core" and s["num_preemptions"] > 0
+
+
 def test_priority_victims_on_counts():
     """``preempted_by_key_on_counts``: the victim is the largest key, granted already (its
     new block given back too) or not; a request that preempts itself ends the loop."""
