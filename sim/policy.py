@@ -194,9 +194,10 @@ class Policy(ABC):
     def waiting_by_priority(self) -> bool:
         """Under chunked prefill: whether the waiting queue is in (priority, arrival time,
         request id) order (vLLM's priority scheduling) rather than arrival order. The array
-        core then keeps its queue in that order and runs the policy only on a pool that
-        cannot bind, and only while its arrival-order grants (``grants_in_arrival_order``)
-        are those of every decode first. Default: no."""
+        core then keeps its queue in that order, runs the policy only while its
+        arrival-order grants (``grants_in_arrival_order``) are those of every decode first,
+        and, on a pool that can bind, only where the policy names its victims on counts
+        (``decode_victims``, vLLM v1's). Default: no."""
         return False
 
     def next_decision_time(self, now: float) -> float:
