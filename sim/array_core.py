@@ -1362,6 +1362,7 @@ class ArrayCore:
                             needs.append(chunk_needs[i])
                             holds.append(blocks_for(computed[i], bs))
                     free = num_blocks - blocks_at(S) - prefill_blocks
+                    kept: list[int] = []  # (prompts mid-prefill a preemption by priority keeps)
                     if decode_victims is not None:
                         if any(PEND[i] - computed[i] > 1 for i in prefilling) and (
                                 members + sum([PEND[i] - computed[i] for i in prefilling])
@@ -1381,13 +1382,13 @@ class ArrayCore:
                         forget_evicted()
                         peak = max(peak, fullest)
                     ones = [i for i in prefilling if PEND[i] - computed[i] == 1]
-                    if not members and not ones:
+                    if not members and not ones and not kept:
                         # Every decode preempted (itself, at last) or left out: the
                         # replica's plan is empty and it plans again at once, with no step.
                         rejoin()
                         continue
                     multi = chunks = admitted = []
-                    if decode_victims is not None and kept:
+                    if kept:
                         # The prompts mid-prefill its loop reached and kept: each its whole
                         # pending prefill (the budget covers every running request's).
                         multi = kept

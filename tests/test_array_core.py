@@ -182,7 +182,14 @@ def test_vllm_v1_priority_members_after_a_self_preemption_sit_the_step_out(over)
      "workload.qps=158.669", "workload.prompt_len.max=600", "workload.prompt_len.min=50",
      "workload.output_len.max=300", "workload.output_len.min=3",
      "policy.max_num_batched_tokens=696", "policy.max_num_seqs=57", "kv.block_size=4",
-     "kv.num_gpu_blocks_override=343", "kv.enable_prefix_caching=true"]])
+     "kv.num_gpu_blocks_override=343", "kv.enable_prefix_caching=true"],
+    # (Every member preempted: the step is the kept prompt's chunk alone, and its row
+    # counts the recompute.)
+    ["workload.priorities=[1,1,2]", "seed=3656", "workload.num_requests=97",
+     "workload.qps=88.934", "workload.prompt_len.max=600", "workload.prompt_len.min=1",
+     "workload.output_len.max=300", "workload.output_len.min=2",
+     "policy.max_num_batched_tokens=555", "policy.max_num_seqs=17", "kv.block_size=4",
+     "kv.num_gpu_blocks_override=269", "kv.enable_prefix_caching=true"]])
 def test_vllm_v1_priority_preemption_keeps_a_prompt_mid_prefill(over):
     """Pools that bind under priority scheduling where a step that preempts by priority
     keeps a prompt mid-prefill of a higher class: it gets its whole pending prefill in that
