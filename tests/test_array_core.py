@@ -129,7 +129,7 @@ def test_vllm_v1_priority_core_equals_exact_on_random_small_workloads(
     same_or_given_up(over, True, ("arrived after it",))
 
 
-@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 10_000), qps=st.floats(20.0, 800.0), seqs=st.integers(1, 40),
        budget=st.integers(64, 1024), out_min=st.integers(1, 3),
        block=st.sampled_from([1, 4, 16]), pool=st.integers(200, 1500),
