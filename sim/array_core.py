@@ -1582,20 +1582,18 @@ class ArrayCore:
                         order.sort(key=lambda m: running_key(held[slot_index[m]]))
                     requeued = []
                     ctxs = [slot_ctx[m] + S for m in order]
+                    needs = [1 if c % bs == 0 else 0 for c in ctxs]
+                    holds = [blocks_for(c, bs) for c in ctxs]
                     k = 0
                     if decode_victims is not None:
                         recomputed, _ = preempt_by_priority(
-                            [slot_index[m] for m in order],
-                            {slot_index[m]: m for m in order},
-                            [1 if c % bs == 0 else 0 for c in ctxs],
-                            [blocks_for(c, bs) for c in ctxs], num_blocks - blocks_at(S))
+                            [slot_index[m] for m in order], {slot_index[m]: m for m in order},
+                            needs, holds, num_blocks - blocks_at(S))
                         if not members:  # (every member preempted or left out)
                             rejoin()
                             continue
                     else:
-                        k = decode_preemptions([1 if c % bs == 0 else 0 for c in ctxs],
-                                               [blocks_for(c, bs) for c in ctxs],
-                                               num_blocks - blocks_at(S))
+                        k = decode_preemptions(needs, holds, num_blocks - blocks_at(S))
                     for slot in reversed(order[len(order) - k:]):  # as preempted: latest first
                         if self_hits:  # (recompute only)
                             leaves_cached(slot_index[slot], slot_ctx[slot] + S)

@@ -488,7 +488,8 @@ def pipelined_loop(core: ArrayCore, metrics: MetricsCollector, req_sink: CsvSink
                     decode, sampled = counts_of[0], counts_of[1]  # type: ignore[index]
                 else:
                     decode = sampled = rows
-                in_use = used + lane.reserved  # (a decode lane's reserved for transfers)
+                # (A decode lane's blocks reserved for transfers count too.)
+                in_use = used + lane.reserved if takes_in else used
                 write_row((num_steps, replica, repr(began), repr(leave - began), rows, tokens,
                            decode, sampled, len(waiting), running, 0, in_use,
                            round(in_use / num_blocks, 6), 0, 0, 0, 0), STEP_ROW_FORMAT)
@@ -643,7 +644,7 @@ def pipelined_loop(core: ArrayCore, metrics: MetricsCollector, req_sink: CsvSink
                         runs += 1
                     last_was_decode = True
                 if d >= 0:
-                    in_use = used + lane.reserved
+                    in_use = used + lane.reserved if takes_in else used
                     if in_use > peak:
                         peak = in_use
                     # The flow shop: each stage takes an equal share of the batch (stage
